@@ -1,0 +1,23 @@
+# LoRA fine-tuning experiments: datasets x prompt variants x seeds, from raw data to a fair comparison.
+# Run: snakemake --cores all [--resources gpu=8]  |  snakemake --profile profiles/slurm
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "config/schema.yaml")
+
+
+include: "rules/common.smk"
+include: "rules/data.smk"
+include: "rules/training.smk"
+include: "rules/evaluation.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        final_outputs(),

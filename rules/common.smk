@@ -1,0 +1,93 @@
+# Helpers shared by the rules: configuration checks, the experiment matrix and the output layout.
+import json
+import os
+import sys
+
+# Jobs import the workflow's own scripts, wherever the working directory is.
+sys.path.insert(0, workflow.basedir)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (workflow.basedir, os.environ.get("PYTHONPATH")) if p
+)
+
+from workflow_scripts import experiment_config as xc
+from workflow_scripts.errors import ConfigError
+
+try:
+    xc.check_config(config, "config")
+except ConfigError as error:
+    raise WorkflowError(str(error)) from None
+
+
+wildcard_constraints:
+    dataset="|".join(config["datasets"]),
+    variant="|".join(config["variants"]),
+    seed=r"\d+",
+
+
+MODEL_DIR = f"resources/models/{config['model']['name']}"
+EXPERIMENT_DIR = "results/{dataset}/{variant}/seed{seed}"
+BASE_EVAL_DIR = "results/{dataset}/{variant}/base"
+
+
+def as_json(value):
+    """Settings travel to scripts as one JSON argument; Snakemake reruns a job when they change."""
+    return json.dumps(value, sort_keys=True)
+
+
+def dataset_settings(wildcards):
+    return as_json(config["datasets"][wildcards.dataset])
+
+
+def variant_templates(wildcards):
+    """A variant's prompt format only: training overrides must not re-tokenise."""
+    variant = config["variants"][wildcards.variant]
+    return as_json({k: variant[k] for k in ("prompt", "target", "extractor", "chat_template")})
+
+
+def training_settings(wildcards):
+    return xc.resolved_training(config, wildcards.variant)
+
+
+def training_json(wildcards):
+    return as_json(training_settings(wildcards))
+
+
+def training_gpus(wildcards):
+    return training_settings(wildcards)["gpus"]
+
+
+def training_threads(wildcards):
+    training = training_settings(wildcards)
+    return max(training["gpus"], training["cpu_processes"], 1)
+
+
+def local_source(wildcards):
+    """Local datasets are inputs, so editing the files reruns their chain."""
+    source = config["datasets"][wildcards.dataset]["source"]
+    return source["path"] if source["type"] == "local" else []
+
+
+def tiny_model_corpus(wildcards):
+    """The demo's tiny tokenizer is trained on the normalised datasets (never on templates)."""
+    if config["model"]["source"] != "tiny":
+        return []
+    return expand("results/data/{dataset}/normalised", dataset=config["datasets"])
+
+
+def experiment_outputs(pattern):
+    return [
+        pattern.format(dataset=d, variant=v, seed=s) for d, v, s in xc.experiments(config)
+    ]
+
+
+def base_eval_outputs(pattern):
+    if not config["evaluation"]["evaluate_base_model"]:
+        return []
+    return expand(pattern, dataset=config["datasets"], variant=config["variants"])
+
+
+def final_outputs():
+    return [
+        "results/comparison.md",
+        "results/comparison.csv",
+    ]

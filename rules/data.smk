@@ -1,0 +1,92 @@
+# Data stages: download (local rule), normalisation, model preparation (local rule), pre-tokenisation.
+
+
+localrules:
+    download,
+    prepare_model,
+
+
+rule download:
+    input:
+        local_source,
+    output:
+        raw=directory("results/data/{dataset}/raw"),
+        manifest="results/data/{dataset}/download_manifest.json",
+    params:
+        dataset=dataset_settings,
+    log:
+        "logs/download/{dataset}.log",
+    benchmark:
+        "results/benchmarks/download/{dataset}.tsv"
+    conda:
+        "../envs/data.yaml"
+    threads: 1
+    shell:
+        "python -m workflow_scripts.download --name {wildcards.dataset:q} --dataset {params.dataset:q}"
+        " --out {output.raw:q} --manifest {output.manifest:q} > {log:q} 2>&1"
+
+
+rule normalise:
+    input:
+        raw="results/data/{dataset}/raw",
+    output:
+        data=directory("results/data/{dataset}/normalised"),
+        report=report(
+            "results/data/{dataset}/normalise_report.json",
+            caption="../report/normalise.rst",
+            category="Data",
+        ),
+    params:
+        dataset=dataset_settings,
+    log:
+        "logs/normalise/{dataset}.log",
+    benchmark:
+        "results/benchmarks/normalise/{dataset}.tsv"
+    conda:
+        "../envs/data.yaml"
+    threads: 1
+    shell:
+        "python -m workflow_scripts.normalise --name {wildcards.dataset:q} --dataset {params.dataset:q}"
+        " --raw {input.raw:q} --out {output.data:q} --report {output.report:q} > {log:q} 2>&1"
+
+
+rule prepare_model:
+    input:
+        corpus=tiny_model_corpus,
+    output:
+        directory(MODEL_DIR),
+    params:
+        model=as_json(config["model"]),
+    log:
+        "logs/prepare_model.log",
+    benchmark:
+        "results/benchmarks/prepare_model.tsv"
+    conda:
+        "../envs/data.yaml"
+    threads: 1
+    shell:
+        "python -m workflow_scripts.prepare_model --model {params.model:q} --out {output:q}"
+        " --corpus {input.corpus:q} > {log:q} 2>&1"
+
+
+rule pretokenise:
+    input:
+        data="results/data/{dataset}/normalised",
+        model=MODEL_DIR,
+    output:
+        data=directory("results/data/{dataset}/tokenised/{variant}"),
+        report="results/data/{dataset}/tokenise_report_{variant}.json",
+    params:
+        variant=variant_templates,
+        max_length=lambda wildcards: training_settings(wildcards)["max_length"],
+    log:
+        "logs/pretokenise/{dataset}/{variant}.log",
+    benchmark:
+        "results/benchmarks/pretokenise/{dataset}/{variant}.tsv"
+    conda:
+        "../envs/data.yaml"
+    threads: 2
+    shell:
+        "python -m workflow_scripts.pretokenise --model {input.model:q} --data {input.data:q}"
+        " --variant {params.variant:q} --max-length {params.max_length} --threads {threads}"
+        " --out {output.data:q} --report {output.report:q} > {log:q} 2>&1"

@@ -1,0 +1,92 @@
+"""Loading the base model, its tokenizer and LoRA adapters — one code path for sanity, train and evaluate.
+
+Placement rule (seeds: meta tensors with CPU offload, ``device_map="auto"`` under DDP): the whole
+model is materialised on exactly one device per process. No ``device_map`` is ever passed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from workflow_scripts.errors import WorkflowError
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def weights_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """Frozen base weights are stored in bf16 on GPUs when training in bf16; fp32 otherwise.
+
+    fp16 keeps fp32 master weights (autocast + GradScaler), and CPU runs stay fp32 for exactness.
+    """
+    if precision == "bf16" and device.type == "cuda":
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    if not getattr(tokenizer, "is_fast", False):
+        raise WorkflowError(f"{model_dir}: the tokenizer is not a fast tokenizer; batched pre-tokenisation needs one")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(
+    model_dir: str | Path,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+):
+    """Load the causal LM fully onto ``device`` (never a device map, never offload)."""
+    from transformers import AutoModelForCausalLM
+
+    if not Path(model_dir, "config.json").exists():
+        raise WorkflowError(f"{model_dir}: no config.json; run the prepare_model rule first")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code, low_cpu_mem_usage=False
+    )
+    return model.to(device)
+
+
+def add_lora(model, lora: Mapping[str, Any], gradient_checkpointing: bool):
+    """Wrap ``model`` with fresh LoRA adapters; the base stays frozen, adapters are trainable.
+
+    PEFT is applied *after* any freezing (seed: a tower frozen after adapters were added left them
+    frozen); non-reentrant checkpointing plus input gradients keeps gradients flowing to adapters
+    when the embeddings are frozen.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    config = LoraConfig(
+        r=lora["rank"],
+        lora_alpha=lora["alpha"],
+        lora_dropout=lora["dropout"],
+        target_modules=list(lora["target_modules"]),
+        modules_to_save=list(lora.get("modules_to_save", [])) or None,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:
+        raise WorkflowError(f"training.lora.target_modules {list(lora['target_modules'])}: {error}") from None
+
+
+def load_with_adapter(model_dir: str | Path, adapter_dir: str | Path | None, device: torch.device,
+                      dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
+    """Base model plus a trained adapter (or the bare base model when ``adapter_dir`` is None), in eval mode."""
+    model = load_base_model(model_dir, device, dtype, trust_remote_code)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        if not Path(adapter_dir, "adapter_config.json").exists():
+            raise WorkflowError(f"{adapter_dir}: no adapter_config.json; is this a PEFT adapter directory?")
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
+    return model.eval()
