@@ -1,13 +1,12 @@
 # Helpers shared by the rules: configuration checks, the experiment matrix and the output layout.
 import json
-import os
+import shlex
 import sys
 
-# Jobs import the workflow's own scripts, wherever the working directory is.
+# The Snakefile and every job import the workflow's own scripts, wherever the working directory is.
 sys.path.insert(0, workflow.basedir)
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (workflow.basedir, os.environ.get("PYTHONPATH")) if p
-)
+# (Snakemake formats the prefix too, hence the doubled braces.)
+shell.prefix(f"export PYTHONPATH={shlex.quote(workflow.basedir)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; ")
 
 from workflow_scripts import experiment_config as xc
 from workflow_scripts.errors import ConfigError
@@ -25,8 +24,6 @@ wildcard_constraints:
 
 
 MODEL_DIR = f"resources/models/{config['model']['name']}"
-EXPERIMENT_DIR = "results/{dataset}/{variant}/seed{seed}"
-BASE_EVAL_DIR = "results/{dataset}/{variant}/base"
 
 
 def as_json(value):
@@ -74,16 +71,16 @@ def tiny_model_corpus(wildcards):
     return expand("results/data/{dataset}/normalised", dataset=config["datasets"])
 
 
-def experiment_outputs(pattern):
-    return [
-        pattern.format(dataset=d, variant=v, seed=s) for d, v, s in xc.experiments(config)
-    ]
+def experiment_outputs(file_name):
+    """One path per experiment: results/{dataset}/{variant}/seed{seed}/<file_name>."""
+    return [f"results/{d}/{v}/seed{s}/{file_name}" for d, v, s in xc.experiments(config)]
 
 
-def base_eval_outputs(pattern):
+def base_eval_outputs(file_name):
+    """The untrained model's evaluation per dataset and variant (none when switched off)."""
     if not config["evaluation"]["evaluate_base_model"]:
         return []
-    return expand(pattern, dataset=config["datasets"], variant=config["variants"])
+    return [f"results/{d}/{v}/base/{file_name}" for d in config["datasets"] for v in config["variants"]]
 
 
 def final_outputs():
