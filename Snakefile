@@ -5,7 +5,11 @@ from snakemake.utils import min_version, validate
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# A --configfile replaces the demo config rather than merging into it (otherwise the demo's
+# datasets would silently join a real experiment); --config key=value still overrides the demo.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 validate(config, "config/schema.yaml")

@@ -59,9 +59,13 @@ def training_threads(wildcards):
 
 
 def local_source(wildcards):
-    """Local datasets are inputs, so editing the files reruns their chain."""
-    source = config["datasets"][wildcards.dataset]["source"]
-    return source["path"] if source["type"] == "local" else []
+    """A local dataset's split files are inputs, so editing one reruns its chain (a directory's
+    mtime does not change when a file inside is edited in place)."""
+    dataset = config["datasets"][wildcards.dataset]
+    if dataset["source"]["type"] != "local":
+        return []
+    splits = dict.fromkeys(dataset["splits"].values())
+    return [os.path.join(dataset["source"]["path"], f"{split}.{dataset['format']}") for split in splits]
 
 
 def tiny_model_corpus(wildcards):

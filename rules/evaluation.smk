@@ -5,10 +5,10 @@ rule evaluate:
     input:
         data="results/data/{dataset}/normalised",
         model=MODEL_DIR,
-        adapter=EXPERIMENT_DIR + "/adapter",
+        adapter="results/{dataset}/{variant}/seed{seed}/adapter",
     output:
-        predictions=EXPERIMENT_DIR + "/predictions.jsonl",
-        summary=EXPERIMENT_DIR + "/eval.json",
+        predictions="results/{dataset}/{variant}/seed{seed}/predictions.jsonl",
+        summary="results/{dataset}/{variant}/seed{seed}/eval.json",
     params:
         variant=variant_templates,
         metric=lambda wildcards: config["datasets"][wildcards.dataset]["metric"],
@@ -17,9 +17,9 @@ rule evaluate:
     resources:
         gpu=config["evaluation"]["gpus"],
     log:
-        EXPERIMENT_DIR.replace("results/", "logs/", 1) + "/evaluate.log",
+        "logs/{dataset}/{variant}/seed{seed}/evaluate.log",
     benchmark:
-        EXPERIMENT_DIR.replace("results/", "results/benchmarks/", 1) + "/evaluate.tsv"
+        "results/benchmarks/{dataset}/{variant}/seed{seed}/evaluate.tsv"
     conda:
         "../envs/evaluation.yaml"
     threads: 1
@@ -27,6 +27,7 @@ rule evaluate:
         "python -m workflow_scripts.evaluate --model {input.model:q} --adapter {input.adapter:q}"
         " --data {input.data:q} --variant {params.variant:q} --metric {params.metric}"
         " --evaluation {params.evaluation:q} {params.trust_remote_code}"
+        " --dataset-name {wildcards.dataset:q} --variant-name {wildcards.variant:q} --seed {wildcards.seed}"
         " --predictions-out {output.predictions:q} --summary-out {output.summary:q} > {log:q} 2>&1"
 
 
@@ -35,8 +36,8 @@ rule evaluate_base:
         data="results/data/{dataset}/normalised",
         model=MODEL_DIR,
     output:
-        predictions=BASE_EVAL_DIR + "/predictions.jsonl",
-        summary=BASE_EVAL_DIR + "/eval.json",
+        predictions="results/{dataset}/{variant}/base/predictions.jsonl",
+        summary="results/{dataset}/{variant}/base/eval.json",
     params:
         variant=variant_templates,
         metric=lambda wildcards: config["datasets"][wildcards.dataset]["metric"],
@@ -55,22 +56,32 @@ rule evaluate_base:
         "python -m workflow_scripts.evaluate --model {input.model:q}"
         " --data {input.data:q} --variant {params.variant:q} --metric {params.metric}"
         " --evaluation {params.evaluation:q} {params.trust_remote_code}"
+        " --dataset-name {wildcards.dataset:q} --variant-name {wildcards.variant:q} --seed base"
         " --predictions-out {output.predictions:q} --summary-out {output.summary:q} > {log:q} 2>&1"
 
 
 rule compare:
     input:
-        summaries=experiment_outputs(EXPERIMENT_DIR + "/eval.json"),
-        predictions=experiment_outputs(EXPERIMENT_DIR + "/predictions.jsonl"),
-        manifests=experiment_outputs(EXPERIMENT_DIR + "/run_manifest.json"),
-        train_logs=experiment_outputs(EXPERIMENT_DIR + "/train_log.jsonl"),
-        base_summaries=base_eval_outputs(BASE_EVAL_DIR + "/eval.json"),
+        summaries=experiment_outputs("eval.json"),
+        predictions=experiment_outputs("predictions.jsonl"),
+        manifests=experiment_outputs("run_manifest.json"),
+        train_logs=experiment_outputs("train_log.jsonl"),
+        base_summaries=base_eval_outputs("eval.json"),
     output:
-        csv="results/comparison.csv",
-        markdown="results/comparison.md",
+        csv=report("results/comparison.csv", caption="../report/comparison.rst", category="Comparison"),
+        markdown=report("results/comparison.md", caption="../report/comparison.rst", category="Comparison"),
+        score_plots=[
+            report(path, caption="../report/score_plot.rst", category="Comparison", subcategory="Scores")
+            for path in expand("results/plots/scores_{dataset}.png", dataset=config["datasets"])
+        ],
+        loss_plots=[
+            report(path, caption="../report/loss_plot.rst", category="Comparison", subcategory="Training loss")
+            for path in expand("results/plots/loss_{dataset}.png", dataset=config["datasets"])
+        ],
     params:
         comparison=as_json(config["comparison"]),
         experiments=as_json([list(e) for e in xc.experiments(config)]),
+        with_base="--with-base" if config["evaluation"]["evaluate_base_model"] else "",
     log:
         "logs/compare.log",
     benchmark:
@@ -80,5 +91,5 @@ rule compare:
     threads: 1
     shell:
         "python -m workflow_scripts.compare --results-dir results --experiments {params.experiments:q}"
-        " --comparison {params.comparison:q} --out-csv {output.csv:q} --out-markdown {output.markdown:q}"
-        " > {log:q} 2>&1"
+        " --comparison {params.comparison:q} {params.with_base} --out-csv {output.csv:q}"
+        " --out-markdown {output.markdown:q} --plots-dir results/plots > {log:q} 2>&1"

@@ -1,5 +1,7 @@
 # The preflight gate and LoRA training. Both run through the same launcher (torchrun, one process
 # per declared GPU, or gloo processes on CPU), so the gate sees exactly what training will.
+# train resumes by itself from params.checkpoints (not an output, so it survives a failed or
+# preempted job); on SIGTERM/SIGUSR1 it checkpoints and exits 75 so a retry/requeue continues it.
 
 
 rule sanity:
@@ -8,7 +10,7 @@ rule sanity:
         model=MODEL_DIR,
     output:
         report(
-            EXPERIMENT_DIR + "/sanity.json",
+            "results/{dataset}/{variant}/seed{seed}/sanity.json",
             caption="../report/sanity.rst",
             category="Sanity checks",
             subcategory="{dataset}",
@@ -17,11 +19,21 @@ rule sanity:
         training=training_json,
         trust_remote_code="--trust-remote-code" if config["model"]["trust_remote_code"] else "",
     resources:
-        gpu=training_gpus,
+        # gpu is the job's total (the SLURM plugin's --gpus); nodes > 1 hands the launch to the
+        # rule's own srun (mpi), one torchrun per node (workflow_scripts/launcher.py).
+        gpu=lambda w: training_settings(w)["gpus"] * training_settings(w)["nodes"],
+        nodes=lambda w: training_settings(w)["nodes"],
+        runtime=lambda w: min(training_settings(w)["runtime_minutes"], 60),
+        mem_mb=lambda w: training_settings(w)["mem_mb"],
+        **(
+            {"mpi": "srun", "tasks": lambda w: training_settings(w)["nodes"]}
+            if any(xc.resolved_training(config, v)["nodes"] > 1 for v in config["variants"])
+            else {}
+        ),
     log:
-        EXPERIMENT_DIR.replace("results/", "logs/", 1) + "/sanity.log",
+        "logs/{dataset}/{variant}/seed{seed}/sanity.log",
     benchmark:
-        EXPERIMENT_DIR.replace("results/", "results/benchmarks/", 1) + "/sanity.tsv"
+        "results/benchmarks/{dataset}/{variant}/seed{seed}/sanity.tsv"
     conda:
         "../envs/training.yaml"
     threads: training_threads
@@ -35,21 +47,30 @@ rule train:
     input:
         data="results/data/{dataset}/tokenised/{variant}",
         model=MODEL_DIR,
-        sanity=EXPERIMENT_DIR + "/sanity.json",
+        sanity="results/{dataset}/{variant}/seed{seed}/sanity.json",
     output:
-        adapter=directory(EXPERIMENT_DIR + "/adapter"),
-        train_log=EXPERIMENT_DIR + "/train_log.jsonl",
-        manifest=EXPERIMENT_DIR + "/run_manifest.json",
+        adapter=directory("results/{dataset}/{variant}/seed{seed}/adapter"),
+        train_log="results/{dataset}/{variant}/seed{seed}/train_log.jsonl",
+        manifest="results/{dataset}/{variant}/seed{seed}/run_manifest.json",
     params:
         training=training_json,
-        checkpoints=EXPERIMENT_DIR + "/checkpoints",
+        checkpoints="results/{dataset}/{variant}/seed{seed}/checkpoints",
+        tensorboard="results/{dataset}/{variant}/seed{seed}/tensorboard",
         trust_remote_code="--trust-remote-code" if config["model"]["trust_remote_code"] else "",
     resources:
-        gpu=training_gpus,
+        gpu=lambda w: training_settings(w)["gpus"] * training_settings(w)["nodes"],
+        nodes=lambda w: training_settings(w)["nodes"],
+        runtime=lambda w: training_settings(w)["runtime_minutes"],
+        mem_mb=lambda w: training_settings(w)["mem_mb"],
+        **(
+            {"mpi": "srun", "tasks": lambda w: training_settings(w)["nodes"]}
+            if any(xc.resolved_training(config, v)["nodes"] > 1 for v in config["variants"])
+            else {}
+        ),
     log:
-        EXPERIMENT_DIR.replace("results/", "logs/", 1) + "/train.log",
+        "logs/{dataset}/{variant}/seed{seed}/train.log",
     benchmark:
-        EXPERIMENT_DIR.replace("results/", "results/benchmarks/", 1) + "/train.tsv"
+        "results/benchmarks/{dataset}/{variant}/seed{seed}/train.tsv"
     conda:
         "../envs/training.yaml"
     threads: training_threads
@@ -57,4 +78,5 @@ rule train:
         "python -m workflow_scripts.train --model {input.model:q} --data {input.data:q}"
         " --training {params.training:q} --seed {wildcards.seed} {params.trust_remote_code}"
         " --checkpoint-dir {params.checkpoints:q} --adapter-out {output.adapter:q}"
-        " --log-out {output.train_log:q} --manifest-out {output.manifest:q} > {log:q} 2>&1"
+        " --log-out {output.train_log:q} --manifest-out {output.manifest:q}"
+        " --tensorboard-dir {params.tensorboard:q} > {log:q} 2>&1"

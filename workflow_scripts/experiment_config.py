@@ -91,7 +91,7 @@ def world_size(training: Mapping[str, Any]) -> int:
     return training["nodes"] * per_node
 
 
-def gradient_accumulation(training: Mapping[str, Any], key: str = "training") -> int:
+def gradient_accumulation(training: Mapping[str, Any], key: str = "training", source: str | None = None) -> int:
     """Micro-steps per optimizer step; the effective batch must split evenly over processes."""
     processes = world_size(training)
     per_step = training["micro_batch"] * processes
@@ -101,6 +101,7 @@ def gradient_accumulation(training: Mapping[str, Any], key: str = "training") ->
             f"{training['effective_batch']} is not a multiple of micro_batch ({training['micro_batch']}) "
             f"x processes ({processes}); choose an effective batch divisible by {per_step} "
             "or change micro_batch",
+            source,
         )
     return training["effective_batch"] // per_step
 
@@ -156,7 +157,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
                         f"(it has {sorted(available)}); add them under datasets.{ds_name}.extra_fields or derived",
                         source,
                     )
-        gradient_accumulation(resolved_training(config, name), f"{key}.training" if variant.get("training") else "training")
+        gradient_accumulation(resolved_training(config, name), f"{key}.training" if variant.get("training") else "training", source)
     reference = config["comparison"]["reference_variant"]
     if reference not in config["variants"]:
         raise ConfigError("comparison.reference_variant", f"'{reference}' is not one of the variants {sorted(config['variants'])}", source)
@@ -168,15 +169,28 @@ def _require(mapping: Mapping[str, Any], keys: tuple[str, ...], prefix: str, why
             raise ConfigError(f"{prefix}.{key}", f"required {why}", source)
 
 
+MOVING_REVISIONS = ("main", "master", "head")
+
+
+def _check_pinned(revision: Any, key: str, source: str | None) -> None:
+    """A branch name moves: the same config would fetch different weights or rows next month."""
+    if isinstance(revision, str) and revision.strip().lower() in MOVING_REVISIONS:
+        raise ConfigError(key, f"'{revision}' is a branch, not a pinned revision; use a commit hash or a tag", source)
+
+
 def _check_model(model: Mapping[str, Any], source: str | None) -> None:
     needs = {"hub": ("hub_id", "revision"), "local": ("path",), "gguf": ("gguf",), "tiny": ()}[model["source"]]
     _require(model, needs, "model", f"when model.source is '{model['source']}'", source)
+    if model["source"] == "hub":
+        _check_pinned(model["revision"], "model.revision", source)
 
 
 def _check_dataset(name: str, dataset: Mapping[str, Any], source: str | None) -> None:
     src = dataset["source"]
     needs = {"hub": ("id", "revision"), "url": ("url", "sha256"), "local": ("path",)}[src["type"]]
     _require(src, needs, f"datasets.{name}.source", f"when source.type is '{src['type']}'", source)
+    if src["type"] == "hub":
+        _check_pinned(src["revision"], f"datasets.{name}.source.revision", source)
     from workflow_scripts.transforms import TRANSFORMS
 
     for field, spec in dataset.get("derived", {}).items():
@@ -186,3 +200,29 @@ def _check_dataset(name: str, dataset: Mapping[str, Any], source: str | None) ->
                 f"unknown transform '{spec['transform']}'; known: {sorted(TRANSFORMS)}",
                 source,
             )
+
+
+def validate_section(value: Any, section: str, key: str, source: str | None = None) -> dict:
+    """Validate one dataset's or the model's settings (as a stage receives them), filling defaults.
+
+    ``section`` is ``"datasets"`` or ``"model"``; stages called without Snakemake get the same
+    defaults and the same checks as the Snakefile applies to the whole config.
+    """
+    from jsonschema.exceptions import best_match
+
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    part = schema["properties"][section]
+    if section == "datasets":
+        part = part["additionalProperties"]
+    part = {**part, "$defs": schema["$defs"]}
+    value = copy.deepcopy(value)
+    errors = list(_validator_with_defaults()(part).iter_errors(value))
+    if errors:
+        error = best_match(errors)
+        path = ".".join(str(p) for p in error.absolute_path)
+        raise ConfigError(".".join(filter(None, [key, path])), error.message, source)
+    if section == "datasets":
+        _check_dataset(key.split(".")[-1], value, source)
+    else:
+        _check_model(value, source)
+    return value

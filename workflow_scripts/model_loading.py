@@ -63,7 +63,10 @@ def add_lora(model, lora: Mapping[str, Any], gradient_checkpointing: bool):
     from peft import LoraConfig, get_peft_model
 
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     config = LoraConfig(
         r=lora["rank"],

@@ -1,0 +1,1 @@
+"""Benchmarks of the workflow against the tools users would otherwise pick; run with `make bench`."""

@@ -1,0 +1,79 @@
+"""Shared test fixtures: a tiny random Llama and a tiny pre-tokenised data set (architecture.md format).
+
+Generic on purpose; other test files may append fixtures here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+TINY_VOCAB = 128
+TINY_PAD, TINY_EOS = 0, 2
+
+
+def build_tiny_model(directory: Path, seed: int = 0, vocab_size: int = TINY_VOCAB) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=vocab_size, max_position_embeddings=256,
+        pad_token_id=TINY_PAD, bos_token_id=1, eos_token_id=TINY_EOS, tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def build_tiny_tokenised(directory: Path, rows: int = 96, seed: int = 0, vocab_size: int = TINY_VOCAB,
+                         min_prompt: int = 3, max_prompt: int = 24) -> Path:
+    """Rows whose target is a fixed function of the prompt (learnable), lengths varying ~6..37."""
+    import numpy as np
+    from datasets import Dataset, DatasetDict
+
+    rng = np.random.default_rng(seed)
+    records = {"id": [], "input_ids": [], "labels": [], "length": []}
+    for k in range(rows):
+        prompt = rng.integers(3, vocab_size, size=int(rng.integers(min_prompt, max_prompt + 1))).tolist()
+        # Targets use 8 token ids that depend on the prompt: quick to learn, so the loss visibly falls.
+        target = [t % 8 + 3 for t in prompt[: max(2, len(prompt) // 2)]] + [TINY_EOS]
+        ids = prompt + target
+        records["id"].append(f"train-{k}")
+        records["input_ids"].append(ids)
+        records["labels"].append([-100] * len(prompt) + target)
+        records["length"].append(len(ids))
+    DatasetDict({"train": Dataset.from_dict(records)}).save_to_disk(str(directory))
+    meta = {"cache_key": f"tiny-{seed}-{rows}", "tokenizer_fingerprint": "tiny", "templates": {}, "max_length": 64,
+            "input_fingerprint": "tiny", "vocab_size": vocab_size, "pad_token_id": TINY_PAD, "eos_token_id": TINY_EOS}
+    Path(directory, "tokenise_meta.json").write_text(json.dumps(meta))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenised_dir(tmp_path_factory) -> Path:
+    return build_tiny_tokenised(tmp_path_factory.mktemp("tiny_tokenised"))
+
+
+def tiny_training_settings(**overrides) -> dict:
+    """Resolved training settings (schema defaults filled) for fast CPU tests."""
+    from workflow_scripts.training_setup import load_training_settings
+
+    settings = {
+        "lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+        "max_length": 64, "effective_batch": 8, "micro_batch": 4, "max_steps": 6, "learning_rate": 1e-2,
+        "warmup_steps": 1, "precision": "fp32", "gradient_checkpointing": True, "checkpoint_every": 3,
+        "log_every": 1, "gpus": 0, "cpu_processes": 1, "dataloader_workers": 0,
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(settings.get(key), dict):
+            settings[key] = {**settings[key], **value}
+        else:
+            settings[key] = value
+    return load_training_settings(json.dumps(settings))

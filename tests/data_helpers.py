@@ -1,0 +1,66 @@
+"""Small builders shared by the data-stage tests (datasets on disk, settings, a tiny model)."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def default_config() -> dict:
+    return yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+
+
+def demo_settings(name: str) -> dict:
+    """A demo dataset's settings from config/config.yaml, with an absolute source path."""
+    settings = copy.deepcopy(default_config()["datasets"][name])
+    if settings["source"]["type"] == "local":
+        settings["source"]["path"] = str(ROOT / settings["source"]["path"])
+    return settings
+
+
+def write_jsonl(path: Path, rows: Iterable[Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def local_dataset(directory: Path, files: dict[str, list], **settings: Any) -> dict:
+    """Write ``<split>.jsonl`` files and return settings for a local source over them."""
+    for split, rows in files.items():
+        write_jsonl(directory / f"{split}.jsonl", rows)
+    base = {
+        "source": {"type": "local", "path": str(directory)},
+        "splits": {"train": "train", "test": "test"},
+        "fields": {"question": "q", "answers": "a"},
+        "metric": "exact_match",
+    }
+    base.update(settings)
+    return base
+
+
+def run_download(name: str, settings: dict, tmp: Path) -> Path:
+    from workflow_scripts import download
+
+    raw = tmp / "results" / name / "raw"
+    assert download.main(["--name", name, "--dataset", json.dumps(settings), "--out", str(raw),
+                          "--manifest", str(tmp / "results" / name / "download_manifest.json")]) == 0
+    return raw
+
+
+def run_normalise(name: str, settings: dict, raw: Path, tmp: Path) -> tuple[Path, Path]:
+    from workflow_scripts import normalise
+
+    out, report = tmp / "results" / name / "normalised", tmp / "results" / name / "normalise_report.json"
+    assert normalise.main(["--name", name, "--dataset", json.dumps(settings), "--raw", str(raw),
+                           "--out", str(out), "--report", str(report)]) == 0
+    return out, report
+
+
+def leftovers(directory: Path) -> list[str]:
+    """Files or folders left in ``directory`` (temporary '.partial' ones included)."""
+    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []

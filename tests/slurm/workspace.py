@@ -1,0 +1,60 @@
+"""A throwaway copy of the workflow with a reduced config, and a guarded Snakemake call."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKFLOW_PARTS = ("Snakefile", "rules", "workflow_scripts", "envs", "report", "profiles")
+
+
+def reduced_config(steps: int = 24, checkpoint_every: int = 4) -> dict:
+    """The demo config cut to one dataset, both variants, one seed and a few training steps."""
+    config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    name = next(iter(config["datasets"]))
+    config["datasets"] = {name: config["datasets"][name]}
+    config["seeds"] = [config["seeds"][0]]
+    config["training"].update(max_steps=steps, checkpoint_every=checkpoint_every, log_every=1,
+                              warmup_steps=min(config["training"].get("warmup_steps", 0), steps // 4),
+                              runtime_minutes=30, mem_mb=2000)
+    config.setdefault("evaluation", {}).update(max_examples=16, max_new_tokens=16)
+    return config
+
+
+def make_workspace(directory: Path, config: dict) -> Path:
+    """Copy the workflow (not results) into ``directory`` and write ``config`` as its config."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for part in WORKFLOW_PARTS:
+        source = ROOT / part
+        if source.is_dir():
+            shutil.copytree(source, directory / part, ignore=ignore)
+        elif source.exists():
+            shutil.copy2(source, directory / part)
+    (directory / "config").mkdir()
+    shutil.copy2(ROOT / "config" / "schema.yaml", directory / "config" / "schema.yaml")
+    (directory / "config" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    for dataset in config["datasets"].values():
+        source = dataset["source"]
+        if source["type"] == "local":
+            shutil.copytree(ROOT / source["path"], directory / source["path"])
+    return directory
+
+
+def run_snakemake(workdir: Path, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """Snakemake with a hard timeout: on expiry its whole process group is killed and the test fails."""
+    command = [sys.executable, "-m", "snakemake", *args]
+    process = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"snakemake {' '.join(args)} ran past {timeout} s and was killed:\n{output[-6000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, output, "")

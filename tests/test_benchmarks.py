@@ -1,0 +1,146 @@
+"""Smoke tests of the benchmark harness (benchmarks/): record structure, ratios computed from the
+measured samples, goals checked against them, failures and skips recorded. No timing is asserted."""
+from __future__ import annotations
+
+import json
+import statistics
+
+import numpy as np
+import pytest
+
+from benchmarks import bench_gpu, bench_pretokenise, bench_training, records, run as bench_run, synthetic
+
+RECORD_KEYS = {"name", "title", "status", "message", "units", "ours", "reference", "ratio", "goals", "others",
+               "repetitions", "hardware", "packages", "setup", "notes"}
+
+
+def test_series_median_ratio_and_goal_come_from_the_samples():
+    ours = records.Series("ours", [3.0, 1.0, 2.0], "x/s")
+    reference = records.Series("ref", [1.0, 0.5, 4.0], "x/s")
+    rec = records.record("demo", "Demo", ours, reference, higher_is_better=True,
+                         goals=[records.Goal("ratio >= 5", ours.median / reference.median, 5.0, True, why="small")])
+    assert rec["ours"]["median"] == 2.0 and rec["reference"]["median"] == 1.0
+    assert rec["ratio"] == pytest.approx(2.0)
+    assert rec["repetitions"] == 3
+    goal = rec["goals"][0]
+    assert goal["met"] is False and goal["why"] == "small" and "2.50x short" in goal["shortfall"]
+    assert RECORD_KEYS <= set(rec)
+    json.dumps(rec)  # numpy scalars must not leak into the JSON
+
+
+def test_lower_is_better_goal_reports_how_far_over():
+    goal = records.Goal("memory <= 1.1x", 1.32, 1.1, higher_is_better=False)
+    assert not goal.met and "1.20x over" in goal.shortfall
+    assert records.Goal("memory <= 1.1x", 1.05, 1.1, higher_is_better=False).met
+
+
+def test_throughput_window_leaves_out_the_first_step():
+    # step 1 took 10 s (start-up), steps 2 and 3 took 1 s each with 100 and 300 real tokens
+    result = bench_training.window([10.0, 11.0, 12.0], [999, 100, 300], [0, 100, 100])
+    assert result["tokens_per_second"] == pytest.approx(200.0)
+    assert result["padding_share"] == pytest.approx(200 / 600)
+    log = [{"elapsed_seconds": 10.0, "tokens_per_second": 99.9, "padding_share": 0.0},
+           {"elapsed_seconds": 11.0, "tokens_per_second": 100.0, "padding_share": 0.5},
+           {"elapsed_seconds": 12.0, "tokens_per_second": 300.0, "padding_share": 0.25}]
+    from_log = bench_training.log_window(log)
+    assert from_log["tokens_per_second"] == pytest.approx(200.0)
+    assert from_log["padding_share"] == pytest.approx(200 / 600)
+
+
+def test_padding_of_the_batch_plans_favours_grouping():
+    # Half the rows short, half long, shuffled: random micro-batches mix them, grouped ones do not.
+    lengths = np.array([16, 512] * 256)
+    shares = bench_training.plan_padding(lengths, effective_batch=16, micro_batch=8, seed=0)
+    assert shares["ours"] < 0.05
+    assert shares["random"] > 0.3
+    assert shares["grouped"] < shares["random"]
+
+
+def test_long_tailed_lengths_stay_in_range_and_have_a_tail():
+    lengths = synthetic.long_tailed_lengths(5000, 16, 512, 64, 0.9, seed=0)
+    assert lengths.min() >= 16 and lengths.max() <= 512
+    assert np.median(lengths) < 100 < np.percentile(lengths, 95)
+
+
+def test_tokenised_table_masks_the_prompt_and_ends_with_eos():
+    table = synthetic.tokenised_table(np.array([5, 9]), vocab_size=50, seed=0)
+    ids, labels = table.column("input_ids").to_pylist(), table.column("labels").to_pylist()
+    assert [len(x) for x in ids] == [5, 9] == table.column("length").to_pylist()
+    for row_ids, row_labels in zip(ids, labels):
+        assert row_ids[-1] == synthetic.EOS_ID
+        assert row_labels[0] == -100 and row_labels[-1] == synthetic.EOS_ID
+
+
+def test_gpu_model_flops_follow_the_stated_formula():
+    config = bench_gpu.model_config(tiny=False)
+    # Qwen2.5-0.5B with rank-16 adapters on all seven projections: 8,798,208 trainable parameters (PEFT's count).
+    assert bench_gpu.lora_params(config) == 8_798_208
+    lengths = np.full(10, 256)
+    per_layer = 2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864
+    expected = 4 * 24 * per_layer + 4 * 896 * 151936 * 0.5 + 6 * 8_798_208 + 12 * 24 * 896 * 256
+    assert bench_gpu.flops_per_token(config, lengths, target_share=0.5) == pytest.approx(expected)
+    assert bench_gpu.peak_flops("NVIDIA H100 80GB HBM3") == 790e12
+    assert bench_gpu.peak_flops("Some CPU") is None
+
+
+def test_gpu_benchmark_is_skipped_with_a_message_without_cuda(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rec = bench_gpu.run("tiny")
+    assert rec["status"] == "skipped" and "CUDA" in rec["message"]
+    assert rec["ours"] is None and rec["ratio"] is None and RECORD_KEYS <= set(rec)
+
+
+def test_reference_loop_produces_the_same_tokens_as_the_stage(tmp_path):
+    import torch
+
+    torch.set_num_threads(1)
+    model_dir, data_dir = bench_pretokenise.build_inputs(tmp_path, {"rows": 120, "vocab_size": 300})
+    ours = bench_pretokenise.probe("ours", model_dir, data_dir, tmp_path / "ours", threads=1)
+    loop = bench_pretokenise.probe("loop", model_dir, data_dir, tmp_path / "loop", threads=1)
+    assert ours["rows"] == loop["rows"] == 120
+    assert bench_pretokenise.same_tokens(tmp_path / "ours", tmp_path / "loop")
+
+
+def test_run_writes_results_and_summary_at_tiny_size(tmp_path):
+    code = bench_run.main(["--scale", "tiny", "--only", "worker_memory", "workflow_overhead", "gpu_lora_bf16",
+                           "--out-dir", str(tmp_path), "--work-dir", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    by_name = {r["name"]: r for r in results["benchmarks"]}
+    assert set(by_name) == {"worker_memory", "workflow_overhead", "gpu_lora_bf16"}
+    for rec in by_name.values():
+        assert RECORD_KEYS <= set(rec)
+        assert rec["hardware"]["usable_cores"] >= 1 and rec["packages"]["torch"]
+    memory = by_name["worker_memory"]
+    assert memory["status"] == "measured"
+    for side in ("ours", "reference"):
+        assert memory[side]["median"] == pytest.approx(statistics.median(memory[side]["samples"]))
+    assert memory["ratio"] == pytest.approx(memory["ours"]["median"] / memory["reference"]["median"])
+    details = memory["ours"]["details"]
+    assert details["rows_read"] == [details["epoch_rows"]] and details["epoch_rows"] > 0.9 * memory["setup"]["rows"]
+    overhead = by_name["workflow_overhead"]
+    assert overhead["setup"]["jobs"] > 0 and overhead["ours"]["samples"][0] > 0
+    summary = (tmp_path / "RESULTS.md").read_text()
+    for rec in by_name.values():
+        assert rec["title"] in summary
+    assert "skipped" in summary
+
+
+def test_a_failing_benchmark_is_recorded_and_fails_the_run(tmp_path, monkeypatch):
+    class Broken:
+        NAME, TITLE = "worker_memory", "Broken benchmark"
+
+        @staticmethod
+        def run(scale, work_dir, log, deadline):
+            raise RuntimeError("planted failure")
+
+    monkeypatch.setitem(bench_run.BENCHMARKS, "worker_memory", Broken)
+    code = bench_run.main(["--scale", "tiny", "--only", "worker_memory", "gpu_lora_bf16", "--out-dir", str(tmp_path)])
+    assert code == 1
+    results = {r["name"]: r for r in json.loads((tmp_path / "results.json").read_text())["benchmarks"]}
+    assert results["worker_memory"]["status"] == "failed"
+    assert "planted failure" in results["worker_memory"]["message"]
+    assert results["gpu_lora_bf16"]["status"] in {"skipped", "measured"}
+    assert "planted failure" in (tmp_path / "RESULTS.md").read_text()

@@ -1,0 +1,331 @@
+"""The compare stage on synthetic eval/prediction/manifest/log files laid out as the workflow writes them."""
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from workflow_scripts import compare, fairness, paired_bootstrap
+from workflow_scripts.errors import ConfigError, WorkflowError
+
+TRAINING = {
+    "lora": {"rank": 128, "alpha": 256, "dropout": 0.05, "target_modules": ["q_proj", "v_proj"]},
+    "max_length": 512, "effective_batch": 16, "micro_batch": 1, "max_steps": 100, "learning_rate": 2e-4,
+    "precision": "bf16", "gpus": 1, "cpu_processes": 1, "nodes": 1, "dataloader_workers": 2,
+    "checkpoint_every": 50, "log_every": 10, "runtime_minutes": 720, "mem_mb": 64000,
+    "sanity_batches": 2, "memory_headroom": 0.9,
+}
+EVALUATION = {"split": "test", "max_new_tokens": 64, "batch_size": 16, "max_examples": None, "gpus": 0}
+COMPARISON = {"reference_variant": "baseline", "bootstrap_resamples": 1000, "bootstrap_seed": 0, "intended_differences": []}
+N = 20
+
+
+def write_experiment(root, dataset, variant, seed, scores, metric="exact_match", training=None, counts=None,
+                     model_sha="m" * 64, evaluation=EVALUATION):
+    """One experiment's outputs; ``scores`` are per-example scores (or ``counts`` for smatch)."""
+    directory = root / dataset / variant / (f"seed{seed}" if seed != "base" else "base")
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for index, score in enumerate(scores):
+        row = {"id": f"ex{index:03d}", "prompt": "p", "raw_output": "o", "extracted": "o", "auxiliary": None,
+               "gold": ["g"], "score": score, "parsed": True}
+        if counts is not None:
+            row["counts"] = counts[index]
+        rows.append(row)
+    (directory / "predictions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if counts is not None:
+        m, t, g = np.sum(counts, axis=0)
+        corpus = 2 * m / (t + g) if m else 0.0
+    else:
+        corpus = float(np.mean(scores))
+    summary = {"dataset": dataset, "variant": variant, "seed": seed, "metric": metric, "score": corpus,
+               "n_examples": len(rows), "n_unparseable": 1, "model_dir": "resources/models/tiny",
+               "model_manifest_sha256": model_sha,
+               "manifest": {"settings": {"evaluation": evaluation, "metric": metric}}}
+    (directory / "eval.json").write_text(json.dumps(summary))
+    if seed != "base":
+        manifest = {"stage": "train", "settings": training or TRAINING, "seed": seed, "world_size": 1,
+                    "model_dir": "resources/models/tiny", "model_manifest_sha256": model_sha,
+                    "data_cache_key": f"{variant}-key"}
+        (directory / "run_manifest.json").write_text(json.dumps(manifest))
+        log = [{"step": step, "loss": 3.0 / step + seed * 0.01, "learning_rate": 1e-4} for step in range(1, 11)]
+        (directory / "train_log.jsonl").write_text("".join(json.dumps(row) + "\n" for row in log))
+    return directory
+
+
+def correct(k):
+    """N per-example scores with the first k correct."""
+    return [1.0] * k + [0.0] * (N - k)
+
+
+@pytest.fixture
+def results(tmp_path):
+    root = tmp_path / "results"
+    for seed, (base_k, mtup_k) in {1: (10, 16), 2: (12, 18)}.items():
+        write_experiment(root, "chart", "baseline", seed, correct(base_k))
+        write_experiment(root, "chart", "mtup", seed, correct(mtup_k))
+    write_experiment(root, "chart", "baseline", "base", correct(2))
+    write_experiment(root, "chart", "mtup", "base", correct(1))
+    return root
+
+
+EXPERIMENTS = [["chart", "baseline", 1], ["chart", "baseline", 2], ["chart", "mtup", 1], ["chart", "mtup", 2]]
+
+
+def run(tmp_path, root, experiments=EXPERIMENTS, comparison=COMPARISON, with_base=True):
+    out = tmp_path / "out"
+    argv = ["--results-dir", str(root), "--experiments", json.dumps(experiments),
+            "--comparison", json.dumps(comparison), "--out-csv", str(out / "comparison.csv"),
+            "--out-markdown", str(out / "comparison.md"), "--plots-dir", str(out / "plots")]
+    assert compare.main(argv + (["--with-base"] if with_base else [])) == 0
+    with open(out / "comparison.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    return rows, (out / "comparison.md").read_text()
+
+
+def test_table_holds_means_stds_base_and_a_significant_difference(tmp_path, results):
+    rows, text = run(tmp_path, results)
+    baseline, mtup = rows
+    assert (baseline["variant"], mtup["variant"]) == ("baseline", "mtup")
+    assert float(baseline["mean"]) == pytest.approx(0.55) and float(mtup["mean"]) == pytest.approx(0.85)
+    assert float(baseline["std"]) == pytest.approx(np.std([0.5, 0.6], ddof=1), abs=1e-6)
+    assert baseline["seed_scores"] == "0.5000 0.6000" and baseline["seeds"] == "1 2"
+    assert float(baseline["base_score"]) == pytest.approx(0.1) and float(mtup["base_score"]) == pytest.approx(0.05)
+    assert float(mtup["gain_over_base"]) == pytest.approx(0.80)
+    assert baseline["difference"] == "" and baseline["p_value"] == ""
+    assert float(mtup["difference"]) == pytest.approx(0.30)
+    # mtup is right wherever baseline is, so every resample favours it: p is the smallest possible value.
+    assert float(mtup["p_value"]) == pytest.approx(1 / 1001)
+    assert 0 < float(mtup["difference_ci_low"]) <= 0.30 <= float(mtup["difference_ci_high"])
+    assert float(baseline["ci_low"]) < 0.55 < float(baseline["ci_high"])
+    assert "| chart | exact_match | mtup | 2 | 0.8500 ± 0.0707" in text
+    assert "+0.3000" in text and "1000 resamples" in text
+
+
+def test_identical_variants_have_zero_difference_and_p_one(tmp_path):
+    root = tmp_path / "results"
+    scores = [1.0, 0.0, 1.0, 1.0, 0.0, 0.5] * 3
+    for seed in (1, 2):
+        for variant in ("baseline", "mtup"):
+            write_experiment(root, "chart", variant, seed, scores)
+    rows, _ = run(tmp_path, root, with_base=False)
+    assert float(rows[1]["difference"]) == 0.0
+    assert float(rows[1]["difference_ci_low"]) == 0.0 == float(rows[1]["difference_ci_high"])
+    assert float(rows[1]["p_value"]) == 1.0
+    assert rows[0]["base_score"] == ""
+
+
+def test_pairing_is_by_example_id_not_file_order(tmp_path, results):
+    """Shuffling one file's lines must not change anything: examples are matched by id."""
+    first, _ = run(tmp_path, results)
+    path = results / "chart" / "mtup" / "seed1" / "predictions.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(reversed(lines)) + "\n")
+    second, _ = run(tmp_path, results)
+    assert first == second
+
+
+def test_same_seed_same_table_other_seed_other_interval(tmp_path, results):
+    first, _ = run(tmp_path, results)
+    again, _ = run(tmp_path, results)
+    other, _ = run(tmp_path, results, comparison={**COMPARISON, "bootstrap_seed": 7})
+    assert first == again
+    assert other[1]["difference"] == first[1]["difference"]
+    assert other != first  # the resampled figures (interval, p) depend on the bootstrap seed
+
+
+def test_smatch_bootstrap_resamples_counts_and_recomputes_micro_f1():
+    counts = np.array([[7, 7, 7], [0, 0, 4], [3, 4, 4]])
+    assert paired_bootstrap.corpus_statistic("smatch", counts[:2]) == pytest.approx(14 / 18)
+    variant, reference = [counts], [np.array([[7, 7, 7], [0, 0, 4], [0, 0, 4]])]
+    result = paired_bootstrap.paired_difference("smatch", variant, reference, 1, seed=3)
+    assert result.difference == pytest.approx(20 / 26 - 14 / 22)  # micro F1 of summed (10, 11, 15) vs (7, 7, 15)
+    draw = np.random.default_rng(3).integers(0, 3, size=(1, 3))[0]  # the one resample the function drew
+    expected = (paired_bootstrap.corpus_statistic("smatch", counts[draw])
+                - paired_bootstrap.corpus_statistic("smatch", reference[0][draw]))
+    assert result.low == pytest.approx(expected) == pytest.approx(result.high)
+
+
+def test_smatch_comparison_uses_micro_f1_per_seed(tmp_path):
+    root = tmp_path / "results"
+    good = [[7, 7, 7], [3, 4, 4]] * 5
+    poor = [[7, 7, 7], [0, 0, 4]] * 5
+    for seed in (1, 2):
+        write_experiment(root, "amr", "baseline", seed, [0.0] * 10, metric="smatch", counts=poor)
+        write_experiment(root, "amr", "mtup", seed, [0.0] * 10, metric="smatch", counts=good)
+    experiments = [["amr", v, s] for v in ("baseline", "mtup") for s in (1, 2)]
+    rows, _ = run(tmp_path, root, experiments=experiments, with_base=False)
+    assert float(rows[0]["mean"]) == pytest.approx(14 / 18, abs=1e-6)
+    assert float(rows[1]["mean"]) == pytest.approx(10 / 11, abs=1e-6)
+    assert float(rows[1]["difference"]) == pytest.approx(10 / 11 - 14 / 18, abs=1e-6)
+
+
+def test_fairness_guard_refuses_the_seeds_512_vs_2048_runs(tmp_path, results):
+    """The seed post-mortem: baseline at MAX_SEQ_LENGTH 512, MTUP at 2048, fairness argued by hand."""
+    write_experiment(results, "chart", "mtup", 1, correct(16), training={**TRAINING, "max_length": 2048})
+    with pytest.raises(WorkflowError) as caught:
+        run(tmp_path, results)
+    message = str(caught.value)
+    assert "dataset 'chart', seed 1" in message
+    assert "training.max_length: baseline=512, mtup=2048" in message
+    assert "comparison.intended_differences: [training.max_length]" in message
+    assert "chart/mtup/seed1/run_manifest.json" in message
+    assert not (tmp_path / "out" / "comparison.csv").exists() and not (tmp_path / "out" / "plots").exists()
+    rows, text = run(tmp_path, results, comparison={**COMPARISON, "intended_differences": ["training.max_length"]})
+    assert len(rows) == 2 and "except the intended differences training.max_length" in text
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"lora": {**TRAINING["lora"], "rank": 64}}, "training.lora.rank"),
+        ({"effective_batch": 32}, "training.effective_batch"),
+        ({"max_steps": 200}, "training.max_steps"),
+    ],
+)
+def test_fairness_guard_names_each_training_difference(tmp_path, results, change, key):
+    write_experiment(results, "chart", "mtup", 2, correct(18), training={**TRAINING, **change})
+    with pytest.raises(WorkflowError, match=rf"seed 2:.*\n  {key}: baseline="):
+        run(tmp_path, results)
+
+
+def test_fairness_guard_refuses_another_base_model(tmp_path, results):
+    write_experiment(results, "chart", "mtup", 1, correct(16), model_sha="x" * 64)
+    with pytest.raises(WorkflowError, match="model.manifest_sha256"):
+        run(tmp_path, results)
+
+
+def test_fairness_guard_refuses_other_decoding_settings(tmp_path, results):
+    write_experiment(results, "chart", "mtup", 1, correct(16), evaluation={**EVALUATION, "max_new_tokens": 512})
+    with pytest.raises(WorkflowError, match="evaluation.max_new_tokens: baseline=64, mtup=512"):
+        run(tmp_path, results)
+
+
+def test_runtime_only_keys_never_count(tmp_path, results):
+    runtime = {"gpus": 8, "cpu_processes": 4, "nodes": 2, "dataloader_workers": 0, "checkpoint_every": 5,
+               "log_every": 1, "runtime_minutes": 60, "mem_mb": 1000, "sanity_batches": 1, "memory_headroom": 0.5}
+    assert set(runtime) == fairness.RUNTIME_ONLY_TRAINING_KEYS
+    write_experiment(results, "chart", "mtup", 1, correct(16), training={**TRAINING, **runtime})
+    rows, _ = run(tmp_path, results)
+    assert len(rows) == 2
+
+
+def test_intended_difference_covers_keys_below_it():
+    settings = {"baseline": {"training.lora.rank": 128, "training.lora.alpha": 256, "training.max_length": 512},
+                "mtup": {"training.lora.rank": 64, "training.lora.alpha": 128, "training.max_length": 512}}
+    assert fairness.differences(settings, ["training.lora"]) == {}
+    assert set(fairness.differences(settings, ["training.lora.rank"])) == {"training.lora.alpha"}
+    assert set(fairness.differences(settings, ["training.lor"])) == {"training.lora.alpha", "training.lora.rank"}
+
+
+def test_different_test_sets_are_refused(tmp_path, results):
+    write_experiment(results, "chart", "mtup", 2, correct(18)[:-1])
+    with pytest.raises(WorkflowError, match=r"mtup/seed2/predictions.jsonl: not the same test examples.*missing ids \['ex019'\]"):
+        run(tmp_path, results)
+
+
+def test_stale_eval_summary_is_refused(tmp_path, results):
+    path = results / "chart" / "mtup" / "seed1" / "eval.json"
+    summary = json.loads(path.read_text())
+    path.write_text(json.dumps({**summary, "score": 0.99}))
+    with pytest.raises(WorkflowError, match="does not match its predictions.jsonl"):
+        run(tmp_path, results)
+
+
+def test_summary_for_another_experiment_is_refused(tmp_path, results):
+    path = results / "chart" / "mtup" / "seed1" / "eval.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "seed": 2}))
+    with pytest.raises(WorkflowError, match=r"mtup/seed1/eval.json: field 'seed' is 2, but the path is for seed 1"):
+        run(tmp_path, results)
+
+
+def test_bad_prediction_and_log_rows_name_file_and_line(tmp_path, results):
+    predictions = results / "chart" / "mtup" / "seed1" / "predictions.jsonl"
+    lines = predictions.read_text().splitlines()
+    good = list(lines)
+    lines[3] = json.dumps({**json.loads(lines[3]), "score": "high"})
+    predictions.write_text("\n".join(lines) + "\n")
+    with pytest.raises(WorkflowError, match=r"mtup/seed1/predictions.jsonl line 4: field 'score'"):
+        run(tmp_path, results)
+    predictions.write_text("\n".join(good) + "\n")
+    log = results / "chart" / "baseline" / "seed2" / "train_log.jsonl"
+    log.write_text(log.read_text() + '{"step": 11}\n')
+    with pytest.raises(WorkflowError, match=r"baseline/seed2/train_log.jsonl line 11: fields 'step'"):
+        run(tmp_path, results)
+
+
+def test_missing_seed_of_a_variant_is_refused(tmp_path, results):
+    experiments = EXPERIMENTS[:3]
+    with pytest.raises(WorkflowError, match=r"variant 'mtup' has seeds \[1\], the reference 'baseline' has \[1, 2\]"):
+        run(tmp_path, results, experiments=experiments)
+
+
+@pytest.mark.parametrize(
+    ("comparison", "key"),
+    [
+        ({**COMPARISON, "bootstrap_resamples": 999}, "comparison.bootstrap_resamples"),
+        ({**COMPARISON, "reference_variant": "plain"}, "comparison.reference_variant"),
+        ({k: v for k, v in COMPARISON.items() if k != "bootstrap_seed"}, "comparison.bootstrap_seed"),
+    ],
+)
+def test_bad_comparison_settings_are_named(tmp_path, results, comparison, key):
+    with pytest.raises(ConfigError, match=key):
+        run(tmp_path, results, comparison=comparison)
+
+
+def test_plots_are_written_as_png(tmp_path, results):
+    run(tmp_path, results)
+    for name in ("scores_chart.png", "loss_chart.png"):
+        data = (tmp_path / "out" / "plots" / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
+
+
+def test_rules_call_evaluate_and_compare_with_arguments_they_accept(tmp_path):
+    """A dry run of the default config: every evaluate/compare command line parses with the scripts' CLI."""
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from workflow_scripts import evaluate
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "config").mkdir()
+    shutil.copy(root / "config" / "config.yaml", tmp_path / "config" / "config.yaml")
+    (tmp_path / "demo_data").symlink_to(root / "demo_data")
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-s", str(root / "Snakefile"), "-d", str(tmp_path), "-n", "-p",
+         "results/comparison.md"], capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    commands = [line.removeprefix("Shell command: ") for line in result.stdout.splitlines()
+                if line.startswith("Shell command: python -m workflow_scripts.")]
+    parsed = {"evaluate": [], "compare": []}
+    for command in commands:
+        words = shlex.split(command)
+        module = words[2].removeprefix("workflow_scripts.")
+        if module in parsed:
+            stage = evaluate if module == "evaluate" else compare
+            parsed[module].append(stage.parse_args(words[3:words.index(">")]))
+    assert len(parsed["evaluate"]) == 12 + 6 and len(parsed["compare"]) == 1
+    assert sorted(str(args.seed) for args in parsed["evaluate"]).count("base") == 6
+    (arguments,) = parsed["compare"]
+    assert arguments.with_base and arguments.plots_dir == "results/plots"
+    assert len(json.loads(arguments.experiments)) == 12
+    assert "results/plots/scores_amr_demo.png" in result.stdout and "results/plots/loss_ocrvqa_demo.png" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("experiments", "message"),
+    [
+        (EXPERIMENTS + [["chart", "mtup", 2]], r"item 4: \['chart', 'mtup', 2\] is listed twice"),
+        ([["chart", "baseline", "1"]], r"item 0: expected \[dataset, variant, seed\]"),
+        ([], "non-empty JSON list"),
+    ],
+)
+def test_bad_experiment_lists_are_named(tmp_path, results, experiments, message):
+    with pytest.raises(WorkflowError, match=message):
+        run(tmp_path, results, experiments=experiments)

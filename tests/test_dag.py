@@ -1,0 +1,104 @@
+"""The workflow's DAG through Snakemake itself: dry runs of the shipped configs, and a real run of the
+data half whose reruns are exactly the jobs a config edit touches."""
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from data_helpers import ROOT, default_config
+
+
+def snakemake(workdir, *args, timeout=600):
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir), *args],
+        capture_output=True, text=True, timeout=timeout,
+    )
+    return result.returncode, result.stdout + result.stderr
+
+
+def job_counts(output):
+    """The 'Job stats' table of a (dry) run: rule -> count."""
+    table = output.split("Job stats:", 1)[1]
+    return {rule: int(count) for rule, count in re.findall(r"^(\w+)\s+(\d+)$", table, re.MULTILINE) if rule != "total"}
+
+
+def nothing_to_do(output):
+    return "Nothing to be done" in output or ("Job stats:" in output and not job_counts(output))
+
+
+def config_file(tmp_path, config):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def absolute_demo_config(datasets=None):
+    config = default_config()
+    for name in list(config["datasets"]):
+        if datasets and name not in datasets:
+            del config["datasets"][name]
+        else:
+            config["datasets"][name]["source"]["path"] = str(ROOT / config["datasets"][name]["source"]["path"])
+    return config
+
+
+def test_real_hub_config_builds_its_dag(tmp_path):
+    code, output = snakemake(tmp_path, "-n", "-p", "--configfile", str(ROOT / "config" / "real_hub.yaml"),
+                             "--replace-workflow-config", "--cores", "8", "--resources", "gpu=8")
+    assert code == 0, output
+    counts = job_counts(output)
+    # one dataset x two variants x three seeds on Qwen2.5-7B
+    assert {k: counts[k] for k in ("download", "normalise", "prepare_model", "pretokenise", "train")} == {
+        "download": 1, "normalise": 1, "prepare_model": 1, "pretokenise": 2, "train": 6}
+    assert "resources/models/qwen2_5-7b-instruct" in output
+    assert "HuggingFaceM4/ChartQA" in output and "a09a35458c702b33eeacc393d103063234e8bc28" in output
+
+
+def test_default_config_builds_its_dag(tmp_path):
+    config = absolute_demo_config()
+    code, output = snakemake(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)),
+                             "--replace-workflow-config", "--cores", "2")
+    assert code == 0, output
+    counts = job_counts(output)
+    assert counts["download"] == counts["normalise"] == 3 and counts["pretokenise"] == 6
+    assert counts["train"] == 3 * 2 * len(config["seeds"])
+
+
+def test_a_bad_config_stops_snakemake_with_one_message(tmp_path):
+    config = absolute_demo_config()
+    config["datasets"]["chartqa_demo"]["source"] = {"type": "url", "url": "https://example.org/c.zip"}
+    code, output = snakemake(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)),
+                             "--replace-workflow-config", "--cores", "1")
+    assert code != 0
+    assert "config key 'datasets.chartqa_demo.source.sha256': required when source.type is 'url'" in output
+
+
+@pytest.mark.slow
+def test_data_chain_runs_once_and_a_template_edit_reruns_only_that_variant(tmp_path):
+    config = absolute_demo_config(["amr_demo"])
+    path = config_file(tmp_path, config)
+    base = ["--configfile", str(path), "--replace-workflow-config", "--cores", "2", "--until", "pretokenise"]
+    code, output = snakemake(tmp_path, *base)
+    assert code == 0, output
+    for variant in ("baseline", "mtup"):
+        assert (tmp_path / f"results/data/amr_demo/tokenised/{variant}/tokenise_meta.json").exists()
+    assert (tmp_path / "resources/models/tiny-llama/model_manifest.json").exists()
+
+    code, output = snakemake(tmp_path, *base)
+    assert code == 0 and nothing_to_do(output), output
+
+    config["variants"]["mtup"]["prompt"] = "Sentence: {question}\nSolve Task 1 then Task 2.\n"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    code, output = snakemake(tmp_path, "-n", *base)
+    assert code == 0, output
+    assert job_counts(output) == {"pretokenise": 1}
+    assert "variant=mtup" in output and "variant=baseline" not in output
+
+    # a training-only setting must not re-tokenise anything
+    config["variants"]["mtup"]["prompt"] = default_config()["variants"]["mtup"]["prompt"]
+    config["training"]["learning_rate"] = 1.0e-3
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    code, output = snakemake(tmp_path, "-n", *base)
+    assert code == 0 and nothing_to_do(output), output

@@ -1,0 +1,52 @@
+"""The memory estimate responds to the knobs it names, and the gate refuses a run that will not fit."""
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from conftest import tiny_training_settings
+from workflow_scripts import memory_estimate, preflight_checks, training_setup
+from workflow_scripts.distributed import DistributedContext
+
+CONFIG_7B = LlamaConfig(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                        num_key_value_heads=4, vocab_size=152064)  # Qwen2.5-7B's shape, no weights
+
+
+def activations(**kw):
+    args = dict(micro_batch=2, max_length=2048, activation_dtype_bytes=2, gradient_checkpointing=True,
+                lora_rank=128, lora_targets=7)
+    return memory_estimate.activation_bytes(CONFIG_7B, **{**args, **kw})
+
+
+def test_activation_estimate_follows_the_knobs():
+    base = activations()
+    assert activations(micro_batch=1) == pytest.approx(base / 2)
+    assert activations(max_length=512) == pytest.approx(base / 4)
+    assert activations(gradient_checkpointing=False) > 4 * base  # logits (not checkpointed) dilute the 15x
+    # The seed's 7B run: micro-batch 1, 512 tokens, checkpointing: activations ~ a few GiB at most.
+    assert 0.5 * 2**30 < activations(micro_batch=1, max_length=512) < 4 * 2**30
+
+
+def test_estimate_counts_weights_adapters_and_optimizer(tiny_model_dir):
+    torch.set_num_threads(1)
+    settings = tiny_training_settings()
+    setup = training_setup.build(tiny_model_dir, settings, DistributedContext(0, 0, 1, 1, torch.device("cpu"), None))
+    parts = memory_estimate.estimate(setup.peft_model, settings, torch.device("cpu"))
+    trainable = sum(p.numel() for p in setup.trainable_parameters())
+    frozen = sum(p.numel() for p in setup.peft_model.parameters() if not p.requires_grad)
+    assert parts["weights"] == frozen * 4 and parts["adapters"] == trainable * 4
+    assert parts["optimizer"] == trainable * 8 and parts["gradients"] == trainable * 4
+    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+
+
+def test_gate_names_the_knob_for_the_largest_part():
+    settings = tiny_training_settings(micro_batch=4, max_length=2048, gradient_checkpointing=True, precision="fp32")
+    cuda = torch.device("cuda", 0)
+    act_heavy = {"weights": 10, "adapters": 1, "gradients": 1, "optimizer": 2, "activations": 900, "runtime_overhead": 0}
+    act_heavy["total"] = sum(act_heavy.values())
+    with pytest.raises(preflight_checks.PreflightError, match=r"memory: .*Fix: lower training.micro_batch \(now 4"):
+        preflight_checks.check_memory(act_heavy, 500, 0.9, settings, cuda)
+    weight_heavy = {**act_heavy, "weights": 5000, "activations": 1}
+    weight_heavy["total"] = sum(v for k, v in weight_heavy.items() if k != "total")
+    with pytest.raises(preflight_checks.PreflightError, match="precision: bf16"):
+        preflight_checks.check_memory(weight_heavy, 500, 0.9, settings, cuda)
+    assert "allowed" in preflight_checks.check_memory(act_heavy, 10_000, 0.9, settings, cuda)

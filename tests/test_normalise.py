@@ -1,0 +1,219 @@
+"""normalise: the declarative mapping, every rejection reason, flattening, split aliases, the guards."""
+import json
+import re
+
+import pytest
+from datasets import load_from_disk
+
+from data_helpers import demo_settings, leftovers, local_dataset, run_download, run_normalise
+from workflow_scripts import normalise
+from workflow_scripts.errors import ConfigError, WorkflowError
+
+
+def good(i):
+    return {"q": f"question {i}?", "a": f"answer {i}"}
+
+
+def prepare(tmp_path, train, test=None, **settings):
+    settings = local_dataset(tmp_path / "src", {"train": train, "test": test or [good(0)]}, **settings)
+    return settings, run_download("d", settings, tmp_path)
+
+
+def args(settings, raw, tmp_path):
+    return ["--name", "d", "--dataset", json.dumps(settings), "--raw", str(raw),
+            "--out", str(tmp_path / "out" / "normalised"), "--report", str(tmp_path / "out" / "report.json")]
+
+
+# --- the demo datasets: renamed fields, a split alias, flattening, derived fields, planted bad rows ---
+def test_chartqa_layout_renames_fields_and_aliases_val(tmp_path):
+    settings = demo_settings("chartqa_demo")
+    out, report_path = run_normalise("chartqa", settings, run_download("chartqa", settings, tmp_path), tmp_path)
+    data, report = load_from_disk(str(out)), json.loads(report_path.read_text())
+    assert list(data) == ["train", "validation", "test"]
+    assert report["splits"]["validation"]["source_split"] == "val"
+    row = data["train"][0]
+    assert set(row) == {"id", "question", "answers", "image", "aux"}
+    assert row["id"] == "train-0" and row["question"].startswith("What is the value of")
+    assert row["answers"] == ["64"] and row["aux"] == "number" and row["image"].startswith("charts/")
+    # the four planted bad rows: label missing, query empty, label [17], label []
+    assert report["splits"]["train"]["reasons"] == {"missing_field": 1, "empty_value": 1, "wrong_type": 1}
+    assert report["splits"]["validation"]["reasons"] == {"empty_value": 1}
+    example = report["reasons"]["missing_field"]["examples"][0]
+    assert (example["split"], example["row"], example["field"]) == ("train", 40, "label")
+    assert example["file"].endswith("raw/train.jsonl")
+
+
+def test_ocrvqa_layout_is_flattened_with_stable_ids(tmp_path):
+    settings = demo_settings("ocrvqa_demo")
+    raw = run_download("ocr", settings, tmp_path)
+    out, report_path = run_normalise("ocr", settings, raw, tmp_path)
+    train, report = load_from_disk(str(out))["train"], json.loads(report_path.read_text())
+    first = json.loads((raw / "train.jsonl").read_text().splitlines()[0])
+    rows = [r for r in train if r["id"].startswith(first["image_id"] + "-q")]
+    assert [r["id"] for r in rows] == [f"{first['image_id']}-q{k}" for k in range(len(first["questions"]))]
+    assert [r["question"] for r in rows] == first["questions"]
+    assert [r["answers"] for r in rows] == [[a] for a in first["answers"]]
+    assert all(r["title"] == first["title"] for r in rows)
+    mismatch = report["reasons"]["length_mismatch"]["examples"][0]
+    assert mismatch["row"] == 25 and re.match(r"(\d+) questions but (\d+) answers", mismatch["detail"])
+    assert not any(r["id"].startswith("cover00025") for r in train)  # reported, not guessed
+    assert len(set(train["id"])) == len(train)
+
+
+def test_amr_layout_derives_the_skeleton_and_rejects_a_broken_graph(tmp_path):
+    settings = demo_settings("amr_demo")
+    out, report_path = run_normalise("amr", settings, run_download("amr", settings, tmp_path), tmp_path)
+    row = load_from_disk(str(out))["train"][0]
+    assert row["id"] == "amr-train-0000" and " / " not in row["aux"] and row["aux"].startswith("(")
+    report = json.loads(report_path.read_text())
+    assert report["reasons"]["transform_failed"]["examples"][0]["row"] == 400
+
+
+# --- each rejection reason, planted on purpose ---
+@pytest.mark.parametrize("bad, reason, field", [
+    ('{"q": "broken', "unparseable_record", None),
+    ({"a": "x"}, "missing_field", "q"),
+    ({"q": None, "a": "x"}, "missing_field", "q"),
+    ({"q": "  ", "a": "x"}, "empty_value", "q"),
+    ({"q": "ok?", "a": []}, "empty_value", "a"),
+    ({"q": "ok?", "a": ["x", ""]}, "empty_value", "a[1]"),
+    ({"q": 42, "a": "x"}, "wrong_type", "q"),
+    ({"q": "ok?", "a": {"text": "x"}}, "wrong_type", "a"),
+    ({"q": "ok?", "a": ["x", 3]}, "wrong_type", "a[1]"),
+    (["q", "a"], "wrong_type", None),
+])
+def test_each_rejection_reason_is_counted_with_an_example(tmp_path, bad, reason, field):
+    settings, raw = prepare(tmp_path, [good(i) for i in range(30)] + [bad], max_rejected_fraction=0.1)
+    out, report_path = run_normalise("d", settings, raw, tmp_path)
+    report = json.loads(report_path.read_text())
+    assert report["splits"]["train"]["reasons"] == {reason: 1}
+    assert report["reasons"][reason]["examples"] == [
+        {"file": str(raw / "train.jsonl"), "split": "train", "row": 30, "field": field,
+         "detail": report["reasons"][reason]["examples"][0]["detail"]}]
+    train = load_from_disk(str(out))["train"]
+    assert len(train) == 30 and all(r["question"].strip() and all(a.strip() for a in r["answers"]) for r in train)
+
+
+def test_duplicate_ids_and_failed_transforms_are_rejected(tmp_path):
+    rows = [{"id": i, "q": f"q{i}?", "a": "(b / boy)"} for i in range(30)]
+    rows += [{"id": 3, "q": "again?", "a": "(b / boy)"}, {"id": 99, "q": "graph?", "a": "not a graph"}]
+    settings, raw = prepare(tmp_path, rows, test=[{"id": "t", "q": "q?", "a": "(d / dog)"}],
+                            fields={"id": "id", "question": "q", "answers": "a"},
+                            derived={"aux": {"transform": "penman_skeleton", "field": "answer"}},
+                            max_rejected_fraction=0.1)
+    out, report_path = run_normalise("d", settings, raw, tmp_path)
+    assert json.loads(report_path.read_text())["splits"]["train"]["reasons"] == {"duplicate_id": 1, "transform_failed": 1}
+    train = load_from_disk(str(out))["train"]
+    assert train[3] == {"id": "3", "question": "q3?", "answers": ["(b / boy)"], "aux": "(boy)"}
+
+
+def test_extra_field_of_another_type_is_rejected_not_coerced(tmp_path):
+    rows = [{**good(i), "img": f"p{i}.png"} for i in range(30)] + [{**good(30), "img": 7}]
+    settings, raw = prepare(tmp_path, rows, test=[{**good(0), "img": "t.png"}], extra_fields={"image": "img"},
+                            max_rejected_fraction=0.1)
+    out, report_path = run_normalise("d", settings, raw, tmp_path)
+    assert json.loads(report_path.read_text())["splits"]["train"]["reasons"] == {"wrong_type": 1}
+    assert load_from_disk(str(out))["train"]["image"][:2] == ["p0.png", "p1.png"]
+
+
+def test_flatten_accepts_several_golds_per_question_and_rejects_single_bad_pairs(tmp_path):
+    record = {"id": "r", "qs": ["one?", "", "three?"], "as": [["1", "uno"], "2", "3"]}
+    settings, raw = prepare(tmp_path, [record] * 1 + [{"id": f"k{i}", "qs": ["x?"], "as": ["y"]} for i in range(30)],
+                            test=[{"id": "t", "qs": ["x?"], "as": ["y"]}],
+                            fields={"id": "id", "question": "qs", "answers": "as"}, flatten=True,
+                            max_rejected_fraction=0.1)
+    out, report_path = run_normalise("d", settings, raw, tmp_path)
+    train = load_from_disk(str(out))["train"]
+    assert train[0] == {"id": "r-q0", "question": "one?", "answers": ["1", "uno"]}
+    assert train[1]["id"] == "r-q2"
+    example = json.loads(report_path.read_text())["reasons"]["empty_value"]["examples"][0]
+    assert (example["row"], example["field"]) == (0, "qs[1]")
+
+
+# --- the guards: whole-split failures leave no output ---
+def test_a_field_absent_from_every_row_fails_naming_file_field_and_key(tmp_path):
+    settings, raw = prepare(tmp_path, [{"question": "x?", "a": "y"}] * 5)
+    with pytest.raises(WorkflowError, match=r"train\.jsonl: field 'q' \(datasets\.d\.fields\.question\) is absent from every row.*\['a', 'question'\]"):
+        normalise.main(args(settings, raw, tmp_path))
+    assert leftovers(tmp_path / "out") == []
+
+
+def test_rejected_share_above_the_threshold_fails_with_counts_and_an_example(tmp_path):
+    settings, raw = prepare(tmp_path, [good(i) for i in range(97)] + [{"q": "", "a": "x"}] * 3)
+    with pytest.raises(WorkflowError, match=r"3 of 100 rows of split 'train' rejected \(3\.0%\), more than datasets\.d\.max_rejected_fraction = 0\.01.*empty_value 3.*row 97: field 'q': is empty"):
+        normalise.main(args(settings, raw, tmp_path))
+    assert leftovers(tmp_path / "out") == []
+
+
+def test_flatten_length_mismatches_beyond_the_threshold_fail(tmp_path):
+    rows = [{"id": f"r{i}", "qs": ["a?", "b?"], "as": ["1"] if i % 2 else ["1", "2"]} for i in range(20)]
+    settings, raw = prepare(tmp_path, rows, test=[{"id": "t", "qs": ["x?"], "as": ["y"]}],
+                            fields={"id": "id", "question": "qs", "answers": "as"}, flatten=True)
+    with pytest.raises(WorkflowError, match="length_mismatch 10"):
+        normalise.main(args(settings, raw, tmp_path))
+
+
+def test_a_split_with_every_row_rejected_fails_even_at_threshold_one(tmp_path):
+    settings, raw = prepare(tmp_path, [{"q": "", "a": "x"}], max_rejected_fraction=1.0)
+    with pytest.raises(WorkflowError, match=r"1 of 1 rows of split .train. rejected \(100.0%\), so no row is left"):
+        normalise.main(args(settings, raw, tmp_path))
+
+
+def test_a_missing_source_split_names_the_alias(tmp_path):
+    settings, raw = prepare(tmp_path, [good(0)])
+    settings["splits"]["validation"] = "dev"
+    with pytest.raises(WorkflowError, match=r"no split 'dev' \(found \['test', 'train'\]\)"):
+        normalise.main(args(settings, raw, tmp_path))
+
+
+def test_a_derived_field_over_an_unknown_field_is_a_config_error(tmp_path):
+    settings, raw = prepare(tmp_path, [good(0)], derived={"aux": {"transform": "answer_kind", "field": "label"}})
+    with pytest.raises(ConfigError, match=r"datasets\.d\.derived\.aux\.field"):
+        normalise.main(args(settings, raw, tmp_path))
+
+
+# --- other raw layouts ---
+def test_csv_parquet_and_json_files_are_read(tmp_path):
+    import pandas as pd
+
+    frame = pd.DataFrame({"q": ["a?", "b?"], "a": ["1", "2"]})
+    for fmt, write in (("csv", lambda p: frame.to_csv(p, index=False)), ("parquet", frame.to_parquet),
+                       ("json", lambda p: p.write_text(frame.to_json(orient="records")))):
+        src = tmp_path / fmt / "src"
+        src.mkdir(parents=True)
+        for split in ("train", "test"):
+            write(src / f"{split}.{fmt}")
+        settings = {"source": {"type": "local", "path": str(src)}, "format": fmt, "splits": {"train": "train", "test": "test"},
+                    "fields": {"question": "q", "answers": "a"}, "metric": "exact_match"}
+        out, _ = run_normalise("d", settings, run_download("d", settings, tmp_path / fmt), tmp_path / fmt)
+        assert load_from_disk(str(out))["train"]["answers"] == [["1"], ["2"]], fmt
+
+
+def test_hub_layout_with_images_carries_them_undecoded(tmp_path):
+    import io
+
+    from datasets import Dataset, DatasetDict, Features, Image, List, Value
+    from PIL import Image as PILImage
+
+    buffer = io.BytesIO()
+    PILImage.new("RGB", (2, 2)).save(buffer, format="PNG")
+    features = Features({"query": Value("string"), "label": List(Value("string")), "image": Image()})
+    rows = [{"query": "q?", "label": ["1"], "image": {"bytes": buffer.getvalue(), "path": None}}]
+    raw = tmp_path / "raw"
+    DatasetDict({"train": Dataset.from_list(rows, features=features),
+                 "test": Dataset.from_list(rows, features=features)}).save_to_disk(str(raw))
+    settings = {"source": {"type": "hub", "id": "x/y", "revision": "r"}, "splits": {"train": "train", "test": "test"},
+                "fields": {"question": "query", "answers": "label"}, "extra_fields": {"image": "image"},
+                "metric": "relaxed_accuracy"}
+    out, _ = run_normalise("d", settings, raw, tmp_path)
+    row = load_from_disk(str(out))["train"][0]
+    assert row["image"]["bytes"] == buffer.getvalue() and row["id"] == "train-0"
+
+
+def test_output_is_deterministic(tmp_path):
+    settings = demo_settings("amr_demo")
+    raw = run_download("amr", settings, tmp_path)
+    first, _ = run_normalise("amr", settings, raw, tmp_path / "a")
+    second, _ = run_normalise("amr", settings, raw, tmp_path / "b")
+    arrows = sorted(p.relative_to(first) for p in first.rglob("data-*.arrow"))
+    assert arrows and all((first / p).read_bytes() == (second / p).read_bytes() for p in arrows)

@@ -1,0 +1,173 @@
+"""pretokenise: templates, masking, eos, truncation, the cache key and parallel tokenisation."""
+import json
+import shutil
+
+import pytest
+import torch
+from datasets import load_from_disk
+
+from data_helpers import default_config, demo_settings, leftovers, run_download, run_normalise
+from workflow_scripts import pretokenise, templates
+from workflow_scripts.errors import WorkflowError
+from workflow_scripts.model_loading import load_tokenizer
+
+VARIANTS = default_config()["variants"]
+BASELINE, MTUP = VARIANTS["baseline"], VARIANTS["mtup"]
+TINY = {"name": "tiny", "source": "tiny", "tiny": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
+                                                  "num_heads": 2, "vocab_size": 400, "seed": 0}}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """The normalised AMR demo set and a tiny model whose tokenizer was trained on it."""
+    from workflow_scripts import prepare_model
+
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("inputs")
+    settings = demo_settings("amr_demo")
+    data = run_normalise("amr", settings, run_download("amr", settings, tmp), tmp)[0]
+    model = tmp / "model"
+    assert prepare_model.main(["--model", json.dumps(TINY), "--out", str(model), "--corpus", str(data)]) == 0
+    return data, model
+
+
+def tokenise(data, model, out, variant=BASELINE, max_length=128, threads=1):
+    report = out.parent / f"{out.name}_report.json"
+    assert pretokenise.main(["--model", str(model), "--data", str(data), "--variant", json.dumps(variant),
+                             "--max-length", str(max_length), "--threads", str(threads),
+                             "--out", str(out), "--report", str(report)]) == 0
+    return load_from_disk(str(out)), json.loads(report.read_text())
+
+
+@pytest.mark.parametrize("variant", [BASELINE, MTUP], ids=["baseline", "mtup"])
+def test_prompt_tokens_are_masked_and_the_target_ends_with_eos(inputs, tmp_path, variant):
+    data_dir, model = inputs
+    tokenised, report = tokenise(data_dir, model, tmp_path / "tok", variant)
+    assert list(tokenised) == ["train", "validation"]  # the test split is evaluation's, never trained on
+    tokenizer, source = load_tokenizer(model), load_from_disk(str(data_dir))["train"]
+    assert tokenised["train"].features["input_ids"].feature.dtype == "int32"
+    for row, out in zip(source.select(range(20)), tokenised["train"].select(range(20))):
+        prompt = templates.encode_prompts(tokenizer, variant, [templates.render_prompt(variant, row)])[0]
+        target = templates.encode_targets(tokenizer, [templates.render_target(variant, row)])[0]
+        assert out["id"] == row["id"]
+        assert out["input_ids"] == prompt + target and target[-1] == tokenizer.eos_token_id
+        assert out["labels"] == [-100] * len(prompt) + target
+        assert out["length"] == len(out["input_ids"])
+    decoded = tokenizer.decode([t for t in tokenised["train"][0]["labels"] if t != -100], skip_special_tokens=True)
+    assert decoded == templates.render_target(variant, source[0])
+    assert report["splits"]["train"]["rows"] == len(source) and report["splits"]["train"]["truncated"] == 0
+    meta = json.loads((tmp_path / "tok" / "tokenise_meta.json").read_text())
+    assert {"cache_key", "tokenizer_fingerprint", "templates", "max_length", "input_fingerprint", "vocab_size",
+            "pad_token_id", "eos_token_id"} <= set(meta)
+    assert meta["eos_token_id"] == tokenizer.eos_token_id and meta["vocab_size"] == len(tokenizer)
+
+
+def test_truncation_is_counted_and_rows_without_target_are_dropped(inputs, tmp_path):
+    data_dir, model = inputs
+    tokenizer = load_tokenizer(model)
+    source = load_from_disk(str(data_dir))["train"]
+    prompt_lengths = [len(ids) for ids in templates.encode_prompts(
+        tokenizer, BASELINE, [templates.render_prompt(BASELINE, row) for row in source])]
+    limit = sorted(prompt_lengths)[len(prompt_lengths) // 2]  # half the prompts fill the whole budget
+    tokenised, report = tokenise(data_dir, model, tmp_path / "tok", max_length=limit)
+    train = tokenised["train"]
+    dropped = sum(length >= limit for length in prompt_lengths)
+    assert report["splits"]["train"]["dropped_no_target"] == dropped > 0
+    assert report["splits"]["train"]["kept"] == len(train) == len(source) - dropped
+    assert report["splits"]["train"]["truncated"] == len(source)  # every target was cut
+    assert all(r["length"] <= limit and any(t != -100 for t in r["labels"]) for r in train)
+
+
+def test_when_every_target_is_truncated_away_it_fails_and_writes_nothing(inputs, tmp_path):
+    data_dir, model = inputs
+    with pytest.raises(WorkflowError, match="no row keeps a target token; raise training.max_length"):
+        tokenise(data_dir, model, tmp_path / "out" / "tok", max_length=3)
+    assert leftovers(tmp_path / "out") == []
+
+
+def test_same_inputs_reuse_the_output_and_a_changed_template_retokenises(inputs, tmp_path, capsys):
+    data_dir, model = inputs
+    out = tmp_path / "tok"
+    first, _ = tokenise(data_dir, model, out)
+    key = json.loads((out / "tokenise_meta.json").read_text())["cache_key"]
+    arrow = next(out.rglob("data-*.arrow"))
+    stamp = arrow.stat().st_mtime_ns
+    tokenise(data_dir, model, out)
+    assert "up to date" in capsys.readouterr().out and arrow.stat().st_mtime_ns == stamp
+
+    edited = {**BASELINE, "prompt": "Q: {question}\nA:"}
+    second, report = tokenise(data_dir, model, out, edited)  # the stale output must not be reused
+    assert json.loads((out / "tokenise_meta.json").read_text())["cache_key"] != key
+    assert report["templates"]["prompt"] == "Q: {question}\nA:"
+    assert second["train"][0]["input_ids"] != first["train"][0]["input_ids"]
+
+
+def test_cache_key_covers_tokenizer_max_length_and_data(inputs, tmp_path):
+    data_dir, model = inputs
+    tokenizer_fp = pretokenise.tokenizer_fingerprint(model)
+    input_fp = pretokenise.input_fingerprint(data_dir)
+    key = pretokenise.cache_key(tokenizer_fp, BASELINE, 128, input_fp)
+    assert pretokenise.cache_key(tokenizer_fp, BASELINE, 64, input_fp) != key
+    assert pretokenise.cache_key(tokenizer_fp, MTUP, 128, input_fp) != key
+
+    other_model = tmp_path / "model"
+    shutil.copytree(model, other_model)
+    vocab = json.loads((other_model / "tokenizer.json").read_text())
+    vocab["added_tokens"][0]["content"] = "<|end|>"  # a different eos token: same files, new content
+    (other_model / "tokenizer.json").write_text(json.dumps(vocab))
+    assert pretokenise.tokenizer_fingerprint(other_model) != tokenizer_fp
+
+    other_data = tmp_path / "data"
+    load_from_disk(str(data_dir)).map(lambda row: {"question": row["question"].lower()}).save_to_disk(str(other_data))
+    assert pretokenise.input_fingerprint(other_data) != input_fp
+    # an untouched copy has the same fingerprint: the key depends on content, not on paths or times
+    shutil.copytree(data_dir, tmp_path / "copy")
+    assert pretokenise.input_fingerprint(tmp_path / "copy") == input_fp
+
+
+def test_a_changed_tokenizer_retokenises(inputs, tmp_path):
+    data_dir, model = inputs
+    out = tmp_path / "tok"
+    tokenise(data_dir, model, out)
+    other_model = tmp_path / "model"
+    shutil.copytree(model, other_model)
+    config = json.loads((other_model / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 64
+    (other_model / "tokenizer_config.json").write_text(json.dumps(config))
+    before = json.loads((out / "tokenise_meta.json").read_text())
+    tokenise(data_dir, other_model, out)
+    after = json.loads((out / "tokenise_meta.json").read_text())
+    assert after["tokenizer_fingerprint"] != before["tokenizer_fingerprint"] and after["cache_key"] != before["cache_key"]
+
+
+def test_parallel_tokenisation_gives_the_same_rows(inputs, tmp_path):
+    data_dir, model = inputs
+    one, _ = tokenise(data_dir, model, tmp_path / "one", MTUP, threads=1)
+    two, _ = tokenise(data_dir, model, tmp_path / "two", MTUP, threads=2)
+    assert one["train"].to_dict() == two["train"].to_dict()
+
+
+def test_chat_template_variant_uses_the_tokenizers_template(inputs, tmp_path):
+    data_dir, model = inputs
+    tokenised, _ = tokenise(data_dir, model, tmp_path / "tok", {**BASELINE, "chat_template": True})
+    tokenizer = load_tokenizer(model)
+    row = tokenised["train"][0]
+    prompt = tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label == -100])
+    assert prompt.startswith("<|user|>\nQuestion:") and prompt.endswith("<|assistant|>\n")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--variant": '{"prompt": "{question}"}'}, "needs a JSON object with at least 'prompt' and 'target'"),
+    ({"--variant": '{"prompt": "{question}", "target": "{answer}", "colour": 1}'}, "unknown keys"),
+    ({"--variant": '{"prompt": "{title}", "target": "{answer}"}'}, r"normalised split 'train' row 0: row id 'amr-train-0000': the prompt template refers to field 'title'"),
+    ({"--max-length": "1"}, "argument --max-length"),
+    ({"--model": "/nonexistent/model"}, "run prepare_model first"),
+    ({"--data": "/nonexistent/data"}, "run normalise first"),
+])
+def test_bad_arguments_end_in_one_message_and_no_output(inputs, tmp_path, change, message):
+    data_dir, model = inputs
+    argv = {"--model": str(model), "--data": str(data_dir), "--variant": json.dumps(BASELINE), "--max-length": "64",
+            "--out": str(tmp_path / "out" / "tok"), "--report": str(tmp_path / "out" / "report.json"), **change}
+    with pytest.raises(WorkflowError, match=message):
+        pretokenise.main([part for pair in argv.items() for part in pair])
+    assert leftovers(tmp_path / "out") == []

@@ -1,0 +1,89 @@
+"""Variants are data: rendering prompts and targets, encoding them, extracting answers."""
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from workflow_scripts.errors import WorkflowError
+from workflow_scripts.templates import (encode_prompts, encode_targets, extract_answer, render_prompt,
+                                        render_target, template_row)
+
+ROW = {"id": "r1", "question": "What is 2+2?", "answers": ["4", "four"], "aux": "number"}
+BASELINE = {"prompt": "Question: {question}\nAnswer:", "target": " {answer}", "extractor": {"type": "whole"}}
+MTUP = {"prompt": "Question: {question}\n", "target": "Task 1: {aux}\nTask 2: {answer}",
+        "extractor": {"type": "section", "marker": "Task 2:"}}
+
+
+def bos_tokenizer(chat_template=None):
+    """A word-level tokenizer whose post-processor adds a BOS, like Llama's."""
+    vocab = {word: i for i, word in enumerate(["<s>", "</s>", "<unk>", "Question:", "What", "is", "2+2?", "Answer:", "4", "<|user|>", "<|assistant|>"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def test_template_row_adds_the_first_gold_answer():
+    assert template_row(ROW)["answer"] == "4"
+
+
+def test_render_baseline_and_mtup():
+    assert render_prompt(BASELINE, ROW) == "Question: What is 2+2?\nAnswer:"
+    assert render_target(BASELINE, ROW) == " 4"
+    assert render_target(MTUP, ROW) == "Task 1: number\nTask 2: 4"
+
+
+def test_a_field_the_row_lacks_is_an_error_naming_it_and_the_row():
+    with pytest.raises(WorkflowError, match=r"'r1'.*field 'title'"):
+        render_prompt({"prompt": "{title}: {question}", "target": "{answer}"}, ROW)
+
+
+def test_chat_template_wraps_the_prompt_and_needs_a_tokenizer_that_has_one():
+    chat = {**BASELINE, "chat_template": True}
+    template = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    assert render_prompt(chat, ROW, bos_tokenizer(template)) == "<|user|> Question: What is 2+2?\nAnswer: <|assistant|>"
+    with pytest.raises(WorkflowError, match="chat template"):
+        render_prompt(chat, ROW, bos_tokenizer(None))
+    with pytest.raises(WorkflowError, match="chat template"):
+        render_prompt(chat, ROW)
+
+
+def test_encode_prompts_adds_bos_once():
+    tokenizer = bos_tokenizer()
+    plain = encode_prompts(tokenizer, BASELINE, ["Question: What is 2+2?"])[0]
+    assert plain[0] == tokenizer.bos_token_id and plain.count(tokenizer.bos_token_id) == 1
+    # a chat-templated prompt already carries its special tokens: none are added again
+    chat = encode_prompts(tokenizer, {**BASELINE, "chat_template": True}, ["<s> Question: What"])[0]
+    assert chat.count(tokenizer.bos_token_id) == 1
+
+
+def test_encode_targets_appends_eos_and_adds_no_bos():
+    tokenizer = bos_tokenizer()
+    ids = encode_targets(tokenizer, ["4"])[0]
+    assert ids == [tokenizer.convert_tokens_to_ids("4"), tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize("text, expected", [
+    (" 4 ", ("4", None)), ("", (None, None)), ("   \n", (None, None)),
+])
+def test_extract_whole(text, expected):
+    assert extract_answer(BASELINE, text) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Task 1: number\nTask 2: 4", ("4", "Task 1: number")),
+    # the last marker wins (a model that repeats the header)
+    ("Task 1: x Task 2: 3\nTask 2: 4", ("4", "Task 1: x Task 2: 3")),
+    ("Task 1: number\n4", (None, None)),      # marker missing: unparseable, not the whole text
+    ("Task 1: number\nTask 2:   ", (None, "Task 1: number")),
+])
+def test_extract_section_takes_the_part_after_the_last_marker(text, expected):
+    assert extract_answer(MTUP, text) == expected
+
+
+def test_extract_rejects_unknown_extractors():
+    with pytest.raises(WorkflowError, match="unknown extractor"):
+        extract_answer({"extractor": {"type": "regex"}}, "x")
+    with pytest.raises(WorkflowError, match="marker"):
+        extract_answer({"extractor": {"type": "section"}}, "x")

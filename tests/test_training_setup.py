@@ -1,0 +1,44 @@
+"""The target-token loss agrees with Hugging Face's own causal-LM loss, and padding does not change it."""
+import pytest
+import torch
+
+from conftest import tiny_training_settings
+from workflow_scripts import batching, training_setup
+from workflow_scripts.distributed import DistributedContext
+
+CPU = DistributedContext(0, 0, 1, 1, torch.device("cpu"), None)
+ROWS = [
+    {"id": "a", "input_ids": [5, 6, 7, 8, 9, 10], "labels": [-100, -100, -100, 8, 9, 10]},
+    {"id": "b", "input_ids": [11, 12, 13], "labels": [-100, 13 - 1, 13]},
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    built = training_setup.build(tiny_model_dir, tiny_training_settings(), CPU)
+    with torch.no_grad():  # non-zero adapters, so the check covers the LoRA path too
+        for name, p in built.peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return built
+
+
+def test_loss_matches_hugging_face_mean_over_target_tokens(setup):
+    batch = batching.PaddingCollator(pad_token_id=0, vocab_size=128)(ROWS)
+    ours = setup.model(batch["input_ids"], batch["attention_mask"], batch["target_index"], batch["target_ids"])
+    theirs = setup.peft_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              labels=batch["labels"]).loss
+    assert float(ours) / batch["target_tokens"] == pytest.approx(float(theirs), rel=1e-5)
+
+
+def test_padding_does_not_change_a_rows_loss(setup):
+    collate = batching.PaddingCollator(pad_token_id=0, vocab_size=128)
+    alone = collate([ROWS[1]])
+    padded = collate(ROWS)
+    only_b = setup.model(alone["input_ids"], alone["attention_mask"], alone["target_index"], alone["target_ids"])
+    both = setup.model(padded["input_ids"], padded["attention_mask"], padded["target_index"], padded["target_ids"])
+    first = collate([ROWS[0]])
+    only_a = setup.model(first["input_ids"], first["attention_mask"], first["target_index"], first["target_ids"])
+    assert float(both) == pytest.approx(float(only_a) + float(only_b), rel=1e-5)

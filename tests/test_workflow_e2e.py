@@ -1,0 +1,116 @@
+"""The whole chain through Snakemake on a reduced demo config, and what reruns after a change.
+
+One module-scoped run (2 datasets x 2 variants x 2 seeds, fewer steps than the demo) backs every
+test here: the comparison's content, a changed template rerunning only its variant, and
+``--forcerun evaluate`` rerunning evaluation and the comparison only.
+"""
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DATASETS = ("chartqa_demo", "amr_demo")
+VARIANTS = ("baseline", "mtup")
+SEEDS = (1, 2)
+
+pytestmark = pytest.mark.slow
+
+
+def write_config(directory: Path, **changes) -> Path:
+    config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    config["datasets"] = {name: config["datasets"][name] for name in DATASETS}
+    for dataset in config["datasets"].values():
+        dataset["source"]["path"] = str(ROOT / dataset["source"]["path"])
+    config["seeds"] = list(SEEDS)
+    config["training"]["max_steps"] = 120
+    for key, value in changes.items():
+        section, name = key.split("__")
+        config[section][name] = value
+    path = directory / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def snakemake(directory: Path, *arguments: str, timeout: int = 1200) -> str:
+    command = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"),
+               "--configfile", str(directory / "config.yaml"), "--cores", "2", *arguments]
+    result = subprocess.run(command, cwd=directory, capture_output=True, text=True, timeout=timeout)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    return output
+
+
+def planned_jobs(dry_run_output: str) -> list[tuple[str, dict[str, str]]]:
+    """(rule, wildcards) of every job a dry run would execute."""
+    jobs = []
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", dry_run_output):
+        match = re.match(r"(?:local)?rule (\w+):", block)
+        if not match:
+            continue
+        wildcards = re.search(r"wildcards: (.*)", block)
+        pairs = dict(item.split("=", 1) for item in wildcards.group(1).split(", ")) if wildcards else {}
+        jobs.append((match.group(1), pairs))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("demo")
+    write_config(directory)
+    snakemake(directory)
+    return directory
+
+
+def test_comparison_covers_the_matrix_and_training_beats_the_untrained_model(finished_run):
+    rows = list(csv.DictReader((finished_run / "results" / "comparison.csv").open()))
+    assert {(row["dataset"], row["variant"]) for row in rows} == {(d, v) for d in DATASETS for v in VARIANTS}
+    for row in rows:
+        assert int(row["n_seeds"]) == len(SEEDS)
+        trained, untrained = float(row["mean"]), float(row["base_score"])
+        assert trained >= untrained + 0.3, f"{row['dataset']}/{row['variant']}: trained {trained} vs untrained {untrained}"
+    markdown = (finished_run / "results" / "comparison.md").read_text()
+    assert "Δ vs baseline" in markdown and "mtup" in markdown
+    for dataset in DATASETS:
+        for variant in VARIANTS:
+            for seed in SEEDS:
+                experiment = finished_run / "results" / dataset / variant / f"seed{seed}"
+                assert (experiment / "adapter" / "adapter_model.safetensors").exists()
+                assert (experiment / "run_manifest.json").exists()
+
+
+def test_second_run_has_nothing_to_do(finished_run):
+    output = snakemake(finished_run, "--dry-run")
+    assert "Nothing to be done" in output, output[-3000:]
+
+
+def test_changed_template_reruns_only_that_variant(finished_run):
+    config = yaml.safe_load((finished_run / "config.yaml").read_text())
+    original = config["variants"]["mtup"]["prompt"]
+    config["variants"]["mtup"]["prompt"] = "Q: {question}\nSolve Task 1 then Task 2.\n"
+    (finished_run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    try:
+        jobs = planned_jobs(snakemake(finished_run, "--dry-run"))
+    finally:
+        config["variants"]["mtup"]["prompt"] = original
+        (finished_run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    rules = {rule for rule, _ in jobs}
+    assert {"pretokenise", "sanity", "train", "evaluate", "compare"} <= rules, jobs
+    assert rules <= {"pretokenise", "sanity", "train", "evaluate", "evaluate_base", "compare", "all"}, jobs
+    for rule, wildcards in jobs:
+        if "variant" in wildcards:
+            assert wildcards["variant"] == "mtup", (rule, wildcards)
+
+
+def test_forcerun_evaluate_reruns_evaluation_and_comparison_only(finished_run):
+    jobs = planned_jobs(snakemake(finished_run, "--dry-run", "--forcerun", "evaluate"))
+    rules = [rule for rule, _ in jobs]
+    assert set(rules) <= {"evaluate", "compare", "all"}, rules
+    assert rules.count("evaluate") == len(DATASETS) * len(VARIANTS) * len(SEEDS)
+    assert "compare" in rules

@@ -1,0 +1,130 @@
+"""Atomic, resumable training checkpoints: adapter, optimizer, scheduler, scaler, RNG states, data position.
+
+A checkpoint is a directory ``step-00000050/`` renamed into place only when complete, so a job killed
+while writing leaves the previous checkpoint intact. The data position is the step itself: global
+batches are a function of (seed, effective batch, step) (see batching.py). A checkpoint written by a
+run with other settings, data or model is not resumed.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from workflow_scripts.atomic_output import atomic_path
+from workflow_scripts.errors import WorkflowError
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def rng_state(device: torch.device) -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "python": random.getstate(),
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+    }
+
+
+def restore_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def trainable_state(peft_model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to("cpu", copy=True).contiguous() for n, p in peft_model.named_parameters() if p.requires_grad}
+
+
+def checkpoints(checkpoint_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = STEP_DIR.match(path.name)
+        if match and (path / "state.json").is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def save(checkpoint_dir: str | Path, step: int, peft_model, optimizer, scheduler, scaler,
+         rng_states: list[dict], fingerprint: Mapping[str, Any], keep: int = 1) -> Path:
+    """Write the checkpoint for ``step`` atomically (main rank only), then drop all but the newest ``keep``."""
+    final = Path(checkpoint_dir, f"step-{step:08d}")
+    with atomic_path(final, directory=True) as directory:
+        save_file(trainable_state(peft_model), str(directory / "adapter.safetensors"))
+        torch.save(optimizer.state_dict(), directory / "optimizer.pt")
+        torch.save({
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": rng_states,
+        }, directory / "training_state.pt")
+        # state.json is written last: its presence marks a complete checkpoint even on odd file systems.
+        (directory / "state.json").write_text(json.dumps(
+            {"step": step, "world_size": len(rng_states), "fingerprint": dict(fingerprint)}, indent=2, sort_keys=True))
+    for _, old in checkpoints(checkpoint_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_compatible(checkpoint_dir: str | Path, fingerprint: Mapping[str, Any], log=print) -> Path | None:
+    """The newest checkpoint written under the same fingerprint; stale ones are removed with a note."""
+    found = checkpoints(checkpoint_dir)
+    if not found:
+        return None
+    step, path = found[-1]
+    state = json.loads((path / "state.json").read_text())
+    if state.get("fingerprint") != dict(fingerprint):
+        differing = sorted(k for k in set(fingerprint) | set(state.get("fingerprint", {}))
+                           if state.get("fingerprint", {}).get(k) != fingerprint.get(k))
+        log(f"checkpoints in {checkpoint_dir} come from a run with different {differing}; starting afresh")
+        for _, old in found:
+            shutil.rmtree(old, ignore_errors=True)
+        return None
+    return path
+
+
+def load(path: str | Path, peft_model, optimizer, scheduler, scaler, rank: int, device: torch.device,
+         log=print) -> int:
+    """Restore a checkpoint into the built objects; returns the number of completed steps."""
+    path = Path(path)
+    state = json.loads((path / "state.json").read_text())
+    adapter = load_file(str(path / "adapter.safetensors"))
+    params = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    if set(adapter) != set(params):
+        raise WorkflowError(f"{path}: its adapter tensors do not match the model's trainable parameters; "
+                            "delete the checkpoint directory to start afresh")
+    with torch.no_grad():
+        for name, tensor in adapter.items():
+            params[name].copy_(tensor)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    training_state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=True)
+    scheduler.load_state_dict(training_state["scheduler"])
+    if scaler is not None and training_state["scaler"] is not None:
+        scaler.load_state_dict(training_state["scaler"])
+    rng = training_state["rng"]
+    if rank < len(rng):
+        restore_rng_state(rng[rank], device)
+    else:
+        log(f"{path}: written by {len(rng)} processes; rank {rank} keeps its seeded RNG (dropout masks differ)")
+    return int(state["step"])
+
+
+def clear(checkpoint_dir: str | Path) -> None:
+    """After a finished run: nothing is left to resume, so a forced rerun trains afresh."""
+    for _, path in checkpoints(checkpoint_dir):
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,363 @@
+"""The ``compare`` stage: datasets x variants x seeds in one table, each variant against the reference.
+
+For every dataset: the seed-averaged score of each variant (mean and sample standard deviation over
+seeds, and a 95% bootstrap interval), the untrained base model's score with the same prompt, and
+each variant minus the reference variant with a paired bootstrap over the same test examples
+(see paired_bootstrap.py for the pairing, the interval and the p-value). Before any number is
+computed, the fairness guard (fairness.py) refuses variants whose runs differ in more than the
+prompt format. Writes CSV, Markdown and PNG plots.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from workflow_scripts import fairness, metrics, paired_bootstrap, plots
+from workflow_scripts.atomic_output import atomic_path
+from workflow_scripts.errors import ConfigError, WorkflowError, run_main
+from workflow_scripts.stage_arguments import json_setting
+
+MIN_RESAMPLES = 1000
+COLUMNS = (
+    "dataset", "metric", "variant", "n_seeds", "seeds", "seed_scores", "mean", "std", "ci_low", "ci_high",
+    "base_score", "gain_over_base", "reference", "difference", "difference_ci_low", "difference_ci_high",
+    "p_value", "n_examples", "unparseable_share",
+)
+
+
+@dataclass
+class Run:
+    """One experiment's outputs: eval summary, per-example values keyed by id, train manifest and log."""
+    dataset: str
+    variant: str
+    seed: int
+    directory: Path
+    summary: dict
+    values: dict[str, Any] = field(repr=False)
+    manifest: dict = field(repr=False)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results-dir", required=True, help="root of results/{dataset}/{variant}/seed{seed}/")
+    parser.add_argument("--experiments", required=True, help="JSON list of [dataset, variant, seed]")
+    parser.add_argument("--comparison", required=True, help="the config's comparison settings as JSON")
+    parser.add_argument("--with-base", action="store_true", help="read the untrained model's results/{dataset}/{variant}/base/eval.json")
+    parser.add_argument("--out-csv", required=True)
+    parser.add_argument("--out-markdown", required=True)
+    parser.add_argument("--plots-dir", required=True, help="writes scores_{dataset}.png and loss_{dataset}.png here")
+    return parser.parse_args(argv)
+
+
+def parse_experiments(text: str) -> list[tuple[str, str, int]]:
+    value = json_setting(text, "--experiments")
+    if not isinstance(value, list) or not value:
+        raise WorkflowError("argument --experiments: expected a non-empty JSON list of [dataset, variant, seed]")
+    experiments = []
+    for index, item in enumerate(value):
+        if (not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], str)
+                or not isinstance(item[1], str) or not isinstance(item[2], int) or isinstance(item[2], bool)):
+            raise WorkflowError(f"argument --experiments item {index}: expected [dataset, variant, seed], got {item!r}")
+        if tuple(item) in experiments:
+            raise WorkflowError(f"argument --experiments item {index}: {item!r} is listed twice")
+        experiments.append((item[0], item[1], item[2]))
+    return experiments
+
+
+def parse_comparison(text: str) -> dict:
+    comparison = json_setting(text, "--comparison")
+    if not isinstance(comparison, dict):
+        raise WorkflowError("argument --comparison: expected a JSON object")
+    for key in ("reference_variant", "bootstrap_resamples", "bootstrap_seed", "intended_differences"):
+        if key not in comparison:
+            raise ConfigError(f"comparison.{key}", "missing from the --comparison argument")
+    if not isinstance(comparison["bootstrap_resamples"], int) or comparison["bootstrap_resamples"] < MIN_RESAMPLES:
+        raise ConfigError("comparison.bootstrap_resamples", f"must be an integer >= {MIN_RESAMPLES}, got {comparison['bootstrap_resamples']!r}")
+    if not isinstance(comparison["intended_differences"], list):
+        raise ConfigError("comparison.intended_differences", "must be a list of dotted keys such as training.max_length")
+    return comparison
+
+
+def read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise WorkflowError(f"{path}: not found; run the stage that writes it first") from None
+    except json.JSONDecodeError as error:
+        raise WorkflowError(f"{path}: not valid JSON at line {error.lineno}: {error.msg}") from None
+    if not isinstance(value, dict):
+        raise WorkflowError(f"{path}: expected a JSON object")
+    return value
+
+
+def read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    rows = []
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise WorkflowError(f"{path}: not found; run the stage that writes it first") from None
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise WorkflowError(f"{path} line {number}: not valid JSON: {error.msg}") from None
+        if not isinstance(row, dict):
+            raise WorkflowError(f"{path} line {number}: expected a JSON object")
+        rows.append((number, row))
+    if not rows:
+        raise WorkflowError(f"{path}: empty")
+    return rows
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def read_predictions(path: Path, metric: str) -> dict[str, Any]:
+    """id -> per-example score, or (match, test, gold) counts for smatch."""
+    values: dict[str, Any] = {}
+    for number, row in read_jsonl(path):
+        example_id = row.get("id")
+        if not isinstance(example_id, str) or not example_id:
+            raise WorkflowError(f"{path} line {number}: field 'id' is missing or not a string")
+        if example_id in values:
+            raise WorkflowError(f"{path} line {number}: duplicate id {example_id!r}")
+        if metric == "smatch":
+            counts = row.get("counts")
+            if not (isinstance(counts, list) and len(counts) == 3 and all(isinstance(c, int) and c >= 0 for c in counts)):
+                raise WorkflowError(f"{path} line {number}: field 'counts' must be [match, test, gold] triple counts")
+            values[example_id] = counts
+        else:
+            if not _is_number(row.get("score")):
+                raise WorkflowError(f"{path} line {number}: field 'score' is missing or not a finite number")
+            values[example_id] = float(row["score"])
+    return values
+
+
+def read_loss_curve(path: Path) -> tuple[list[int], list[float]]:
+    steps, losses = [], []
+    for number, row in read_jsonl(path):
+        if not isinstance(row.get("step"), int) or not _is_number(row.get("loss")):
+            raise WorkflowError(f"{path} line {number}: fields 'step' (integer) and 'loss' (finite number) are required")
+        steps.append(row["step"])
+        losses.append(float(row["loss"]))
+    return steps, losses
+
+
+def check_summary(summary: Mapping[str, Any], path: Path, dataset: str, variant: str, seed: int | str) -> None:
+    """eval.json must describe the experiment its path names (a stale or copied file would not)."""
+    for key in ("metric", "score", "n_examples", "n_unparseable"):
+        if key not in summary:
+            raise WorkflowError(f"{path}: field '{key}' is missing")
+    expected = {"dataset": dataset, "variant": variant, "seed": seed}
+    for key, value in expected.items():
+        if summary.get(key) != value:
+            raise WorkflowError(f"{path}: field '{key}' is {summary.get(key)!r}, but the path is for {key} {value!r}")
+    if summary["metric"] not in metrics.METRICS:
+        raise WorkflowError(f"{path}: field 'metric' is {summary['metric']!r}; known: {', '.join(metrics.METRICS)}")
+
+
+def load_run(results_dir: Path, dataset: str, variant: str, seed: int) -> Run:
+    directory = results_dir / dataset / variant / f"seed{seed}"
+    summary = read_json(directory / "eval.json")
+    check_summary(summary, directory / "eval.json", dataset, variant, seed)
+    values = read_predictions(directory / "predictions.jsonl", summary["metric"])
+    if len(values) != summary["n_examples"]:
+        raise WorkflowError(f"{directory / 'predictions.jsonl'}: {len(values)} rows, but eval.json says n_examples={summary['n_examples']}")
+    recomputed = metrics.corpus_score(summary["metric"], [
+        metrics.ExampleScore(0.0, tuple(v)) if summary["metric"] == "smatch" else metrics.ExampleScore(v)
+        for v in values.values()
+    ])
+    if not math.isclose(recomputed, summary["score"], abs_tol=1e-9):
+        raise WorkflowError(f"{directory}: eval.json score {summary['score']} does not match its predictions.jsonl "
+                            f"({recomputed}); the two files come from different runs: rerun evaluate")
+    return Run(dataset, variant, seed, directory, summary, values, read_json(directory / "run_manifest.json"))
+
+
+def aligned_ids(runs: Sequence[Run]) -> list[str]:
+    """The test ids every run of a dataset scored; any disagreement breaks the pairing and is refused."""
+    first = runs[0]
+    ids = set(first.values)
+    for run in runs[1:]:
+        if set(run.values) != ids:
+            missing, extra = sorted(ids - set(run.values))[:3], sorted(set(run.values) - ids)[:3]
+            raise WorkflowError(
+                f"{run.directory / 'predictions.jsonl'}: not the same test examples as "
+                f"{first.directory / 'predictions.jsonl'} (missing ids {missing}, extra ids {extra}); "
+                "paired comparison needs identical test sets: rerun evaluate with the same evaluation settings"
+            )
+    return sorted(ids)
+
+
+def check_fairness(runs: Sequence[Run], intended: Sequence[str]) -> None:
+    for dataset, seed in sorted({(run.dataset, run.seed) for run in runs}):
+        same = [run for run in runs if run.dataset == dataset and run.seed == seed]
+        settings, sources = {}, {}
+        for run in same:
+            try:
+                settings[run.variant] = fairness.comparable_settings(run.manifest, run.summary)
+            except WorkflowError as error:
+                raise WorkflowError(f"{run.directory / 'run_manifest.json'}: {error}") from None
+            sources[run.variant] = str(run.directory / "run_manifest.json")
+        fairness.check_fair(dataset, seed, settings, sources, intended)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else round(value, 6)
+
+
+def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, comparison: Mapping[str, Any],
+                    base_scores: Mapping[str, float] | None) -> list[dict]:
+    metric_names = {run.summary["metric"] for run in runs}
+    if len(metric_names) != 1:
+        raise WorkflowError(f"dataset '{dataset}': runs were scored with different metrics {sorted(metric_names)}")
+    metric = metric_names.pop()
+    ids = aligned_ids(runs)
+    by_variant: dict[str, dict[int, Run]] = {}
+    for run in runs:
+        by_variant.setdefault(run.variant, {})[run.seed] = run
+    if reference not in by_variant:
+        raise ConfigError("comparison.reference_variant", f"'{reference}' has no runs for dataset '{dataset}' (variants: {sorted(by_variant)})")
+    seeds = sorted(by_variant[reference])
+    for variant, seed_runs in by_variant.items():
+        if sorted(seed_runs) != seeds:
+            raise WorkflowError(f"dataset '{dataset}': variant '{variant}' has seeds {sorted(seed_runs)}, "
+                                f"the reference '{reference}' has {seeds}; pairing by seed needs the same seeds")
+
+    def arrays(variant: str) -> list[np.ndarray]:
+        return [np.asarray([by_variant[variant][seed].values[i] for i in ids]) for seed in seeds]
+
+    resamples, bootstrap_seed = comparison["bootstrap_resamples"], comparison["bootstrap_seed"]
+    order = [reference] + [variant for variant in by_variant if variant != reference]
+    rows = []
+    for variant in order:
+        seed_scores = [by_variant[variant][seed].summary["score"] for seed in seeds]
+        interval = paired_bootstrap.score_interval(metric, arrays(variant), resamples, bootstrap_seed)
+        base = None if base_scores is None else base_scores[variant]
+        row = {
+            "dataset": dataset, "metric": metric, "variant": variant, "n_seeds": len(seeds),
+            "seeds": " ".join(map(str, seeds)), "seed_scores": seed_scores,
+            "mean": interval.score, "std": float(np.std(seed_scores, ddof=1)) if len(seeds) > 1 else None,
+            "ci_low": interval.low, "ci_high": interval.high,
+            "base_score": base, "gain_over_base": None if base is None else interval.score - base,
+            "reference": reference, "difference": None, "difference_ci_low": None, "difference_ci_high": None,
+            "p_value": None, "n_examples": len(ids),
+            "unparseable_share": float(np.mean([by_variant[variant][s].summary["n_unparseable"] / len(ids) for s in seeds])),
+        }
+        if variant != reference:
+            result = paired_bootstrap.paired_difference(metric, arrays(variant), arrays(reference), resamples, bootstrap_seed)
+            row.update(difference=result.difference, difference_ci_low=result.low,
+                       difference_ci_high=result.high, p_value=result.p_value)
+        rows.append({key: _round(value) if isinstance(value, float) else value for key, value in row.items()})
+    return rows
+
+
+def read_base_scores(results_dir: Path, dataset: str, variants: Sequence[str], metric: str) -> dict[str, float]:
+    scores = {}
+    for variant in variants:
+        path = results_dir / dataset / variant / "base" / "eval.json"
+        summary = read_json(path)
+        check_summary(summary, path, dataset, variant, "base")
+        if summary["metric"] != metric:
+            raise WorkflowError(f"{path}: metric '{summary['metric']}' differs from the trained runs' '{metric}'")
+        scores[variant] = float(summary["score"])
+    return scores
+
+
+def _cell(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any]) -> str:
+    reference = comparison["reference_variant"]
+    lines = [
+        "# Comparison of prompt variants",
+        "",
+        f"| dataset | metric | variant | seeds | mean ± std | 95% CI | base model | Δ vs {reference} [95% CI] | p |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        delta = "—" if row["difference"] is None else (
+            f"{row['difference']:+.4f} [{row['difference_ci_low']:+.4f}, {row['difference_ci_high']:+.4f}]")
+        lines.append(
+            f"| {row['dataset']} | {row['metric']} | {row['variant']} | {row['n_seeds']} | "
+            f"{_cell(row['mean'])} ± {_cell(row['std'])} | [{_cell(row['ci_low'])}, {_cell(row['ci_high'])}] | "
+            f"{_cell(row['base_score'])} | {delta} | {'—' if row['p_value'] is None else _cell(row['p_value'])} |"
+        )
+    intended = comparison["intended_differences"]
+    lines += [
+        "",
+        f"Mean and sample standard deviation over seeds; scores are in [0, 1]. Δ is the variant minus "
+        f"'{reference}', from a paired bootstrap over the same test examples ({comparison['bootstrap_resamples']} "
+        f"resamples, seed {comparison['bootstrap_seed']}): each resample draws test examples with replacement, "
+        "applies the same draw to every seed of both variants (seed paired with seed), and averages the "
+        "per-seed corpus scores (smatch: triple counts summed, micro F1 recomputed). 95% CI: percentile interval. "
+        "p: two-sided, shift method as in sacrebleu, (c + 1) / (B + 1), with c the resamples whose centred "
+        "difference is at least as far from 0 as the observed one.",
+        "",
+        "Fairness: variants were checked to differ only in the prompt format"
+        + (f", except the intended differences {', '.join(intended)}." if intended else "."),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_csv(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    with atomic_path(path) as temporary, open(temporary, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        for row in rows:
+            cells = {key: "" if row[key] is None else row[key] for key in COLUMNS}
+            cells["seed_scores"] = " ".join(f"{score:.4f}" for score in row["seed_scores"])
+            writer.writerow(cells)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    experiments = parse_experiments(args.experiments)
+    comparison = parse_comparison(args.comparison)
+    results_dir = Path(args.results_dir)
+    reference = comparison["reference_variant"]
+    if reference not in {variant for _, variant, _ in experiments}:
+        raise ConfigError("comparison.reference_variant", f"'{reference}' is not among the compared variants")
+
+    runs = [load_run(results_dir, *experiment) for experiment in experiments]
+    check_fairness(runs, comparison["intended_differences"])
+
+    rows, loss_curves = [], {}
+    datasets = list(dict.fromkeys(dataset for dataset, _, _ in experiments))
+    for dataset in datasets:
+        dataset_runs = [run for run in runs if run.dataset == dataset]
+        metric = dataset_runs[0].summary["metric"]
+        variants = list(dict.fromkeys(run.variant for run in dataset_runs))
+        base = read_base_scores(results_dir, dataset, variants, metric) if args.with_base else None
+        dataset_rows = compare_dataset(dataset, dataset_runs, reference, comparison, base)
+        rows.extend(dataset_rows)
+        loss_curves[dataset] = {(run.variant, run.seed): read_loss_curve(run.directory / "train_log.jsonl") for run in dataset_runs}
+
+    plots_dir = Path(args.plots_dir)
+    for dataset in datasets:
+        dataset_rows = [row for row in rows if row["dataset"] == dataset]
+        plots.score_plot(plots_dir / f"scores_{dataset}.png", dataset, dataset_rows[0]["metric"], dataset_rows)
+        plots.loss_plot(plots_dir / f"loss_{dataset}.png", dataset, loss_curves[dataset])
+    write_csv(args.out_csv, rows)
+    text = markdown(rows, comparison)
+    with atomic_path(args.out_markdown) as temporary:
+        temporary.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

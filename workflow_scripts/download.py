@@ -1,0 +1,230 @@
+"""Stage ``download``: fetch one dataset's raw records and write a manifest (a local rule).
+
+Sources (``datasets.<name>.source``):
+- ``hub``: ``datasets.load_dataset(id, config_name, revision=...)`` at a pinned revision, saved with
+  ``save_to_disk`` (Arrow keeps the hub's own types).
+- ``url``: an http(s) URL with a required sha256. Streamed to a temporary file and verified before
+  anything is placed. The file is either a ``.zip``/``.tar.gz``/``.tgz`` archive holding one
+  ``<split>.<format>`` file per split (in any folder), or a single ``.json`` file holding an object
+  that maps split names to lists of records.
+- ``local``: a directory with one ``<split>.<format>`` file per split.
+For url and local sources the raw files are kept byte for byte (rows may be malformed; normalise
+judges them). A checksum mismatch or an interrupted transfer leaves no output and says why.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.client
+import json
+import shutil
+import tarfile
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+import zipfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from workflow_scripts import raw_records
+from workflow_scripts.atomic_output import atomic_path, write_json
+from workflow_scripts.errors import WorkflowError, run_main
+from workflow_scripts.experiment_config import validate_section
+from workflow_scripts.run_manifest import build_manifest
+from workflow_scripts.stage_arguments import json_setting
+
+CHUNK_BYTES = 1 << 20
+ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz")
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(CHUNK_BYTES), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def source_splits(settings: Mapping[str, Any]) -> list[str]:
+    """The split names the config expects in the source (after aliasing)."""
+    return list(dict.fromkeys(settings["splits"].values()))
+
+
+def fetch_url(url: str, destination: Path, timeout: float = 60.0) -> str:
+    """Stream ``url`` into ``destination``; return its sha256. Raises on a short or failed transfer."""
+    digest, received, expected = hashlib.sha256(), 0, None
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response, open(destination, "wb") as handle:
+            length = response.headers.get("Content-Length")
+            expected = int(length) if length and length.isdigit() else None
+            for block in iter(lambda: response.read(CHUNK_BYTES), b""):
+                digest.update(block)
+                handle.write(block)
+                received += len(block)
+    except http.client.IncompleteRead as error:
+        received += len(error.partial)
+        raise WorkflowError(
+            f"download of {url} was interrupted after {received} of {expected or '?'} bytes; nothing was written"
+        ) from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
+        reason = getattr(error, "reason", None) or error
+        raise WorkflowError(f"download of {url} failed: {reason}; nothing was written") from None
+    if expected is not None and received != expected:
+        raise WorkflowError(
+            f"download of {url} was interrupted after {received} of {expected} bytes; nothing was written"
+        )
+    return digest.hexdigest()
+
+
+def _place_archive(archive: Path, url_path: str, out: Path, fmt: str, splits: list[str], url: str) -> None:
+    """Extract the ``<split>.<format>`` members (by base name only, so no path escapes ``out``)."""
+    wanted = {f"{split}.{fmt}" for split in splits}
+    found: dict[str, int] = {}
+    try:
+        if url_path.endswith(".zip"):
+            with zipfile.ZipFile(archive) as bundle:
+                for info in bundle.infolist():
+                    name = Path(info.filename).name
+                    if not info.is_dir() and name in wanted:
+                        found[name] = found.get(name, 0) + 1
+                        with bundle.open(info) as source, open(out / name, "wb") as target:
+                            shutil.copyfileobj(source, target)
+        else:
+            with tarfile.open(archive, "r:gz") as bundle:
+                for member in bundle.getmembers():
+                    name = Path(member.name).name
+                    if member.isfile() and name in wanted:
+                        found[name] = found.get(name, 0) + 1
+                        with bundle.extractfile(member) as source, open(out / name, "wb") as target:
+                            shutil.copyfileobj(source, target)
+    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as error:
+        raise WorkflowError(f"{url}: the archive cannot be read ({error}); nothing was written") from None
+    duplicated = sorted(name for name, count in found.items() if count > 1)
+    if duplicated:
+        raise WorkflowError(f"{url}: the archive holds several files named {duplicated}; which one is meant is ambiguous")
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise WorkflowError(f"{url}: the archive has no file {missing} (it needs one <split>.{fmt} per configured split)")
+
+
+def _place_single_json(path: Path, out: Path, splits: list[str], url: str) -> None:
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise WorkflowError(f"{url}: not valid JSON ({error}); nothing was written") from None
+    if not isinstance(content, dict):
+        raise WorkflowError(f"{url}: a single-file source must be a JSON object mapping split names to record lists")
+    for split in splits:
+        records = content.get(split)
+        if not isinstance(records, list):
+            raise WorkflowError(f"{url}: key '{split}' is missing or not a list of records (keys: {sorted(content)})")
+        (out / f"{split}.json").write_text(json.dumps(records))
+
+
+def download_url(settings: Mapping[str, Any], out: Path, work: Path) -> dict[str, Any]:
+    source, fmt, splits = settings["source"], settings["format"], source_splits(settings)
+    url = source["url"]
+    url_path = urllib.parse.urlparse(url).path.lower()
+    fetched = work / "download"
+    actual = fetch_url(url, fetched)
+    if actual != source["sha256"].lower():
+        raise WorkflowError(
+            f"download of {url}: sha256 mismatch (config says {source['sha256']}, received {actual}); nothing was written"
+        )
+    if url_path.endswith(ARCHIVE_SUFFIXES):
+        _place_archive(fetched, url_path, out, fmt, splits, url)
+    elif fmt == "json":
+        _place_single_json(fetched, out, splits, url)
+    else:
+        raise WorkflowError(
+            f"{url}: a single downloaded file is read as JSON mapping splits to records, but the dataset's "
+            f"format is '{fmt}'; serve a .zip or .tar.gz with one <split>.{fmt} per split, or set format: json"
+        )
+    return {"url": url, "sha256": actual}
+
+
+def copy_local(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
+    directory, fmt = Path(settings["source"]["path"]), settings["format"]
+    if not directory.is_dir():
+        raise WorkflowError(f"{directory}: source.path is not a directory (it must hold one <split>.{fmt} file per split)")
+    for split in source_splits(settings):
+        path = directory / f"{split}.{fmt}"
+        if not path.is_file():
+            present = sorted(p.name for p in directory.iterdir())
+            raise WorkflowError(f"{path}: missing; split '{split}' needs this file (the directory holds {present})")
+        shutil.copyfile(path, out / path.name)
+    return {"path": str(directory)}
+
+
+def download_hub(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
+    import datasets
+
+    source = settings["source"]
+    try:
+        data = datasets.load_dataset(source["id"], source.get("config_name"), revision=source["revision"])
+    except Exception as error:  # the hub client raises many types; report one line, never a token
+        raise WorkflowError(f"hub dataset {source['id']}@{source['revision']}: {type(error).__name__}: {error}") from None
+    if not isinstance(data, datasets.DatasetDict):
+        raise WorkflowError(f"hub dataset {source['id']}: expected splits, got a {type(data).__name__}")
+    missing = [split for split in source_splits(settings) if split not in data]
+    if missing:
+        raise WorkflowError(f"hub dataset {source['id']}: no split {missing} (it has {sorted(data)})")
+    data.save_to_disk(str(out))
+    return {"id": source["id"], "config_name": source.get("config_name"), "revision": source["revision"]}
+
+
+def rows_per_split(out: Path, settings: Mapping[str, Any]) -> dict[str, int]:
+    if raw_records.is_saved_dataset(out):
+        from datasets import load_from_disk
+
+        data = load_from_disk(str(out))
+        return {split: data[split].num_rows for split in data}
+    return {
+        split: raw_records.count_rows(out / f"{split}.{settings['format']}", settings["format"])
+        for split in source_splits(settings)
+    }
+
+
+def file_hashes(directory: Path) -> dict[str, str]:
+    return {
+        str(path.relative_to(directory)): sha256_file(path)
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Download one dataset's raw records and write a manifest.")
+    parser.add_argument("--name", required=True, help="Dataset name (the key under datasets in the config).")
+    parser.add_argument("--dataset", required=True, help="The dataset's settings as JSON.")
+    parser.add_argument("--out", required=True, type=Path, help="Raw data directory to create.")
+    parser.add_argument("--manifest", required=True, type=Path, help="download_manifest.json to write.")
+    args = parser.parse_args(argv)
+    settings = validate_section(json_setting(args.dataset, "--dataset"), "datasets", f"datasets.{args.name}", "--dataset")
+    kind = settings["source"]["type"]
+
+    with atomic_path(args.out, directory=True) as out:
+        out.mkdir(parents=True, exist_ok=True)
+        if kind == "hub":
+            origin = download_hub(settings, out)
+        elif kind == "url":
+            with tempfile.TemporaryDirectory(prefix=".download.", dir=args.out.parent) as work:
+                origin = download_url(settings, out, Path(work))
+        else:
+            origin = copy_local(settings, out)
+        files = file_hashes(out)
+        rows = rows_per_split(out, settings)
+        manifest = build_manifest(
+            "download", settings, dataset=args.name, source_type=kind, source=origin,
+            revision=settings["source"].get("revision"),
+            sha256=origin.get("sha256") or hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest(),
+            files=files, rows=rows,
+        )
+    write_json(args.manifest, manifest)
+    print(f"{args.name}: {kind} source, rows per split {rows}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

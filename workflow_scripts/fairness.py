@@ -1,0 +1,98 @@
+"""The fairness guard: variants compared on one dataset and seed may differ only in the prompt format.
+
+The seeds compared a 7B baseline trained at 512 tokens against MTUP at 2048 and had to argue by hand
+that the comparison was fair. Here the comparison refuses such runs unless the config says the
+difference is intended (``comparison.intended_differences``).
+
+What is compared, as dotted keys:
+- ``training.<key>``: the resolved training settings each train job recorded in ``run_manifest.json``
+  (``settings``), except runtime-only keys that cannot change what is learned;
+- ``model.<field>``: the base model's identity recorded by the train job (directory, manifest hash);
+- ``evaluation.<key>``: the decoding settings each evaluate job recorded (split, max_new_tokens,
+  max_examples), plus the base model it loaded.
+An intended-difference entry covers its key and every key below it (``training.lora`` covers
+``training.lora.rank``). Template-dependent facts (the tokenised data's cache key) are the prompt
+format itself and are not compared.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from workflow_scripts.errors import WorkflowError
+
+RUNTIME_ONLY_TRAINING_KEYS = frozenset({
+    "gpus", "cpu_processes", "nodes", "dataloader_workers", "checkpoint_every", "log_every",
+    "runtime_minutes", "mem_mb", "sanity_batches", "memory_headroom",
+})
+MODEL_FIELDS = ("model_dir", "model_manifest_sha256")
+EVALUATION_KEYS = ("split", "max_new_tokens", "max_examples")
+ABSENT = "<absent>"
+
+
+def flatten(value: Any, prefix: str) -> dict[str, Any]:
+    """Nested mappings as dotted keys; lists and scalars are leaves."""
+    if isinstance(value, Mapping):
+        flat: dict[str, Any] = {}
+        for key, item in value.items():
+            flat.update(flatten(item, f"{prefix}.{key}"))
+        return flat
+    return {prefix: value}
+
+
+def comparable_settings(manifest: Mapping[str, Any], summary: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The settings that must agree between variants, from a train manifest and (optionally) an eval.json."""
+    settings = manifest.get("settings")
+    if not isinstance(settings, Mapping):
+        raise WorkflowError("run manifest has no 'settings' mapping (the resolved training settings)")
+    flat = {}
+    for key, value in settings.items():
+        if key not in RUNTIME_ONLY_TRAINING_KEYS:
+            flat.update(flatten(value, f"training.{key}"))
+    for field in MODEL_FIELDS:
+        if field in manifest:
+            flat[f"model.{field.removeprefix('model_')}"] = manifest[field]
+    if summary is not None:
+        evaluation = summary.get("manifest", {}).get("settings", {}).get("evaluation", {})
+        for key in EVALUATION_KEYS:
+            if key in evaluation:
+                flat[f"evaluation.{key}"] = evaluation[key]
+        for field in MODEL_FIELDS:
+            if field in summary:
+                flat[f"evaluation.{field}"] = summary[field]
+    return flat
+
+
+def is_intended(key: str, intended: Sequence[str]) -> bool:
+    return any(key == allowed or key.startswith(allowed + ".") for allowed in intended)
+
+
+def differences(settings_by_variant: Mapping[str, Mapping[str, Any]], intended: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Keys whose values are not the same for every variant (and not intended): key -> {variant: value}."""
+    keys = sorted(set().union(*settings_by_variant.values()))
+    found = {}
+    for key in keys:
+        values = {variant: settings.get(key, ABSENT) for variant, settings in settings_by_variant.items()}
+        if len({repr(value) for value in values.values()}) > 1 and not is_intended(key, intended):
+            found[key] = values
+    return found
+
+
+def check_fair(dataset: str, seed: int, settings_by_variant: Mapping[str, Mapping[str, Any]],
+               sources: Mapping[str, str], intended: Sequence[str]) -> None:
+    """Raise one WorkflowError listing every unintended difference between the variants' runs."""
+    found = differences(settings_by_variant, intended)
+    if not found:
+        return
+    lines = [
+        f"unfair comparison on dataset '{dataset}', seed {seed}: the variants differ in more than the prompt format:"
+    ]
+    for key, values in found.items():
+        shown = ", ".join(f"{variant}={value!r}" for variant, value in values.items())
+        lines.append(f"  {key}: {shown}")
+    lines.append("  (from " + "; ".join(f"{variant}: {path}" for variant, path in sources.items()) + ")")
+    keys = ", ".join(sorted(found))
+    lines.append(
+        "Fix: make these settings equal (remove the variants.<name>.training overrides) and rerun, or, if the "
+        f"difference is intended, list it under comparison.intended_differences: [{keys}]"
+    )
+    raise WorkflowError("\n".join(lines))

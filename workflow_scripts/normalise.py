@@ -1,0 +1,336 @@
+"""Stage ``normalise``: one dataset's raw records -> the canonical schema, driven only by the config.
+
+Canonical row: ``id`` (stable), ``question`` (non-empty str), ``answers`` (non-empty list of
+non-empty str), each ``extra_fields`` name carried unchanged, each ``derived`` name (str, from a
+named transform in workflow_scripts.transforms). Splits are renamed to train/validation/test.
+
+Bad rows are rejected, never repaired: no fallback value is ever filled in and no empty row is
+ever written (seed: "fallback values for missing data" trained a model on empty strings).
+The report counts rejections per reason with examples (file, split, row, field). The stage fails
+with one message when a mapped field is absent from every row of a split, or when a split's
+rejected share passes ``max_rejected_fraction``.
+
+Counting: a row is one record, or one question/answer pair of a flattened record; a flattened
+record that cannot be split into pairs (not lists, or lists of different lengths) counts as one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from workflow_scripts import raw_records
+from workflow_scripts.atomic_output import atomic_path, write_json
+from workflow_scripts.errors import ConfigError, WorkflowError, run_main
+from workflow_scripts.experiment_config import validate_section
+from workflow_scripts.stage_arguments import json_setting
+from workflow_scripts.transforms import TRANSFORMS
+
+CANONICAL_SPLITS = ("train", "validation", "test")
+EXAMPLES_PER_REASON = 5
+REASONS = {
+    "unparseable_record": "the raw row could not be decoded",
+    "missing_field": "a mapped field is absent or null",
+    "empty_value": "a string, list or answer is empty",
+    "wrong_type": "a value has a type the field cannot hold (e.g. a number where text is needed)",
+    "length_mismatch": "a flattened record's question and answer lists differ in length",
+    "duplicate_id": "the id was already used by an earlier row of the split",
+    "transform_failed": "a derived field's transform rejected its input",
+}
+
+
+class Rejected(Exception):
+    def __init__(self, reason: str, field: str | None, detail: str):
+        super().__init__(detail)
+        self.reason, self.field, self.detail = reason, field, detail
+
+
+@dataclass
+class SplitTally:
+    source_split: str
+    file: str
+    examined: int = 0
+    kept: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    present: Counter = field(default_factory=Counter)  # source field -> rows that have it
+    first: dict = field(default_factory=dict)  # reason -> the split's first example of it
+    seen_keys: set = field(default_factory=set)
+
+    @property
+    def rejected(self) -> int:
+        return self.examined - self.kept
+
+
+@dataclass
+class Rejections:
+    counts: Counter = field(default_factory=Counter)
+    examples: dict = field(default_factory=dict)
+
+    def add(self, error: Rejected, file: str, split: str, row: int) -> dict:
+        example = {"file": file, "split": split, "row": row, "field": error.field, "detail": error.detail}
+        self.counts[error.reason] += 1
+        kept = self.examples.setdefault(error.reason, [])
+        if len(kept) < EXAMPLES_PER_REASON:
+            kept.append(example)
+        return example
+
+
+def describe(example: Mapping[str, Any]) -> str:
+    where = f"{example['file']} row {example['row']}"
+    return f"{where}: field '{example['field']}': {example['detail']}" if example["field"] else f"{where}: {example['detail']}"
+
+
+# --- value checks: each returns the clean value or raises Rejected ---
+def _present(record: Mapping[str, Any], name: str) -> Any:
+    if name not in record or record[name] is None:
+        raise Rejected("missing_field", name, "is missing" if name not in record else "is null")
+    return record[name]
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise Rejected("wrong_type", name, f"expected a string, got {type(value).__name__} {value!r:.60}")
+    if not value.strip():
+        raise Rejected("empty_value", name, "is empty")
+    return value.strip()
+
+
+def _answers(value: Any, name: str) -> list[str]:
+    """One answer string, or a list of gold answers (each a non-empty string)."""
+    if isinstance(value, str):
+        return [_text(value, name)]
+    if not isinstance(value, list):
+        raise Rejected("wrong_type", name, f"expected a string or a list of strings, got {type(value).__name__}")
+    if not value:
+        raise Rejected("empty_value", name, "is an empty list")
+    return [_text(item, f"{name}[{index}]") for index, item in enumerate(value)]
+
+
+def _record_id(value: Any, name: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise Rejected("wrong_type", name, f"an id must be a string or an integer, got {type(value).__name__}")
+    return _text(str(value), name)
+
+
+def _kind(value: Any) -> str:
+    """The coarse type an extra field must keep across rows (Arrow needs one type per column)."""
+    for name, types in (("bool", bool), ("number", (int, float)), ("string", str), ("bytes", bytes),
+                        ("list", list), ("mapping", dict)):
+        if isinstance(value, types):
+            return name
+    return type(value).__name__
+
+
+class RecordMapper:
+    """Applies one dataset's declarative mapping to raw records."""
+
+    def __init__(self, settings: Mapping[str, Any], key: str):
+        self.fields = settings["fields"]
+        self.flatten = settings["flatten"]
+        self.extra = settings["extra_fields"]
+        self.derived = settings["derived"]
+        self.extra_kinds: dict[str, str] = {}
+        available = {"id", "question", "answer"} | set(self.extra)
+        for name, spec in self.derived.items():
+            if spec["field"] not in available:
+                raise ConfigError(
+                    f"{key}.derived.{name}.field",
+                    f"'{spec['field']}' is not a field of the normalised row (choose from {sorted(available)})",
+                )
+            available.add(name)
+
+    def source_fields(self) -> dict[str, str]:
+        """Config key -> source field name, for the 'absent from every row' check."""
+        mapped = {f"fields.{name}": source for name, source in self.fields.items()}
+        mapped.update({f"extra_fields.{name}": source for name, source in self.extra.items()})
+        return mapped
+
+    def rows(self, record: Any, split: str, row: int) -> Iterable[dict[str, Any] | Rejected]:
+        """Canonical rows of one record; a bad pair or record comes out as a Rejected instead."""
+        if isinstance(record, raw_records.Unparseable):
+            yield Rejected("unparseable_record", None, record.error)
+            return
+        if not isinstance(record, Mapping):
+            yield Rejected("wrong_type", None, f"the row is a {type(record).__name__}, not an object with fields")
+            return
+        try:
+            id_field = self.fields.get("id")
+            record_id = _record_id(_present(record, id_field), id_field) if id_field else f"{split}-{row}"
+            extras = {name: self._extra(record, name, source) for name, source in self.extra.items()}
+            if self.flatten:
+                pairs = self._pairs(record)
+            else:
+                pairs = [(_present(record, self.fields["question"]), _present(record, self.fields["answers"]), None)]
+        except Rejected as error:
+            yield error
+            return
+        for question, answers, index in pairs:
+            suffix = "" if index is None else f"[{index}]"
+            try:
+                canonical = {
+                    "id": record_id if index is None else f"{record_id}-q{index}",
+                    "question": _text(question, self.fields["question"] + suffix),
+                    "answers": _answers(answers, self.fields["answers"] + suffix),
+                    **extras,
+                }
+                yield self._derive(canonical)
+            except Rejected as error:
+                yield error
+
+    def _extra(self, record: Mapping[str, Any], name: str, source: str) -> Any:
+        value = _present(record, source)
+        if isinstance(value, (str, list, bytes)) and not value:
+            raise Rejected("empty_value", source, "is empty")
+        kind = self.extra_kinds.setdefault(name, _kind(value))
+        if _kind(value) != kind:
+            raise Rejected("wrong_type", source, f"is a {_kind(value)} where earlier rows hold a {kind}")
+        return value
+
+    def _pairs(self, record: Mapping[str, Any]) -> list[tuple[Any, Any, int]]:
+        questions = _present(record, self.fields["question"])
+        answers = _present(record, self.fields["answers"])
+        for name, value in ((self.fields["question"], questions), (self.fields["answers"], answers)):
+            if not isinstance(value, list):
+                raise Rejected("wrong_type", name, f"flatten needs a list, got {type(value).__name__}")
+            if not value:
+                raise Rejected("empty_value", name, "is an empty list")
+        if len(questions) != len(answers):
+            raise Rejected(
+                "length_mismatch", f"{self.fields['question']}/{self.fields['answers']}",
+                f"{len(questions)} questions but {len(answers)} answers; pairs cannot be matched",
+            )
+        return [(q, a, k) for k, (q, a) in enumerate(zip(questions, answers))]
+
+    def _derive(self, row: dict[str, Any]) -> dict[str, Any]:
+        fields = {**row, "answer": row["answers"][0]}
+        for name, spec in self.derived.items():
+            try:
+                value = TRANSFORMS[spec["transform"]](fields[spec["field"]])
+            except (ValueError, TypeError) as error:
+                raise Rejected("transform_failed", spec["field"], f"transform '{spec['transform']}' failed: {error}") from None
+            if not isinstance(value, str) or not value.strip():
+                raise Rejected("transform_failed", spec["field"], f"transform '{spec['transform']}' gave an empty result")
+            row[name] = fields[name] = value
+        return row
+
+
+def normalise_split(mapper: RecordMapper, raw_dir: Path, fmt: str, canonical: str, source_split: str,
+                    rejections: Rejections, key: str) -> tuple[list[dict], SplitTally]:
+    location = raw_records.split_location(raw_dir, source_split, fmt)
+    tally = SplitTally(source_split=source_split, file=str(location))
+    kept, ids = [], set()
+    source_fields = mapper.source_fields()
+    for row, record in raw_records.iter_records(raw_dir, source_split, fmt):
+        if isinstance(record, Mapping):
+            tally.seen_keys.update(record)
+            tally.present.update(name for name in set(source_fields.values()) if name in record)
+        for result in mapper.rows(record, canonical, row):
+            tally.examined += 1
+            if isinstance(result, dict) and result["id"] in ids:
+                result = Rejected("duplicate_id", mapper.fields.get("id", "id"), f"id '{result['id']}' occurs earlier in the split")
+            if isinstance(result, Rejected):
+                example = rejections.add(result, str(location), canonical, row)
+                tally.first.setdefault(result.reason, example)
+                tally.reasons[result.reason] += 1
+            else:
+                ids.add(result["id"])
+                kept.append(result)
+                tally.kept += 1
+    for config_key, source in source_fields.items():
+        if tally.examined and not tally.present[source]:
+            raise WorkflowError(
+                f"{location}: field '{source}' ({key}.{config_key}) is absent from every row of split "
+                f"'{source_split}'; the rows have fields {sorted(tally.seen_keys)}"
+            )
+    return kept, tally
+
+
+def check_tally(tally: SplitTally, threshold: float, key: str) -> None:
+    if tally.examined == 0:
+        raise WorkflowError(f"{tally.file}: split '{tally.source_split}' has no rows")
+    share = tally.rejected / tally.examined
+    if tally.kept and share <= threshold:
+        return
+    reasons = ", ".join(f"{reason} {count}" for reason, count in tally.reasons.most_common())
+    example = describe(tally.first[tally.reasons.most_common(1)[0][0]])
+    limit = "so no row is left" if not tally.kept else f"more than {key}.max_rejected_fraction = {threshold}"
+    raise WorkflowError(
+        f"{tally.file}: {tally.rejected} of {tally.examined} rows of split '{tally.source_split}' rejected "
+        f"({share:.1%}), {limit}; reasons: {reasons}; for example {example}"
+    )
+
+
+def to_dataset(rows: list[dict], location: str):
+    from datasets import Dataset
+
+    try:
+        return Dataset.from_list(rows)
+    except Exception as error:  # Arrow cannot hold a carried field's values in one column
+        raise WorkflowError(f"{location}: the kept rows cannot be stored as one table: {error}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Map one dataset's raw records onto the canonical schema.")
+    parser.add_argument("--name", required=True, help="Dataset name (the key under datasets in the config).")
+    parser.add_argument("--dataset", required=True, help="The dataset's settings as JSON.")
+    parser.add_argument("--raw", required=True, type=Path, help="Raw data directory written by download.")
+    parser.add_argument("--out", required=True, type=Path, help="Normalised DatasetDict directory to create.")
+    parser.add_argument("--report", required=True, type=Path, help="normalise_report.json to write.")
+    args = parser.parse_args(argv)
+    key = f"datasets.{args.name}"
+    settings = validate_section(json_setting(args.dataset, "--dataset"), "datasets", key, "--dataset")
+    if not args.raw.is_dir():
+        raise WorkflowError(f"{args.raw}: raw data directory not found; run the download rule first")
+    fmt = settings["format"]
+    mapper = RecordMapper(settings, key)
+    rejections, splits, tallies = Rejections(), {}, {}
+    for canonical in CANONICAL_SPLITS:
+        if canonical not in settings["splits"]:
+            continue
+        rows, tally = normalise_split(mapper, args.raw, fmt, canonical, settings["splits"][canonical], rejections, key)
+        splits[canonical], tallies[canonical] = rows, tally
+
+    report = {
+        "dataset": args.name,
+        "raw": str(args.raw),
+        "max_rejected_fraction": settings["max_rejected_fraction"],
+        "splits": {
+            canonical: {
+                "source_split": t.source_split, "file": t.file, "examined": t.examined, "kept": t.kept,
+                "rejected": t.rejected, "rejected_fraction": t.rejected / t.examined if t.examined else None,
+                "reasons": dict(t.reasons),
+            }
+            for canonical, t in tallies.items()
+        },
+        "reasons": {
+            reason: {"count": count, "description": REASONS[reason], "examples": rejections.examples[reason]}
+            for reason, count in sorted(rejections.counts.items())
+        },
+        "ignored_source_splits": sorted(
+            set(raw_records.available_splits(args.raw, fmt)) - set(settings["splits"].values())
+        ),
+    }
+    try:
+        for tally in tallies.values():
+            check_tally(tally, settings["max_rejected_fraction"], key)
+    except WorkflowError:
+        print(json.dumps(report, indent=2, default=str), file=sys.stderr)  # the log keeps the evidence
+        raise
+
+    from datasets import DatasetDict
+
+    data = DatasetDict({canonical: to_dataset(rows, tallies[canonical].file) for canonical, rows in splits.items()})
+    with atomic_path(args.out, directory=True) as out:
+        data.save_to_disk(str(out))
+    write_json(args.report, report)
+    for canonical, tally in tallies.items():
+        print(f"{args.name}/{canonical}: kept {tally.kept} of {tally.examined} rows; rejected {dict(tally.reasons)}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

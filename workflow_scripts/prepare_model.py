@@ -1,0 +1,125 @@
+"""Stage ``prepare_model``: put the base model into ``resources/models/<name>/`` once (a local rule),
+so training and evaluation never reach the network.
+
+Sources (``model.source``): ``tiny`` (built locally from the demo corpus), ``hub`` (snapshot at a
+pinned revision; safetensors and tokenizer files only, pickle weights refused), ``gguf`` (a GGUF
+file shipped in a Python package, converted to safetensors) and ``local`` (an existing directory,
+validated and copied). Every model directory gets ``model_manifest.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from workflow_scripts.atomic_output import atomic_path, write_json
+from workflow_scripts.errors import WorkflowError, run_main
+from workflow_scripts.experiment_config import validate_section
+from workflow_scripts.run_manifest import build_manifest
+from workflow_scripts.stage_arguments import json_setting
+
+MANIFEST_NAME = "model_manifest.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# What a snapshot keeps: config, safetensors weights (and their index), tokenizer and generation files.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_model_dir(directory: Path, origin: str) -> None:
+    """A usable model directory: config.json, safetensors weights, a tokenizer, no pickle weights."""
+    names = {p.name for p in directory.iterdir()} if directory.is_dir() else set()
+    if not names:
+        raise WorkflowError(f"{origin}: not a model directory (missing or empty)")
+    if "config.json" not in names:
+        raise WorkflowError(f"{origin}: no config.json")
+    if not any(name.endswith(".safetensors") for name in names):
+        pickled = sorted(name for name in names if name.endswith(PICKLE_SUFFIXES))
+        why = f"only pickle weights {pickled}, which can run code when loaded" if pickled else "no weights"
+        raise WorkflowError(f"{origin}: {why}; convert them to safetensors first")
+    if not names & {"tokenizer.json", "tokenizer.model", "vocab.json"}:
+        raise WorkflowError(f"{origin}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+
+
+def snapshot_hub(model: Mapping[str, Any], out: Path) -> dict[str, Any]:
+    """Download the pinned revision's safetensors + tokenizer files; refuse a repo with pickle weights only."""
+    import huggingface_hub
+
+    repo, revision = model["hub_id"], model["revision"]
+    try:
+        files = huggingface_hub.list_repo_files(repo, revision=revision)
+        if not any(name.endswith(".safetensors") for name in files):
+            pickled = sorted(name for name in files if name.endswith(PICKLE_SUFFIXES))
+            raise WorkflowError(
+                f"model.hub_id {repo}@{revision}: no safetensors weights (only {pickled or 'nothing loadable'}); "
+                "pickle weights are refused because loading them can run code"
+            )
+        # A repo's own Python code is fetched only when the config opts into running it.
+        patterns = HUB_PATTERNS + (["*.py"] if model["trust_remote_code"] else [])
+        huggingface_hub.snapshot_download(repo, revision=revision, local_dir=str(out), allow_patterns=patterns)
+    except WorkflowError:
+        raise
+    except Exception as error:  # one line, never a token: the hub client's errors carry URLs only
+        raise WorkflowError(f"model.hub_id {repo}@{revision}: {type(error).__name__}: {error}") from None
+    shutil.rmtree(out / ".cache", ignore_errors=True)  # the hub client's download bookkeeping
+    return {"hub_id": repo, "revision": revision}
+
+
+def copy_local(model: Mapping[str, Any], out: Path) -> dict[str, Any]:
+    source = Path(model["path"])
+    check_model_dir(source, f"model.path {source}")
+    for path in sorted(source.iterdir()):
+        if path.is_file() and not path.name.endswith(PICKLE_SUFFIXES) and path.name != MANIFEST_NAME:
+            try:
+                os.link(path, out / path.name)  # a hard link costs no space; copy across file systems
+            except OSError:
+                shutil.copyfile(path, out / path.name)
+    return {"local_path": str(source)}
+
+
+def prepare(model: Mapping[str, Any], corpus: Sequence[str], out: Path) -> dict[str, Any]:
+    source = model["source"]
+    if source == "tiny":
+        from workflow_scripts import tiny_model
+
+        return tiny_model.build(model["tiny"], corpus, out)
+    if source == "gguf":
+        from workflow_scripts import gguf_model
+
+        return gguf_model.convert(model["gguf"], out, model["trust_remote_code"])
+    if source == "hub":
+        return snapshot_hub(model, out)
+    return copy_local(model, out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Prepare the base model directory (offline afterwards).")
+    parser.add_argument("--model", required=True, help="The config's model section as JSON.")
+    parser.add_argument("--out", required=True, type=Path, help="Model directory to create.")
+    parser.add_argument("--corpus", nargs="*", default=[], help="Normalised datasets for the tiny model's tokenizer.")
+    args = parser.parse_args(argv)
+    model = validate_section(json_setting(args.model, "--model"), "model", "model", "--model")
+    if model["source"] != "tiny" and args.corpus:
+        raise WorkflowError(f"--corpus is only used by model.source 'tiny', not '{model['source']}'")
+
+    with atomic_path(args.out, directory=True) as out:
+        out.mkdir(parents=True, exist_ok=True)
+        facts = prepare(model, args.corpus, out)
+        check_model_dir(out, f"prepared model {args.out}")
+        files = {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
+        write_json(out / MANIFEST_NAME, build_manifest("prepare_model", model, model_source=model["source"], files=files, **facts))
+    print(f"model {model['name']} ({model['source']}) ready in {args.out}: {facts}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,162 @@
+"""The ``sanity`` stage: a gate in front of every training job.
+
+It builds the model exactly as ``train`` does (training_setup.build: same loading, LoRA, precision,
+gradient checkpointing, device placement and DDP wrapping, through the same launcher), runs a few
+real optimizer steps on the experiment's pre-tokenised data, and fails with
+``error: <check>: <cause>. Fix: <fix>`` on the first problem. On success it writes sanity.json.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Sequence
+
+import torch
+
+from workflow_scripts import (batching, distributed, launcher, memory_estimate, preflight_checks as checks,
+                              training_setup)
+from workflow_scripts.atomic_output import write_json
+from workflow_scripts.errors import run_main
+from workflow_scripts.experiment_config import world_size as configured_world_size
+from workflow_scripts.preflight_checks import PreflightError
+from workflow_scripts.train import add_common_arguments, seed_everything
+
+# fp16 overflows are normal at first (the scaler backs off); allow enough to go from 2^16 below 1.
+MAX_FP16_OVERFLOW_STEPS = 20
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m workflow_scripts.sanity", description=__doc__)
+    add_common_arguments(parser)
+    parser.add_argument("--out", required=True, help="sanity.json report")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    training = training_setup.load_training_settings(args.training)
+    if launcher.needs_launch(training["gpus"], training["cpu_processes"], training["nodes"]):
+        return launcher.launch("workflow_scripts.sanity", argv, training["gpus"], training["cpu_processes"], training["nodes"])
+    return run_gate(args, training)
+
+
+class Report:
+    def __init__(self, is_main: bool):
+        self.checks: list[dict] = []
+        self.is_main = is_main
+
+    def record(self, name: str, detail: str) -> None:
+        self.checks.append({"name": name, "passed": True, "detail": detail})
+        if self.is_main:
+            print(f"ok   {name}: {detail}", flush=True)
+
+
+def run_gate(args: argparse.Namespace, training: dict) -> int:
+    seed_everything(args.seed)
+    context = distributed.setup(use_cuda=training["gpus"] > 0)
+    report = Report(context.is_main)
+    try:
+        visible = torch.cuda.device_count() if training["gpus"] else 0
+        report.record("device_count", checks.check_device_count(
+            training["gpus"], visible, context.local_world_size, context.world_size, configured_world_size(training)))
+        report.record("precision", checks.check_precision(
+            training["precision"], context.device, torch.amp.GradScaler(context.device.type)
+            if training["precision"] == "fp16" else None, training_setup.bf16_supported))
+        meta = batching.read_meta(args.data)
+        dataset = batching.TokenisedSplit(args.data, "train")
+        setup = training_setup.build(args.model, training, context, args.trust_remote_code)
+        # Re-checked on the built objects: the scaler is the one training will use.
+        checks.check_precision(training["precision"], context.device, setup.scaler, training_setup.bf16_supported)
+        report.record("trainable_parameters", checks.check_trainable(setup.model))
+        report.record("placement", checks.check_placement(setup.model, context.device))
+        report.record("name_lookup", checks.check_name_lookup(setup.model))
+        estimate = memory_estimate.estimate(setup.peft_model, training, context.device)
+        processes_here = context.local_world_size if context.device.type == "cpu" else 1
+        capacity = memory_estimate.device_capacity(context.device, processes_here)
+        report.record("memory", checks.check_memory(estimate, capacity, training["memory_headroom"], training, context.device))
+        report.record("data_scan", checks.scan_dataset(dataset, setup.vocab_size))
+        losses, padding = run_probe_steps(setup, dataset, meta, training, args.seed, report)
+        devices = distributed.all_gather_objects(distributed.device_name(context.device), context)
+        if context.is_main:
+            write_json(args.out, {
+                "passed": True,
+                "checks": report.checks,
+                "memory_estimate": {**estimate, "device_capacity": capacity},
+                "world_size": context.world_size,
+                "devices": devices,
+                "gradient_accumulation": setup.accumulation,
+                "probe_losses": losses,
+                "padding_share": padding,
+                "seed": args.seed,
+            })
+        distributed.barrier(context)
+        return 0
+    finally:
+        distributed.teardown(context)
+
+
+def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report):
+    """A few real optimizer steps through the training code, checking batches and gradients."""
+    context = setup.context
+    report.record("train_mode", checks.check_train_mode(setup.model))
+    plan = batching.GlobalBatchPlan(dataset.lengths(), training["effective_batch"], seed, training["length_grouping"])
+    steps = training["sanity_batches"] + (MAX_FP16_OVERFLOW_STEPS if setup.scaler is not None else 0)
+    sampler = batching.RankBatchSampler(plan, training["micro_batch"], context.rank, context.world_size, 0, steps)
+    collator = batching.PaddingCollator(meta["pad_token_id"], setup.vocab_size)
+    batches = iter(batching.build_loader(dataset, sampler, collator, 0, False, seed))
+    parameters = setup.trainable_parameters()
+    losses, padding, gradients_checked = [], [], False
+    initial_scale = float(setup.scaler.get_scale()) if setup.scaler is not None else None
+    for step in range(steps):
+        micro_batches = [next(batches) for _ in range(setup.accumulation)]
+        padding.append(batching.padding_share(micro_batches))
+        targets = torch.tensor(float(sum(b["target_tokens"] for b in micro_batches)), device=context.device)
+        loss_scale = context.world_size / distributed.all_reduce_sum(targets, context)
+        step_loss = 0.0
+        for k, batch in enumerate(micro_batches):
+            batch = training_setup.to_device(batch, context.device)
+            detail = checks.check_batch(batch, context.device, setup.vocab_size)
+            try:
+                step_loss += float(training_setup.micro_step(setup, batch, loss_scale, k == len(micro_batches) - 1))
+            except RuntimeError as error:
+                if "does not require grad" in str(error) or "doesn't require grad" in str(error):
+                    raise PreflightError(
+                        "gradients", "the loss does not require grad (it was detached, or computed under "
+                        "torch.no_grad, before backward)", "keep the loss attached to the graph until backward; "
+                        "log loss.item() only after it",
+                    ) from None
+                raise
+        step_loss = float(distributed.all_reduce_sum(torch.tensor([step_loss], device=context.device), context))
+        if not math.isfinite(step_loss):
+            raise PreflightError("gradients", f"the loss is {step_loss} on probe step {step + 1}",
+                                 "check the data and lower training.learning_rate")
+        if setup.scaler is not None:
+            setup.scaler.unscale_(setup.optimizer)
+            overflow = not all(torch.isfinite(p.grad).all() for p in parameters if p.grad is not None)
+            if not overflow and not gradients_checked:
+                report.record("gradients", checks.check_gradients(setup.model))
+                gradients_checked = True
+            setup.scaler.step(setup.optimizer)
+            setup.scaler.update()
+            checks.check_scaler_scale(setup.scaler, initial_scale)
+        else:
+            if not gradients_checked:
+                report.record("gradients", checks.check_gradients(setup.model))
+                gradients_checked = True
+            torch.nn.utils.clip_grad_norm_(parameters, training["max_grad_norm"])
+            setup.optimizer.step()
+        setup.optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+        if step == 0:
+            report.record("data", detail)
+        if gradients_checked and step + 1 >= training["sanity_batches"]:
+            break
+    if setup.scaler is not None:
+        report.record("loss_scale", checks.check_scaler_scale(setup.scaler, initial_scale))
+    return losses, sum(padding) / len(padding)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,96 @@
+"""Prompt variants are data: a prompt template, a target template and an answer extractor.
+
+A variant is the dict from the config: ``{prompt, target, extractor: {type, marker}, chat_template}``.
+Training (pretokenise) and evaluation both go through these functions, so the prompt a model is
+scored on is byte for byte the prompt it was trained on.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from workflow_scripts.errors import WorkflowError
+
+
+def template_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields a template sees: the normalised row plus ``answer`` = the first gold answer."""
+    fields = dict(row)
+    answers = fields.get("answers")
+    if answers:
+        fields["answer"] = answers[0]
+    return fields
+
+
+def _render(template: str, row: Mapping[str, Any], part: str) -> str:
+    fields = template_row(row)
+    try:
+        return template.format_map(fields)
+    except KeyError as error:
+        raise WorkflowError(
+            f"row id {row.get('id', '?')!r}: the {part} template refers to field {error.args[0]!r}, "
+            f"which the row does not have (it has {sorted(fields)})"
+        ) from None
+    except (IndexError, ValueError, AttributeError) as error:
+        raise WorkflowError(f"the {part} template {template!r} cannot be rendered: {error}") from None
+
+
+def render_prompt(variant: Mapping[str, Any], row: Mapping[str, Any], tokenizer=None) -> str:
+    """The prompt text; with ``chat_template`` it is wrapped as one user turn plus the generation prompt."""
+    text = _render(variant["prompt"], row, "prompt")
+    if not variant.get("chat_template", False):
+        return text
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise WorkflowError(
+            "variant sets chat_template: true but the tokenizer has no chat template; "
+            "set chat_template: false or use a model whose tokenizer defines one"
+        )
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def render_target(variant: Mapping[str, Any], row: Mapping[str, Any]) -> str:
+    """The training target (without eos; pretokenise appends the tokenizer's eos token)."""
+    return _render(variant["target"], row, "target")
+
+
+def encode_prompts(tokenizer, variant: Mapping[str, Any], prompts: Sequence[str]) -> list[list[int]]:
+    """Token ids of rendered prompts, exactly as training saw them.
+
+    Plain prompts get the tokenizer's own special tokens (e.g. a BOS); chat-templated prompts
+    already contain them, so adding them again would double the BOS.
+    """
+    add_special = not variant.get("chat_template", False)
+    return tokenizer(list(prompts), add_special_tokens=add_special)["input_ids"]
+
+
+def encode_targets(tokenizer, targets: Sequence[str]) -> list[list[int]]:
+    """Token ids of rendered targets followed by eos (the model learns to stop)."""
+    if tokenizer.eos_token_id is None:
+        raise WorkflowError("the tokenizer has no eos token; the target needs one so the model learns to stop")
+    ids = tokenizer(list(targets), add_special_tokens=False)["input_ids"]
+    return [list(target) + [tokenizer.eos_token_id] for target in ids]
+
+
+def extract_answer(variant: Mapping[str, Any], text: str) -> tuple[str | None, str | None]:
+    """(final answer, auxiliary section) from a model's output.
+
+    ``whole``: the whole output, stripped; ``section``: the text after the last ``marker``, with the
+    text before it as the auxiliary section. The answer is None (unparseable) when the marker is
+    missing or the answer is empty.
+    """
+    extractor = variant.get("extractor") or {"type": "whole"}
+    kind = extractor.get("type", "whole")
+    if kind == "whole":
+        answer = text.strip()
+        return (answer or None), None
+    if kind == "section":
+        marker = extractor.get("marker")
+        if not marker:
+            raise WorkflowError("extractor type 'section' needs a marker (e.g. 'Task 2:')")
+        before, found, after = text.rpartition(marker)
+        if not found:
+            return None, None
+        answer = after.strip()
+        return (answer or None), (before.strip() or None)
+    raise WorkflowError(f"unknown extractor type {kind!r}; known: whole, section")
+

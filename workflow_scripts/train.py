@@ -1,0 +1,262 @@
+"""The ``train`` stage: LoRA fine-tuning, one process per GPU (or gloo processes on CPU), resumable.
+
+One readable loop: each optimizer step takes this rank's micro-batches of the step's global batch,
+normalises the loss by the target tokens of the whole global batch (so 1 and N processes agree),
+clips, checks for NaN/Inf, steps, logs, and checkpoints every N steps or when SLURM signals.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from workflow_scripts import (batching, checkpointing, distributed, launcher, memory_estimate,
+                              preflight_checks, training_setup)
+from workflow_scripts.atomic_output import atomic_path, write_json
+from workflow_scripts.errors import WorkflowError, run_main
+from workflow_scripts.experiment_config import config_hash, world_size as configured_world_size
+from workflow_scripts.run_manifest import build_manifest
+from workflow_scripts.training_log import TrainingLog
+
+# Exit code after a checkpoint on SIGTERM/SIGUSR1 (EX_TEMPFAIL): "requeue me", not "I failed".
+PREEMPTED_EXIT_CODE = 75
+
+
+class NonFiniteError(WorkflowError):
+    """The loss or the gradient norm became NaN/Inf."""
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m workflow_scripts.train", description=__doc__)
+    add_common_arguments(parser)
+    parser.add_argument("--checkpoint-dir", required=True, help="resumable state; kept across failed jobs")
+    parser.add_argument("--adapter-out", required=True, help="PEFT adapter directory (safetensors)")
+    parser.add_argument("--log-out", required=True, help="train_log.jsonl")
+    parser.add_argument("--manifest-out", required=True, help="run_manifest.json")
+    parser.add_argument("--tensorboard-dir", default=None, help="TensorBoard event directory (optional)")
+    return parser.parse_args(argv)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="base model directory (HF layout, safetensors)")
+    parser.add_argument("--data", required=True, help="pre-tokenised data directory (save_to_disk)")
+    parser.add_argument("--training", required=True, help="resolved training settings as JSON")
+    parser.add_argument("--seed", required=True, type=int)
+    parser.add_argument("--trust-remote-code", action="store_true")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def file_sha256(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def start_up_checks(setup: training_setup.TrainingSetup, training: dict) -> dict:
+    """The gate's cheap checks, repeated at start-up: the job may land on another machine than the gate."""
+    context = setup.context
+    checks = preflight_checks
+    checks.check_device_count(training["gpus"], torch.cuda.device_count() if training["gpus"] else 0,
+                              context.local_world_size, context.world_size, configured_world_size(training))
+    checks.check_trainable(setup.model)
+    checks.check_placement(setup.model, context.device)
+    checks.check_name_lookup(setup.model)
+    checks.check_precision(training["precision"], context.device, setup.scaler, training_setup.bf16_supported)
+    estimate = memory_estimate.estimate(setup.peft_model, training, context.device)
+    processes_here = context.local_world_size if context.device.type == "cpu" else 1
+    capacity = memory_estimate.device_capacity(context.device, processes_here)
+    checks.check_memory(estimate, capacity, training["memory_headroom"], training, context.device)
+    return {**estimate, "device_capacity": capacity}
+
+
+class StopRequest:
+    """SIGTERM/SIGUSR1 only set a flag; the loop checkpoints at the next step boundary and exits."""
+
+    def __init__(self):
+        self.requested = False
+        self.signal_name = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    training = training_setup.load_training_settings(args.training)
+    if launcher.needs_launch(training["gpus"], training["cpu_processes"], training["nodes"]):
+        return launcher.launch("workflow_scripts.train", argv, training["gpus"], training["cpu_processes"], training["nodes"])
+    return train(args, training)
+
+
+def train(args: argparse.Namespace, training: dict) -> int:
+    stop = StopRequest()
+    stop.install()
+    seed_everything(args.seed)
+    context = distributed.setup(use_cuda=training["gpus"] > 0)
+    log = None
+    try:
+        meta = batching.read_meta(args.data)
+        dataset = batching.TokenisedSplit(args.data, "train")
+        setup = training_setup.build(args.model, training, context, args.trust_remote_code)
+        estimate = start_up_checks(setup, training)
+        if meta.get("vocab_size") is not None and meta["vocab_size"] > setup.vocab_size:
+            raise WorkflowError(f"{args.data}/tokenise_meta.json: vocab_size {meta['vocab_size']} exceeds the "
+                                f"model's {setup.vocab_size}; the data was tokenised for another model")
+        fingerprint = {
+            "settings_sha256": config_hash(training),
+            "data_cache_key": meta.get("cache_key"),
+            "model_manifest_sha256": file_sha256(Path(args.model, "model_manifest.json")),
+            "model_config_sha256": file_sha256(Path(args.model, "config.json")),
+            "seed": args.seed,
+        }
+        messages = print if context.is_main else (lambda *_: None)
+        start_step = 0
+        resume_from = checkpointing.latest_compatible(args.checkpoint_dir, fingerprint, messages) if context.is_main else None
+        resume_from = distributed.all_gather_objects(resume_from, context)[0]
+        if resume_from is not None:
+            start_step = checkpointing.load(resume_from, setup.peft_model, setup.optimizer, setup.scheduler,
+                                            setup.scaler, context.rank, context.device, messages)
+            messages(f"resumed from {resume_from} at step {start_step}")
+        log = TrainingLog(Path(args.checkpoint_dir, "train_log.running.jsonl"), start_step, training["max_steps"],
+                          training["log_every"], args.tensorboard_dir, enabled=context.is_main)
+        log.message(
+            f"training {training['max_steps']} steps on {context.world_size} process(es), device {context.device}, "
+            f"{setup.accumulation} micro-batches of {training['micro_batch']} per process per step, "
+            f"estimated peak {memory_estimate.human(estimate['total'])}"
+        )
+        outcome = run_steps(setup, dataset, meta, training, args, start_step, stop, log, fingerprint)
+        if outcome == "preempted":
+            return PREEMPTED_EXIT_CODE
+        peak = max(distributed.all_gather_objects(memory_estimate.peak_memory_bytes(context.device), context))
+        devices = distributed.all_gather_objects(distributed.device_name(context.device), context)
+        if context.is_main:
+            with atomic_path(args.adapter_out, directory=True) as directory:
+                setup.peft_model.save_pretrained(str(directory), safe_serialization=True)
+            log.finish(args.log_out)
+            write_json(args.manifest_out, build_manifest(
+                "train", training, seed=args.seed, world_size=context.world_size, devices=devices,
+                model_dir=str(args.model), model_manifest_sha256=fingerprint["model_manifest_sha256"],
+                data_cache_key=fingerprint["data_cache_key"], memory_estimate=estimate, peak_memory_bytes=peak,
+                # CPU: the process's peak resident set, Python and libraries included; CUDA: allocated bytes.
+                peak_memory_kind="cuda_max_allocated" if context.device.type == "cuda" else "cpu_max_rss",
+                gradient_accumulation=setup.accumulation, resumed_from_step=start_step,
+                final_loss=log.records[-1]["loss"] if log.records else None,
+            ))
+            checkpointing.clear(args.checkpoint_dir)
+        distributed.barrier(context)
+        return 0
+    finally:
+        if log is not None:
+            log.close()
+        distributed.teardown(context)
+
+
+def run_steps(setup, dataset, meta, training, args, start_step, stop, log, fingerprint) -> str:
+    context = setup.context
+    device = context.device
+    plan = batching.GlobalBatchPlan(dataset.lengths(), training["effective_batch"], args.seed, training["length_grouping"])
+    sampler = batching.RankBatchSampler(plan, training["micro_batch"], context.rank, context.world_size,
+                                        start_step, training["max_steps"])
+    collator = batching.PaddingCollator(meta["pad_token_id"], setup.vocab_size)
+    loader = batching.build_loader(dataset, sampler, collator, training["dataloader_workers"], device.type == "cuda", args.seed)
+    batches = iter(loader)
+    parameters = setup.trainable_parameters()
+    last_checkpoint = None
+    started = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    setup.model.train()
+    for step in range(start_step, training["max_steps"]):
+        step_started = time.perf_counter()
+        micro_batches = [next(batches) for _ in range(setup.accumulation)]
+        local_targets = sum(b["target_tokens"] for b in micro_batches)
+        if context.is_distributed:
+            targets = torch.tensor(float(local_targets), device=device)
+            loss_scale = context.world_size / distributed.all_reduce_sum(targets, context)
+        else:
+            loss_scale = 1.0 / local_targets
+        step_loss = torch.zeros((), device=device)
+        for k, batch in enumerate(micro_batches):
+            batch = training_setup.to_device(batch, device)
+            step_loss += training_setup.micro_step(setup, batch, loss_scale, last_micro_step=k == len(micro_batches) - 1)
+        if setup.scaler is not None:
+            setup.scaler.unscale_(setup.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, training["max_grad_norm"])
+        # One small all-reduce and one host sync per step: the NaN check and the log need them anyway.
+        counts = torch.tensor([sum(b["real_tokens"] for b in micro_batches),
+                               sum(b["padded_tokens"] for b in micro_batches), float(stop.requested)])
+        stats = torch.cat([step_loss.float().reshape(1), counts.to(device, non_blocking=True)])
+        distributed.all_reduce_sum(stats, context)
+        loss, real_tokens, padded_tokens, stop_votes = stats.tolist()
+        norm = float(grad_norm)
+        if not math.isfinite(loss) or (not math.isfinite(norm) and setup.scaler is None):
+            rows = [r for b in micro_batches for r in b["row_ids"]]
+            raise NonFiniteError(
+                f"step {step + 1}: the {'loss' if not math.isfinite(loss) else 'gradient norm'} is "
+                f"{loss if not math.isfinite(loss) else norm}; training stopped before applying the update. "
+                f"Last good checkpoint: {last_checkpoint or checkpointing.checkpoints(args.checkpoint_dir)[-1:] or 'none'}. "
+                f"Rows in this step on rank {context.rank}: {rows[:8]}. Fix: lower training.learning_rate, "
+                "check those rows, or use bf16 instead of fp16"
+            )
+        learning_rate = setup.scheduler.get_last_lr()[0]
+        if setup.scaler is not None:
+            setup.scaler.step(setup.optimizer)  # skips the update when fp16 gradients overflowed
+            setup.scaler.update()
+            preflight_checks.check_scaler_scale(setup.scaler, 65536.0)
+        else:
+            setup.optimizer.step()
+        setup.scheduler.step()
+        setup.optimizer.zero_grad(set_to_none=True)
+        completed = step + 1
+        now = time.perf_counter()
+        log.write({
+            "step": completed,
+            "loss": loss,
+            "learning_rate": learning_rate,
+            "grad_norm": norm,
+            "tokens_per_second": real_tokens / max(now - step_started, 1e-9),
+            "padding_share": padded_tokens / max(real_tokens + padded_tokens, 1.0),
+            "peak_memory_bytes": memory_estimate.peak_memory_bytes(device),
+            "elapsed_seconds": now - started,
+        })
+        preempted = stop_votes > 0
+        if completed % training["checkpoint_every"] == 0 or (preempted and completed < training["max_steps"]):
+            last_checkpoint = save_checkpoint(setup, args, completed, fingerprint)
+        if preempted and completed < training["max_steps"]:
+            log.message(f"received {stop.signal_name or 'a stop signal on another rank'}: checkpointed step "
+                        f"{completed}; exiting with {PREEMPTED_EXIT_CODE} so the job is requeued and resumes")
+            return "preempted"
+    return "done"
+
+
+def save_checkpoint(setup, args, step: int, fingerprint: dict):
+    context = setup.context
+    rng_states = distributed.all_gather_objects(checkpointing.rng_state(context.device), context)
+    path = None
+    if context.is_main:
+        path = checkpointing.save(args.checkpoint_dir, step, setup.peft_model, setup.optimizer, setup.scheduler,
+                                  setup.scaler, rng_states, fingerprint)
+    distributed.barrier(context)
+    return path
+
+
+if __name__ == "__main__":
+    run_main(main)
