@@ -188,7 +188,7 @@ def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: 
     if deadline is not None:
         budget = min(budget, deadline - time.monotonic() - 30 * settings["repetitions"])
     rerun, what = noop_rerun_times(settings["repetitions"], budget, work_dir)
-    log(f"  no-op rerun: {what}: " + ", ".join(f"{t:.2f}" for t in rerun))
+    log(f"  no-op rerun: {what}" + (": " + ", ".join(f"{t:.2f} s" for t in rerun) if rerun else ""))
     if rerun:
         noop = Series("no-op rerun of the completed demo (snakemake --cores 2)", rerun, "seconds", {"what": what})
         others.append(noop)

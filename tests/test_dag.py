@@ -102,3 +102,14 @@ def test_data_chain_runs_once_and_a_template_edit_reruns_only_that_variant(tmp_p
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     code, output = snakemake(tmp_path, "-n", *base)
     assert code == 0 and nothing_to_do(output), output
+
+
+def test_a_configfile_replaces_the_demo_config_instead_of_merging(tmp_path):
+    """With the demo's config/config.yaml in the working directory, only the user's datasets run."""
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(absolute_demo_config(), sort_keys=False))
+    path = config_file(tmp_path, absolute_demo_config(["amr_demo"]))
+    code, output = snakemake(tmp_path, "-n", "--configfile", str(path), "--cores", "1")
+    assert code == 0, output
+    assert job_counts(output)["download"] == 1
+    assert "dataset=amr_demo" in output and "chartqa_demo" not in output

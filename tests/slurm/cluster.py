@@ -12,6 +12,7 @@ Run by hand:  python tests/slurm/cluster.py  (brings a cluster up, prints its en
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import shutil
@@ -28,6 +29,8 @@ PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 SYSTEM_CONF_DIR = Path("/etc/slurm")
 MARKER = "# written by the lora-workflow test suite (tests/slurm/cluster.py); removed when it stops"
 DAEMONS = ("munged", "slurmctld", "slurmd")
+# One cluster per machine (it owns /etc/slurm/slurm.conf): concurrent test sessions take turns.
+MACHINE_LOCK = Path(tempfile.gettempdir()) / "lora-workflow-slurm-cluster.lock"
 
 
 def why_unavailable() -> str | None:
@@ -70,6 +73,7 @@ class Cluster:
     cpus: int
     host: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    lock_fd: int | None = None
 
     etc: Path = SYSTEM_CONF_DIR
 
@@ -180,7 +184,24 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         result = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, env=self.env())
         return result.stdout.strip()
 
-    def start(self) -> None:
+    def take_machine(self, timeout: float) -> None:
+        """Wait until no other test session runs its cluster on this machine."""
+        self.lock_fd = os.open(MACHINE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(self.lock_fd)
+                    self.lock_fd = None
+                    raise RuntimeError(f"another test session kept the SLURM test cluster ({MACHINE_LOCK}) "
+                                       f"for more than {timeout:.0f} s") from None
+                time.sleep(2)
+
+    def start(self, wait_for_machine: float = 1800) -> None:
+        self.take_machine(wait_for_machine)
         self.write_config()
         self._start_munge()
         self._start("slurmctld")
@@ -212,6 +233,9 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
             path = self.etc / name
             if path.exists() and MARKER in path.read_text(errors="replace"):
                 path.unlink()
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # the next session may bring up its cluster
+            self.lock_fd = None
 
     def logs(self, *names: str) -> str:
         out = []
