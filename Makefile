@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 test: install
-	$(BIN)/python -m pytest -q -rs tests
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -rs tests
 
 demo: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --profile profiles/local --cores 2

@@ -5,9 +5,15 @@ Generic on purpose; other test files may append fixtures here.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# Rules run `python -m workflow_scripts...`: the Snakemake runs the tests start must find this
+# interpreter's environment first, whether or not the virtual environment is activated.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 TINY_VOCAB = 128
 TINY_PAD, TINY_EOS = 0, 2
