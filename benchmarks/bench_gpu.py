@@ -23,6 +23,7 @@ from benchmarks import bench_training, synthetic
 from benchmarks.records import Goal, Series, not_run, record
 
 NAME = "gpu_lora_bf16"
+MIN_SECONDS = 0  # a minimal run at full scale on 2 quiet cores, for run.py's time planning
 TITLE = "GPU: LoRA bf16 training of a 0.5B-class model, tokens/s and MFU, ours vs Trainer + PEFT"
 
 # Qwen/Qwen2.5-0.5B config.json (published values), written here so nothing is downloaded.

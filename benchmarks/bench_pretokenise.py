@@ -26,6 +26,7 @@ from benchmarks import synthetic
 from benchmarks.records import Goal, Series, record
 
 NAME = "pretokenise_throughput"
+MIN_SECONDS = 120  # a minimal run at full scale on 2 quiet cores, for run.py's time planning
 TITLE = "Pre-tokenisation: rows/s of the pretokenise stage vs a plain per-row tokenizer loop"
 REPO = Path(__file__).resolve().parent.parent
 SCALES = {"full": {"rows": 40_000, "repetitions": 3, "threads": (1, 2), "vocab_size": 4096},
@@ -68,7 +69,9 @@ def tokenizer_costs(model_dir: Path, data_dir: Path, rows: int = 10_000) -> dict
     from workflow_scripts.model_loading import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    data = load_from_disk(str(data_dir))["train"].select(range(rows))
+    data = load_from_disk(str(data_dir))["train"]
+    rows = min(rows, len(data))
+    data = data.select(range(rows))
     prompts = [VARIANT["prompt"].format(question=q, answer=a[0]) for q, a in zip(data["question"], data["answers"])]
     targets = [VARIANT["target"].format(question=q, answer=a[0]) for q, a in zip(data["question"], data["answers"])]
     started = time.perf_counter()

@@ -32,6 +32,7 @@ from benchmarks import synthetic
 from benchmarks.records import Goal, Series, record
 
 NAME = "training_throughput"
+MIN_SECONDS = 150  # a minimal run at full scale on 2 quiet cores, for run.py's time planning
 TITLE = "Training throughput: non-padding tokens/s, ours vs HF Trainer + PEFT"
 REPO = Path(__file__).resolve().parent.parent
 SCALES = {

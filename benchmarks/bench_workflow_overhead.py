@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,9 +25,10 @@ import yaml
 from benchmarks.records import Goal, Series, record
 
 NAME = "workflow_overhead"
+MIN_SECONDS = 30  # a minimal run at full scale on 2 quiet cores, for run.py's time planning
 TITLE = "Workflow overhead: dry run of 60 experiments; no-op rerun of the completed demo"
 REPO = Path(__file__).resolve().parent.parent
-SCALES = {"full": {"repetitions": 5, "datasets": 4, "variants": 3, "seeds": 5, "demo_budget_s": 420},
+SCALES = {"full": {"repetitions": 5, "datasets": 4, "variants": 3, "seeds": 5, "demo_budget_s": 300},
           "tiny": {"repetitions": 1, "datasets": 1, "variants": 1, "seeds": 1, "demo_budget_s": 0}}
 NOTHING_TO_DO = "Nothing to be done"
 

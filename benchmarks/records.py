@@ -8,9 +8,8 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from workflow_scripts.run_manifest import package_versions
 
@@ -119,11 +118,6 @@ def not_run(name: str, title: str, status: str, message: str, setup: dict[str, A
     return result
 
 
-def repeat(measure: Callable[[int], float], repetitions: int) -> list[float]:
-    """Call ``measure(i)`` ``repetitions`` times and return its values (the caller takes the median)."""
-    return [float(measure(i)) for i in range(repetitions)]
-
-
 def packages() -> dict[str, str | None]:
     import importlib.metadata
 
@@ -164,15 +158,3 @@ def hardware() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return info
-
-
-class Stopwatch:
-    """Wall-clock seconds of a ``with`` block."""
-
-    def __enter__(self) -> "Stopwatch":
-        self.start = time.perf_counter()
-        self.seconds = 0.0
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.seconds = time.perf_counter() - self.start

@@ -24,7 +24,9 @@ def render(records: Sequence[Mapping[str, Any]], run_info: Mapping[str, Any]) ->
         "# Benchmark results",
         "",
         f"Produced by `make bench` (`python -m benchmarks.run`) on {run_info['finished']} in "
-        f"{run_info['total_seconds']:.0f} s, scale `{run_info['scale']}`.",
+        f"{run_info['total_seconds']:.0f} s, scale `{run_info['scale']}`"
+        + (f"; re-measured separately and merged: {', '.join(run_info['updated'])}" if run_info.get("updated") else "")
+        + ".",
         "",
         f"Hardware: {hardware['cpu']}, {hardware['usable_cores']} usable cores, "
         f"{hardware['memory_bytes'] / 2**30:.0f} GiB RAM, {hardware['platform']}; "

@@ -101,6 +101,8 @@ def test_reference_loop_produces_the_same_tokens_as_the_stage(tmp_path):
     loop = bench_pretokenise.probe("loop", model_dir, data_dir, tmp_path / "loop", threads=1)
     assert ours["rows"] == loop["rows"] == 120
     assert bench_pretokenise.same_tokens(tmp_path / "ours", tmp_path / "loop")
+    costs = bench_pretokenise.probe("tokenizer", model_dir, data_dir, tmp_path / "unused", threads=1)
+    assert costs["rows"] == 120 and costs["batched_us_per_row"] > 0 and costs["per_call_us_per_row"] > 0
 
 
 def test_run_writes_results_and_summary_at_tiny_size(tmp_path):
@@ -130,7 +132,7 @@ def test_run_writes_results_and_summary_at_tiny_size(tmp_path):
 
 def test_a_failing_benchmark_is_recorded_and_fails_the_run(tmp_path, monkeypatch):
     class Broken:
-        NAME, TITLE = "worker_memory", "Broken benchmark"
+        NAME, TITLE, MIN_SECONDS = "worker_memory", "Broken benchmark", 0
 
         @staticmethod
         def run(scale, work_dir, log, deadline):
@@ -144,3 +146,15 @@ def test_a_failing_benchmark_is_recorded_and_fails_the_run(tmp_path, monkeypatch
     assert "planted failure" in results["worker_memory"]["message"]
     assert results["gpu_lora_bf16"]["status"] in {"skipped", "measured"}
     assert "planted failure" in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_update_replaces_only_the_benchmarks_rerun(tmp_path):
+    assert bench_run.main(["--scale", "tiny", "--only", "workflow_overhead", "gpu_lora_bf16",
+                           "--out-dir", str(tmp_path)]) == 0
+    before = {r["name"]: r for r in json.loads((tmp_path / "results.json").read_text())["benchmarks"]}
+    assert bench_run.main(["--scale", "tiny", "--only", "gpu_lora_bf16", "--update", "--out-dir", str(tmp_path)]) == 0
+    after = json.loads((tmp_path / "results.json").read_text())
+    names = [r["name"] for r in after["benchmarks"]]
+    assert names == ["workflow_overhead", "gpu_lora_bf16"]  # run order kept
+    assert after["benchmarks"][0] == before["workflow_overhead"]
+    assert after["run"]["updated"] == ["gpu_lora_bf16"]
