@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from workflow_scripts.run_manifest import package_versions
+from workflow_scripts.run_manifest import PACKAGES, package_versions
 
 EXTRA_PACKAGES = ("psutil", "numpy", "pyarrow")
 
@@ -119,15 +119,7 @@ def not_run(name: str, title: str, status: str, message: str, setup: dict[str, A
 
 
 def packages() -> dict[str, str | None]:
-    import importlib.metadata
-
-    versions = package_versions()
-    for name in EXTRA_PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+    return package_versions(PACKAGES + EXTRA_PACKAGES)
 
 
 def _cpu_model() -> str:

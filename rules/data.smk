@@ -85,7 +85,7 @@ rule pretokenise:
         "results/benchmarks/pretokenise/{dataset}/{variant}.tsv"
     conda:
         "../envs/data.yaml"
-    threads: 8  # tokeniser processes; Snakemake scales it down to --cores
+    threads: 8  # the fast tokenizer's thread pool; Snakemake scales it down to --cores
     shell:
         "python -m workflow_scripts.pretokenise --model {input.model:q} --data {input.data:q}"
         " --variant {params.variant:q} --max-length {params.max_length} --threads {threads}"

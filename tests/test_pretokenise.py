@@ -171,3 +171,37 @@ def test_bad_arguments_end_in_one_message_and_no_output(inputs, tmp_path, change
     with pytest.raises(WorkflowError, match=message):
         pretokenise.main([part for pair in argv.items() for part in pair])
     assert leftovers(tmp_path / "out") == []
+
+
+def test_report_statistics_cover_every_row_including_dropped_ones(inputs, tmp_path):
+    data_dir, model = inputs
+    tokenizer = load_tokenizer(model)
+    source = load_from_disk(str(data_dir))["train"]
+    prompts = templates.encode_prompts(tokenizer, BASELINE, [templates.render_prompt(BASELINE, r) for r in source])
+    targets = templates.encode_targets(tokenizer, [templates.render_target(BASELINE, r) for r in source])
+    limit = sorted(len(p) for p in prompts)[len(prompts) // 2]
+    lengths = [min(len(p) + len(t), limit) for p, t in zip(prompts, targets)]
+    _, report = tokenise(data_dir, model, tmp_path / "tok", max_length=limit)
+    stats = report["splits"]["train"]
+    assert stats["max_length_seen"] == max(lengths) and isinstance(stats["max_length_seen"], int)
+    assert stats["mean_length"] == sum(lengths) / len(lengths)
+    assert stats["truncated"] == sum(len(p) + len(t) > limit for p, t in zip(prompts, targets))
+
+
+@pytest.mark.parametrize("plant", ["none", "truncation", "padding", "split_special_tokens"])
+def test_token_ids_equal_the_tokenizer_call_whatever_state_the_tokenizer_is_in(inputs, plant):
+    """The fast path must not give other ids than ``tokenizer(texts)``, e.g. when something left the
+    Rust tokenizer truncating or padding, or asked for special tokens to be split."""
+    _, model = inputs
+    tokenizer = load_tokenizer(model)
+    texts = ["Question: what is the AMR of the boy wants to go?\nAnswer:", f"a {tokenizer.eos_token} b", ""]
+    if plant == "truncation":
+        tokenizer.backend_tokenizer.enable_truncation(3)
+    elif plant == "padding":
+        tokenizer.backend_tokenizer.enable_padding(length=40)
+    elif plant == "split_special_tokens":
+        tokenizer.split_special_tokens = True
+    for add_special in (True, False):
+        ids = templates.token_ids(tokenizer, texts, add_special)
+        assert ids == tokenizer(texts, add_special_tokens=add_special)["input_ids"]
+    assert len(ids[0]) > 3 and len(ids[2]) == 0  # neither truncated nor padded

@@ -18,9 +18,10 @@ PACKAGES = (
 SECRET_MARKERS = ("token", "secret", "password", "api_key")
 
 
-def package_versions() -> dict[str, str | None]:
+def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
+    """Installed versions of ``names`` (None for a package that is not installed)."""
     versions = {}
-    for name in PACKAGES:
+    for name in names:
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
