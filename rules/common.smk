@@ -49,8 +49,23 @@ def training_json(wildcards):
     return as_json(training_settings(wildcards))
 
 
-def training_gpus(wildcards):
-    return training_settings(wildcards)["gpus"]
+def training_gpu_total(wildcards):
+    """GPUs of the whole job (the SLURM plugin's --gpus): per node x nodes."""
+    training = training_settings(wildcards)
+    return training["gpus"] * training["nodes"]
+
+
+def training_nodes(wildcards):
+    return training_settings(wildcards)["nodes"]
+
+
+# With several nodes the rule's own command starts one torchrun per node through srun (mpi), so
+# the plugin must not wrap it in `srun -n1`; all variants then use this launch mode.
+MULTI_NODE_LAUNCH = (
+    {"mpi": "srun", "tasks": training_nodes}
+    if any(xc.resolved_training(config, v)["nodes"] > 1 for v in config["variants"])
+    else {}
+)
 
 
 def training_threads(wildcards):

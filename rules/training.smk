@@ -21,15 +21,11 @@ rule sanity:
     resources:
         # gpu is the job's total (the SLURM plugin's --gpus); nodes > 1 hands the launch to the
         # rule's own srun (mpi), one torchrun per node (workflow_scripts/launcher.py).
-        gpu=lambda w: training_settings(w)["gpus"] * training_settings(w)["nodes"],
-        nodes=lambda w: training_settings(w)["nodes"],
+        gpu=training_gpu_total,
+        nodes=training_nodes,
         runtime=lambda w: min(training_settings(w)["runtime_minutes"], 60),
         mem_mb=lambda w: training_settings(w)["mem_mb"],
-        **(
-            {"mpi": "srun", "tasks": lambda w: training_settings(w)["nodes"]}
-            if any(xc.resolved_training(config, v)["nodes"] > 1 for v in config["variants"])
-            else {}
-        ),
+        **MULTI_NODE_LAUNCH,
     log:
         "logs/{dataset}/{variant}/seed{seed}/sanity.log",
     benchmark:
@@ -58,15 +54,11 @@ rule train:
         tensorboard="results/{dataset}/{variant}/seed{seed}/tensorboard",
         trust_remote_code="--trust-remote-code" if config["model"]["trust_remote_code"] else "",
     resources:
-        gpu=lambda w: training_settings(w)["gpus"] * training_settings(w)["nodes"],
-        nodes=lambda w: training_settings(w)["nodes"],
+        gpu=training_gpu_total,
+        nodes=training_nodes,
         runtime=lambda w: training_settings(w)["runtime_minutes"],
         mem_mb=lambda w: training_settings(w)["mem_mb"],
-        **(
-            {"mpi": "srun", "tasks": lambda w: training_settings(w)["nodes"]}
-            if any(xc.resolved_training(config, v)["nodes"] > 1 for v in config["variants"])
-            else {}
-        ),
+        **MULTI_NODE_LAUNCH,
     log:
         "logs/{dataset}/{variant}/seed{seed}/train.log",
     benchmark:
