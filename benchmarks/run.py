@@ -3,7 +3,7 @@
     python -m benchmarks.run                       # everything, full size (under 20 min on 2 CPU cores)
     python -m benchmarks.run --only worker_memory  # one benchmark
     python -m benchmarks.run --only worker_memory --update   # re-measure one, keep the others' records
-    python -m benchmarks.run --scale tiny --out-dir /tmp/b   # the harness at a tiny size (tests)
+    python -m benchmarks.run --scale tiny --out-dir <dir>   # the harness at a tiny size (tests)
 
 A benchmark that cannot run here (no GPU) is recorded as skipped with the reason; one that fails is
 recorded as failed with its error, the others still run, and the exit code is 1.

@@ -20,7 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from workflow_scripts import device_leases
 from workflow_scripts.errors import WorkflowError
@@ -223,3 +223,13 @@ def launch(module: str, argv: Sequence[str], gpus: int, cpu_processes: int, node
         print(f"launcher: GPUs {devices}, rendezvous port {lease.port}: {' '.join(command)}", file=sys.stderr, flush=True)
         # torchrun inherits the lock descriptors: the lease lasts as long as it or this process lives.
         return run_forwarding_signals(command, env, lease.lock_fds)
+
+
+def run_here_or_launch(module: str, argv: Sequence[str], training: Mapping[str, Any], worker: Callable[[], int]) -> int:
+    """A distributed stage's entry: run ``worker`` in this process, or re-run ``module`` under torchrun.
+
+    ``training`` holds the job's ``gpus``, ``cpu_processes`` and ``nodes`` (resolved training settings).
+    """
+    if needs_launch(training["gpus"], training["cpu_processes"], training["nodes"]):
+        return launch(module, argv, training["gpus"], training["cpu_processes"], training["nodes"])
+    return worker()

@@ -37,9 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     training = training_setup.load_training_settings(args.training)
-    if launcher.needs_launch(training["gpus"], training["cpu_processes"], training["nodes"]):
-        return launcher.launch("workflow_scripts.sanity", argv, training["gpus"], training["cpu_processes"], training["nodes"])
-    return run_gate(args, training)
+    return launcher.run_here_or_launch("workflow_scripts.sanity", argv, training, lambda: run_gate(args, training))
 
 
 class Report:

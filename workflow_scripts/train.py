@@ -101,9 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     training = training_setup.load_training_settings(args.training)
-    if launcher.needs_launch(training["gpus"], training["cpu_processes"], training["nodes"]):
-        return launcher.launch("workflow_scripts.train", argv, training["gpus"], training["cpu_processes"], training["nodes"])
-    return train(args, training)
+    return launcher.run_here_or_launch("workflow_scripts.train", argv, training, lambda: train(args, training))
 
 
 def train(args: argparse.Namespace, training: dict) -> int:
