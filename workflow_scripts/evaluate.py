@@ -71,11 +71,9 @@ def parse_seed(text: str) -> int | str:
 
 def load_test_rows(data_dir: str, split: str, max_examples: int | None) -> list[dict]:
     """Rows of the evaluation split, in stored order (the first ``max_examples`` when set)."""
-    from datasets import load_from_disk
+    from workflow_scripts.normalised_data import open_normalised
 
-    if not Path(data_dir).exists():
-        raise WorkflowError(f"{data_dir}: normalised data not found; run the normalise rule first")
-    data = load_from_disk(data_dir)
+    data = open_normalised(data_dir, required_split=None)
     if split not in data:
         raise ConfigError("evaluation.split", f"'{split}' is not a split of {data_dir} (it has {sorted(data)})")
     table = data[split]

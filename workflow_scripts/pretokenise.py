@@ -164,18 +164,12 @@ def split_statistics(full) -> tuple[dict[str, Any], Any]:
 
 
 def load_inputs(data_dir: Path, model_dir: Path):
-    from datasets import load_from_disk
-
     from workflow_scripts.model_loading import load_tokenizer
+    from workflow_scripts.normalised_data import open_normalised
 
     if not (model_dir / "config.json").is_file():
         raise WorkflowError(f"{model_dir}: not a model directory (no config.json); run prepare_model first")
-    try:
-        data = load_from_disk(str(data_dir))
-    except (FileNotFoundError, ValueError) as error:
-        raise WorkflowError(f"{data_dir}: not a normalised dataset ({error}); run normalise first") from None
-    if "train" not in data:
-        raise WorkflowError(f"{data_dir}: has no train split (splits: {list(data)})")
+    data = open_normalised(data_dir)
     tokenizer = load_tokenizer(model_dir)
     if tokenizer.eos_token_id is None:
         raise WorkflowError(f"{model_dir}: the tokenizer has no eos token; targets need one so the model learns to stop")

@@ -21,15 +21,10 @@ MAX_POSITIONS = 1024
 
 def corpus_texts(corpus_dirs: Sequence[str | Path]) -> Iterator[str]:
     """Every string field of every normalised train row (questions, answers, derived fields)."""
-    from datasets import load_from_disk
+    from workflow_scripts.normalised_data import open_normalised
 
     for directory in corpus_dirs:
-        try:
-            data = load_from_disk(str(directory))
-        except (FileNotFoundError, ValueError) as error:
-            raise WorkflowError(f"{directory}: not a normalised dataset directory ({error})") from None
-        if "train" not in data:
-            raise WorkflowError(f"{directory}: has no train split to train the tokenizer on")
+        data = open_normalised(directory)
         for row in data["train"]:
             for value in row.values():
                 if isinstance(value, str):
