@@ -2,6 +2,8 @@
 # Run: snakemake --cores all [--resources gpu=8]  |  snakemake --profile profiles/slurm
 from snakemake.utils import min_version, validate
 
+from workflow_scripts import experiment_config
+
 min_version("9.0")
 
 
@@ -12,6 +14,9 @@ if not workflow.overwrite_configfiles:
     configfile: "config/config.yaml"
 
 
+# Snakemake's YAML reading keeps the last of two equal keys and dumps the whole config on a schema
+# fault: refuse duplicates and report schema faults in one line (never echoing a secret) first.
+experiment_config.check_workflow_config(workflow.configfiles, config)
 validate(config, "config/schema.yaml")
 
 

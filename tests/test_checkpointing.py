@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from conftest import tiny_training_settings
-from workflow_scripts import checkpointing, training_setup
+from workflow_scripts import checkpointing
+from workflow_scripts import training_setup
+from workflow_scripts.errors import WorkflowError
 from workflow_scripts.distributed import DistributedContext
 
 CPU = DistributedContext(0, 0, 1, 1, torch.device("cpu"), None)
@@ -58,11 +60,12 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, setup, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]  # no partial directory
 
 
-def test_only_newest_kept_and_stale_fingerprint_discarded(tmp_path, setup):
+def test_only_newest_kept_and_another_runs_checkpoint_refused_not_deleted(tmp_path, setup):
     args = (setup.peft_model, setup.optimizer, setup.scheduler, None, [checkpointing.rng_state(torch.device("cpu"))])
     for step in (2, 4, 6):
-        checkpointing.save(tmp_path, step, *args, {"data_cache_key": "old"})
+        checkpointing.save(tmp_path, step, *args, {"data_cache_key": "old", "settings": {"lora": {"rank": 4}}})
     assert [s for s, _ in checkpointing.checkpoints(tmp_path)] == [6]
-    notes = []
-    assert checkpointing.latest_compatible(tmp_path, {"data_cache_key": "new"}, notes.append) is None
-    assert "different ['data_cache_key']" in notes[0] and checkpointing.checkpoints(tmp_path) == []
+    with pytest.raises(WorkflowError, match=r"step-00000006: this checkpoint \(step 6\) was written by a run with "
+                                             r"different data_cache_key, settings.lora.rank; .*Fix:"):
+        checkpointing.latest_compatible(tmp_path, {"data_cache_key": "new", "settings": {"lora": {"rank": 8}}})
+    assert [s for s, _ in checkpointing.checkpoints(tmp_path)] == [6]  # kept: the user decides

@@ -268,6 +268,7 @@ def test_missing_seed_of_a_variant_is_refused(tmp_path, results):
         ({**COMPARISON, "bootstrap_resamples": 999}, "comparison.bootstrap_resamples"),
         ({**COMPARISON, "reference_variant": "plain"}, "comparison.reference_variant"),
         ({k: v for k, v in COMPARISON.items() if k != "bootstrap_seed"}, "comparison.bootstrap_seed"),
+        ({**COMPARISON, "bootstrap": "seeds"}, "comparison.bootstrap"),
     ],
 )
 def test_bad_comparison_settings_are_named(tmp_path, results, comparison, key):
@@ -329,3 +330,54 @@ def test_rules_call_evaluate_and_compare_with_arguments_they_accept(tmp_path):
 def test_bad_experiment_lists_are_named(tmp_path, results, experiments, message):
     with pytest.raises(WorkflowError, match=message):
         run(tmp_path, results, experiments=experiments)
+
+
+def test_two_seeds_use_the_examples_bootstrap_and_say_so(tmp_path, results):
+    rows, text = run(tmp_path, results)
+    assert {row["bootstrap"] for row in rows} == {"examples"}
+    assert "Intervals: paired bootstrap over test examples, seeds fixed (2 seeds); comparison.bootstrap: auto" in text
+    assert "Seeds are held fixed" in text and "two-level" not in text
+
+
+def three_seeds_that_disagree(root, n=100):
+    """mtup is right wherever baseline is, plus 2, 30 or 58 more examples depending on the seed."""
+    for seed, gain in {1: 2, 2: 30, 3: 58}.items():
+        write_experiment(root, "chart", "baseline", seed, [1.0] * 20 + [0.0] * (n - 20))
+        write_experiment(root, "chart", "mtup", seed, [1.0] * (20 + gain) + [0.0] * (n - 20 - gain))
+    return [["chart", variant, seed] for variant in ("baseline", "mtup") for seed in (1, 2, 3)]
+
+
+def test_three_seeds_use_the_two_level_bootstrap_which_widens_the_interval(tmp_path):
+    root = tmp_path / "results"
+    experiments = three_seeds_that_disagree(root)
+    rows, text = run(tmp_path, root, experiments=experiments, with_base=False)
+    assert {row["bootstrap"] for row in rows} == {"seeds_and_examples"}
+    assert "Intervals: two-level bootstrap: seeds, then test examples (3 seeds); comparison.bootstrap: auto" in text
+    assert "first draws seeds with replacement" in text
+    fixed, fixed_text = run(tmp_path, root, experiments=experiments, with_base=False,
+                            comparison={**COMPARISON, "bootstrap": "examples"})
+    assert {row["bootstrap"] for row in fixed} == {"examples"}
+    assert "seeds fixed (3 seeds); comparison.bootstrap: examples." in fixed_text
+    assert rows[1]["difference"] == fixed[1]["difference"] and float(rows[1]["difference"]) == pytest.approx(0.30)
+    width = lambda row, low, high: float(row[high]) - float(row[low])  # noqa: E731
+    assert width(rows[1], "difference_ci_low", "difference_ci_high") > 2 * width(fixed[1], "difference_ci_low", "difference_ci_high")
+    assert width(rows[1], "ci_low", "ci_high") > 2 * width(fixed[1], "ci_low", "ci_high")
+    # Within every seed mtup never loses, so the examples-only p is minimal; with seeds resampled it cannot be.
+    assert float(fixed[1]["p_value"]) == pytest.approx(1 / 1001)
+    assert float(rows[1]["p_value"]) > 5 / 1001
+
+
+def test_two_level_table_is_deterministic_for_a_fixed_bootstrap_seed(tmp_path):
+    root = tmp_path / "results"
+    experiments = three_seeds_that_disagree(root)
+    first, first_text = run(tmp_path, root, experiments=experiments, with_base=False)
+    again, again_text = run(tmp_path, root, experiments=experiments, with_base=False)
+    other, _ = run(tmp_path, root, experiments=experiments, with_base=False, comparison={**COMPARISON, "bootstrap_seed": 3})
+    assert (first, first_text) == (again, again_text)
+    assert other[1]["difference"] == first[1]["difference"] and other != first
+
+
+def test_explicit_two_level_bootstrap_with_two_seeds(tmp_path, results):
+    rows, text = run(tmp_path, results, comparison={**COMPARISON, "bootstrap": "seeds_and_examples"})
+    assert {row["bootstrap"] for row in rows} == {"seeds_and_examples"}
+    assert "two-level bootstrap: seeds, then test examples (2 seeds); comparison.bootstrap: seeds_and_examples." in text

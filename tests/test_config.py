@@ -6,7 +6,8 @@ import yaml
 
 from data_helpers import ROOT, default_config
 from workflow_scripts.errors import ConfigError
-from workflow_scripts.experiment_config import check_config, load_config, validate_schema, validate_section
+from workflow_scripts.experiment_config import (check_config, check_workflow_config, load_config, validate_schema,
+                                               validate_section)
 
 
 def write(tmp_path, config):
@@ -61,7 +62,7 @@ def edit(path, value):
     ("model", {"name": "m", "source": "gguf"}, "model.gguf", "required"),
     ("model.name", "bad name!", "model.name", "does not match"),
     ("datasets.amr_demo.derived.aux.transform", "no_such_transform", "datasets.amr_demo.derived.aux.transform", "unknown transform"),
-    ("datasets.chartqa_demo.splits", {"train": "train"}, "datasets.chartqa_demo.splits", "'test' is a required property"),
+    ("datasets.chartqa_demo.splits", {"train": "train"}, "datasets.chartqa_demo.splits.test", "required, but missing (datasets.chartqa_demo.splits has keys ['train'])"),
     ("datasets.chartqa_demo.fields", {"question": "query", "answer": "label"}, "datasets.chartqa_demo.fields", ""),
     ("datasets.chartqa_demo.max_rejected_fraction", 1.5, "datasets.chartqa_demo.max_rejected_fraction", "greater than the maximum"),
     ("datasets.chartqa_demo.derived", None, "variants.mtup.target", "refers to ['aux'], which dataset 'chartqa_demo' does not provide"),
@@ -105,3 +106,170 @@ def test_validation_does_not_change_a_valid_config_a_second_time():
     again = validate_schema(copy.deepcopy(config))
     check_config(again)
     assert again == config
+
+
+def refused(tmp_path, config):
+    """The one-line ConfigError load_config raises for ``config`` (written to tmp_path/config.yaml)."""
+    path = write(tmp_path, config)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message.removeprefix(f"{path}: ")
+
+
+def with_variant(prompt, target=" {answer}", **dataset_changes):
+    """The demo config with chartqa_demo only (changed as given) and a variant 'hinted'."""
+    config = default_config()
+    config["datasets"] = {"chartqa_demo": {**config["datasets"]["chartqa_demo"], **dataset_changes}}
+    config["variants"]["hinted"] = {"prompt": prompt, "target": target}
+    return config
+
+
+LEAK_FIX = ("so evaluation would put the gold answer into every test prompt; remove {%s} from the prompt "
+            "(a field computed from the answer belongs in the target, as MTUP's aux does)")
+
+
+@pytest.mark.parametrize("prompt, dataset_changes, field, why", [
+    # MTUP's auxiliary field, derived from the answer by the demo config itself
+    ("Q: {question} hint: {aux}", {}, "aux", "is derived from the gold answer (aux = answer_kind(answer))"),
+    ("Q: {question} ({answer})", {}, "answer", "is the first gold answer"),
+    ("Q: {question} {answers}", {}, "answers", "holds the gold answers"),
+    # a derived field taking a derived field: still the gold, transitively
+    ("Q: {question} {kind}", {"derived": {"aux": {"transform": "answer_kind", "field": "answer"},
+                                          "kind": {"transform": "answer_kind", "field": "aux"}}},
+     "kind", "is derived from the gold answer (kind = answer_kind(aux), aux = answer_kind(answer))"),
+    # an extra field carrying the same source column as the answers
+    ("Q: {question} {gold}", {"extra_fields": {"image": "image", "gold": "label"}},
+     "gold", "carries source field 'label', the gold answers"),
+])
+def test_a_prompt_showing_the_gold_answer_or_a_field_derived_from_it_is_refused(tmp_path, prompt, dataset_changes, field, why):
+    message = refused(tmp_path, with_variant(prompt, **dataset_changes))
+    assert message == (f"config key 'variants.hinted.prompt': shows field '{field}', which in dataset 'chartqa_demo' "
+                       f"{why}, " + LEAK_FIX % field)
+
+
+def test_answer_derived_fields_stay_allowed_in_the_target():
+    config = validate_schema(with_variant("Q: {question}\n", "Task 1: {aux}\nTask 2: {answer}"))
+    check_config(config)
+
+
+def test_a_prompt_showing_the_gold_stops_a_snakemake_dry_run(tmp_path):
+    from test_dag import absolute_demo_config, config_file, snakemake
+
+    config = absolute_demo_config(["chartqa_demo"])
+    config["variants"]["hinted"] = {"prompt": "Q: {question} hint: {aux}", "target": " {answer}"}
+    code, output = snakemake(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)),
+                             "--replace-workflow-config", "--cores", "1")
+    assert code != 0
+    assert ("config: config key 'variants.hinted.prompt': shows field 'aux', which in dataset 'chartqa_demo' is derived "
+            "from the gold answer (aux = answer_kind(answer)), " + LEAK_FIX % "aux") in output
+
+
+HINT = "a field is a plain name such as {question}, write {{ and }} for literal braces"
+
+
+@pytest.mark.parametrize("part, template, problem", [
+    ("prompt", "Q: {question.upper}", "{question.upper} uses attribute access or indexing; " + HINT),
+    ("prompt", "Q: {question[0]}", "{question[0]} uses attribute access or indexing; " + HINT),
+    ("target", " {answer!r}", "{answer!r} uses a conversion or format spec; " + HINT),
+    ("target", " {answer:.3}", "{answer:.3} uses a conversion or format spec; " + HINT),
+    ("prompt", 'Reply as {"answer": x}: {question}', '{"answer": x} is not a field name; ' + HINT),
+    ("prompt", "Q: {question", "unbalanced braces (expected '}' before end of string); a field is written {name}, "
+                               "write {{ and }} for literal braces"),
+    ("target", " {answer}}", "unbalanced braces (Single '}' encountered in format string); a field is written {name}, "
+                             "write {{ and }} for literal braces"),
+    ("prompt", "  \n", "the prompt is empty for every row; write a template such as 'Question: {question}'"),
+])
+def test_template_syntax_is_checked_with_the_config(tmp_path, part, template, problem):
+    config = default_config()
+    config["variants"]["baseline"][part] = template
+    assert refused(tmp_path, config) == f"config key 'variants.baseline.{part}': {problem}"
+
+
+def test_literal_braces_are_allowed(tmp_path):
+    config = default_config()
+    config["variants"]["baseline"]["prompt"] = 'Reply as {{"answer": ...}}: {question}'
+    load_config(write(tmp_path, config))
+
+
+DEMO = (ROOT / "config" / "config.yaml").read_text()
+SMALL = """\
+model: {name: tiny-llama, source: tiny}
+datasets:
+  amr_demo:
+    source: {type: local, path: demo_data/amr}
+    fields: {id: id, question: sentence, answers: graph}
+    metric: smatch
+%s
+variants:
+  baseline: {prompt: "Q: {question}", target: " {answer}"}
+%s
+training: {max_length: 128%s}
+"""
+
+
+@pytest.mark.parametrize("text, key, line, first", [
+    # a second dataset or variant of the same name would silently replace the first
+    (SMALL % ("  amr_demo:\n    source: {type: local, path: elsewhere}", "", ""), "datasets.amr_demo", 7, 3),
+    (SMALL % ("", "  baseline: {prompt: 'Q: {question}', target: '{answer}'}", ""), "variants.baseline", 10, 9),
+    # deeper, on one line in a flow mapping
+    (SMALL % ("", "", ", max_length: 64"), "training.max_length", 11, 11),
+])
+def test_duplicate_keys_are_refused_naming_file_line_and_key(tmp_path, text, key, line, first):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    assert yaml.safe_load(text)  # plain PyYAML accepts it, keeping the last
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    name = key.rsplit(".", 1)[-1]
+    assert str(caught.value) == (f"{path}: config key '{key}': line {line}: key '{name}' is given twice (first at line "
+                                 f"{first}); YAML would silently keep only the last, so remove or rename one")
+
+
+def test_the_snakefile_check_rereads_each_config_file_strictly(tmp_path):
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(DEMO)
+    bad.write_text("seeds: [1]\nseeds: [2]\n")
+    config = default_config()
+    check_workflow_config([good], config)
+    assert config["evaluation"]["split"] == "test"  # defaults filled, as snakemake.utils.validate does
+    with pytest.raises(ConfigError) as caught:
+        check_workflow_config([good, bad], default_config())
+    assert str(caught.value) == (f"{bad}: config key 'seeds': line 2: key 'seeds' is given twice (first at line 1); "
+                                 "YAML would silently keep only the last, so remove or rename one")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model: [unclosed", "not valid YAML at line 1, column 17: expected ',' or ']', but got '<stream end>' "
+                         "(while parsing a flow sequence at line 1, column 8)"),
+    ("model:\n  name: x\n   source: tiny\n", "not valid YAML at line 3, column 10: mapping values are not allowed here"),
+    ("model: {name: x\nseeds: [1]\n", "not valid YAML at line 2, column 6: expected ',' or '}', but got ':' "
+                                      "(while parsing a flow mapping at line 1, column 8)"),
+])
+def test_yaml_syntax_errors_are_one_line_with_line_and_column(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert str(caught.value) == f"{path}: config key '<file>': {message}"
+
+
+@pytest.mark.parametrize("path, value, expected", [
+    ("training.max_steps", "many", "config key 'training.max_steps': 'many' is not of type 'integer'"),
+    ("model.name", None, "config key 'model.name': required, but missing (model has keys ['source', 'tiny', 'trust_remote_code'])"),
+    ("model", None, "config key 'model': required, but missing (the config has keys "
+                    "['comparison', 'datasets', 'evaluation', 'seeds', 'training', 'variants'])"),
+    # a value under a key that looks like a secret is never echoed, nor one inside a value that is echoed
+    ("datasets.chartqa_demo.extra_fields", {"api_key": 8675309}, "config key 'datasets.chartqa_demo.extra_fields.api_key': "
+                                                                 "<redacted> is not of type 'string'"),
+    ("datasets.chartqa_demo.extra_fields", {"hf_token": ["hf_abcdef123"]}, "config key "
+     "'datasets.chartqa_demo.extra_fields.hf_token': <redacted> is not of type 'string'"),
+    ("seeds", {"password": "hunter22"}, "config key 'seeds': {'password': '<redacted>'} is not of type 'array'"),
+])
+def test_schema_errors_are_one_line_and_never_echo_a_secret(path, value, expected):
+    config = edit(path, value)
+    with pytest.raises(ConfigError) as caught:
+        validate_schema(config, "c.yaml")
+    assert str(caught.value) == f"c.yaml: {expected}"
+    assert not any(secret in str(caught.value) for secret in ("8675309", "hf_abcdef123", "hunter22"))

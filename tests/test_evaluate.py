@@ -141,6 +141,50 @@ def test_greedy_ignores_sampling_defaults_of_the_model(tmp_path, tiny_model, ada
     assert [r["raw_output"] for r in sampled_rows] == [r["raw_output"] for r in greedy_rows]
 
 
+def argmax_loop(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """Greedy decoding written out by hand: the token with the highest logit, one at a time."""
+    ids = torch.tensor([evaluate.templates.encode_prompts(tokenizer, BASELINE, [prompt])[0]])
+    new = []
+    for _ in range(max_new_tokens):
+        next_id = int(model(input_ids=ids).logits[0, -1].argmax())
+        if next_id == tokenizer.eos_token_id:
+            break
+        new.append(next_id)
+        ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def test_penalties_shipped_with_the_model_do_not_act(tmp_path, tiny_model, adapter):
+    """Instruct models ship repetition_penalty / no_repeat_ngram_size; greedy means plain argmax all the same."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    from workflow_scripts import model_loading
+
+    penalised = tmp_path / "penalised-model"
+    shutil.copytree(tiny_model, penalised)
+    GenerationConfig(repetition_penalty=5.0, no_repeat_ngram_size=1, bad_words_ids=[[5]],
+                     eos_token_id=2).save_pretrained(penalised)
+    tokenizer = model_loading.load_tokenizer(penalised)
+    model = model_loading.load_with_adapter(penalised, adapter, torch.device("cpu"))
+    assert model.generation_config.repetition_penalty == 5.0  # the shipped config is really loaded
+    prompts = [BASELINE["prompt"].format(question=q) for _, q, _ in QUESTIONS]
+    generated = evaluate.generate(model, tokenizer, BASELINE, prompts, 3, 12, torch.device("cpu"))
+    assert generated == [argmax_loop(model, tokenizer, prompt, 12) for prompt in prompts]
+    # The hand loop repeats tokens, so a repetition penalty or n-gram block would have changed the output.
+    assert any(len(set(tokenizer.encode(text))) < len(tokenizer.encode(text)) for text in generated)
+    assert model.generation_config.repetition_penalty == 5.0  # restored after generating
+
+
+def test_eval_json_records_the_full_decoding_config(tmp_path, tiny_model, adapter, normalised):
+    _, summary = run(tmp_path, tiny_model, normalised, adapter, name="recorded")
+    decoding = summary["generation_config"]
+    assert decoding["do_sample"] is False and decoding["num_beams"] == 1
+    assert decoding["repetition_penalty"] == 1.0 and decoding["no_repeat_ngram_size"] == 0
+    assert decoding["max_new_tokens"] == EVALUATION["max_new_tokens"]
+
+
 def test_max_examples_and_generation_length_follow_the_config(tmp_path, tiny_model, normalised):
     from workflow_scripts import model_loading
 

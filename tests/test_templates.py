@@ -87,3 +87,47 @@ def test_extract_rejects_unknown_extractors():
         extract_answer({"extractor": {"type": "regex"}}, "x")
     with pytest.raises(WorkflowError, match="marker"):
         extract_answer({"extractor": {"type": "section"}}, "x")
+
+
+HINT = "a field is a plain name such as {question}, write {{ and }} for literal braces"
+
+
+@pytest.mark.parametrize("template, problem", [
+    # str.format would render "<built-in method upper of str object at 0x...>" into the prompt
+    ("Q: {question.upper}", "{question.upper} uses attribute access or indexing; " + HINT),
+    ("Q: {question[0]}", "{question[0]} uses attribute access or indexing; " + HINT),
+    ("Q: {question!r}", "{question!r} uses a conversion or format spec; " + HINT),
+    ("Q: {question:>40}", "{question:>40} uses a conversion or format spec; " + HINT),
+    ("Q: {}", "{} is not a field name; " + HINT),
+    ('Reply as {"answer": ...}', '{"answer": ...} is not a field name; ' + HINT),
+    ("Q: {question", "unbalanced braces (expected '}' before end of string); a field is written {name}, "
+                     "write {{ and }} for literal braces"),
+    ("Q: question}", "unbalanced braces (Single '}' encountered in format string); a field is written {name}, "
+                     "write {{ and }} for literal braces"),
+])
+def test_a_template_takes_plain_field_names_only(template, problem):
+    with pytest.raises(WorkflowError) as caught:
+        render_prompt({"prompt": template, "target": " {answer}"}, ROW)
+    assert str(caught.value) == f"the prompt template {template!r}: {problem}"
+    with pytest.raises(WorkflowError) as caught:
+        render_target({"prompt": "{question}", "target": template}, ROW)
+    assert str(caught.value) == f"the target template {template!r}: {problem}"
+
+
+def test_doubled_braces_are_literal_and_values_render_as_str_format_would():
+    row = {**ROW, "count": 3, "score": 0.5}
+    template = 'Reply as {{"answer": ...}}. {question} ({count}, {score}) {answer}'
+    assert render_prompt({"prompt": template}, row) == template.format_map({**row, "answer": "4"})
+    assert render_prompt({"prompt": template}, row) == 'Reply as {"answer": ...}. What is 2+2? (3, 0.5) 4'
+
+
+def test_a_prompt_or_target_that_renders_empty_names_the_part_and_the_row():
+    row = {**ROW, "title": "  \n", "aux": ""}
+    with pytest.raises(WorkflowError) as caught:
+        render_prompt({"prompt": "{title}", "target": " {answer}"}, row)
+    assert str(caught.value) == ("row id 'r1': the prompt renders empty from template '{title}'; "
+                                 "every row needs a non-empty prompt: fill the row's fields or change the template")
+    with pytest.raises(WorkflowError) as caught:
+        render_target({"prompt": "{question}", "target": " {aux}"}, row)
+    assert str(caught.value) == ("row id 'r1': the target renders empty from template ' {aux}'; "
+                                 "every row needs a non-empty target: fill the row's fields or change the template")

@@ -16,7 +16,7 @@ from workflow_scripts import checkpointing, train, training_setup
 
 REPO = Path(__file__).resolve().parent.parent
 LOG_FIELDS = {"step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "padding_share",
-              "peak_memory_bytes", "elapsed_seconds"}
+              "peak_memory_bytes", "elapsed_seconds", "update_skipped"}
 
 
 @pytest.fixture(autouse=True)
@@ -72,11 +72,18 @@ def test_train_writes_peft_adapter_log_and_manifest(tmp_path, tiny_model_dir, ti
     assert trained.abs().sum() > 0  # lora_B starts at zero: non-zero means it trained
 
 
-def test_one_and_two_processes_follow_the_same_loss_curve(tmp_path, tiny_model_dir, tiny_tokenised_dir):
-    """Real DDP on CPU (gloo): same effective batch, 1 vs 2 processes, via the workflow's launcher."""
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_one_and_two_processes_follow_the_same_loss_curve(tmp_path, tiny_model_dir, tiny_tokenised_dir, dropout):
+    """Real DDP on CPU (gloo): same effective batch, 1 vs 2 processes, via the workflow's launcher.
+
+    With LoRA dropout on, each micro-batch's mask is seeded from (seed, step, micro-batch index), so
+    both runs draw the same masks; what remains is the order of float sums across ranks (DDP's
+    all-reduce), hence a tolerance rather than bit identity.
+    """
     curves, adapters = [], []
     for processes in (1, 2):
-        settings = tiny_training_settings(max_steps=5, cpu_processes=processes, checkpoint_every=100)
+        settings = tiny_training_settings(max_steps=5, cpu_processes=processes, checkpoint_every=100,
+                                          lora={"dropout": dropout})
         out = tmp_path / f"p{processes}"
         if processes == 1:  # in this process: no launch needed
             assert train.main(train_argv(out, tiny_model_dir, tiny_tokenised_dir, settings)) == 0
@@ -196,21 +203,72 @@ def test_nan_loss_stops_at_once_and_keeps_last_good_checkpoint(monkeypatch, tmp_
     assert not (tmp_path / "adapter").exists() and not (tmp_path / "train_log.jsonl").exists()
 
 
-def test_finished_run_leaves_nothing_to_resume_and_stale_checkpoints_are_ignored(tmp_path, tiny_model_dir,
-                                                                                   tiny_tokenised_dir, capsys):
+def plant_checkpoint(out: Path, model_dir, data_dir, settings: dict, step: int = 2) -> Path:
+    """A checkpoint as a preempted run with ``settings`` would have left it."""
+    setup = training_setup.build(model_dir, settings, train.distributed.setup(use_cuda=False))
+    fingerprint = train.run_fingerprint(settings, train.batching.read_meta(data_dir), str(model_dir), 1)
+    return checkpointing.save(out / "checkpoints", step, setup.peft_model, setup.optimizer, setup.scheduler, None,
+                              [checkpointing.rng_state(torch.device("cpu"))], fingerprint)
+
+
+def test_finished_run_leaves_nothing_to_resume(tmp_path, tiny_model_dir, tiny_tokenised_dir):
     settings = tiny_training_settings(max_steps=4, checkpoint_every=2)
     assert train.main(train_argv(tmp_path, tiny_model_dir, tiny_tokenised_dir, settings)) == 0
     assert checkpointing.checkpoints(tmp_path / "checkpoints") == []  # a forced rerun trains afresh
-    # A checkpoint left by a run with other settings (say, a killed run before the config changed).
-    setup = training_setup.build(tiny_model_dir, settings, train.distributed.setup(use_cuda=False))
-    checkpointing.save(tmp_path / "checkpoints", 2, setup.peft_model, setup.optimizer, setup.scheduler, None,
-                       [checkpointing.rng_state(torch.device("cpu"))], {"settings_sha256": "another run"})
+
+
+def test_more_wall_time_and_other_runtime_settings_resume(tmp_path, tiny_model_dir, tiny_tokenised_dir, capsys):
+    """A preempted job given more wall time, memory, workers or other intervals resumes where it stopped."""
+    settings = tiny_training_settings(max_steps=4, checkpoint_every=2)
+    plant_checkpoint(tmp_path, tiny_model_dir, tiny_tokenised_dir, settings)
+    changed = {**settings, "runtime_minutes": settings["runtime_minutes"] * 4, "mem_mb": 128000, "log_every": 2,
+               "checkpoint_every": 3, "dataloader_workers": 1, "memory_headroom": 0.8, "sanity_batches": 3}
     capsys.readouterr()
+    assert train.main(train_argv(tmp_path, tiny_model_dir, tiny_tokenised_dir, changed)) == 0
+    assert "at step 2" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "run_manifest.json").read_text())
+    assert manifest["resumed_from_step"] == 2
+
+
+def test_checkpoint_of_another_experiment_stops_and_is_kept(tmp_path, tiny_model_dir, tiny_tokenised_dir):
+    settings = tiny_training_settings(max_steps=4, checkpoint_every=2)
+    planted = plant_checkpoint(tmp_path, tiny_model_dir, tiny_tokenised_dir, settings)
+    changed = {**settings, "learning_rate": settings["learning_rate"] / 2, "lora": {**settings["lora"], "rank": 8}}
+    with pytest.raises(train.WorkflowError) as raised:
+        train.main(train_argv(tmp_path, tiny_model_dir, tiny_tokenised_dir, changed))
+    message = str(raised.value)
+    assert "\n" not in message and str(planted) in message
+    assert "settings.learning_rate" in message and "settings.lora.rank" in message and "Fix:" in message
+    assert planted.is_dir() and (planted / "adapter.safetensors").is_file()  # never deleted: the user decides
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_skipped_fp16_updates_do_not_advance_the_schedule(monkeypatch, tmp_path, tiny_model_dir, tiny_tokenised_dir):
+    """As HF Trainer: an update the scaler skipped (overflow) leaves the learning-rate schedule where it was."""
+    original = training_setup.build
+    overflowing_backwards = {"left": 4}  # 2 micro-batches per step: the first two steps overflow
+
+    def build(*args, **kwargs):
+        setup = original(*args, **kwargs)
+        name, param = next((n, p) for n, p in setup.peft_model.named_parameters() if "lora_B" in n)
+
+        def overflow(grad):
+            if overflowing_backwards["left"] > 0:
+                overflowing_backwards["left"] -= 1
+                return torch.full_like(grad, float("inf"))
+            return grad
+        param.register_hook(overflow)
+        return setup
+
+    monkeypatch.setattr(training_setup, "build", build)
+    settings = tiny_training_settings(max_steps=6, precision="fp16", warmup_steps=4, lr_scheduler="linear",
+                                      learning_rate=1e-2, checkpoint_every=100)
     assert train.main(train_argv(tmp_path, tiny_model_dir, tiny_tokenised_dir, settings)) == 0
-    output = capsys.readouterr().out
-    assert "different" in output and "settings_sha256" in output and "starting afresh" in output
-    assert "resumed" not in output
-    assert [r["step"] for r in log_rows(tmp_path)] == [1, 2, 3, 4]
+    rows = log_rows(tmp_path)
+    assert [r["update_skipped"] for r in rows] == [True, True, False, False, False, False]
+    # Warm-up 0, 1/4, 2/4, 3/4 of the peak: the schedule starts moving at the first real update (step 3).
+    assert [r["learning_rate"] for r in rows] == pytest.approx([0.0, 0.0, 0.0, 2.5e-3, 5e-3, 7.5e-3])
+    assert json.loads((tmp_path / "run_manifest.json").read_text())["skipped_updates"] == 2
 
 
 def test_bad_training_json_is_one_clear_error(tmp_path, tiny_model_dir, tiny_tokenised_dir):

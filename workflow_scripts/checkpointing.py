@@ -3,7 +3,8 @@
 A checkpoint is a directory ``step-00000050/`` renamed into place only when complete, so a job killed
 while writing leaves the previous checkpoint intact. The data position is the step itself: global
 batches are a function of (seed, effective batch, step) (see batching.py). A checkpoint written by a
-run with other settings, data or model is not resumed.
+run that learned something else (other settings, data, model or seed) is not resumed and not deleted:
+the job stops and names the difference (runtime-only settings such as wall time are not part of it).
 """
 from __future__ import annotations
 
@@ -81,21 +82,38 @@ def save(checkpoint_dir: str | Path, step: int, peft_model, optimizer, scheduler
     return final
 
 
-def latest_compatible(checkpoint_dir: str | Path, fingerprint: Mapping[str, Any], log=print) -> Path | None:
-    """The newest checkpoint written under the same fingerprint; stale ones are removed with a note."""
+def latest_compatible(checkpoint_dir: str | Path, fingerprint: Mapping[str, Any]) -> Path | None:
+    """The newest checkpoint, if it was written under the same fingerprint.
+
+    A checkpoint from a run that learned something else is never deleted here (it may be days of
+    work): the job stops and names the differing keys, and the user decides.
+    """
     found = checkpoints(checkpoint_dir)
     if not found:
         return None
     step, path = found[-1]
     state = json.loads((path / "state.json").read_text())
-    if state.get("fingerprint") != dict(fingerprint):
-        differing = sorted(k for k in set(fingerprint) | set(state.get("fingerprint", {}))
-                           if state.get("fingerprint", {}).get(k) != fingerprint.get(k))
-        log(f"checkpoints in {checkpoint_dir} come from a run with different {differing}; starting afresh")
-        for _, old in found:
-            shutil.rmtree(old, ignore_errors=True)
-        return None
+    theirs = state.get("fingerprint", {})
+    if theirs != dict(fingerprint):
+        differing = differing_keys(theirs, fingerprint)
+        raise WorkflowError(
+            f"{path}: this checkpoint (step {step}) was written by a run with different {', '.join(differing)}; "
+            "resuming it would mix two experiments. Fix: restore those settings to resume, or move or delete "
+            f"{Path(checkpoint_dir)} to train afresh"
+        )
     return path
+
+
+def differing_keys(ours: Mapping[str, Any], theirs: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ (nested mappings compared key by key)."""
+    differing = []
+    for key in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(key), theirs.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            differing += differing_keys(a, b, f"{prefix}{key}.")
+        elif a != b:
+            differing.append(f"{prefix}{key}")
+    return differing
 
 
 def load(path: str | Path, peft_model, optimizer, scheduler, scaler, rank: int, device: torch.device,
@@ -120,7 +138,8 @@ def load(path: str | Path, peft_model, optimizer, scheduler, scaler, rank: int, 
     if rank < len(rng):
         restore_rng_state(rng[rank], device)
     else:
-        log(f"{path}: written by {len(rng)} processes; rank {rank} keeps its seeded RNG (dropout masks differ)")
+        log(f"{path}: written by {len(rng)} processes; rank {rank} keeps its own RNG state "
+            "(dropout masks do not depend on it: each micro-batch is seeded from its step and index)")
     return int(state["step"])
 
 

@@ -2,8 +2,10 @@
 
 For every dataset: the seed-averaged score of each variant (mean and sample standard deviation over
 seeds, and a 95% bootstrap interval), the untrained base model's score with the same prompt, and
-each variant minus the reference variant with a paired bootstrap over the same test examples
-(see paired_bootstrap.py for the pairing, the interval and the p-value). Before any number is
+each variant minus the reference variant with a paired bootstrap over the same test examples, or
+with a two-level one (seeds, then test examples) when ``comparison.bootstrap`` says so or, under
+``auto``, when every compared variant has 3 or more seeds (see paired_bootstrap.py for the pairing,
+the interval and the p-value; the table names the mode used). Before any number is
 computed, the fairness guard (fairness.py) refuses variants whose runs differ in more than the
 prompt format. Writes CSV, Markdown and PNG plots.
 """
@@ -28,7 +30,7 @@ MIN_RESAMPLES = 1000
 COLUMNS = (
     "dataset", "metric", "variant", "n_seeds", "seeds", "seed_scores", "mean", "std", "ci_low", "ci_high",
     "base_score", "gain_over_base", "reference", "difference", "difference_ci_low", "difference_ci_high",
-    "p_value", "n_examples", "unparseable_share",
+    "p_value", "n_examples", "unparseable_share", "bootstrap",
 )
 
 
@@ -82,7 +84,20 @@ def parse_comparison(text: str) -> dict:
         raise ConfigError("comparison.bootstrap_resamples", f"must be an integer >= {MIN_RESAMPLES}, got {comparison['bootstrap_resamples']!r}")
     if not isinstance(comparison["intended_differences"], list):
         raise ConfigError("comparison.intended_differences", "must be a list of dotted keys such as training.max_length")
+    comparison = {**comparison, "bootstrap": comparison.get("bootstrap", "auto")}
+    if comparison["bootstrap"] not in paired_bootstrap.SETTINGS:
+        raise ConfigError("comparison.bootstrap", f"must be one of {', '.join(paired_bootstrap.SETTINGS)}, "
+                                                  f"got {comparison['bootstrap']!r}")
     return comparison
+
+
+def bootstrap_mode(comparison: Mapping[str, Any], experiments: Sequence[tuple[str, str, int]]) -> str:
+    """The bootstrap used for the whole table: ``comparison.bootstrap``, with ``auto`` resolved over every
+    compared (dataset, variant)'s seed count, so all rows use one mode."""
+    counts: dict[tuple[str, str], int] = {}
+    for dataset, variant, _ in experiments:
+        counts[dataset, variant] = counts.get((dataset, variant), 0) + 1
+    return paired_bootstrap.resolve_mode(comparison.get("bootstrap", "auto"), counts.values())
 
 
 def read_json(path: Path) -> dict:
@@ -214,7 +229,8 @@ def _round(value: float | None) -> float | None:
 
 
 def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, comparison: Mapping[str, Any],
-                    base_scores: Mapping[str, float] | None) -> list[dict]:
+                    base_scores: Mapping[str, float] | None, mode: str | None = None) -> list[dict]:
+    """Rows of one dataset; ``mode`` is the bootstrap mode (None: resolve ``comparison.bootstrap`` from these runs)."""
     metric_names = {run.summary["metric"] for run in runs}
     if len(metric_names) != 1:
         raise WorkflowError(f"dataset '{dataset}': runs were scored with different metrics {sorted(metric_names)}")
@@ -234,12 +250,14 @@ def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, compariso
     def arrays(variant: str) -> list[np.ndarray]:
         return [np.asarray([by_variant[variant][seed].values[i] for i in ids]) for seed in seeds]
 
+    if mode is None:
+        mode = paired_bootstrap.resolve_mode(comparison.get("bootstrap", "auto"), [len(seeds)] * len(by_variant))
     resamples, bootstrap_seed = comparison["bootstrap_resamples"], comparison["bootstrap_seed"]
     order = [reference] + [variant for variant in by_variant if variant != reference]
     rows = []
     for variant in order:
         seed_scores = [by_variant[variant][seed].summary["score"] for seed in seeds]
-        interval = paired_bootstrap.score_interval(metric, arrays(variant), resamples, bootstrap_seed)
+        interval = paired_bootstrap.score_interval(metric, arrays(variant), resamples, bootstrap_seed, mode)
         base = None if base_scores is None else base_scores[variant]
         row = {
             "dataset": dataset, "metric": metric, "variant": variant, "n_seeds": len(seeds),
@@ -250,9 +268,11 @@ def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, compariso
             "reference": reference, "difference": None, "difference_ci_low": None, "difference_ci_high": None,
             "p_value": None, "n_examples": len(ids),
             "unparseable_share": float(np.mean([by_variant[variant][s].summary["n_unparseable"] / len(ids) for s in seeds])),
+            "bootstrap": mode,
         }
         if variant != reference:
-            result = paired_bootstrap.paired_difference(metric, arrays(variant), arrays(reference), resamples, bootstrap_seed)
+            result = paired_bootstrap.paired_difference(metric, arrays(variant), arrays(reference), resamples,
+                                                        bootstrap_seed, mode)
             row.update(difference=result.difference, difference_ci_low=result.low,
                        difference_ci_high=result.high, p_value=result.p_value)
         rows.append({key: _round(value) if isinstance(value, float) else value for key, value in row.items()})
@@ -279,6 +299,38 @@ def _cell(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def bootstrap_lines(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any]) -> list[str]:
+    """One line per bootstrap mode in the table, e.g. "intervals: two-level bootstrap: seeds, then test examples (3 seeds)"."""
+    setting = comparison.get("bootstrap", "auto")
+    lines = []
+    for mode in dict.fromkeys(row["bootstrap"] for row in rows):
+        counts = [row["n_seeds"] for row in rows if row["bootstrap"] == mode]
+        why = (f"comparison.bootstrap: auto (seeds are resampled only when every variant has "
+               f"{paired_bootstrap.AUTO_MIN_SEEDS} or more)" if setting == "auto" else f"comparison.bootstrap: {setting}")
+        text = paired_bootstrap.describe(mode, counts)
+        lines.append(f"{text[0].upper()}{text[1:]}; {why}.")
+    return lines
+
+
+def _method(mode: str, reference: str, comparison: Mapping[str, Any]) -> str:
+    settings = f"{comparison['bootstrap_resamples']} resamples, seed {comparison['bootstrap_seed']}"
+    if mode == paired_bootstrap.SEEDS_AND_EXAMPLES:
+        return (
+            f"Δ is the variant minus '{reference}', from a two-level paired bootstrap ({settings}): each resample "
+            "first draws seeds with replacement, the same seed numbers for every variant (seed k of a variant "
+            "shares data order and initialisation with seed k of the reference), then draws test examples with "
+            "replacement, one draw for every drawn seed of every variant (paired by id), and averages the per-seed "
+            "corpus scores over the drawn seeds (smatch: triple counts summed, micro F1 recomputed). The intervals "
+            "and p therefore include the seed-to-seed variation."
+        )
+    return (
+        f"Δ is the variant minus '{reference}', from a paired bootstrap over the same test examples ({settings}): "
+        "each resample draws test examples with replacement, applies the same draw to every seed of both variants "
+        "(seed paired with seed), and averages the per-seed corpus scores (smatch: triple counts summed, micro F1 "
+        "recomputed). Seeds are held fixed, so the intervals and p leave out the seed-to-seed variation."
+    )
+
+
 def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any]) -> str:
     reference = comparison["reference_variant"]
     lines = [
@@ -296,13 +348,12 @@ def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any]) -
             f"{_cell(row['base_score'])} | {delta} | {'—' if row['p_value'] is None else _cell(row['p_value'])} |"
         )
     intended = comparison["intended_differences"]
+    modes = dict.fromkeys(row["bootstrap"] for row in rows)
+    lines += ["", *bootstrap_lines(rows, comparison), ""]
     lines += [
-        "",
-        f"Mean and sample standard deviation over seeds; scores are in [0, 1]. Δ is the variant minus "
-        f"'{reference}', from a paired bootstrap over the same test examples ({comparison['bootstrap_resamples']} "
-        f"resamples, seed {comparison['bootstrap_seed']}): each resample draws test examples with replacement, "
-        "applies the same draw to every seed of both variants (seed paired with seed), and averages the "
-        "per-seed corpus scores (smatch: triple counts summed, micro F1 recomputed). 95% CI: percentile interval. "
+        "Mean and sample standard deviation over seeds; scores are in [0, 1]. "
+        + " ".join(_method(mode, reference, comparison) for mode in modes)
+        + " 95% CI: percentile interval. "
         "p: two-sided, shift method as in sacrebleu, (c + 1) / (B + 1), with c the resamples whose centred "
         "difference is at least as far from 0 as the observed one.",
         "",
@@ -334,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     runs = [load_run(results_dir, *experiment) for experiment in experiments]
     check_fairness(runs, comparison["intended_differences"])
+    mode = bootstrap_mode(comparison, experiments)
 
     rows, loss_curves = [], {}
     datasets = list(dict.fromkeys(dataset for dataset, _, _ in experiments))
@@ -342,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metric = dataset_runs[0].summary["metric"]
         variants = list(dict.fromkeys(run.variant for run in dataset_runs))
         base = read_base_scores(results_dir, dataset, variants, metric) if args.with_base else None
-        dataset_rows = compare_dataset(dataset, dataset_runs, reference, comparison, base)
+        dataset_rows = compare_dataset(dataset, dataset_runs, reference, comparison, base, mode)
         rows.extend(dataset_rows)
         loss_curves[dataset] = {(run.variant, run.seed): read_loss_curve(run.directory / "train_log.jsonl") for run in dataset_runs}
 

@@ -1,9 +1,9 @@
 """The ``evaluate`` stage: generate answers for the test split, extract them, score them.
 
 Used for trained adapters (``--adapter``) and for the untrained base model (no ``--adapter``), so
-both go through exactly the same prompts, decoding and scoring. Decoding is greedy (a fresh
-``GenerationConfig``: a model's own sampling defaults, such as Qwen-Instruct's ``do_sample=True``,
-are not inherited), batched with LEFT padding so every prompt ends where generation starts, and
+both go through exactly the same prompts, decoding and scoring. Decoding is greedy with every logits
+processor neutral (a model's own generation defaults, such as Qwen-Instruct's ``do_sample=True`` or a
+``repetition_penalty``, are not inherited; ``eval.json`` records the full config), batched with LEFT padding so every prompt ends where generation starts, and
 stops at the end-of-sequence token the training targets end with.
 """
 from __future__ import annotations
@@ -134,33 +134,75 @@ def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
     return ids
 
 
+def greedy_generation_config(max_new_tokens: int, stop_ids: Sequence[int], pad_token_id: int | None):
+    """Greedy decoding, every logits processor neutral, each field set explicitly.
+
+    ``generate`` fills any field the caller leaves at its library default from the model's own
+    ``generation_config``; instruct models ship ``repetition_penalty``, ``no_repeat_ngram_size`` and
+    the like, which keep acting with sampling off. Every field that can change which token is chosen
+    is therefore given here, and the model's own config is swapped for this one while generating
+    (:func:`decoding_with`), so decoding is exactly what ``eval.json`` records.
+    """
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, min_new_tokens=0, min_length=0, do_sample=False, num_beams=1,
+        num_beam_groups=1, penalty_alpha=None, temperature=1.0, top_k=None, top_p=None, min_p=None,
+        typical_p=None, epsilon_cutoff=None, eta_cutoff=None, repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0, length_penalty=1.0, no_repeat_ngram_size=0,
+        encoder_no_repeat_ngram_size=0, bad_words_ids=None, force_words_ids=None, sequence_bias=None,
+        suppress_tokens=None, begin_suppress_tokens=None, forced_bos_token_id=None,
+        forced_eos_token_id=None, exponential_decay_length_penalty=None, renormalize_logits=False,
+        guidance_scale=None, watermarking_config=None, prompt_lookup_num_tokens=None,
+        eos_token_id=list(stop_ids), pad_token_id=pad_token_id, use_cache=True,
+    )
+
+
+@contextlib.contextmanager
+def decoding_with(model, config) -> Iterator[None]:
+    """The model's own generation config replaced by ``config`` while generating, so nothing is inherited."""
+    holders = [model]
+    if hasattr(model, "get_base_model"):  # PEFT: generate runs on the base model and reads its config
+        holders.append(model.get_base_model())
+    saved = [(holder, getattr(holder, "generation_config", None)) for holder in holders]
+    try:
+        for holder in holders:
+            holder.generation_config = config
+        yield
+    finally:
+        for holder, original in saved:
+            holder.generation_config = original
+
+
+def recorded_decoding(config) -> dict:
+    """The generation settings that decided the tokens, as eval.json records them."""
+    return {key: value for key, value in sorted(config.to_dict().items()) if not key.startswith("_")
+            and key not in ("transformers_version", "generation_kwargs")}
+
+
 @torch.no_grad()
 def generate(model, tokenizer, variant: Mapping[str, Any], prompts: Sequence[str], batch_size: int,
              max_new_tokens: int, device: torch.device) -> list[str]:
     """Greedy continuations of ``prompts``, batched by similar length, returned in input order."""
-    from transformers import GenerationConfig
-
     stop_ids = stop_token_ids(tokenizer, model)
     tokenizer.padding_side = "left"  # decoder-only: padding on the right would sit between prompt and answer
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-        eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
-    )
+    config = greedy_generation_config(max_new_tokens, stop_ids, tokenizer.pad_token_id)
     encoded = templates.encode_prompts(tokenizer, variant, prompts)  # the ids training saw
     # Longest first (stable), so each batch holds similar lengths and little compute goes to padding.
     order = sorted(range(len(prompts)), key=lambda index: -len(encoded[index]))
     outputs: list[str | None] = [None] * len(prompts)
-    for start in range(0, len(order), batch_size):
-        batch = order[start:start + batch_size]
-        padded = tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, padding=True, return_tensors="pt")
-        input_ids = padded["input_ids"].to(device)
-        generated = model.generate(
-            input_ids=input_ids, attention_mask=padded["attention_mask"].to(device), generation_config=config
-        )
-        for row, index in enumerate(batch):
-            new_ids = cut_at_stop(generated[row, input_ids.shape[1]:].tolist(), stop_ids)
-            outputs[index] = tokenizer.decode(new_ids, skip_special_tokens=True)
-        print(f"generated {min(start + batch_size, len(order))}/{len(order)}", flush=True)
+    with decoding_with(model, config):
+        for start in range(0, len(order), batch_size):
+            batch = order[start:start + batch_size]
+            padded = tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, padding=True, return_tensors="pt")
+            input_ids = padded["input_ids"].to(device)
+            generated = model.generate(
+                input_ids=input_ids, attention_mask=padded["attention_mask"].to(device), generation_config=config
+            )
+            for row, index in enumerate(batch):
+                new_ids = cut_at_stop(generated[row, input_ids.shape[1]:].tolist(), stop_ids)
+                outputs[index] = tokenizer.decode(new_ids, skip_special_tokens=True)
+            print(f"generated {min(start + batch_size, len(order))}/{len(order)}", flush=True)
     return outputs
 
 
@@ -225,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "n_unparseable": unparseable,
         "split": evaluation["split"],
         "decoding": "greedy",
+        "generation_config": recorded_decoding(greedy_generation_config(
+            evaluation["max_new_tokens"], stop_token_ids(tokenizer, model), tokenizer.pad_token_id)),
         "model_dir": str(args.model),
         "model_manifest_sha256": file_sha256(Path(args.model, "model_manifest.json")),
         "adapter_dir": str(args.adapter) if args.adapter else None,

@@ -1,20 +1,22 @@
 """Loading, validating and resolving the experiment configuration.
 
-The Snakefile validates ``config`` with ``snakemake.utils.validate`` (which fills schema
-defaults) and then calls :func:`check_config` for the checks a JSON schema cannot express.
-Scripts and tests use :func:`load_config`, which does both the same way.
+The Snakefile first calls :func:`check_workflow_config` (each config file re-read with
+:class:`StrictLoader`, which refuses duplicate keys, then the schema with one-line messages), validates
+``config`` with ``snakemake.utils.validate`` (which fills schema defaults) and then calls
+:func:`check_config` for the checks a JSON schema cannot express. Scripts and tests use
+:func:`load_config`, which does all of this the same way.
 """
 from __future__ import annotations
 
 import copy
 import hashlib
 import json
-import string
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import yaml
 
+from workflow_scripts import templates
 from workflow_scripts.errors import ConfigError
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
@@ -45,23 +47,166 @@ def validate_schema(config: dict, source: str | None = None) -> dict:
     # Defaults are set on the way down, so nested objects created by a default get theirs too.
     errors = list(validator_class(schema).iter_errors(config))
     if errors:
-        error = best_match(errors)
-        key = ".".join(str(part) for part in error.absolute_path) or "<top level>"
-        raise ConfigError(key, error.message, source)
+        raise schema_error(best_match(errors), None, source)
     return config
 
 
-def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> dict:
-    """Read a YAML config with ``yaml.safe_load``, validate it, fill defaults and check consistency."""
+def _looks_secret(name: Any) -> bool:
+    from workflow_scripts.run_manifest import SECRET_MARKERS
+
+    return any(marker in str(name).lower() for marker in SECRET_MARKERS)
+
+
+def _secret_values(value: Any, secret: bool = False) -> Iterator[Any]:
+    """Every scalar inside ``value`` that sits under a secret-looking key (all of it when ``secret``)."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _secret_values(item, secret or _looks_secret(key))
+    elif isinstance(value, list):
+        for item in value:
+            yield from _secret_values(item, secret)
+    elif secret and value is not None and not isinstance(value, bool):
+        yield value
+
+
+def schema_error(error, prefix: str | None = None, source: str | None = None) -> ConfigError:
+    """One line for a jsonschema error: the key path, what was expected and what was found.
+
+    A missing required key is named in the key path; a value under a key that looks like a secret
+    (token, secret, password, api_key) is never echoed, however jsonschema's message quotes it.
+    """
+    path = [str(part) for part in error.absolute_path]
+    instance = error.instance
+    if error.validator == "required" and isinstance(instance, Mapping):
+        missing = next((name for name in error.validator_value
+                        if name not in instance and error.message.startswith(repr(name))), None)
+        if missing is not None:
+            key = ".".join(filter(None, [prefix, *path, str(missing)]))
+            where = ".".join(filter(None, [prefix, *path])) or "the config"
+            return ConfigError(key, f"required, but missing ({where} has keys {sorted(map(str, instance))})", source)
+    key = ".".join(filter(None, [prefix, *path])) or "<top level>"
+    message = error.message
+    secret = any(_looks_secret(part) for part in path)
+    if secret:
+        message = message.replace(repr(instance), "<redacted>")
+    else:
+        from workflow_scripts.run_manifest import redact
+
+        message = message.replace(repr(instance), repr(redact(instance)))
+    for value in _secret_values(instance, secret):
+        message = message.replace(repr(value), "<redacted>")
+        if isinstance(value, str) and len(value) >= 4:
+            message = message.replace(value, "<redacted>")
+    return ConfigError(key, " ".join(message.split("\n")), source)
+
+
+class DuplicateKeyError(yaml.MarkedYAMLError):
+    """A mapping names the same key twice (plain PyYAML would silently keep the last)."""
+
+    def __init__(self, key_path: tuple[str, ...], first_line: int, mark):
+        super().__init__(problem=f"duplicate key {key_path[-1]!r} (first at line {first_line})", problem_mark=mark)
+        self.key_path = key_path
+        self.first_line = first_line
+        self.line = mark.line + 1
+
+
+class StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping, at any depth.
+
+    Plain PyYAML keeps the last of two equal keys, so a second dataset or variant with the same name
+    silently replaces the first. Merge keys (``<<: *anchor``) may still be overridden, as YAML intends.
+    """
+
+    def get_single_data(self):
+        node = self.get_single_node()
+        if node is None:
+            return None
+        self._refuse_duplicate_keys(node)
+        return self.construct_document(node)
+
+    def _refuse_duplicate_keys(self, root) -> None:
+        pending, visited = [(root, ())], set()
+        while pending:
+            node, path = pending.pop()
+            if id(node) in visited:  # an alias: already checked (and may be recursive)
+                continue
+            visited.add(id(node))
+            if isinstance(node, yaml.SequenceNode):
+                pending.extend((item, path + (str(index),)) for index, item in enumerate(node.value))
+            elif isinstance(node, yaml.MappingNode):
+                first_lines: dict[Any, int] = {}
+                for key_node, value_node in node.value:
+                    if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node)
+                    key_path = path + (str(key_node.value),)
+                    try:
+                        if key in first_lines:
+                            raise DuplicateKeyError(key_path, first_lines[key], key_node.start_mark)
+                        first_lines[key] = key_node.start_mark.line + 1
+                    except TypeError:  # an unhashable key: construct_mapping explains it
+                        continue
+                    pending.append((value_node, key_path))
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML error in one line with its 1-based line and column, without PyYAML's multi-line snippet."""
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        text = f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {error.problem}"
+        if error.context:
+            context = f"{error.context}"
+            if error.context_mark is not None:
+                context += f" at line {error.context_mark.line + 1}, column {error.context_mark.column + 1}"
+            text += f" ({context})"
+    elif isinstance(error, yaml.reader.ReaderError):
+        text = f"not valid YAML: {error.reason} at character {error.position + 1}"
+    else:
+        text = f"not valid YAML: {error}"
+    return " ".join(text.split())
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A YAML (or JSON) config file as a mapping, read with :class:`StrictLoader`; ConfigError in one line."""
     path = Path(path)
     try:
-        config = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError("<file>", "config file not found", str(path)) from None
+    except UnicodeDecodeError as error:
+        raise ConfigError("<file>", f"not UTF-8 text (byte {error.start + 1})", str(path)) from None
+    try:
+        config = yaml.load(text, Loader=StrictLoader)  # noqa: S506 - StrictLoader is a SafeLoader
+    except DuplicateKeyError as error:
+        raise ConfigError(
+            ".".join(error.key_path),
+            f"line {error.line}: key '{error.key_path[-1]}' is given twice (first at line {error.first_line}); "
+            "YAML would silently keep only the last, so remove or rename one",
+            str(path),
+        ) from None
     except yaml.YAMLError as error:
-        raise ConfigError("<file>", f"not valid YAML: {error}", str(path)) from None
+        raise ConfigError("<file>", _yaml_problem(error), str(path)) from None
     if not isinstance(config, dict):
         raise ConfigError("<top level>", "the config must be a mapping", str(path))
+    return config
+
+
+def check_workflow_config(configfiles: Iterable[str | Path], config: dict) -> None:
+    """For the Snakefile, before ``snakemake.utils.validate``: the checks Snakemake's own reading skips.
+
+    Snakemake reads config files with plain PyYAML (the last of two equal keys wins) and reports a schema
+    fault as a multi-line dump of the whole config; this re-reads each file strictly and validates
+    ``config`` with one-line messages that never echo a secret (defaults filled the same way).
+    """
+    for path in configfiles:
+        read_config_file(path)
+    validate_schema(config, "config")
+
+
+def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> dict:
+    """Read a YAML config with :class:`StrictLoader` (a SafeLoader), validate it, fill defaults and check consistency."""
+    path = Path(path)
+    config = read_config_file(path)
     if overrides:
         config = deep_merge(config, overrides)
     validate_schema(config, str(path))
@@ -115,17 +260,37 @@ def experiments(config: Mapping[str, Any]) -> Iterator[tuple[str, str, int]]:
 
 
 def template_fields(template: str) -> set[str]:
-    """Top-level field names a ``str.format`` template refers to."""
-    names = set()
-    for _, field, _, _ in string.Formatter().parse(template):
-        if field is not None:
-            names.add(field.split(".")[0].split("[")[0])
-    return names
+    """Field names a template refers to; ValueError for anything but plain ``{name}`` fields."""
+    return set(templates.template_fields(template))
 
 
 def dataset_fields(dataset: Mapping[str, Any]) -> set[str]:
     """Fields a normalised row of this dataset offers to templates."""
     return set(CANONICAL_FIELDS) | set(dataset.get("extra_fields", {})) | set(dataset.get("derived", {}))
+
+
+def gold_fields(dataset: Mapping[str, Any]) -> dict[str, str]:
+    """Fields of this dataset's rows that are, or are computed from, the gold answers -> why (for messages).
+
+    ``answer``/``answers`` themselves, an extra field carrying the answers' source field, and every derived
+    field whose input is one of these (transitively: a derived field may take an earlier derived field).
+    """
+    gold = {"answer": "is the first gold answer", "answers": "holds the gold answers"}
+    answers_source = dataset.get("fields", {}).get("answers")
+    for name, source_field in dataset.get("extra_fields", {}).items():
+        if source_field == answers_source:
+            gold[name] = f"carries source field '{source_field}', the gold answers"
+    chains: dict[str, str] = {}
+    changed = True
+    while changed:
+        changed = False
+        for name, spec in dataset.get("derived", {}).items():
+            if name not in gold and spec["field"] in gold:
+                step = f"{name} = {spec['transform']}({spec['field']})"
+                chains[name] = f"{step}, {chains[spec['field']]}" if spec["field"] in chains else step
+                gold[name] = f"is derived from the gold answer ({chains[name]})"
+                changed = True
+    return gold
 
 
 def config_hash(value: Any) -> str:
@@ -146,15 +311,34 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
         unknown = set(variant.get("training", {})) - training_keys
         if unknown:
             raise ConfigError(f"{key}.training", f"unknown training keys {sorted(unknown)}", source)
+        fields = {}
+        for part in ("prompt", "target"):
+            try:
+                fields[part] = templates.template_fields(variant[part])
+            except ValueError as error:
+                raise ConfigError(f"{key}.{part}", str(error), source) from None
+            if not fields[part] and not variant[part].strip():
+                raise ConfigError(f"{key}.{part}", f"the {part} is empty for every row; write a template such as "
+                                  + ("'Question: {question}'" if part == "prompt" else "' {answer}'"), source)
         for ds_name, dataset in config["datasets"].items():
             available = dataset_fields(dataset)
             for part in ("prompt", "target"):
-                missing = template_fields(variant[part]) - available
+                missing = set(fields[part]) - available
                 if missing:
                     raise ConfigError(
                         f"{key}.{part}",
                         f"refers to {sorted(missing)}, which dataset '{ds_name}' does not provide "
                         f"(it has {sorted(available)}); add them under datasets.{ds_name}.extra_fields or derived",
+                        source,
+                    )
+            gold = gold_fields(dataset)
+            for field in fields["prompt"]:
+                if field in gold:
+                    raise ConfigError(
+                        f"{key}.prompt",
+                        f"shows field '{field}', which in dataset '{ds_name}' {gold[field]}, so "
+                        "evaluation would put the gold answer into every test prompt; remove {" + field + "} from "
+                        "the prompt (a field computed from the answer belongs in the target, as MTUP's aux does)",
                         source,
                     )
         gradient_accumulation(resolved_training(config, name), f"{key}.training" if variant.get("training") else "training", source)
@@ -218,9 +402,7 @@ def validate_section(value: Any, section: str, key: str, source: str | None = No
     value = copy.deepcopy(value)
     errors = list(_validator_with_defaults()(part).iter_errors(value))
     if errors:
-        error = best_match(errors)
-        path = ".".join(str(p) for p in error.absolute_path)
-        raise ConfigError(".".join(filter(None, [key, path])), error.message, source)
+        raise schema_error(best_match(errors), key, source)
     if section == "datasets":
         _check_dataset(key.split(".")[-1], value, source)
     else:

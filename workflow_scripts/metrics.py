@@ -1,19 +1,32 @@
-"""Answer metrics, each following the published convention of the datasets that use it.
+"""Answer metrics, each following the published scorer of the datasets that use it.
 
 Every metric scores one prediction against a non-empty list of gold answers (the best gold wins)
 and returns an :class:`ExampleScore`; :func:`corpus_score` turns a list of them into the corpus
-figure. A prediction of ``None`` (the extractor found no answer) scores 0 everywhere.
+figure. A prediction of ``None`` (the extractor found no answer) scores 0 everywhere. A dataset
+picks its metric by name with the ``metric:`` key of its config (``config/schema.yaml``).
 
-Conventions (see docs/architecture.md, "Metrics"):
-- ``exact_match``: OCR-VQA style, strip + lower-case + collapse whitespace, then equality.
-- ``token_f1``: SQuAD v1.1 normalisation (lower-case, drop punctuation and articles, collapse
-  whitespace), bag-of-tokens F1; an empty normalised side scores 1 only when both are empty.
-- ``relaxed_accuracy``: ChartQA; numbers (after removing ``,`` ``$`` ``%``) match within 5% relative
-  error of the gold, anything else by case-insensitive equality. A gold of 0 has no relative
-  tolerance, so only a prediction numerically equal to 0 (``0``, ``0.0``, ``-0``) matches; the
-  original pix2struct code compares strings there and would reject ``0.0``.
-- ``anls``: InfoVQA/DocVQA, 1 - normalised Levenshtein distance on lower-cased, whitespace-collapsed
-  text, set to 0 when the distance is >= 0.5 (the official ``NL < tau`` rule).
+Metrics and the reference each one reproduces (see the function docstrings for the details):
+
+- ``exact_match``: strict, OCR-VQA style: ``.strip().lower()`` on both sides, then equality.
+  Inner whitespace and punctuation are kept.
+- ``exact_match_squad``: ``exact_match_score`` of the official SQuAD v1.1 script
+  (``evaluate-v1.1.py``): equality after ``normalize_answer`` (lower-case, drop ASCII punctuation,
+  drop the articles a/an/the, collapse whitespace).
+- ``token_f1``: ``f1_score`` of the same SQuAD v1.1 script: bag-of-tokens F1 after
+  ``normalize_answer``; no common token (``num_same == 0``) gives 0, so two answers that are both
+  empty after normalisation also score 0.
+- ``relaxed_accuracy``: ChartQA's relaxed accuracy, ``relaxed_correctness`` of
+  google-research/pix2struct ``pix2struct/metrics.py`` (evaluation harnesses such as lmms-eval
+  copy it), reproduced exactly: nothing is stripped, a trailing ``%`` divides by 100, floats match
+  within 5% relative change (inclusive), and a gold that is not a number or is numerically 0 falls
+  back to case-insensitive string equality.
+- ``relaxed_accuracy_lenient``: this workflow's earlier, more forgiving variant (``,`` ``$`` ``%``
+  removed, ``%`` *not* divided by 100, a gold of 0 matched by any numeric 0). Not a published
+  scorer; kept, under its own name, to reproduce earlier numbers.
+- ``anls``: DocVQA / InfographicVQA ANLS as the official RRC evaluation script computes it
+  (https://rrc.cvc.uab.es/?ch=17&com=downloads): distance between the stripped, lower-cased,
+  whitespace-collapsed strings (from ``rapidfuzz``), divided by the longer *raw* length. Similarity
+  exactly 0.5 scores 0.5: only a similarity strictly below the 0.5 threshold is set to 0.
 - ``smatch``: the PyPI ``smatch`` package, micro-averaged: (match, test, gold) triple counts are
   summed over the corpus before computing F1. A graph ``smatch`` cannot parse counts
   (0 matched, 0 predicted, gold triples), so it lowers recall without crashing the run.
@@ -29,6 +42,8 @@ import string
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+from rapidfuzz.distance import Levenshtein
 
 from workflow_scripts.errors import WorkflowError
 
@@ -50,14 +65,21 @@ def _collapse(text: str) -> str:
 # --- exact match ------------------------------------------------------------------------------
 
 def normalise_exact(text: str) -> str:
-    return _collapse(text.strip().lower())
+    """Strict normalisation: surrounding whitespace removed, lower-cased, nothing else."""
+    return text.strip().lower()
 
 
 def exact_match(prediction: str, golds: Sequence[str]) -> float:
+    """Strict exact match, OCR-VQA style: ``prediction.strip().lower() == gold.strip().lower()``.
+
+    Inner whitespace, punctuation and articles are significant (``"blue  sky"`` does not match
+    ``"blue sky"``, ``"blue."`` does not match ``"blue"``). For SQuAD's normalisation use
+    :func:`exact_match_squad`.
+    """
     return float(any(normalise_exact(prediction) == normalise_exact(gold) for gold in golds))
 
 
-# --- SQuAD token F1 ---------------------------------------------------------------------------
+# --- SQuAD v1.1: exact match and token F1 -----------------------------------------------------
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = set(string.punctuation)
@@ -69,36 +91,96 @@ def normalise_squad(text: str) -> str:
     return _collapse(_ARTICLES.sub(" ", text))
 
 
+def exact_match_squad(prediction: str, golds: Sequence[str]) -> float:
+    """SQuAD v1.1 ``exact_match_score``: ``normalize_answer(prediction) == normalize_answer(gold)``.
+
+    Reference: ``evaluate-v1.1.py`` of the SQuAD v1.1 release (rajpurkar.github.io/SQuAD-explorer),
+    maximised over gold answers as its ``metric_max_over_ground_truths`` does. Two answers that
+    normalise to the empty string (``"The"`` and ``"a"``) are equal there, so they match here.
+    """
+    predicted = normalise_squad(prediction)
+    return float(any(predicted == normalise_squad(gold) for gold in golds))
+
+
 def _f1(prediction_tokens: list[str], gold_tokens: list[str]) -> float:
-    if not prediction_tokens or not gold_tokens:
-        return float(prediction_tokens == gold_tokens)
-    common = sum((Counter(prediction_tokens) & Counter(gold_tokens)).values())
-    if common == 0:
+    common = Counter(prediction_tokens) & Counter(gold_tokens)
+    num_same = sum(common.values())
+    if num_same == 0:  # also the case when either side, or both, has no tokens
         return 0.0
-    precision = common / len(prediction_tokens)
-    recall = common / len(gold_tokens)
+    precision = num_same / len(prediction_tokens)
+    recall = num_same / len(gold_tokens)
     return 2 * precision * recall / (precision + recall)
 
 
 def token_f1(prediction: str, golds: Sequence[str]) -> float:
+    """SQuAD v1.1 ``f1_score``, maximised over gold answers.
+
+    Reference: ``evaluate-v1.1.py`` of the SQuAD v1.1 release. Both sides go through
+    ``normalize_answer`` and are split on whitespace; ``num_same`` is the size of the multiset
+    intersection, and ``num_same == 0`` returns 0 before precision and recall are computed. Two
+    answers that are both empty after normalisation therefore score 0 (unlike SQuAD v2.0's script,
+    which scores that case 1).
+    """
     tokens = normalise_squad(prediction).split()
     return max(_f1(tokens, normalise_squad(gold).split()) for gold in golds)
 
 
 # --- ChartQA relaxed accuracy ----------------------------------------------------------------
 
+def _reference_float(text: str) -> float | None:
+    """pix2struct's ``_to_float``: ``float(text)``, or ``float(text.rstrip('%')) / 100`` for ``...%``.
+
+    Python's ``float`` is the parser, with all it accepts (surrounding whitespace, ``1_000``,
+    ``1e3``, ``nan``, ``inf``) and all it refuses (``1,234``, ``$5``): no cleaning is added.
+    """
+    try:
+        if text.endswith("%"):
+            return float(text.rstrip("%")) / 100.0
+        return float(text)
+    except ValueError:
+        return None
+
+
+def relaxed_correctness(prediction: str, gold: str) -> bool:
+    """One pair, exactly as ``relaxed_correctness(target, prediction)`` in pix2struct ``metrics.py``.
+
+    If the prediction parses as a float and the gold parses as a *non-zero* float (the reference
+    tests ``target_float`` for truth), the pair matches when
+    ``abs(pred - gold) / abs(gold) <= 0.05``. Otherwise (a non-numeric side, or a gold of 0, where
+    a relative change is undefined) it compares ``prediction.lower() == gold.lower()``, so gold
+    ``"0"`` is matched by ``"0"`` but not by ``"0.0"``. Nothing is stripped: ``","`` and ``"$"`` make
+    a string non-numeric, and a leading space only passes where ``float`` ignores it. A gold of
+    ``nan`` or ``inf`` never matches (the relative change is NaN), as in the reference.
+    """
+    predicted, target = _reference_float(prediction), _reference_float(gold)
+    if predicted is not None and target:
+        return abs(predicted - target) / abs(target) <= RELATIVE_TOLERANCE
+    return prediction.lower() == gold.lower()
+
+
+def relaxed_accuracy(prediction: str, golds: Sequence[str]) -> float:
+    """ChartQA relaxed accuracy (the reference scorer), maximised over gold answers.
+
+    Reference: ``relaxed_correctness`` in google-research/pix2struct ``pix2struct/metrics.py``,
+    applied through its ``aggregate_metrics`` (max over targets, no normalisation); it implements
+    the rule of the ChartQA paper (Masry et al. 2022, end of section 5.1): numeric answers within 5%
+    of the gold are correct, other answers need an exact match. See :func:`relaxed_correctness`.
+    """
+    return float(any(relaxed_correctness(prediction, gold) for gold in golds))
+
+
 _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
 def parse_number(text: str) -> float | None:
-    """A finite number from ``text`` after removing ``,`` thousands separators, ``$`` and ``%``."""
+    """Lenient variant only: a finite number after removing ``,`` separators, ``$`` and ``%``."""
     cleaned = text.strip().replace(",", "").replace("$", "").rstrip("%").strip()
     if not _NUMBER.match(cleaned):
         return None
     return float(cleaned)
 
 
-def _relaxed_match(prediction: str, gold: str) -> bool:
+def _lenient_match(prediction: str, gold: str) -> bool:
     predicted, target = parse_number(prediction), parse_number(gold)
     if predicted is not None and target is not None:
         if target == 0:
@@ -107,35 +189,53 @@ def _relaxed_match(prediction: str, gold: str) -> bool:
     return prediction.strip().lower() == gold.strip().lower()
 
 
-def relaxed_accuracy(prediction: str, golds: Sequence[str]) -> float:
-    return float(any(_relaxed_match(prediction, gold) for gold in golds))
+def relaxed_accuracy_lenient(prediction: str, golds: Sequence[str]) -> float:
+    """This workflow's earlier relaxed accuracy; NOT the published ChartQA scorer.
+
+    Differences from :func:`relaxed_accuracy` (the reference): both sides are stripped; ``,``
+    thousands separators, ``$`` and a trailing ``%`` are removed before parsing, and ``%`` is *not*
+    divided by 100 (``"45%"`` equals ``"45"`` but not ``"0.45"``); only finite plain decimals count
+    as numbers (no ``nan``/``inf``/``1_000``); a gold of 0 is matched by any numeric 0 (``0.0``,
+    ``-0``). Tolerance otherwise as the reference (5% relative, inclusive). Choose it with
+    ``metric: relaxed_accuracy_lenient`` in a dataset's config, and report it as such: its numbers
+    are not comparable with published ChartQA relaxed accuracy.
+    """
+    return float(any(_lenient_match(prediction, gold) for gold in golds))
 
 
 # --- ANLS ---------------------------------------------------------------------------------------
 
-def levenshtein(a: str, b: str) -> int:
-    """Edit distance (insert, delete, substitute cost 1), two-row dynamic programme."""
-    if len(a) < len(b):
-        a, b = b, a
-    previous = list(range(len(b) + 1))
-    for i, char_a in enumerate(a, 1):
-        current = [i]
-        for j, char_b in enumerate(b, 1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
-        previous = current
-    return previous[-1]
-
-
 def _anls_one(prediction: str, gold: str) -> float:
-    prediction, gold = _collapse(prediction.lower()), _collapse(gold.lower())
-    longest = max(len(prediction), len(gold))
-    if longest == 0:
-        return 1.0
-    distance = levenshtein(prediction, gold) / longest
-    return 1.0 - distance if distance < ANLS_THRESHOLD else 0.0
+    """One pair, as the official DocVQA/InfographicVQA (RRC) script scores it.
+
+    Both sides are normalised with ``' '.join(s.strip().lower().split())`` and their Levenshtein
+    distance (``rapidfuzz.distance.Levenshtein.distance``) is divided by
+    ``max(len(gold.upper()), len(prediction.upper()))`` of the *un-normalised* strings, as the
+    script does (0 when both are empty). The similarity ``1 - NL`` is kept when it is >= 0.5.
+    """
+    length = max(len(gold.upper()), len(prediction.upper()))
+    if length == 0:
+        normalised_distance = 0.0
+    else:
+        distance = Levenshtein.distance(_collapse(gold.strip().lower()), _collapse(prediction.strip().lower()))
+        normalised_distance = distance / length
+    similarity = 1 - normalised_distance
+    return 0.0 if similarity < ANLS_THRESHOLD else similarity
 
 
 def anls(prediction: str, golds: Sequence[str]) -> float:
+    """ANLS of DocVQA and InfographicVQA (Biten et al. 2019, eq. 1), maximised over gold answers.
+
+    Reference: the official evaluation script of the DocVQA challenge at the RRC
+    (https://rrc.cvc.uab.es/?ch=17&com=downloads, "Infographics VQA Evaluation scripts", the URL
+    pix2struct's ``anls_metric`` cites), which computes
+    ``question_result = 1 - min(NL over golds)`` and sets it to 0 only ``if question_result <
+    ANLS_THRESHOLD`` (0.5). So a normalised similarity of exactly 0.5 (``NL == 0.5``) scores 0.5,
+    not 0; zero is given only strictly below the threshold. (pix2struct's ``anls_metric`` agrees at
+    the boundary: ``1 - NL if NL <= 0.5 else 0``.) Thresholding the best gold equals the maximum of
+    the thresholded per-gold scores, which is what is computed here. See :func:`_anls_one` for the
+    normalisation.
+    """
     return max(_anls_one(prediction, gold) for gold in golds)
 
 
@@ -214,8 +314,10 @@ def smatch_example(prediction: str | None, golds: Sequence[str]) -> ExampleScore
 
 STRING_METRICS: dict[str, Callable[[str, Sequence[str]], float]] = {
     "exact_match": exact_match,
+    "exact_match_squad": exact_match_squad,
     "token_f1": token_f1,
     "relaxed_accuracy": relaxed_accuracy,
+    "relaxed_accuracy_lenient": relaxed_accuracy_lenient,
     "anls": anls,
 }
 METRICS = (*STRING_METRICS, "smatch")

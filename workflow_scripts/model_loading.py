@@ -77,9 +77,23 @@ def add_lora(model, lora: Mapping[str, Any], gradient_checkpointing: bool):
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, config)
+        peft_model = get_peft_model(model, config)
     except ValueError as error:
         raise WorkflowError(f"training.lora.target_modules {list(lora['target_modules'])}: {error}") from None
+    keep_trainable_in_fp32(peft_model)
+    return peft_model
+
+
+def keep_trainable_in_fp32(model) -> None:
+    """Every trainable tensor in fp32; autocast still computes in bf16/fp16.
+
+    PEFT upcasts LoRA A/B but not ``modules_to_save`` copies (an ``lm_head`` listed there stays bf16
+    when the base is bf16), and a bf16 weight loses most updates at typical learning rates: an update
+    below half a bf16 ulp (2^-8 relative) rounds to nothing.
+    """
+    for parameter in model.parameters():
+        if parameter.requires_grad and parameter.dtype != torch.float32:
+            parameter.data = parameter.data.float()
 
 
 def load_with_adapter(model_dir: str | Path, adapter_dir: str | Path | None, device: torch.device,

@@ -116,8 +116,10 @@ def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report):
         for k, batch in enumerate(micro_batches):
             batch = training_setup.to_device(batch, context.device)
             detail = checks.check_batch(batch, context.device, setup.vocab_size)
+            randomness = (seed, step, training_setup.global_micro_batch_index(setup, k))
             try:
-                step_loss += float(training_setup.micro_step(setup, batch, loss_scale, k == len(micro_batches) - 1))
+                step_loss += float(training_setup.micro_step(setup, batch, loss_scale, k == len(micro_batches) - 1,
+                                                             randomness))
             except RuntimeError as error:
                 if "does not require grad" in str(error) or "doesn't require grad" in str(error):
                     raise PreflightError(
@@ -130,22 +132,19 @@ def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report):
         if not math.isfinite(step_loss):
             raise PreflightError("gradients", f"the loss is {step_loss} on probe step {step + 1}",
                                  "check the data and lower training.learning_rate")
-        if setup.scaler is not None:
-            setup.scaler.unscale_(setup.optimizer)
-            overflow = not all(torch.isfinite(p.grad).all() for p in parameters if p.grad is not None)
+        # The optimizer step is training's own (training_setup): unscale, check, clip, update.
+        def check_gradients_once():
+            nonlocal gradients_checked
+            overflow = setup.scaler is not None and not all(
+                torch.isfinite(p.grad).all() for p in parameters if p.grad is not None)
             if not overflow and not gradients_checked:
                 report.record("gradients", checks.check_gradients(setup.model))
                 gradients_checked = True
-            setup.scaler.step(setup.optimizer)
-            setup.scaler.update()
+
+        training_setup.unscale_and_clip(setup, check_gradients_once)
+        training_setup.apply_update(setup)
+        if setup.scaler is not None:
             checks.check_scaler_scale(setup.scaler, initial_scale)
-        else:
-            if not gradients_checked:
-                report.record("gradients", checks.check_gradients(setup.model))
-                gradients_checked = True
-            torch.nn.utils.clip_grad_norm_(parameters, training["max_grad_norm"])
-            setup.optimizer.step()
-        setup.optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
         if step == 0:
             report.record("data", detail)

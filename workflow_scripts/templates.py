@@ -6,9 +6,53 @@ scored on is byte for byte the prompt it was trained on.
 """
 from __future__ import annotations
 
+import re
+import string
+from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 from workflow_scripts.errors import WorkflowError
+
+#: The fields that hold the gold answers: a prompt must never show them (or anything derived from them).
+TARGET_FIELDS = ("answer", "answers")
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_LITERAL_BRACES = "write {{ and }} for literal braces"
+
+
+@lru_cache(maxsize=256)
+def parse_template(template: str) -> tuple[tuple[str, str | None], ...]:
+    """``(literal text, field name or None)`` pieces of a template; ValueError (one line) if it is not plain data.
+
+    Only ``{name}`` with a plain field name is allowed: no attribute access or indexing
+    (``{question.upper}`` would render a bound method's address), no ``!conversion``, no ``:format spec``,
+    no positional ``{}``.
+    """
+    try:
+        pieces = list(string.Formatter().parse(template))
+    except ValueError as error:
+        raise ValueError(f"unbalanced braces ({error}); a field is written {{name}}, {_LITERAL_BRACES}") from None
+    parsed = []
+    for literal, name, spec, conversion in pieces:
+        if name is None:
+            parsed.append((literal, None))
+            continue
+        written = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+        if not _FIELD_NAME.match(name):
+            if re.match(r"[A-Za-z_][A-Za-z0-9_]*[.\[]", name):
+                problem = "uses attribute access or indexing"
+            else:
+                problem = "is not a field name"
+            raise ValueError(f"{written} {problem}; a field is a plain name such as {{question}}, {_LITERAL_BRACES}")
+        if conversion or spec:
+            raise ValueError(f"{written} uses a conversion or format spec; a field is a plain name such as "
+                             f"{{question}}, {_LITERAL_BRACES}")
+        parsed.append((literal, name))
+    return tuple(parsed)
+
+
+def template_fields(template: str) -> list[str]:
+    """The field names a template refers to, in order of first use (ValueError as :func:`parse_template`)."""
+    return list(dict.fromkeys(name for _, name in parse_template(template) if name is not None))
 
 
 def template_row(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -21,16 +65,30 @@ def template_row(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _render(template: str, row: Mapping[str, Any], part: str) -> str:
-    fields = template_row(row)
+    """The template filled from the row (``format(value, "")`` per field, as ``str.format`` would)."""
     try:
-        return template.format_map(fields)
-    except KeyError as error:
+        pieces = parse_template(template)
+    except ValueError as error:
+        raise WorkflowError(f"the {part} template {template!r}: {error}") from None
+    fields = template_row(row)
+    out = []
+    for literal, name in pieces:
+        out.append(literal)
+        if name is None:
+            continue
+        if name not in fields:
+            raise WorkflowError(
+                f"row id {row.get('id', '?')!r}: the {part} template refers to field {name!r}, "
+                f"which the row does not have (it has {sorted(fields)})"
+            )
+        out.append(format(fields[name], ""))
+    text = "".join(out)
+    if not text.strip():
         raise WorkflowError(
-            f"row id {row.get('id', '?')!r}: the {part} template refers to field {error.args[0]!r}, "
-            f"which the row does not have (it has {sorted(fields)})"
-        ) from None
-    except (IndexError, ValueError, AttributeError) as error:
-        raise WorkflowError(f"the {part} template {template!r} cannot be rendered: {error}") from None
+            f"row id {row.get('id', '?')!r}: the {part} renders empty from template {template!r}; "
+            f"every row needs a non-empty {part}: fill the row's fields or change the template"
+        )
+    return text
 
 
 def render_prompt(variant: Mapping[str, Any], row: Mapping[str, Any], tokenizer=None) -> str:

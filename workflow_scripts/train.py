@@ -19,11 +19,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from workflow_scripts import (batching, checkpointing, distributed, launcher, memory_estimate,
+from workflow_scripts import (batching, checkpointing, distributed, fairness, launcher, memory_estimate,
                               preflight_checks, training_setup)
 from workflow_scripts.atomic_output import atomic_path, write_json
 from workflow_scripts.errors import WorkflowError, run_main
-from workflow_scripts.experiment_config import config_hash, world_size as configured_world_size
+from workflow_scripts.experiment_config import world_size as configured_world_size
 from workflow_scripts.run_manifest import build_manifest
 from workflow_scripts.training_log import TrainingLog
 
@@ -62,6 +62,22 @@ def seed_everything(seed: int) -> None:
 
 def file_sha256(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def run_fingerprint(training: dict, meta: dict, model_dir: str, seed: int) -> dict:
+    """What a checkpoint must share with this run to be resumed: everything that changes what is learned.
+
+    Runtime settings (wall time, memory request, logging and checkpoint intervals, workers, process
+    count: see fairness.RUNTIME_ONLY_TRAINING_KEYS) are left out, so a preempted job given more wall
+    time or other GPUs resumes where it stopped.
+    """
+    return {
+        "settings": {k: v for k, v in training.items() if k not in fairness.RUNTIME_ONLY_TRAINING_KEYS},
+        "data_cache_key": meta.get("cache_key"),
+        "model_manifest_sha256": file_sha256(Path(model_dir, "model_manifest.json")),
+        "model_config_sha256": file_sha256(Path(model_dir, "config.json")),
+        "seed": seed,
+    }
 
 
 def start_up_checks(setup: training_setup.TrainingSetup, training: dict) -> dict:
@@ -118,17 +134,18 @@ def train(args: argparse.Namespace, training: dict) -> int:
         if meta.get("vocab_size") is not None and meta["vocab_size"] > setup.vocab_size:
             raise WorkflowError(f"{args.data}/tokenise_meta.json: vocab_size {meta['vocab_size']} exceeds the "
                                 f"model's {setup.vocab_size}; the data was tokenised for another model")
-        fingerprint = {
-            "settings_sha256": config_hash(training),
-            "data_cache_key": meta.get("cache_key"),
-            "model_manifest_sha256": file_sha256(Path(args.model, "model_manifest.json")),
-            "model_config_sha256": file_sha256(Path(args.model, "config.json")),
-            "seed": args.seed,
-        }
+        fingerprint = run_fingerprint(training, meta, args.model, args.seed)
         messages = print if context.is_main else (lambda *_: None)
         start_step = 0
-        resume_from = checkpointing.latest_compatible(args.checkpoint_dir, fingerprint, messages) if context.is_main else None
-        resume_from = distributed.all_gather_objects(resume_from, context)[0]
+        resume_from, refusal = None, None
+        if context.is_main:  # one rank decides; every rank learns the decision (or the refusal) from it
+            try:
+                resume_from = checkpointing.latest_compatible(args.checkpoint_dir, fingerprint)
+            except WorkflowError as error:
+                refusal = str(error)
+        resume_from, refusal = distributed.all_gather_objects((resume_from, refusal), context)[0]
+        if refusal is not None:
+            raise WorkflowError(refusal)
         if resume_from is not None:
             start_step = checkpointing.load(resume_from, setup.peft_model, setup.optimizer, setup.scheduler,
                                             setup.scaler, context.rank, context.device, messages)
@@ -157,6 +174,7 @@ def train(args: argparse.Namespace, training: dict) -> int:
                 peak_memory_kind="cuda_max_allocated" if context.device.type == "cuda" else "cpu_max_rss",
                 gradient_accumulation=setup.accumulation, resumed_from_step=start_step,
                 final_loss=log.records[-1]["loss"] if log.records else None,
+                skipped_updates=sum(bool(r.get("update_skipped")) for r in log.records),
             ))
             checkpointing.clear(args.checkpoint_dir)
         distributed.barrier(context)
@@ -194,10 +212,9 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
         step_loss = torch.zeros((), device=device)
         for k, batch in enumerate(micro_batches):
             batch = training_setup.to_device(batch, device)
-            step_loss += training_setup.micro_step(setup, batch, loss_scale, last_micro_step=k == len(micro_batches) - 1)
-        if setup.scaler is not None:
-            setup.scaler.unscale_(setup.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, training["max_grad_norm"])
+            randomness = (args.seed, step, training_setup.global_micro_batch_index(setup, k))
+            step_loss += training_setup.micro_step(setup, batch, loss_scale, k == len(micro_batches) - 1, randomness)
+        grad_norm = training_setup.unscale_and_clip(setup)
         # One small all-reduce and one host sync per step: the NaN check and the log need them anyway.
         counts = torch.tensor([sum(b["real_tokens"] for b in micro_batches),
                                sum(b["padded_tokens"] for b in micro_batches), float(stop.requested)])
@@ -215,14 +232,12 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
                 "check those rows, or use bf16 instead of fp16"
             )
         learning_rate = setup.scheduler.get_last_lr()[0]
+        applied = training_setup.apply_update(setup)
         if setup.scaler is not None:
-            setup.scaler.step(setup.optimizer)  # skips the update when fp16 gradients overflowed
-            setup.scaler.update()
             preflight_checks.check_scaler_scale(setup.scaler, 65536.0)
-        else:
-            setup.optimizer.step()
-        setup.scheduler.step()
-        setup.optimizer.zero_grad(set_to_none=True)
+        if not applied:
+            log.message(f"step {step + 1}: fp16 gradients overflowed; the scaler skipped this update and the "
+                        "learning-rate schedule did not advance")
         completed = step + 1
         now = time.perf_counter()
         log.write({
@@ -234,6 +249,7 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
             "padding_share": padded_tokens / max(real_tokens + padded_tokens, 1.0),
             "peak_memory_bytes": memory_estimate.peak_memory_bytes(device),
             "elapsed_seconds": now - started,
+            "update_skipped": not applied,
         })
         preempted = stop_votes > 0
         if completed % training["checkpoint_every"] == 0 or (preempted and completed < training["max_steps"]):

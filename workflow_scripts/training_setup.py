@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,15 @@ WRAPPER_PREFIXES = ("module.", "causal_lm.")  # DDP's prefix, then TargetTokenLo
 
 
 class TargetTokenLoss(nn.Module):
-    """Summed cross-entropy over target tokens only; logits are computed for those tokens alone.
+    """Summed cross-entropy over target tokens only, with logits from the model's own forward.
+
+    The model's forward computes the logits, so whatever it applies after its head (Granite's
+    ``logits_scaling``, Cohere's ``logit_scale``, Gemma-2's soft-capping) is part of the training
+    objective exactly as evaluation decodes with it. To keep the (tokens x vocabulary) logits to the
+    target positions alone, a forward pre-hook hands the output layer only the hidden states of those
+    positions: ``logits_to_keep`` cannot say this (it keeps the same positions in every row), and what
+    models do after the head is elementwise, so it is unaffected by the gather (tests compare the loss
+    with a plain forward for Llama, Qwen2, Granite and Cohere).
 
     The loss is a sum, not a mean: the caller divides by the target tokens of the whole global batch,
     so every token weighs the same whatever the micro-batch split or the number of processes.
@@ -30,24 +38,32 @@ class TargetTokenLoss(nn.Module):
     def __init__(self, causal_lm: nn.Module):
         super().__init__()
         self.causal_lm = causal_lm  # the PEFT model
-        base = causal_lm.get_base_model()
-        # Models that post-process logits (soft-capping) or lack the usual decoder/head split (some
-        # remote-code models) take the full forward instead.
-        decoder = getattr(base, "get_decoder", lambda: None)()
-        self._head_only = (
-            getattr(base.config, "final_logit_softcapping", None) is None
-            and decoder is not None and decoder is not base and base.get_output_embeddings() is not None
-        )
 
     def forward(self, input_ids, attention_mask, target_index, target_ids):
-        base = self.causal_lm.get_base_model()
-        if self._head_only:
-            hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-            hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, target_index)
-            logits = base.get_output_embeddings()(hidden)
-        else:
+        head = self.causal_lm.get_base_model().get_output_embeddings()
+        if head is None:  # no separate output layer (some remote-code models): slice the full logits
             logits = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
             logits = logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, target_index)
+            return F.cross_entropy(logits.float(), target_ids, reduction="sum")
+
+        def keep_target_positions(module, args, kwargs):
+            hidden = args[0] if args else kwargs.pop("input")
+            if hidden.shape[:2] != input_ids.shape:
+                raise RuntimeError(f"the output layer got hidden states of shape {tuple(hidden.shape)} for input "
+                                   f"ids {tuple(input_ids.shape)}; expected one per input position")
+            # Position t predicts token t+1: the last position predicts nothing.
+            kept = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, target_index)
+            return (kept.unsqueeze(0), *args[1:]), kwargs
+
+        handle = head.register_forward_pre_hook(keep_target_positions, with_kwargs=True)
+        try:
+            logits = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        finally:
+            handle.remove()
+        logits = logits.reshape(-1, logits.shape[-1])
+        if logits.shape[0] != target_ids.shape[0]:
+            raise RuntimeError(f"the model returned {logits.shape[0]} logit rows for {target_ids.shape[0]} targets: "
+                               "its forward changes the head's output shape, which this loss does not support")
         return F.cross_entropy(logits.float(), target_ids, reduction="sum")
 
 
@@ -162,12 +178,26 @@ def to_device(batch: Mapping[str, Any], device: torch.device) -> dict:
     }
 
 
-def micro_step(setup: TrainingSetup, batch: Mapping[str, Any], loss_scale, last_micro_step: bool) -> torch.Tensor:
+def seed_micro_batch(seed: int, step: int, micro_batch_index: int) -> None:
+    """Seed the randomness of one micro-batch (LoRA dropout) from (seed, step, global micro-batch index).
+
+    A micro-batch then draws the same dropout mask whichever process runs it and after how many
+    others, so 1 and N processes (and a resumed run) train identically with dropout on.
+    """
+    import numpy as np
+
+    torch.manual_seed(int(np.random.SeedSequence([seed, step, micro_batch_index]).generate_state(1)[0]))
+
+
+def micro_step(setup: TrainingSetup, batch: Mapping[str, Any], loss_scale, last_micro_step: bool,
+               randomness: tuple[int, int, int]) -> torch.Tensor:
     """Forward and backward on one micro-batch; returns this micro-batch's share of the step's mean loss.
 
     ``loss_scale`` is world_size / target tokens of the global batch: DDP averages gradients over
     ranks, so multiplying by the world size makes the result the per-token mean of the global batch.
+    ``randomness`` is (seed, step, global micro-batch index), see :func:`seed_micro_batch`.
     """
+    seed_micro_batch(*randomness)
     with setup.no_sync(last_micro_step):
         with setup.autocast():
             loss_sum = setup.model(batch["input_ids"], batch["attention_mask"], batch["target_index"], batch["target_ids"])
@@ -179,6 +209,44 @@ def micro_step(setup: TrainingSetup, batch: Mapping[str, Any], loss_scale, last_
     return loss.detach() / setup.context.world_size
 
 
+def global_micro_batch_index(setup: TrainingSetup, local_index: int) -> int:
+    """Rank r runs the step's micro-batches r, r+W, r+2W, ... (batching.RankBatchSampler)."""
+    return setup.context.rank + local_index * setup.context.world_size
+
+
+def unscale_and_clip(setup: TrainingSetup, inspect: Callable[[], None] | None = None) -> torch.Tensor:
+    """The first half of an optimizer step: true-scale gradients, clipped; returns the norm before clipping.
+
+    ``inspect`` (the gate's gradient checks) sees the unscaled gradients before clipping, which would
+    spread one NaN over every tensor.
+    """
+    if setup.scaler is not None:
+        setup.scaler.unscale_(setup.optimizer)
+    if inspect is not None:
+        inspect()
+    return torch.nn.utils.clip_grad_norm_(setup.trainable_parameters(), setup.training["max_grad_norm"])
+
+
+def apply_update(setup: TrainingSetup) -> bool:
+    """The second half: update, advance the schedule, clear gradients. Returns whether the update happened.
+
+    With fp16 the scaler skips the update when gradients overflowed; the learning-rate schedule then
+    does not advance either (as HF Trainer does), so the schedule counts only updates that happened.
+    """
+    applied = True
+    if setup.scaler is not None:
+        scale_before = setup.scaler.get_scale()
+        setup.scaler.step(setup.optimizer)
+        setup.scaler.update()
+        applied = setup.scaler.get_scale() >= scale_before  # a skipped step backs the scale off
+    else:
+        setup.optimizer.step()
+    if applied:
+        setup.scheduler.step()
+    setup.optimizer.zero_grad(set_to_none=True)
+    return applied
+
+
 def load_training_settings(text: str) -> dict:
     """The --training JSON: parsed and validated against config/schema.yaml's training_settings."""
     import copy
@@ -187,7 +255,7 @@ def load_training_settings(text: str) -> dict:
     import yaml
 
     from workflow_scripts.errors import ConfigError
-    from workflow_scripts.experiment_config import SCHEMA_PATH, _validator_with_defaults
+    from workflow_scripts.experiment_config import SCHEMA_PATH, _validator_with_defaults, schema_error
 
     try:
         settings = json.loads(text)
@@ -202,8 +270,6 @@ def load_training_settings(text: str) -> dict:
     if errors:
         from jsonschema.exceptions import best_match
 
-        error = best_match(errors)
-        key = ".".join(["training", *map(str, error.absolute_path)])
-        raise ConfigError(key, error.message, "--training")
+        raise schema_error(best_match(errors), "training", "--training")
     gradient_accumulation(settings)
     return settings

@@ -1,0 +1,160 @@
+"""Memory from config.json alone: meta-device counts equal hand-worked formulas, and a 70B LoRA run on
+8 x 80 GiB is refused under DDP and accepted under FSDP and QLoRA, with every figure worked by hand."""
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from workflow_scripts import config_memory_estimate as cme
+from workflow_scripts.errors import ConfigError
+
+CONFIGS = Path(__file__).parent / "model_configs"
+GiB = 2**30
+ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def decoder_params(h, inter, layers, heads, kv_heads, vocab, tied=False, qkv_bias=False):
+    """Llama/Qwen2 decoder: GQA attention, gated MLP, two RMSNorms per layer, final norm, lm_head."""
+    kv = kv_heads * (h // heads)
+    attn = h * h + 2 * h * kv + h * h + ((h + 2 * kv) if qkv_bias else 0)
+    layer = attn + 3 * h * inter + 2 * h
+    return vocab * h + layers * layer + h + (0 if tied else vocab * h)
+
+
+@pytest.mark.parametrize("name, shape, expected", [
+    ("Meta-Llama-3-8B", dict(h=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=128256), 8_030_261_248),
+    ("Meta-Llama-3-70B", dict(h=8192, inter=28672, layers=80, heads=64, kv_heads=8, vocab=128256), 70_553_706_496),
+    ("Qwen2.5-7B-Instruct", dict(h=3584, inter=18944, layers=28, heads=28, kv_heads=4, vocab=152064, qkv_bias=True),
+     7_615_616_512),
+    ("Qwen2.5-0.5B", dict(h=896, inter=4864, layers=24, heads=14, kv_heads=2, vocab=151936, tied=True,
+                          qkv_bias=True), 494_032_768),
+])
+def test_meta_count_equals_the_hand_formula(name, shape, expected):
+    assert decoder_params(**shape) == expected
+    assert cme.count_parameters(CONFIGS / f"{name}.json") == expected
+
+
+def test_counting_70b_is_fast_and_allocates_nothing():
+    start = time.perf_counter()
+    model = cme.meta_model(CONFIGS / "Meta-Llama-3-70B.json")
+    assert time.perf_counter() - start < 5
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+def test_config_dict_and_directory_are_accepted(tmp_path):
+    config = json.loads((CONFIGS / "Qwen2.5-0.5B.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert cme.count_parameters(config) == cme.count_parameters(tmp_path) == 494_032_768
+
+
+def test_lora_parameters_are_rank_times_in_plus_out():
+    model = cme.meta_model(CONFIGS / "Meta-Llama-3-8B.json")
+    h, i, kv, r = 4096, 14336, 1024, 8
+    assert cme.lora_parameters(model, r, ["q_proj", "v_proj"]) == (32 * r * (2 * h + h + kv), 64)
+    assert cme.lora_parameters(model, r, ["lm_head"]) == (r * (h + 128256), 1)
+    with pytest.raises(ConfigError, match="match no nn.Linear"):
+        cme.lora_parameters(model, r, ["c_attn"])
+
+
+def test_qlora_prices_linears_in_nf4_and_keeps_embeddings_norms_and_lm_head_in_bf16():
+    model = cme.meta_model(CONFIGS / "Meta-Llama-3-8B.json")
+    h, i, kv, L, V = 4096, 14336, 1024, 32, 128256
+    linear = L * (2 * h * h + 2 * h * kv + 3 * h * i)  # every block count is a multiple of 64 * 256
+    rest = 2 * V * h + 2 * L * h + h  # embed_tokens, lm_head (transformers' default skip), norms
+    double, _, _ = cme.base_weight_bytes(model, 2, {"bits": 4, "double_quant": True})
+    single, _, _ = cme.base_weight_bytes(model, 2, {"bits": 4, "double_quant": False})
+    int8, _, _ = cme.base_weight_bytes(model, 2, {"bits": 8})
+    assert double == linear // 2 + linear // 64 + 4 * (linear // 64 // 256) + 2 * rest
+    assert (double - 2 * rest) * 8 / linear == pytest.approx(4.127, abs=1e-3)  # 0.127 bits/param constants
+    assert single == linear // 2 + 4 * (linear // 64) + 2 * rest  # 0.5 bits/param constants
+    out_rows = L * (h + 2 * kv + h + 2 * i + h)  # SCB: one fp32 scale per output row
+    assert int8 == linear + 4 * out_rows + 2 * rest
+    upcast, _, _ = cme.base_weight_bytes(model, 2, {"bits": 4, "fp32_unquantized": True})
+    assert upcast - double == 2 * rest
+
+
+# A 70B LoRA run: rank 16 on all seven projections, bf16, micro-batch 1, 2048 tokens, checkpointing.
+H, I, L, KV, V, R = 8192, 28672, 80, 1024, 128256, 16
+LINEAR = 2 * H * H + 2 * H * KV + 3 * H * I  # 855,638,016 per layer
+TOTAL = L * (LINEAR + 2 * H) + 2 * V * H + H  # 70,553,706,496
+LORA = L * R * (4 * H + 2 * (H + KV) + 3 * (H + I))  # 207,093,760
+ACTIVATIONS = 2048 * (H * L + 11 * H + 4 * I + R * 7) * 2 + 2048 * V * 4 * 2  # 5,625,020,416
+RUN = dict(world_size=8, lora={"rank": R, "target_modules": ALL_PROJ}, precision="bf16", micro_batch=1,
+           max_length=2048, gradient_checkpointing=True)
+CAPACITY, BUDGET = 80 * GiB, 77_309_411_328  # 90% of 80 GiB
+
+
+@pytest.fixture(scope="module")
+def llama70b():
+    return cme.meta_model(CONFIGS / "Meta-Llama-3-70B.json")
+
+
+def test_70b_lora_worked_by_hand(llama70b):
+    assert (TOTAL, LORA, ACTIVATIONS) == (70_553_706_496, 207_093_760, 5_625_020_416)
+    ddp = cme.estimate_from_config(llama70b, strategy="ddp", **RUN)
+    # bf16 weights; fp32 adapters; gradients twice (DDP buckets); two fp32 AdamW moments; 1 GiB runtime.
+    assert ddp == {"weights": 2 * TOTAL, "gathered_weights": 0, "adapters": 4 * LORA, "gradients": 8 * LORA,
+                   "optimizer": 8 * LORA, "activations": ACTIVATIONS, "runtime_overhead": GiB,
+                   "total": 151_948_050_432}  # 141.5 GiB
+    fsdp = cme.estimate_from_config(llama70b, strategy="fsdp", **RUN)
+    root, layer = 2 * (2 * V * H + H), 2 * (LINEAR + 2 * H)  # embeddings+lm_head+norm; one decoder layer
+    assert fsdp["weights"] == 2 * TOTAL // 8 and fsdp["optimizer"] == 8 * LORA // 8
+    assert fsdp["gathered_weights"] == root + 2 * layer == 7_625_326_592
+    assert fsdp["total"] == 32_376_702_976  # 30.2 GiB
+    qlora = cme.estimate_from_config(llama70b, strategy="qlora", **RUN)
+    nf4 = L * LINEAR // 2 + L * LINEAR // 64 + 4 * (L * LINEAR // 64 // 256)  # 35,311,779,840
+    kept = 2 * (2 * V * H + 2 * L * H + H)  # 4,205,330,432
+    assert qlora["weights"] == nf4 + kept == 39_517_110_272
+    assert qlora["total"] == nf4 + kept + 20 * LORA + ACTIVATIONS + GiB == 50_357_747_712  # 46.9 GiB
+    assert fsdp["total"] < BUDGET < ddp["total"] and qlora["total"] < BUDGET
+
+
+def test_advice_refuses_ddp_and_names_what_fits(llama70b):
+    result = cme.advise(llama70b, capacity=CAPACITY, strategy="ddp", **RUN)
+    assert not result["fits"]
+    assert [label for label, _ in result["alternatives"]] == ["--strategy fsdp", "--strategy qlora"]
+    assert result["line"] == ("does not fit: ddp on 8 GPU(s) needs 141.5 GiB per GPU; 72.0 GiB allowed "
+                              "(90% of 80.0 GiB). Would fit: --strategy fsdp (30.2 GiB); --strategy qlora (46.9 GiB)")
+    assert cme.advise(llama70b, capacity=CAPACITY, strategy="fsdp", **RUN)["line"].startswith("fits: fsdp")
+    assert cme.advise(llama70b, capacity=CAPACITY, strategy="qlora", **RUN)["fits"]
+    alone = cme.advise(llama70b, capacity=24 * GiB, strategy="ddp", **{**RUN, "world_size": 1})
+    assert alone["line"].endswith("no single change tried fits (fsdp, qlora, checkpointing, micro-batch): "
+                                  "use fsdp over more GPUs, a shorter --max-length or a smaller model")
+
+
+def test_advice_offers_a_smaller_micro_batch_when_activations_are_the_problem():
+    model = cme.meta_model(CONFIGS / "Qwen2.5-0.5B.json")
+    run = dict(lora={"rank": 16, "target_modules": ["q_proj", "v_proj"]}, max_length=1024)
+    assert cme.advise(model, capacity=32 * GiB, micro_batch=4, **run)["fits"]
+    # 16 rows without checkpointing: 42.0 GiB, of which 40.0 GiB activations (fp32 logits alone: 18.5 GiB).
+    result = cme.advise(model, capacity=32 * GiB, micro_batch=16, gradient_checkpointing=False, **run)
+    assert not result["fits"]
+    assert result["line"] == ("does not fit: ddp on 1 GPU(s) needs 42.0 GiB per GPU; 28.8 GiB allowed (90% of "
+                              "32.0 GiB). Would fit: gradient checkpointing on (22.0 GiB); --micro-batch 8 (22.0 GiB)")
+
+
+def test_bad_settings_are_config_errors(llama70b):
+    with pytest.raises(ConfigError, match="strategy"):
+        cme.estimate_from_config(llama70b, strategy="zero3")
+    with pytest.raises(ConfigError, match="full fine-tune needs lora"):
+        cme.estimate_from_config(llama70b, strategy="qlora", lora=None)
+    with pytest.raises(ConfigError, match="bits"):
+        cme.estimate_from_config(llama70b, quantization={"bits": 3}, lora=RUN["lora"])
+
+
+def test_full_fine_tune_is_sixteen_bytes_a_parameter(llama70b):
+    parts = cme.estimate_from_config(llama70b, strategy="fsdp", world_size=64, lora=None, max_length=2048)
+    assert parts["weights"] + parts["gradients"] + parts["optimizer"] == 16 * TOTAL // 64
+
+
+def test_cli_prints_the_table_and_exits_1_when_it_does_not_fit(capsys):
+    args = ["--config-json", str(CONFIGS / "Meta-Llama-3-70B.json"), "--gpus", "8", "--gpu-memory", "80GiB",
+            "--lora-rank", "16", "--target-modules", ",".join(ALL_PROJ), "--max-length", "2048"]
+    assert cme.main(args + ["--strategy", "ddp"]) == 1
+    out = capsys.readouterr().out
+    assert "weights" in out and "141.5 GiB" in out and "Would fit: --strategy fsdp" in out
+    assert cme.main(args + ["--strategy", "qlora"]) == 0
+    assert cme.parse_size("80GB") == 80 * 10**9 and cme.parse_size("81920MiB") == 80 * GiB
+    with pytest.raises(ConfigError, match="gpu-memory"):
+        cme.parse_size("lots")

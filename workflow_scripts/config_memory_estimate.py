@@ -1,0 +1,252 @@
+"""Per-GPU memory of a fine-tune worked out from a model's config.json alone, before any weights exist.
+
+The gate (memory_estimate) needs the built model; choosing a strategy for a model bigger than one
+GPU has to happen earlier. The model is built on the meta device (shapes, no storage, well under a
+second for 70B), then parameters are priced per strategy:
+  ddp   every GPU holds all base weights, the adapters, their gradients and AdamW state;
+  fsdp  all of that is sharded over the world size, plus the units gathered for compute;
+  qlora ddp with the base Linear weights in 4-bit nf4 (bitsandbytes through transformers).
+``python -m workflow_scripts.config_memory_estimate --config-json PATH --gpus 8 --gpu-memory 80GiB``
+prints the table and one line saying whether it fits and what else would; exit status 1 if not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from workflow_scripts import memory_estimate
+from workflow_scripts.errors import ConfigError, WorkflowError, run_main
+from workflow_scripts.model_loading import weights_dtype
+
+STRATEGIES = ("ddp", "fsdp", "qlora")
+QLORA_DEFAULT = {"bits": 4, "double_quant": True}
+NF4_BLOCK = 64  # bitsandbytes' 4-bit blocksize: one absmax per 64 weights
+NESTED_BLOCK = 256  # double quant: absmaxes stored in 8 bit, one fp32 scale per 256 of them
+FP32 = memory_estimate.FP32
+
+
+def meta_model(source) -> nn.Module:
+    """A causal LM with every tensor on the meta device, from a config.json path/dir, dict or config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    if isinstance(source, nn.Module):
+        return source
+    if isinstance(source, (str, Path)):
+        path = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
+        try:
+            source = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise WorkflowError(f"{path}: cannot read a model config ({error})") from None
+    if isinstance(source, Mapping):
+        fields = dict(source)
+        if "model_type" not in fields:
+            raise ConfigError("model_type", "missing; is this a transformers config.json?")
+        source = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if not isinstance(source, PretrainedConfig):
+        raise WorkflowError(f"not a model config: {type(source).__name__}")
+    with torch.device("meta"):  # no storage is allocated, so 70B costs what 70M does
+        return AutoModelForCausalLM.from_config(source)
+
+
+def count_parameters(source) -> int:
+    return sum(p.numel() for p in meta_model(source).parameters())  # parameters() counts tied ones once
+
+
+def lora_parameters(model: nn.Module, rank: int, target_modules: Sequence[str]) -> tuple[int, int]:
+    """(adapter parameters, adapted layers): rank*(in+out) per targeted nn.Linear, matched as PEFT does
+    (the full module name, or its last dotted parts)."""
+    params = layers = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and any(name == t or name.endswith("." + t) for t in target_modules):
+            params += rank * (module.in_features + module.out_features)
+            layers += 1
+    if not layers:
+        raise ConfigError("lora.target_modules", f"{list(target_modules)} match no nn.Linear of the model")
+    return params, layers
+
+
+def _quantized_weight_bytes(module: nn.Linear, bits: int, double_quant: bool) -> int:
+    n = module.weight.numel()
+    if bits == 8:  # LLM.int8: int8 weights plus one fp32 scale per output row (SCB)
+        return n + FP32 * module.out_features
+    blocks = math.ceil(n / NF4_BLOCK)
+    if double_quant:  # 8-bit absmax per block + fp32 scale per 256 blocks: ~0.127 bits/param
+        return math.ceil(n / 2) + blocks + FP32 * math.ceil(blocks / NESTED_BLOCK)
+    return math.ceil(n / 2) + FP32 * blocks  # fp32 absmax per block: 0.5 bits/param
+
+
+def base_weight_bytes(model: nn.Module, dtype_bytes: int, quantization: Mapping[str, Any] | None):
+    """(all base weights, the FSDP root unit, the largest FSDP unit) in bytes as stored.
+
+    Quantised Linears are the ones transformers' bitsandbytes quantizer converts: plain nn.Linear not
+    named by get_keys_to_not_convert (lm_head, the last module and tied weights). Embeddings, norms
+    and biases stay in the compute dtype. FSDP units are the model's _no_split_modules (the decoder
+    layers), as accelerate's auto-wrap policy picks them; everything else forms the root unit.
+    """
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = get_keys_to_not_convert(model) if quantization else []
+    units = {n for n, m in model.named_modules() if type(m).__name__ in (model._no_split_modules or ())}
+    per_unit: dict[str, int] = {}
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        quantize = bool(quantization) and type(module) is nn.Linear and should_convert_module(name, skip)
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # a tied weight is stored once
+                continue
+            seen.add(id(param))
+            if quantize and pname == "weight":
+                size = _quantized_weight_bytes(module, quantization["bits"], quantization.get("double_quant", True))
+            else:  # peft.prepare_model_for_kbit_training would upcast these to fp32: fp32_unquantized
+                size = param.numel() * (FP32 if quantization and quantization.get("fp32_unquantized") else dtype_bytes)
+            prefixes = [name.rsplit(".", k)[0] for k in range(name.count(".") + 1)] if name else []
+            unit = next((p for p in prefixes if p in units), "")
+            per_unit[unit] = per_unit.get(unit, 0) + size
+    root = per_unit.pop("", 0)
+    return root + sum(per_unit.values()), root, max(per_unit.values(), default=0)
+
+
+def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
+                         lora: Mapping[str, Any] | None = None, precision: str = "bf16",
+                         quantization: Mapping[str, Any] | None = None, micro_batch: int = 1,
+                         max_length: int = 512, gradient_checkpointing: bool = True) -> dict[str, int]:
+    """Bytes per GPU by part, and ``total``. ``lora=None`` is a full fine-tune; ``source`` may also be a
+    meta model from :func:`meta_model`, so that several estimates build it once."""
+    if strategy not in STRATEGIES:
+        raise ConfigError("strategy", f"'{strategy}' is not one of {', '.join(STRATEGIES)}")
+    if world_size < 1:
+        raise ConfigError("world_size", f"{world_size} must be at least 1")
+    if strategy == "qlora":
+        quantization = quantization or QLORA_DEFAULT
+    if quantization is not None and quantization.get("bits") not in (4, 8):
+        raise ConfigError("quantization.bits", f"{quantization.get('bits')} must be 4 or 8")
+    if quantization is not None and lora is None:
+        raise ConfigError("quantization", "quantised weights cannot be trained; a full fine-tune needs lora")
+    model = meta_model(source)
+    shards = world_size if strategy == "fsdp" else 1
+    # The project stores frozen weights as model_loading does: bf16 on GPUs for bf16 runs, else fp32.
+    dtype_bytes = torch.empty((), dtype=weights_dtype(precision, torch.device("cuda"))).element_size()
+    compute_bytes = 2 if precision in ("bf16", "fp16") else FP32
+    total_base, root, largest_unit = base_weight_bytes(model, dtype_bytes, quantization)
+    if lora is None:
+        # Full fine-tune, mixed precision: fp32 master weights, fp32 gradients, two fp32 AdamW moments
+        # (bf16 weights alone would lose updates below bf16's resolution).
+        trainable = sum(p.numel() for p in model.parameters())
+        weights, adapters, rank, adapted = trainable * FP32, 0, 0, 0
+        # FSDP gathers units in the compute dtype (MixedPrecision param_dtype), not as stored.
+        root, largest_unit = root * compute_bytes // dtype_bytes, largest_unit * compute_bytes // dtype_bytes
+    else:
+        rank = lora["rank"]
+        trainable, adapted = lora_parameters(model, rank, lora["target_modules"])
+        weights, adapters = total_base, trainable * FP32  # PEFT keeps adapters in fp32
+    gradients = trainable * FP32
+    if strategy != "fsdp" and world_size > 1:
+        gradients *= 2  # DDP's reducer buckets hold a second copy (gradient_as_bucket_view=False)
+    parts = {
+        "weights": weights // shards,
+        # The root unit stays gathered from forward to backward; one decoder layer is computed while
+        # the next is prefetched. Adapters inside a gathered unit are too small to matter.
+        "gathered_weights": root + 2 * largest_unit if shards > 1 else 0,
+        "adapters": adapters // shards,
+        "gradients": gradients // shards,
+        "optimizer": trainable * FP32 * 2 // shards,
+        "activations": memory_estimate.activation_bytes(
+            model.config, micro_batch, max_length, compute_bytes, gradient_checkpointing,
+            rank, adapted // max(1, model.config.num_hidden_layers) if adapted else 0),
+        "runtime_overhead": memory_estimate.CUDA_RUNTIME_OVERHEAD,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[str, Any]:
+    """Whether the run fits ``headroom`` of ``capacity`` bytes per GPU, and if not which one change would:
+    ``fits``, ``estimate``, ``alternatives`` ([(change, total)] that fit) and ``line`` for the user."""
+    model = meta_model(source)
+    settings = {"strategy": "ddp", "world_size": 1, "micro_batch": 1, "gradient_checkpointing": True, **settings}
+    budget = int(capacity * headroom)
+    parts = estimate_from_config(model, **settings)
+    h = memory_estimate.human
+    head = (f"{settings['strategy']} on {settings['world_size']} GPU(s) needs {h(parts['total'])} per GPU; "
+            f"{h(budget)} allowed ({headroom:.0%} of {h(capacity)})")
+    if parts["total"] <= budget:
+        return {"fits": True, "estimate": parts, "alternatives": [], "line": f"fits: {head}"}
+    tries: list[tuple[str, dict]] = []
+    if settings["strategy"] != "fsdp" and settings["world_size"] > 1:
+        tries.append(("--strategy fsdp", {"strategy": "fsdp"}))
+    if settings.get("lora") is not None and not (settings["strategy"] == "qlora" or settings.get("quantization")):
+        tries.append(("--strategy qlora", {"strategy": "qlora", "quantization": None}))
+    if not settings["gradient_checkpointing"]:
+        tries.append(("gradient checkpointing on", {"gradient_checkpointing": True}))
+    alternatives = []
+    for label, change in tries:
+        total = estimate_from_config(model, **{**settings, **change})["total"]
+        if total <= budget:
+            alternatives.append((label, total))
+    micro = settings["micro_batch"] // 2
+    while micro >= 1:  # the largest smaller micro-batch that fits; gradient accumulation keeps the batch
+        total = estimate_from_config(model, **{**settings, "micro_batch": micro})["total"]
+        if total <= budget:
+            alternatives.append((f"--micro-batch {micro}", total))
+            break
+        micro //= 2
+    if alternatives:
+        fixes = "; ".join(f"{label} ({h(total)})" for label, total in alternatives)
+        line = f"does not fit: {head}. Would fit: {fixes}"
+    else:
+        line = (f"does not fit: {head}; no single change tried fits (fsdp, qlora, checkpointing, micro-batch): "
+                "use fsdp over more GPUs, a shorter --max-length or a smaller model")
+    return {"fits": False, "estimate": parts, "alternatives": alternatives, "line": line}
+
+
+def parse_size(text: str) -> int:
+    """'80GiB', '80GB', '81920MiB' or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ConfigError("gpu-memory", f"'{text}' is not a size such as 80GiB or 80GB")
+    unit = (match.group(2) or "B").upper().rstrip("B")
+    base = 1024 if unit.endswith("I") else 1000
+    return int(float(match.group(1)) * base ** " KMGT".index((unit.rstrip("I") or " ")))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workflow_scripts.config_memory_estimate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config-json", required=True, help="a model's config.json, or its directory")
+    parser.add_argument("--gpus", type=int, default=1, help="world size: GPUs over all nodes")
+    parser.add_argument("--gpu-memory", type=parse_size, required=True, help="per GPU, e.g. 80GiB")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="ddp")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--lora-rank", type=int, default=16, help="0: full fine-tune")
+    parser.add_argument("--target-modules", default="q_proj,k_proj,v_proj,o_proj", help="comma-separated")
+    parser.add_argument("--bits", type=int, choices=(4, 8), help="quantise the base weights (default 4 for qlora)")
+    parser.add_argument("--no-double-quant", action="store_true", help="4-bit: fp32 absmax per block")
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--no-gradient-checkpointing", action="store_true")
+    parser.add_argument("--headroom", type=float, default=0.9, help="share of GPU memory the estimate may use")
+    args = parser.parse_args(argv)
+    lora = {"rank": args.lora_rank, "target_modules": args.target_modules.split(",")} if args.lora_rank else None
+    quantization = {"bits": args.bits, "double_quant": not args.no_double_quant} if args.bits else None
+    if args.strategy == "qlora" and quantization is None:
+        quantization = {**QLORA_DEFAULT, "double_quant": not args.no_double_quant}
+    result = advise(args.config_json, capacity=args.gpu_memory, headroom=args.headroom, strategy=args.strategy,
+                    world_size=args.gpus, lora=lora, precision=args.precision, quantization=quantization,
+                    micro_batch=args.micro_batch, max_length=args.max_length,
+                    gradient_checkpointing=not args.no_gradient_checkpointing)
+    for part, size in result["estimate"].items():
+        print(f"{part:<18}{memory_estimate.human(size):>12}")
+    print(result["line"])
+    return 0 if result["fits"] else 1
+
+
+if __name__ == "__main__":
+    run_main(main)
