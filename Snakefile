@@ -2,7 +2,7 @@
 # Run: snakemake --cores all [--resources gpu=8]  |  snakemake --profile profiles/slurm
 from snakemake.utils import min_version, validate
 
-from workflow_scripts import experiment_config
+from workflow_scripts.core import experiment_config
 
 min_version("9.0")
 

@@ -39,7 +39,7 @@ def per_row_loop(model_dir: Path, data_dir: Path, out: Path) -> int:
     """The reference: one tokenizer call per prompt and per target, then save_to_disk."""
     from datasets import Dataset, DatasetDict, load_from_disk
 
-    from workflow_scripts.model_loading import load_tokenizer
+    from workflow_scripts.model.model_loading import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     rows = load_from_disk(str(data_dir))["train"]
@@ -66,7 +66,7 @@ def tokenizer_costs(model_dir: Path, data_dir: Path, rows: int = 10_000) -> dict
     time to it is the most batching can buy here."""
     from datasets import load_from_disk
 
-    from workflow_scripts.model_loading import load_tokenizer
+    from workflow_scripts.model.model_loading import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     data = load_from_disk(str(data_dir))["train"]

@@ -1,7 +1,7 @@
 """Benchmark 1: training throughput in non-padding tokens per second.
 
 Ours: the ``train`` stage run as its rule runs it (``python -m workflow_scripts.train ...``), which
-groups similar lengths into micro-batches (workflow_scripts/batching.py). Reference: Hugging Face
+groups similar lengths into micro-batches (workflow_scripts/data/batching.py). Reference: Hugging Face
 ``Trainer`` with PEFT at its defaults (random batches padded to the longest by
 ``DataCollatorForSeq2Seq``), and the same ``Trainer`` with ``group_by_length=True`` (in transformers 5:
 ``train_sampling_strategy="group_by_length"``, the same ``LengthGroupedSampler``).
@@ -188,14 +188,14 @@ def child_env(threads: int | None) -> dict:
 def plan_padding(lengths: np.ndarray, effective_batch: int, micro_batch: int, seed: int) -> dict[str, float]:
     """Padding share of one epoch's micro-batches under each side's own sampler.
 
-    Ours: workflow_scripts.batching.GlobalBatchPlan, exactly as the train stage builds it. Trainer:
+    Ours: workflow_scripts.data.batching.GlobalBatchPlan, exactly as the train stage builds it. Trainer:
     torch's RandomSampler (defaults) and transformers' LengthGroupedSampler (group_by_length), cut
     into consecutive micro-batches as its DataLoader does.
     """
     import torch
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
-    from workflow_scripts.batching import GlobalBatchPlan
+    from workflow_scripts.data.batching import GlobalBatchPlan
 
     def share(micro_batches) -> float:
         real = padded = 0

@@ -1,6 +1,6 @@
 """Benchmark 3: memory of 8 DataLoader workers over a large pre-tokenised set.
 
-Ours: the train stage's own ``TokenisedSplit`` (workflow_scripts/batching.py), the pre-tokenised set
+Ours: the train stage's own ``TokenisedSplit`` (workflow_scripts/data/batching.py), the pre-tokenised set
 opened with ``datasets.load_from_disk`` (memory-mapped Arrow), which workers inherit as a file mapping. Reference: the same rows held as an in-memory Python list of
 dicts, like the seed's ``TextLineDataset`` (cnm-bert post-mortem), which forked workers inherit
 copy-on-write; reference counting then writes to every object a worker touches, so pages it reads
@@ -106,7 +106,7 @@ def probe(kind: str, data_dir: str, workers: int, batch_size: int, seed: int, ca
     import torch
     from torch.utils.data import DataLoader
 
-    from workflow_scripts import batching
+    from workflow_scripts.data import batching
 
     torch.set_num_threads(1)
     before, _ = family_pss(os.getpid())
@@ -274,7 +274,7 @@ def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: 
     notes = ["Memory values are MiB; goal values are multiples of the dataset's Arrow size.",
              "Fixed cost = the same probe over a small set (Python + torch in 9 processes); it is subtracted "
              "from each side's total to give the dataset's share.",
-             "Both sides use the train stage's own batch plan, sampler and collator (workflow_scripts/batching.py), "
+             "Both sides use the train stage's own batch plan, sampler and collator (workflow_scripts/data/batching.py), "
              "fork start method and persistent workers; ours reads through the stage's TokenisedSplit. One full "
              "epoch is read before the end figure is taken."]
     if settings["reference_repetitions"] < settings["repetitions"]:

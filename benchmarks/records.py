@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from workflow_scripts.run_manifest import PACKAGES, package_versions
+from workflow_scripts.core.run_manifest import PACKAGES, package_versions
 
 EXTRA_PACKAGES = ("psutil", "numpy", "pyarrow")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from benchmarks import (bench_gpu, bench_pretokenise, bench_training, bench_worker_memory,
                         bench_workflow_overhead, records, report)
-from workflow_scripts.atomic_output import atomic_path, write_json
+from workflow_scripts.core.atomic_output import atomic_path, write_json
 
 BENCHMARKS = {
     module.NAME: module

@@ -8,8 +8,8 @@ sys.path.insert(0, workflow.basedir)
 # (Snakemake formats the prefix too, hence the doubled braces.)
 shell.prefix(f"export PYTHONPATH={shlex.quote(workflow.basedir)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; ")
 
-from workflow_scripts import experiment_config as xc
-from workflow_scripts.errors import ConfigError
+from workflow_scripts.core import experiment_config as xc
+from workflow_scripts.core.errors import ConfigError
 
 try:
     xc.check_config(config, "config")

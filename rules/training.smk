@@ -20,7 +20,7 @@ rule sanity:
         trust_remote_code="--trust-remote-code" if config["model"]["trust_remote_code"] else "",
     resources:
         # gpu is the job's total (the SLURM plugin's --gpus); nodes > 1 hands the launch to the
-        # rule's own srun (mpi), one torchrun per node (workflow_scripts/launcher.py).
+        # rule's own srun (mpi), one torchrun per node (workflow_scripts/launch/launcher.py).
         gpu=training_gpu_total,
         nodes=training_nodes,
         runtime=lambda w: min(training_settings(w)["runtime_minutes"], 60),

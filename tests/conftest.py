@@ -69,7 +69,7 @@ def tiny_tokenised_dir(tmp_path_factory) -> Path:
 
 def tiny_training_settings(**overrides) -> dict:
     """Resolved training settings (schema defaults filled) for fast CPU tests."""
-    from workflow_scripts.training_setup import load_training_settings
+    from workflow_scripts.training.training_setup import load_training_settings
 
     settings = {
         "lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]},

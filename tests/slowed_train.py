@@ -6,8 +6,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workflow_scripts import train, training_setup  # noqa: E402
-from workflow_scripts.errors import run_main  # noqa: E402
+from workflow_scripts import train  # noqa: E402
+from workflow_scripts.training import training_setup  # noqa: E402
+from workflow_scripts.core.errors import run_main  # noqa: E402
 
 _micro_step = training_setup.micro_step
 

@@ -4,8 +4,8 @@ import pickle
 import numpy as np
 import pytest
 
-from workflow_scripts import batching
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.data import batching
+from workflow_scripts.core.errors import WorkflowError
 
 
 def _lengths(n=512, seed=0):

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import tiny_training_settings
-from workflow_scripts import checkpointing
-from workflow_scripts import training_setup
-from workflow_scripts.errors import WorkflowError
-from workflow_scripts.distributed import DistributedContext
+from workflow_scripts.training import checkpointing
+from workflow_scripts.training import training_setup
+from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.training.distributed import DistributedContext
 
 CPU = DistributedContext(0, 0, 1, 1, torch.device("cpu"), None)
 

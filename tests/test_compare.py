@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from workflow_scripts import compare, fairness, paired_bootstrap
-from workflow_scripts.errors import ConfigError, WorkflowError
+from workflow_scripts import compare
+from workflow_scripts.analysis import fairness, paired_bootstrap
+from workflow_scripts.core.errors import ConfigError, WorkflowError
 
 TRAINING = {
     "lora": {"rank": 128, "alpha": 256, "dropout": 0.05, "target_modules": ["q_proj", "v_proj"]},

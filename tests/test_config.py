@@ -5,8 +5,8 @@ import pytest
 import yaml
 
 from data_helpers import ROOT, default_config
-from workflow_scripts.errors import ConfigError
-from workflow_scripts.experiment_config import (check_config, check_workflow_config, load_config, validate_schema,
+from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.core.experiment_config import (check_config, check_workflow_config, load_config, validate_schema,
                                                validate_section)
 
 

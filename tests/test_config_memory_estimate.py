@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from workflow_scripts import config_memory_estimate as cme
-from workflow_scripts.errors import ConfigError
+from workflow_scripts.model import config_memory_estimate as cme
+from workflow_scripts.core.errors import ConfigError
 
 CONFIGS = Path(__file__).parent / "model_configs"
 GiB = 2**30

@@ -1,6 +1,6 @@
 """GPU and port leases for concurrent local jobs, on a simulated 8-GPU machine (no GPU needed).
 
-Each "job" is a real process that leases GPUs through workflow_scripts.device_leases, reports
+Each "job" is a real process that leases GPUs through workflow_scripts.launch.device_leases, reports
 what it got, and holds the lease until told to exit (or until it is killed).
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from workflow_scripts import device_leases
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.launch import device_leases
+from workflow_scripts.core.errors import WorkflowError
 
 ROOT = Path(__file__).resolve().parent.parent
 EIGHT_GPUS = "0,1,2,3,4,5,6,7"
@@ -24,7 +24,7 @@ EIGHT_GPUS = "0,1,2,3,4,5,6,7"
 JOB = r"""
 import json, os, sys, time
 from pathlib import Path
-from workflow_scripts import device_leases
+from workflow_scripts.launch import device_leases
 gpus, report, release, timeout = int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4])
 lease = device_leases.acquire(gpus, label=report.name, timeout=timeout)
 report.write_text(json.dumps({"pid": os.getpid(), "gpus": lease.gpu_ids, "port": lease.port,

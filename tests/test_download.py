@@ -11,7 +11,7 @@ import pytest
 
 from data_helpers import leftovers, local_dataset, run_download
 from workflow_scripts import download
-from workflow_scripts.errors import ConfigError, WorkflowError
+from workflow_scripts.core.errors import ConfigError, WorkflowError
 
 TRAIN = [{"q": "a?", "a": "1"}, {"q": "b?", "a": "2"}, "not json at all"]
 TEST = [{"q": "c?", "a": "3"}]

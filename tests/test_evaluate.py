@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
-from workflow_scripts import evaluate, metrics
-from workflow_scripts.errors import ConfigError, WorkflowError
+from workflow_scripts import evaluate
+from workflow_scripts.tasks import metrics
+from workflow_scripts.core.errors import ConfigError, WorkflowError
 
 BASELINE = {"prompt": "Question: {question}\nAnswer:", "target": " {answer}", "extractor": {"type": "whole"},
             "chat_template": False}
@@ -116,7 +117,7 @@ def test_base_model_path_and_adapter_really_applied(tmp_path, tiny_model, adapte
 
 def test_left_padded_batches_generate_what_single_prompts_do(tiny_model, adapter):
     """Right padding (or no attention mask) puts pad tokens between prompt and answer and changes outputs."""
-    from workflow_scripts import model_loading
+    from workflow_scripts.model import model_loading
 
     tokenizer = model_loading.load_tokenizer(tiny_model)
     model = model_loading.load_with_adapter(tiny_model, adapter, torch.device("cpu"))
@@ -160,7 +161,7 @@ def test_penalties_shipped_with_the_model_do_not_act(tmp_path, tiny_model, adapt
 
     from transformers import GenerationConfig
 
-    from workflow_scripts import model_loading
+    from workflow_scripts.model import model_loading
 
     penalised = tmp_path / "penalised-model"
     shutil.copytree(tiny_model, penalised)
@@ -186,7 +187,7 @@ def test_eval_json_records_the_full_decoding_config(tmp_path, tiny_model, adapte
 
 
 def test_max_examples_and_generation_length_follow_the_config(tmp_path, tiny_model, normalised):
-    from workflow_scripts import model_loading
+    from workflow_scripts.model import model_loading
 
     evaluation = {**EVALUATION, "max_examples": 3, "max_new_tokens": 2}
     rows, summary = run(tmp_path, tiny_model, normalised, evaluation=evaluation, seed="base")

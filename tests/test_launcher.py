@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from workflow_scripts import device_leases, launcher
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.launch import device_leases, launcher
+from workflow_scripts.core.errors import WorkflowError
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 
-LAUNCH = "import sys; from workflow_scripts import launcher; sys.exit(launcher.launch('launcher_probe', sys.argv[2:], int(sys.argv[1]), 1))"
+LAUNCH = "import sys; from workflow_scripts.launch import launcher; sys.exit(launcher.launch('launcher_probe', sys.argv[2:], int(sys.argv[1]), 1))"
 
 
 @pytest.fixture

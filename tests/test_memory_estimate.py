@@ -4,8 +4,9 @@ import torch
 from transformers import LlamaConfig
 
 from conftest import tiny_training_settings
-from workflow_scripts import memory_estimate, preflight_checks, training_setup
-from workflow_scripts.distributed import DistributedContext
+from workflow_scripts.model import memory_estimate
+from workflow_scripts.training import preflight_checks, training_setup
+from workflow_scripts.training.distributed import DistributedContext
 
 CONFIG_7B = LlamaConfig(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                         num_key_value_heads=4, vocab_size=152064)  # Qwen2.5-7B's shape, no weights

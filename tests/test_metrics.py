@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import yaml
 
-from workflow_scripts import metrics
-from workflow_scripts.errors import WorkflowError
-from workflow_scripts.metrics import ExampleScore, anls, exact_match, relaxed_accuracy, token_f1
+from workflow_scripts.tasks import metrics
+from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.tasks.metrics import ExampleScore, anls, exact_match, relaxed_accuracy, token_f1
 
 WANT_BOY = "(w / want-01 :ARG0 (b / boy))"  # triples: 2 instances, TOP, ARG0 = 4
 WANT_GO = "(w / want-01 :ARG0 (b / boy) :ARG1 (g / go-02 :ARG0 b))"  # 3 instances, TOP, 3 relations = 7
@@ -288,7 +288,7 @@ def test_unknown_metric_and_empty_inputs_are_refused():
 
 @pytest.mark.parametrize("metric", [m for m in metrics.METRICS if m != "smatch"])
 def test_every_string_metric_scores_and_averages(metric):
-    from workflow_scripts import paired_bootstrap
+    from workflow_scripts.analysis import paired_bootstrap
 
     metrics.check_metric(metric)
     scores = [metrics.score_example(metric, p, ["12"]) for p in ("12", "nonsense", None)]

@@ -7,7 +7,7 @@ from datasets import load_from_disk
 
 from data_helpers import demo_settings, leftovers, local_dataset, run_download, run_normalise
 from workflow_scripts import normalise
-from workflow_scripts.errors import ConfigError, WorkflowError
+from workflow_scripts.core.errors import ConfigError, WorkflowError
 
 
 def good(i):

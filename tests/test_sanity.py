@@ -7,9 +7,11 @@ import torch
 import torch.distributed as dist
 
 from conftest import build_tiny_tokenised, tiny_training_settings
-from workflow_scripts import memory_estimate, model_loading, preflight_checks, sanity, training_setup
-from workflow_scripts.distributed import DistributedContext
-from workflow_scripts.preflight_checks import PreflightError
+from workflow_scripts.model import memory_estimate, model_loading
+from workflow_scripts.training import preflight_checks, training_setup
+from workflow_scripts import sanity
+from workflow_scripts.training.distributed import DistributedContext
+from workflow_scripts.training.preflight_checks import PreflightError
 
 
 @pytest.fixture(autouse=True)

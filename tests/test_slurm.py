@@ -91,7 +91,7 @@ GPU_PROBE = """
 import json, os, sys
 from pathlib import Path
 sys.path.insert(0, os.environ["LORA_REPO"]); sys.path.insert(0, os.path.join(os.environ["LORA_REPO"], "tests"))
-from workflow_scripts import launcher
+from workflow_scripts.launch import launcher
 name, out = sys.argv[1], Path(sys.argv[2])
 reports = Path("reports"); reports.mkdir(exist_ok=True)
 job = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_STEP_GPUS")}
@@ -244,7 +244,7 @@ def test_demo_through_slurm_with_a_training_job_signalled_mid_run(slurm, job_env
 
     # Same adapter as an uninterrupted run of the same experiment on the same inputs.
     reference = tmp_path / "reference"
-    from workflow_scripts.experiment_config import resolved_training
+    from workflow_scripts.core.experiment_config import resolved_training
 
     uninterrupted = subprocess.run(
         [sys.executable, "-m", "workflow_scripts.train", "--model", str(workflow_dir / "resources/models" / config["model"]["name"]),
@@ -266,7 +266,7 @@ def test_demo_through_slurm_with_a_training_job_signalled_mid_run(slurm, job_env
 
 def _validated_training(workflow_dir: Path, resolved_training) -> dict:
     """The training settings exactly as the rule passed them (schema defaults filled)."""
-    from workflow_scripts.experiment_config import load_config
+    from workflow_scripts.core.experiment_config import load_config
 
     return resolved_training(load_config(workflow_dir / "config" / "config.yaml"), "baseline")
 

@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_training_settings
-from workflow_scripts import batching, model_loading, training_setup
+from workflow_scripts.data import batching
+from workflow_scripts.model import model_loading
+from workflow_scripts.training import training_setup
 
 ROWS = [
     {"id": "a", "input_ids": [5, 6, 7, 8, 9, 10], "labels": [-100, -100, -100, 8, 9, 10]},

@@ -3,8 +3,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from workflow_scripts.errors import WorkflowError
-from workflow_scripts.templates import (encode_prompts, encode_targets, extract_answer, render_prompt,
+from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.tasks.templates import (encode_prompts, encode_targets, extract_answer, render_prompt,
                                         render_target, template_row)
 
 ROW = {"id": "r1", "question": "What is 2+2?", "answers": ["4", "four"], "aux": "number"}

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_training_settings
-from workflow_scripts import checkpointing, train, training_setup
+from workflow_scripts.training import checkpointing, training_setup
+from workflow_scripts import train
 
 REPO = Path(__file__).resolve().parent.parent
 LOG_FIELDS = {"step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "padding_share",
@@ -102,7 +103,7 @@ def test_one_and_two_processes_follow_the_same_loss_curve(tmp_path, tiny_model_d
 
 SLOW_TRAIN = (
     # Slows each micro-step so the test can signal the run mid-way; the training code is unchanged.
-    "import sys, time; from workflow_scripts import train, training_setup; from workflow_scripts.errors import run_main; "
+    "import sys, time; from workflow_scripts import train; from workflow_scripts.training import training_setup; from workflow_scripts.core.errors import run_main; "
     "step = training_setup.micro_step; "
     "training_setup.micro_step = lambda *a, **k: (time.sleep(0.1), step(*a, **k))[1]; "
     "sys.argv[0] = 'train'; run_main(train.main)"
@@ -272,7 +273,7 @@ def test_skipped_fp16_updates_do_not_advance_the_schedule(monkeypatch, tmp_path,
 
 
 def test_bad_training_json_is_one_clear_error(tmp_path, tiny_model_dir, tiny_tokenised_dir):
-    from workflow_scripts.errors import ConfigError
+    from workflow_scripts.core.errors import ConfigError
 
     settings = tiny_training_settings()
     settings["micro_batch"] = 3

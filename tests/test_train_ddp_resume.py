@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_training_settings
 from test_train import REPO, adapter, log_rows, subprocess_env, train_argv
-from workflow_scripts import checkpointing
+from workflow_scripts.training import checkpointing
 
 
 def torchrun(entry: list[str]) -> list[str]:

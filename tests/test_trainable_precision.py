@@ -2,7 +2,7 @@
 import torch
 
 from conftest import tiny_training_settings
-from workflow_scripts import model_loading
+from workflow_scripts.model import model_loading
 
 
 def test_modules_to_save_and_adapters_are_fp32_on_a_bf16_base(tiny_model_dir):

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from conftest import tiny_training_settings
-from workflow_scripts import batching, training_setup
-from workflow_scripts.distributed import DistributedContext
+from workflow_scripts.data import batching
+from workflow_scripts.training import training_setup
+from workflow_scripts.training.distributed import DistributedContext
 
 CPU = DistributedContext(0, 0, 1, 1, torch.device("cpu"), None)
 ROWS = [

@@ -1,7 +1,7 @@
 """Named transforms that derive MTUP's auxiliary fields."""
 import pytest
 
-from workflow_scripts.transforms import TRANSFORMS, answer_kind, penman_skeleton
+from workflow_scripts.data.transforms import TRANSFORMS, answer_kind, penman_skeleton
 
 
 def test_transforms_are_registered_by_name():

@@ -21,10 +21,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from workflow_scripts import fairness, metrics, paired_bootstrap, plots
-from workflow_scripts.atomic_output import atomic_path
-from workflow_scripts.errors import ConfigError, WorkflowError, run_main
-from workflow_scripts.stage_arguments import json_setting
+from workflow_scripts.analysis import fairness, paired_bootstrap, plots
+from workflow_scripts.tasks import metrics
+from workflow_scripts.core.atomic_output import atomic_path
+from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
+from workflow_scripts.core.stage_arguments import json_setting
 
 MIN_RESAMPLES = 1000
 COLUMNS = (

@@ -27,12 +27,12 @@ import zipfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from workflow_scripts import raw_records
-from workflow_scripts.atomic_output import atomic_path, write_json
-from workflow_scripts.errors import WorkflowError, run_main
-from workflow_scripts.experiment_config import validate_section
-from workflow_scripts.run_manifest import build_manifest
-from workflow_scripts.stage_arguments import json_setting
+from workflow_scripts.data import raw_records
+from workflow_scripts.core.atomic_output import atomic_path, write_json
+from workflow_scripts.core.errors import WorkflowError, run_main
+from workflow_scripts.core.experiment_config import validate_section
+from workflow_scripts.core.run_manifest import build_manifest
+from workflow_scripts.core.stage_arguments import json_setting
 
 CHUNK_BYTES = 1 << 20
 ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz")

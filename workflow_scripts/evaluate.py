@@ -17,11 +17,13 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from workflow_scripts import device_leases, metrics, model_loading, templates
-from workflow_scripts.atomic_output import write_json, write_jsonl
-from workflow_scripts.errors import ConfigError, WorkflowError, run_main
-from workflow_scripts.run_manifest import build_manifest
-from workflow_scripts.stage_arguments import json_setting
+from workflow_scripts.launch import device_leases
+from workflow_scripts.tasks import metrics, templates
+from workflow_scripts.model import model_loading
+from workflow_scripts.core.atomic_output import write_json, write_jsonl
+from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
+from workflow_scripts.core.run_manifest import build_manifest
+from workflow_scripts.core.stage_arguments import json_setting
 
 EVALUATION_KEYS = ("split", "max_new_tokens", "batch_size", "max_examples", "gpus")
 REQUIRED_COLUMNS = ("id", "question", "answers")
@@ -71,7 +73,7 @@ def parse_seed(text: str) -> int | str:
 
 def load_test_rows(data_dir: str, split: str, max_examples: int | None) -> list[dict]:
     """Rows of the evaluation split, in stored order (the first ``max_examples`` when set)."""
-    from workflow_scripts.normalised_data import open_normalised
+    from workflow_scripts.data.normalised_data import open_normalised
 
     data = open_normalised(data_dir, required_split=None)
     if split not in data:

@@ -16,8 +16,8 @@ import random
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from workflow_scripts.atomic_output import atomic_path
-from workflow_scripts.errors import run_main
+from workflow_scripts.core.atomic_output import atomic_path
+from workflow_scripts.core.errors import run_main
 
 SPLIT_SIZES = {"train": 520, "validation": 60, "test": 72}
 

@@ -2,7 +2,7 @@
 
 Canonical row: ``id`` (stable), ``question`` (non-empty str), ``answers`` (non-empty list of
 non-empty str), each ``extra_fields`` name carried unchanged, each ``derived`` name (str, from a
-named transform in workflow_scripts.transforms). Splits are renamed to train/validation/test.
+named transform in workflow_scripts.data.transforms). Splits are renamed to train/validation/test.
 
 Bad rows are rejected, never repaired: no fallback value is ever filled in and no empty row is
 ever written (seed: "fallback values for missing data" trained a model on empty strings).
@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from workflow_scripts import raw_records
-from workflow_scripts.atomic_output import atomic_path, write_json
-from workflow_scripts.errors import ConfigError, WorkflowError, run_main
-from workflow_scripts.experiment_config import validate_section
-from workflow_scripts.stage_arguments import json_setting
-from workflow_scripts.transforms import TRANSFORMS
+from workflow_scripts.data import raw_records
+from workflow_scripts.core.atomic_output import atomic_path, write_json
+from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
+from workflow_scripts.core.experiment_config import validate_section
+from workflow_scripts.core.stage_arguments import json_setting
+from workflow_scripts.data.transforms import TRANSFORMS
 
 CANONICAL_SPLITS = ("train", "validation", "test")
 EXAMPLES_PER_REASON = 5

@@ -15,11 +15,11 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from workflow_scripts.atomic_output import atomic_path, write_json
-from workflow_scripts.errors import WorkflowError, run_main
-from workflow_scripts.experiment_config import validate_section
-from workflow_scripts.run_manifest import build_manifest
-from workflow_scripts.stage_arguments import json_setting
+from workflow_scripts.core.atomic_output import atomic_path, write_json
+from workflow_scripts.core.errors import WorkflowError, run_main
+from workflow_scripts.core.experiment_config import validate_section
+from workflow_scripts.core.run_manifest import build_manifest
+from workflow_scripts.core.stage_arguments import json_setting
 
 MANIFEST_NAME = "model_manifest.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -89,11 +89,11 @@ def copy_local(model: Mapping[str, Any], out: Path) -> dict[str, Any]:
 def prepare(model: Mapping[str, Any], corpus: Sequence[str], out: Path) -> dict[str, Any]:
     source = model["source"]
     if source == "tiny":
-        from workflow_scripts import tiny_model
+        from workflow_scripts.model import tiny_model
 
         return tiny_model.build(model["tiny"], corpus, out)
     if source == "gguf":
-        from workflow_scripts import gguf_model
+        from workflow_scripts.model import gguf_model
 
         return gguf_model.convert(model["gguf"], out, model["trust_remote_code"])
     if source == "hub":

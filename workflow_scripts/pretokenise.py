@@ -23,11 +23,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from workflow_scripts import templates
-from workflow_scripts.atomic_output import atomic_path, write_json
-from workflow_scripts.errors import WorkflowError, run_main
-from workflow_scripts.experiment_config import config_hash
-from workflow_scripts.stage_arguments import json_setting
+from workflow_scripts.tasks import templates
+from workflow_scripts.core.atomic_output import atomic_path, write_json
+from workflow_scripts.core.errors import WorkflowError, run_main
+from workflow_scripts.core.experiment_config import config_hash
+from workflow_scripts.core.stage_arguments import json_setting
 
 TRAINING_SPLITS = ("train", "validation")
 META_NAME = "tokenise_meta.json"
@@ -164,8 +164,8 @@ def split_statistics(full) -> tuple[dict[str, Any], Any]:
 
 
 def load_inputs(data_dir: Path, model_dir: Path):
-    from workflow_scripts.model_loading import load_tokenizer
-    from workflow_scripts.normalised_data import open_normalised
+    from workflow_scripts.model.model_loading import load_tokenizer
+    from workflow_scripts.data.normalised_data import open_normalised
 
     if not (model_dir / "config.json").is_file():
         raise WorkflowError(f"{model_dir}: not a model directory (no config.json); run prepare_model first")

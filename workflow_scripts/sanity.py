@@ -14,12 +14,14 @@ from typing import Sequence
 
 import torch
 
-from workflow_scripts import (batching, distributed, launcher, memory_estimate, preflight_checks as checks,
-                              training_setup)
-from workflow_scripts.atomic_output import write_json
-from workflow_scripts.errors import run_main
-from workflow_scripts.experiment_config import world_size as configured_world_size
-from workflow_scripts.preflight_checks import PreflightError
+from workflow_scripts.data import batching
+from workflow_scripts.training import distributed, preflight_checks as checks, training_setup
+from workflow_scripts.launch import launcher
+from workflow_scripts.model import memory_estimate
+from workflow_scripts.core.atomic_output import write_json
+from workflow_scripts.core.errors import run_main
+from workflow_scripts.core.experiment_config import world_size as configured_world_size
+from workflow_scripts.training.preflight_checks import PreflightError
 from workflow_scripts.train import add_common_arguments, seed_everything
 
 # fp16 overflows are normal at first (the scaler backs off); allow enough to go from 2^16 below 1.

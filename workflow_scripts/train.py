@@ -19,13 +19,16 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from workflow_scripts import (batching, checkpointing, distributed, fairness, launcher, memory_estimate,
-                              preflight_checks, training_setup)
-from workflow_scripts.atomic_output import atomic_path, write_json
-from workflow_scripts.errors import WorkflowError, run_main
-from workflow_scripts.experiment_config import world_size as configured_world_size
-from workflow_scripts.run_manifest import build_manifest
-from workflow_scripts.training_log import TrainingLog
+from workflow_scripts.data import batching
+from workflow_scripts.training import checkpointing, distributed, preflight_checks, training_setup
+from workflow_scripts.analysis import fairness
+from workflow_scripts.launch import launcher
+from workflow_scripts.model import memory_estimate
+from workflow_scripts.core.atomic_output import atomic_path, write_json
+from workflow_scripts.core.errors import WorkflowError, run_main
+from workflow_scripts.core.experiment_config import world_size as configured_world_size
+from workflow_scripts.core.run_manifest import build_manifest
+from workflow_scripts.training.training_log import TrainingLog
 
 # Exit code after a checkpoint on SIGTERM/SIGUSR1 (EX_TEMPFAIL): "requeue me", not "I failed".
 PREEMPTED_EXIT_CODE = 75

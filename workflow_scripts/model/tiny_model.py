@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.core.errors import WorkflowError
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -21,7 +21,7 @@ MAX_POSITIONS = 1024
 
 def corpus_texts(corpus_dirs: Sequence[str | Path]) -> Iterator[str]:
     """Every string field of every normalised train row (questions, answers, derived fields)."""
-    from workflow_scripts.normalised_data import open_normalised
+    from workflow_scripts.data.normalised_data import open_normalised
 
     for directory in corpus_dirs:
         data = open_normalised(directory)

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: jobs run without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from workflow_scripts.atomic_output import atomic_path  # noqa: E402
+from workflow_scripts.core.atomic_output import atomic_path  # noqa: E402
 
 
 def _save(figure, path: str | Path) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.core.errors import WorkflowError
 
 GPU_IDS_ENV = "LORA_WORKFLOW_GPU_IDS"
 LEASE_DIR_ENV = "LORA_WORKFLOW_LEASE_DIR"

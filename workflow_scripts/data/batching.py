@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.core.errors import WorkflowError
 
 IGNORE_INDEX = -100
 # Rows sorted together before cutting global batches: large enough to group lengths well, small

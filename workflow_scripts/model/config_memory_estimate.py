@@ -6,7 +6,7 @@ second for 70B), then parameters are priced per strategy:
   ddp   every GPU holds all base weights, the adapters, their gradients and AdamW state;
   fsdp  all of that is sharded over the world size, plus the units gathered for compute;
   qlora ddp with the base Linear weights in 4-bit nf4 (bitsandbytes through transformers).
-``python -m workflow_scripts.config_memory_estimate --config-json PATH --gpus 8 --gpu-memory 80GiB``
+``python -m workflow_scripts.model.config_memory_estimate --config-json PATH --gpus 8 --gpu-memory 80GiB``
 prints the table and one line saying whether it fits and what else would; exit status 1 if not.
 """
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from workflow_scripts import memory_estimate
-from workflow_scripts.errors import ConfigError, WorkflowError, run_main
-from workflow_scripts.model_loading import weights_dtype
+from workflow_scripts.model import memory_estimate
+from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
+from workflow_scripts.model.model_loading import weights_dtype
 
 STRATEGIES = ("ddp", "fsdp", "qlora")
 QLORA_DEFAULT = {"bits": 4, "double_quant": True}
@@ -218,7 +218,7 @@ def parse_size(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workflow_scripts.config_memory_estimate", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m workflow_scripts.model.config_memory_estimate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config-json", required=True, help="a model's config.json, or its directory")
     parser.add_argument("--gpus", type=int, default=1, help="world size: GPUs over all nodes")

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from workflow_scripts.atomic_output import atomic_path
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.core.atomic_output import atomic_path
+from workflow_scripts.core.errors import WorkflowError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 

@@ -11,7 +11,7 @@ import string
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.core.errors import WorkflowError
 
 #: The fields that hold the gold answers: a prompt must never show them (or anything derived from them).
 TARGET_FIELDS = ("answer", "answers")

@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 
 from rapidfuzz.distance import Levenshtein
 
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.core.errors import WorkflowError
 
 RELATIVE_TOLERANCE = 0.05
 ANLS_THRESHOLD = 0.5

@@ -12,9 +12,9 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from workflow_scripts.errors import WorkflowError
-from workflow_scripts import memory_estimate
-from workflow_scripts.training_setup import lora_parameters, named_parameters, strip_wrapper_prefix, unwrap
+from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.model import memory_estimate
+from workflow_scripts.training.training_setup import lora_parameters, named_parameters, strip_wrapper_prefix, unwrap
 
 
 class PreflightError(WorkflowError):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.core.errors import WorkflowError
 
 
 def open_normalised(directory: str | Path, required_split: str | None = "train"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.core.errors import WorkflowError
 
 
 def json_setting(text: str, flag: str) -> Any:

@@ -10,7 +10,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Mapping
 
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.core.errors import WorkflowError
 
 
 def locate(package: str, file: str) -> Path:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from workflow_scripts.experiment_config import config_hash
+from workflow_scripts.core.experiment_config import config_hash
 
 PACKAGES = (
     "torch", "transformers", "peft", "accelerate", "datasets", "tokenizers",
@@ -31,7 +31,7 @@ def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]
 
 def git_commit(directory: str | Path | None = None) -> str | None:
     """The workflow's git commit (with '-dirty' when it has uncommitted changes), or None outside git."""
-    directory = Path(directory or Path(__file__).resolve().parent.parent)
+    directory = Path(directory or Path(__file__).resolve().parents[2])
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=directory, capture_output=True, text=True, check=True).stdout.strip()

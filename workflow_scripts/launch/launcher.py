@@ -5,7 +5,7 @@ A stage's ``main`` calls :func:`needs_launch`; when it is true the stage hands i
 torchrun (``LOCAL_RANK`` set) the stage runs as a worker.
 
 One node: the job leases disjoint GPUs and a free rendezvous port from
-:mod:`workflow_scripts.device_leases` (a scheduler's allocation is left as it is), and torchrun
+:mod:`workflow_scripts.launch.device_leases` (a scheduler's allocation is left as it is), and torchrun
 gets them through ``CUDA_VISIBLE_DEVICES`` and ``--rdzv-endpoint``.
 Several nodes (``training.nodes > 1``, inside a SLURM allocation): one torchrun per node through
 ``srun``, with a c10d rendezvous on the allocation's first host and ``SLURM_JOB_ID`` as its id.
@@ -22,8 +22,8 @@ import subprocess
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
-from workflow_scripts import device_leases
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.launch import device_leases
+from workflow_scripts.core.errors import WorkflowError
 
 # What SLURM sends before a time limit or preemption (USR1 via --signal) and on cancel (TERM):
 # torchrun must hand them on to the workers, which checkpoint, instead of dying of them.

@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from workflow_scripts.errors import ConfigError, WorkflowError
+from workflow_scripts.core.errors import ConfigError, WorkflowError
 
 CHUNK = 100  # replicates per block, so (replicates x examples x 3) smatch counts stay small in memory
 EXAMPLES = "examples"

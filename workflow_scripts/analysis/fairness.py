@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.core.errors import WorkflowError
 
 RUNTIME_ONLY_TRAINING_KEYS = frozenset({
     "gpus", "cpu_processes", "nodes", "dataloader_workers", "checkpoint_every", "log_every",

@@ -16,10 +16,10 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import yaml
 
-from workflow_scripts import templates
-from workflow_scripts.errors import ConfigError
+from workflow_scripts.tasks import templates
+from workflow_scripts.core.errors import ConfigError
 
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 CANONICAL_FIELDS = ("id", "question", "answers", "answer")
 TRAINING_SHAPE_KEYS = ("effective_batch", "micro_batch")
 
@@ -52,7 +52,7 @@ def validate_schema(config: dict, source: str | None = None) -> dict:
 
 
 def _looks_secret(name: Any) -> bool:
-    from workflow_scripts.run_manifest import SECRET_MARKERS
+    from workflow_scripts.core.run_manifest import SECRET_MARKERS
 
     return any(marker in str(name).lower() for marker in SECRET_MARKERS)
 
@@ -90,7 +90,7 @@ def schema_error(error, prefix: str | None = None, source: str | None = None) ->
     if secret:
         message = message.replace(repr(instance), "<redacted>")
     else:
-        from workflow_scripts.run_manifest import redact
+        from workflow_scripts.core.run_manifest import redact
 
         message = message.replace(repr(instance), repr(redact(instance)))
     for value in _secret_values(instance, secret):
@@ -375,7 +375,7 @@ def _check_dataset(name: str, dataset: Mapping[str, Any], source: str | None) ->
     _require(src, needs, f"datasets.{name}.source", f"when source.type is '{src['type']}'", source)
     if src["type"] == "hub":
         _check_pinned(src["revision"], f"datasets.{name}.source.revision", source)
-    from workflow_scripts.transforms import TRANSFORMS
+    from workflow_scripts.data.transforms import TRANSFORMS
 
     for field, spec in dataset.get("derived", {}).items():
         if spec["transform"] not in TRANSFORMS:

@@ -10,7 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from workflow_scripts.atomic_output import write_jsonl
+from workflow_scripts.core.atomic_output import write_jsonl
 
 
 class TrainingLog:

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workflow_scripts import model_loading
-from workflow_scripts.distributed import DistributedContext
-from workflow_scripts.experiment_config import gradient_accumulation
+from workflow_scripts.model import model_loading
+from workflow_scripts.training.distributed import DistributedContext
+from workflow_scripts.core.experiment_config import gradient_accumulation
 
 WRAPPER_PREFIXES = ("module.", "causal_lm.")  # DDP's prefix, then TargetTokenLoss's attribute
 
@@ -254,8 +254,8 @@ def load_training_settings(text: str) -> dict:
 
     import yaml
 
-    from workflow_scripts.errors import ConfigError
-    from workflow_scripts.experiment_config import SCHEMA_PATH, _validator_with_defaults, schema_error
+    from workflow_scripts.core.errors import ConfigError
+    from workflow_scripts.core.experiment_config import SCHEMA_PATH, _validator_with_defaults, schema_error
 
     try:
         settings = json.loads(text)

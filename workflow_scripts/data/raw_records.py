@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.core.errors import WorkflowError
 
 FORMATS = ("jsonl", "json", "csv", "parquet")
 

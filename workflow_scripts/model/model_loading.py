@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
-from workflow_scripts.errors import WorkflowError
+from workflow_scripts.core.errors import WorkflowError
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

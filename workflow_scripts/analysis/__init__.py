@@ -1,0 +1,1 @@
+"""Comparing variants: paired bootstrap, the fairness guard and plots."""

@@ -1,0 +1,1 @@
+"""Settings, errors, atomic outputs and manifests: what every stage shares."""

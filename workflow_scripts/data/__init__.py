@@ -1,0 +1,1 @@
+"""Raw records, the normalised dataset, derived-field transforms and token batching."""

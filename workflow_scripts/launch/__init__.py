@@ -1,0 +1,1 @@
+"""Starting distributed processes and leasing GPUs to concurrent jobs."""

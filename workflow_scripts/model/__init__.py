@@ -1,0 +1,1 @@
+"""Loading models and adapters, the demo's tiny model, and memory estimates."""

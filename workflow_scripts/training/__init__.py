@@ -1,0 +1,1 @@
+"""One training step shared by the gate and training: setup, checks, checkpoints, logs, processes."""
