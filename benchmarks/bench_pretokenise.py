@@ -100,7 +100,7 @@ def probe(side: str, model_dir: Path, data_dir: Path, out: Path, threads: int) -
     started = time.perf_counter()
     if side == "ours":
         report = out.parent / f"{out.name}.report.json"
-        code = pretokenise.main(["--model", str(model_dir), "--data", str(data_dir), "--variant", json.dumps(VARIANT),
+        code = pretokenise.main(["--model", str(model_dir), "--data", str(data_dir), "--task", "generation", "--variant", json.dumps(VARIANT),
                                  "--max-length", str(MAX_LENGTH), "--threads", str(threads), "--out", str(out),
                                  "--report", str(report)])
         if code:

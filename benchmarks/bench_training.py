@@ -308,7 +308,7 @@ def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: 
         notes=["Same rows for every run: two epochs over the same set; the second is timed.",
                "Ours' per-step tokens come from its train_log.jsonl (tokens/s x step time); the Trainer's from a "
                "counting wrapper around its collator and a step-end callback.",
-               "Ours also computes the LM head only at target positions (training_setup.TargetTokenLoss); "
+               "Ours also computes the LM head only at target positions (tasks.generation.TargetTokenLoss); "
                "the Trainer computes logits at every position."],
     )
 

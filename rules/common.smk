@@ -36,9 +36,12 @@ def dataset_settings(wildcards):
 
 
 def variant_templates(wildcards):
-    """A variant's prompt format only: training overrides must not re-tokenise."""
-    variant = config["variants"][wildcards.variant]
-    return as_json({k: variant[k] for k in ("prompt", "target", "extractor", "chat_template")})
+    """A variant's format only (its task's keys): training overrides must not re-tokenise."""
+    return as_json(xc.variant_settings(config["variants"][wildcards.variant]))
+
+
+def dataset_task(wildcards):
+    return config["datasets"][wildcards.dataset]["task"]
 
 
 def training_settings(wildcards):
@@ -99,7 +102,7 @@ def base_eval_outputs(file_name):
     """The untrained model's evaluation per dataset and variant (none when switched off)."""
     if not config["evaluation"]["evaluate_base_model"]:
         return []
-    return [f"results/{d}/{v}/base/{file_name}" for d in config["datasets"] for v in config["variants"]]
+    return [f"results/{d}/{v}/base/{file_name}" for d, v in xc.dataset_variants(config)]
 
 
 def final_outputs():

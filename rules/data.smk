@@ -77,6 +77,7 @@ rule pretokenise:
         data=directory("results/data/{dataset}/tokenised/{variant}"),
         report="results/data/{dataset}/tokenise_report_{variant}.json",
     params:
+        task=dataset_task,
         variant=variant_templates,
         max_length=lambda wildcards: training_settings(wildcards)["max_length"],
     log:
@@ -88,5 +89,5 @@ rule pretokenise:
     threads: 8  # the fast tokenizer's thread pool; Snakemake scales it down to --cores
     shell:
         "python -m workflow_scripts.pretokenise --model {input.model:q} --data {input.data:q}"
-        " --variant {params.variant:q} --max-length {params.max_length} --threads {threads}"
+        " --task {params.task} --variant {params.variant:q} --max-length {params.max_length} --threads {threads}"
         " --out {output.data:q} --report {output.report:q} > {log:q} 2>&1"

@@ -10,10 +10,14 @@ rule evaluate:
         predictions="results/{dataset}/{variant}/seed{seed}/predictions.jsonl",
         summary="results/{dataset}/{variant}/seed{seed}/eval.json",
     params:
+        task=dataset_task,
         variant=variant_templates,
         metric=lambda wildcards: config["datasets"][wildcards.dataset]["metric"],
-        evaluation=as_json(config["evaluation"]),
+        # max_length: inputs are cut at evaluation as in training (a classifier's texts).
+        evaluation=lambda wildcards: as_json({**config["evaluation"], "max_length": training_settings(wildcards)["max_length"]}),
         trust_remote_code="--trust-remote-code" if config["model"]["trust_remote_code"] else "",
+        adapter=lambda wildcards, input: f"--adapter {shlex.quote(input.adapter)}",
+        seed=lambda wildcards: wildcards.seed,
     resources:
         gpu=config["evaluation"]["gpus"],
     log:
@@ -24,14 +28,15 @@ rule evaluate:
         "../envs/evaluation.yaml"
     threads: 1
     shell:
-        "python -m workflow_scripts.evaluate --model {input.model:q} --adapter {input.adapter:q}"
-        " --data {input.data:q} --variant {params.variant:q} --metric {params.metric}"
+        "python -m workflow_scripts.evaluate --model {input.model:q} {params.adapter}"
+        " --data {input.data:q} --task {params.task} --variant {params.variant:q} --metric {params.metric}"
         " --evaluation {params.evaluation:q} {params.trust_remote_code}"
-        " --dataset-name {wildcards.dataset:q} --variant-name {wildcards.variant:q} --seed {wildcards.seed}"
+        " --dataset-name {wildcards.dataset:q} --variant-name {wildcards.variant:q} --seed {params.seed}"
         " --predictions-out {output.predictions:q} --summary-out {output.summary:q} > {log:q} 2>&1"
 
 
-rule evaluate_base:
+# The untrained base model through the very same command: no adapter, seed "base".
+use rule evaluate as evaluate_base with:
     input:
         data="results/data/{dataset}/normalised",
         model=MODEL_DIR,
@@ -39,25 +44,18 @@ rule evaluate_base:
         predictions="results/{dataset}/{variant}/base/predictions.jsonl",
         summary="results/{dataset}/{variant}/base/eval.json",
     params:
+        task=dataset_task,
         variant=variant_templates,
         metric=lambda wildcards: config["datasets"][wildcards.dataset]["metric"],
-        evaluation=as_json(config["evaluation"]),
+        # max_length: inputs are cut at evaluation as in training (a classifier's texts).
+        evaluation=lambda wildcards: as_json({**config["evaluation"], "max_length": training_settings(wildcards)["max_length"]}),
         trust_remote_code="--trust-remote-code" if config["model"]["trust_remote_code"] else "",
-    resources:
-        gpu=config["evaluation"]["gpus"],
+        adapter="",
+        seed="base",
     log:
         "logs/{dataset}/{variant}/base/evaluate.log",
     benchmark:
         "results/benchmarks/{dataset}/{variant}/base/evaluate.tsv"
-    conda:
-        "../envs/evaluation.yaml"
-    threads: 1
-    shell:
-        "python -m workflow_scripts.evaluate --model {input.model:q}"
-        " --data {input.data:q} --variant {params.variant:q} --metric {params.metric}"
-        " --evaluation {params.evaluation:q} {params.trust_remote_code}"
-        " --dataset-name {wildcards.dataset:q} --variant-name {wildcards.variant:q} --seed base"
-        " --predictions-out {output.predictions:q} --summary-out {output.summary:q} > {log:q} 2>&1"
 
 
 rule compare:

@@ -51,7 +51,7 @@ def build_tiny_tokenised(directory: Path, rows: int = 96, seed: int = 0, vocab_s
         records["labels"].append([-100] * len(prompt) + target)
         records["length"].append(len(ids))
     DatasetDict({"train": Dataset.from_dict(records)}).save_to_disk(str(directory))
-    meta = {"cache_key": f"tiny-{seed}-{rows}", "tokenizer_fingerprint": "tiny", "templates": {}, "max_length": 64,
+    meta = {"cache_key": f"tiny-{seed}-{rows}", "task": "generation", "tokenizer_fingerprint": "tiny", "templates": {}, "max_length": 64,
             "input_fingerprint": "tiny", "vocab_size": vocab_size, "pad_token_id": TINY_PAD, "eos_token_id": TINY_EOS}
     Path(directory, "tokenise_meta.json").write_text(json.dumps(meta))
     return directory

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import numpy as np
 import pytest
@@ -169,10 +170,12 @@ def test_fairness_guard_refuses_the_seeds_512_vs_2048_runs(tmp_path, results):
     with pytest.raises(WorkflowError) as caught:
         run(tmp_path, results)
     message = str(caught.value)
-    assert "dataset 'chart', seed 1" in message
-    assert "training.max_length: baseline=512, mtup=2048" in message
-    assert "comparison.intended_differences: [training.max_length]" in message
-    assert "chart/mtup/seed1/run_manifest.json" in message
+    assert message == (
+        f"unfair comparison on dataset 'chart', seed 1: the variants differ in more than the prompt format: "
+        f"training.max_length: baseline=512, mtup=2048 (from {results}/chart/{{baseline,mtup}}/seed1/run_manifest.json). "
+        "Fix: make these settings equal (remove the variants.<name>.training overrides) and rerun, or, if the "
+        "difference is intended, list it under comparison.intended_differences: [training.max_length]"
+    )
     assert not (tmp_path / "out" / "comparison.csv").exists() and not (tmp_path / "out" / "plots").exists()
     rows, text = run(tmp_path, results, comparison={**COMPARISON, "intended_differences": ["training.max_length"]})
     assert len(rows) == 2 and "except the intended differences training.max_length" in text
@@ -188,8 +191,24 @@ def test_fairness_guard_refuses_the_seeds_512_vs_2048_runs(tmp_path, results):
 )
 def test_fairness_guard_names_each_training_difference(tmp_path, results, change, key):
     write_experiment(results, "chart", "mtup", 2, correct(18), training={**TRAINING, **change})
-    with pytest.raises(WorkflowError, match=rf"seed 2:.*\n  {key}: baseline="):
+    with pytest.raises(WorkflowError, match=rf"seed 2: [^\n]*: {re.escape(key)}: baseline=[^\n]*intended_differences: \[{re.escape(key)}\]$"):
         run(tmp_path, results)
+
+
+def test_fairness_message_is_one_line_listing_every_difference():
+    settings = {"baseline": {"training.max_length": 512, "evaluation.max_new_tokens": 64, "training.seed_only": 1},
+                "mtup": {"training.max_length": 2048, "evaluation.max_new_tokens": 512}}
+    sources = {"baseline": "r/amr/baseline/seed3/run_manifest.json", "mtup": "elsewhere/mtup/run_manifest.json"}
+    with pytest.raises(WorkflowError) as caught:
+        fairness.check_fair("amr", 3, settings, sources, intended=[])
+    assert str(caught.value) == (
+        "unfair comparison on dataset 'amr', seed 3: the variants differ in more than the prompt format: "
+        "evaluation.max_new_tokens: baseline=64, mtup=512; training.max_length: baseline=512, mtup=2048; "
+        "training.seed_only: baseline=1, mtup='<absent>' (from baseline: r/amr/baseline/seed3/run_manifest.json; "
+        "mtup: elsewhere/mtup/run_manifest.json). Fix: make these settings equal (remove the variants.<name>.training "
+        "overrides) and rerun, or, if the difference is intended, list it under comparison.intended_differences: "
+        "[evaluation.max_new_tokens, training.max_length, training.seed_only]"
+    )
 
 
 def test_fairness_guard_refuses_another_base_model(tmp_path, results):

@@ -69,7 +69,7 @@ def edit(path, value):
     ("variants.mtup.extractor", {"type": "section"}, "variants.mtup.extractor.marker", "needs the final task's marker"),
     ("variants.baseline.prompt", "Title: {title}\n{question}", "variants.baseline.prompt", "refers to ['title']"),
     ("training.micro_batch", 5, "training.effective_batch", "not a multiple of micro_batch"),
-    ("comparison.reference_variant", "plain", "comparison.reference_variant", "not one of the variants"),
+    ("comparison.reference_variant", "plain", "comparison.reference_variant", "not one of the generation variants"),
 ])
 def test_bad_config_names_the_key(tmp_path, path, value, key, message):
     with pytest.raises(ConfigError) as caught:
@@ -273,3 +273,42 @@ def test_schema_errors_are_one_line_and_never_echo_a_secret(path, value, expecte
         validate_schema(config, "c.yaml")
     assert str(caught.value) == f"c.yaml: {expected}"
     assert not any(secret in str(caught.value) for secret in ("8675309", "hf_abcdef123", "hunter22"))
+
+
+UNFAIR = ("config key 'variants.mtup.training.max_length': sets 256 where the other variants use 128, so the "
+          "comparison would not be fair; remove the override, or list it under comparison.intended_differences: "
+          "[training.max_length] if the difference is the point")
+
+
+def test_a_variant_changing_a_compared_training_key_is_refused_before_any_job():
+    """The seeds' 512-vs-2048 case: refused when the config is read, not by compare after training."""
+    config = default_config()
+    config["variants"]["mtup"]["training"] = {"max_length": 256}
+    with pytest.raises(ConfigError) as raised:
+        validate_schema(config)
+        check_config(config)
+    assert UNFAIR in str(raised.value)
+    config["comparison"]["intended_differences"] = ["training.max_length"]
+    check_config(config)  # declared: allowed
+    config = default_config()
+    config["variants"]["mtup"]["training"] = {"runtime_minutes": 2000, "gpus": 0}
+    validate_schema(config)
+    check_config(config)  # runtime-only keys change nothing that is learned
+
+
+def test_an_unfair_variant_stops_a_snakemake_dry_run(tmp_path):
+    from test_dag import absolute_demo_config, config_file, snakemake
+
+    config = absolute_demo_config(["chartqa_demo"])
+    config["variants"]["mtup"]["training"] = {"max_length": 256}
+    code, output = snakemake(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)),
+                             "--replace-workflow-config", "--cores", "1")
+    assert code != 0 and UNFAIR in output and "Job stats" not in output
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 32])
+def test_a_seed_outside_what_numpy_and_torch_accept_is_refused(seed):
+    config = default_config()
+    config["seeds"] = [seed]
+    with pytest.raises(ConfigError, match=r"seeds\.0"):
+        validate_schema(config)

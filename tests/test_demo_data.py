@@ -12,7 +12,7 @@ def test_committed_demo_data_is_reproduced_byte_for_byte(tmp_path):
     assert make_demo_data.main(["--out", str(tmp_path)]) == 0
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.jsonl"))
     committed = sorted(p.relative_to(ROOT / "demo_data") for p in (ROOT / "demo_data").rglob("*.jsonl"))
-    assert generated == committed and len(generated) == 9
+    assert generated == committed and len(generated) == 12
     for path in generated:
         assert (tmp_path / path).read_bytes() == (ROOT / "demo_data" / path).read_bytes(), path
     assert sum((ROOT / "demo_data" / p).stat().st_size for p in committed) < 400_000
@@ -25,7 +25,7 @@ def test_each_demo_set_has_rejections_below_its_threshold_and_enough_rows(tmp_pa
     report = json.loads(report_path.read_text())
     assert sum(split["rejected"] for split in report["splits"].values()) >= 3
     assert all(split["rejected_fraction"] <= settings["max_rejected_fraction"] for split in report["splits"].values())
-    assert 400 <= report["splits"]["train"]["kept"] <= 600 and 60 <= report["splits"]["test"]["kept"] <= 80
+    assert 250 <= report["splits"]["train"]["kept"] <= 600 and 50 <= report["splits"]["test"]["kept"] <= 80
 
 
 def test_chartqa_like_answers_include_numbers():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from workflow_scripts import evaluate
+from workflow_scripts.tasks import generation
 from workflow_scripts.tasks import metrics
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 
@@ -77,13 +78,14 @@ def normalised(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("normalised") / "data"
     DatasetDict({"train": split(QUESTIONS[:2]), "test": split(QUESTIONS)}).save_to_disk(str(directory))
+    (directory / "task_meta.json").write_text(json.dumps({"task": "generation"}))
     return directory
 
 
 def run(tmp_path, model, data, adapter=None, variant=BASELINE, evaluation=EVALUATION, metric="exact_match",
         seed="1", name="out"):
     predictions, summary = tmp_path / name / "predictions.jsonl", tmp_path / name / "eval.json"
-    argv = ["--model", str(model), "--data", str(data), "--variant", json.dumps(variant), "--metric", metric,
+    argv = ["--model", str(model), "--data", str(data), "--task", "generation", "--variant", json.dumps(variant), "--metric", metric,
             "--evaluation", json.dumps(evaluation), "--dataset-name", "chart", "--variant-name", "baseline",
             "--seed", seed, "--predictions-out", str(predictions), "--summary-out", str(summary)]
     if adapter is not None:
@@ -122,8 +124,8 @@ def test_left_padded_batches_generate_what_single_prompts_do(tiny_model, adapter
     tokenizer = model_loading.load_tokenizer(tiny_model)
     model = model_loading.load_with_adapter(tiny_model, adapter, torch.device("cpu"))
     prompts = [BASELINE["prompt"].format(question=q) for _, q, _ in QUESTIONS]
-    one_by_one = evaluate.generate(model, tokenizer, BASELINE, prompts, 1, 8, torch.device("cpu"))
-    batched = evaluate.generate(model, tokenizer, BASELINE, prompts, 4, 8, torch.device("cpu"))
+    one_by_one = generation.generate(model, tokenizer, BASELINE, prompts, 1, 8, torch.device("cpu"))
+    batched = generation.generate(model, tokenizer, BASELINE, prompts, 4, 8, torch.device("cpu"))
     assert batched == one_by_one
     assert len(set(one_by_one)) > 1  # the check means something only if outputs vary
 
@@ -144,7 +146,7 @@ def test_greedy_ignores_sampling_defaults_of_the_model(tmp_path, tiny_model, ada
 
 def argmax_loop(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     """Greedy decoding written out by hand: the token with the highest logit, one at a time."""
-    ids = torch.tensor([evaluate.templates.encode_prompts(tokenizer, BASELINE, [prompt])[0]])
+    ids = torch.tensor([generation.templates.encode_prompts(tokenizer, BASELINE, [prompt])[0]])
     new = []
     for _ in range(max_new_tokens):
         next_id = int(model(input_ids=ids).logits[0, -1].argmax())
@@ -171,7 +173,7 @@ def test_penalties_shipped_with_the_model_do_not_act(tmp_path, tiny_model, adapt
     model = model_loading.load_with_adapter(penalised, adapter, torch.device("cpu"))
     assert model.generation_config.repetition_penalty == 5.0  # the shipped config is really loaded
     prompts = [BASELINE["prompt"].format(question=q) for _, q, _ in QUESTIONS]
-    generated = evaluate.generate(model, tokenizer, BASELINE, prompts, 3, 12, torch.device("cpu"))
+    generated = generation.generate(model, tokenizer, BASELINE, prompts, 3, 12, torch.device("cpu"))
     assert generated == [argmax_loop(model, tokenizer, prompt, 12) for prompt in prompts]
     # The hand loop repeats tokens, so a repetition penalty or n-gram block would have changed the output.
     assert any(len(set(tokenizer.encode(text))) < len(tokenizer.encode(text)) for text in generated)
@@ -200,7 +202,7 @@ def test_max_examples_and_generation_length_follow_the_config(tmp_path, tiny_mod
 def test_mtup_extraction_scores_the_final_section_and_counts_unparseable():
     rows = [{"id": "a", "answers": ["42"]}, {"id": "b", "answers": ["7"]}, {"id": "c", "answers": ["yes"]}]
     outputs = ["Task 1: number\nTask 2: 43", "Task 1: number\nTask 2: 9", "Task 1: yes/no and no final task"]
-    records, score, unparseable = evaluate.score_outputs(rows, ["p"] * 3, outputs, MTUP, "relaxed_accuracy")
+    records, score, unparseable = generation.score_outputs(rows, ["p"] * 3, outputs, MTUP, "relaxed_accuracy")
     assert [r["extracted"] for r in records] == ["43", "9", None]
     assert records[0]["auxiliary"] == "Task 1: number"
     assert [r["parsed"] for r in records] == [True, True, False]
@@ -213,16 +215,16 @@ def test_smatch_records_counts_and_scores_micro():
     gold = "(w / want-01 :ARG0 (b / boy))"
     rows = [{"id": "a", "answers": [gold]}, {"id": "b", "answers": [gold]}]
     outputs = [gold, "(w / want-01 :ARG0 (b))"]  # "(b)" has no concept: smatch cannot parse it
-    records, score, unparseable = evaluate.score_outputs(rows, ["p", "p"], outputs, BASELINE, "smatch")
+    records, score, unparseable = generation.score_outputs(rows, ["p", "p"], outputs, BASELINE, "smatch")
     assert [r["counts"] for r in records] == [[4, 4, 4], [0, 0, 4]]
     assert [r["parsed"] for r in records] == [True, False] and unparseable == 1  # counted, and scored 0 counts
     assert score == pytest.approx(metrics.f1_from_counts(4, 4, 8))
 
 
 def test_cut_at_stop_drops_the_eos_and_everything_after():
-    assert evaluate.cut_at_stop([5, 6, 2, 7, 2], [2]) == [5, 6]
-    assert evaluate.cut_at_stop([2, 5], [2, 9]) == []
-    assert evaluate.cut_at_stop([5, 6], [2]) == [5, 6]
+    assert generation.cut_at_stop([5, 6, 2, 7, 2], [2]) == [5, 6]
+    assert generation.cut_at_stop([2, 5], [2, 9]) == []
+    assert generation.cut_at_stop([5, 6], [2]) == [5, 6]
 
 
 def test_missing_split_fails_with_one_message_and_no_output(tmp_path, tiny_model, normalised):

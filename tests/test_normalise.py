@@ -217,3 +217,73 @@ def test_output_is_deterministic(tmp_path):
     second, _ = run_normalise("amr", settings, raw, tmp_path / "b")
     arrows = sorted(p.relative_to(first) for p in first.rglob("data-*.arrow"))
     assert arrows and all((first / p).read_bytes() == (second / p).read_bytes() for p in arrows)
+
+
+# --- reading raw files strictly (raw_records): where each row is, and files that cannot be read ---
+def source_files(tmp_path, fmt, train: bytes, test: bytes):
+    src = tmp_path / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    (src / f"train.{fmt}").write_bytes(train)
+    (src / f"test.{fmt}").write_bytes(test)
+    return {"source": {"type": "local", "path": str(src)}, "format": fmt, "splits": {"train": "train", "test": "test"},
+            "fields": {"question": "q", "answers": "a"}, "metric": "exact_match", "max_rejected_fraction": 0.5}
+
+
+def test_rows_are_placed_as_the_editor_shows_them(tmp_path):
+    from workflow_scripts.data.raw_records import Place, Unparseable, read_placed
+
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text('{"q": "a?"}\n\n{"q": \n')
+    assert [(str(p), p.index, r) for p, r in read_placed(jsonl, "jsonl")] == [
+        ("line 1", 0, {"q": "a?"}), ("line 3", 2, Unparseable("not valid JSON: line 3 column 7: Expecting value"))]
+    csv_file = tmp_path / "t.csv"  # header on line 1, a blank line, a quoted value over two lines, a bad line
+    csv_file.write_bytes(b'q,a\r\n\r\n"two\r\nlines?",1\r\nthree?,3,x\r\nfour?,4\r\n')
+    assert [(str(p), p.index, r) for p, r in read_placed(csv_file, "csv")] == [
+        ("line 3", 0, {"q": "two\r\nlines?", "a": "1"}),
+        ("line 5", 1, Unparseable("not valid CSV: line 5 has 3 fields where the header (line 1) has 2; "
+                                  "a value that holds a comma must be in double quotes")),
+        ("line 6", 2, {"q": "four?", "a": "4"})]
+    import pandas as pd
+
+    pd.DataFrame({"q": ["a?", "b?"]}).to_parquet(tmp_path / "t.parquet")
+    assert [(str(p), r) for p, r in read_placed(tmp_path / "t.parquet", "parquet")] == [
+        ("row index 0", {"q": "a?"}), ("row index 1", {"q": "b?"})]
+    assert str(Place(6)) == "row index 6" and str(Place(6, 7)) == "line 7"
+
+
+def test_a_csv_line_with_an_unquoted_comma_is_counted_unparseable_not_shifted(tmp_path):
+    lines = [f"question {i}?,answer {i}" for i in range(9)] + ["how many?,1,000", "short?"]
+    settings = source_files(tmp_path, "csv", ("q,a\n" + "\n".join(lines) + "\n").encode(), b"q,a\nx?,1\n")
+    raw = run_download("d", settings, tmp_path)
+    assert json.loads((tmp_path / "results" / "d" / "download_manifest.json").read_text())["rows"]["train"] == 11
+    out, report_path = run_normalise("d", settings, raw, tmp_path)
+    report = json.loads(report_path.read_text())
+    assert report["splits"]["train"]["reasons"] == {"unparseable_record": 2}
+    assert [(e["row"], e["detail"].split(";")[0]) for e in report["reasons"]["unparseable_record"]["examples"]] == [
+        (9, "not valid CSV: line 11 has 3 fields where the header (line 1) has 2"),
+        (10, "not valid CSV: line 12 has 1 field where the header (line 1) has 2")]
+    assert load_from_disk(str(out))["train"]["answers"] == [[f"answer {i}"] for i in range(9)]
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column_name(tmp_path):
+    settings = source_files(tmp_path, "csv", "\ufeffq,a\nx?,1\n".encode(), "\ufeffq,a\ny?,2\n".encode())
+    out, _ = run_normalise("d", settings, run_download("d", settings, tmp_path), tmp_path)
+    assert load_from_disk(str(out))["train"][0] == {"id": "train-0", "question": "x?", "answers": ["1"]}
+
+
+@pytest.mark.parametrize("fmt, train, message", [
+    ("jsonl", '{"q": "café?", "a": "x"}\n'.encode("latin-1"), r"train\.jsonl line 1: not UTF-8 text \(byte 0xe9 at byte offset 10 of the file\); re-save the file as UTF-8"),
+    ("csv", "q,a\nGrüße?,x\n".encode("cp1252"), r"train\.csv line 2: not UTF-8 text \(byte 0xfc at byte offset 6 of the file\); re-save the file as UTF-8"),
+    ("parquet", b"PAR1", r"train\.parquet: not a readable Parquet file \(.*\); it is truncated or corrupt: download or export it again"),
+])
+def test_a_file_that_cannot_be_read_downloads_then_fails_normalise_naming_it(tmp_path, fmt, train, message):
+    test = {"jsonl": b'{"q": "x?", "a": "1"}\n', "csv": b"q,a\nx?,1\n"}.get(fmt, b"PAR1")
+    settings = source_files(tmp_path, fmt, train, test)
+    if fmt == "parquet":  # the download manifest counts rows from the footer, so a corrupt file stops download
+        with pytest.raises(WorkflowError, match=message):
+            run_download("d", settings, tmp_path)
+        return
+    raw = run_download("d", settings, tmp_path)  # download keeps the bytes; normalise judges them
+    with pytest.raises(WorkflowError, match=re.escape(str(raw)) + "/" + message + "$"):
+        normalise.main(args(settings, raw, tmp_path))
+    assert leftovers(tmp_path / "out") == []

@@ -34,7 +34,7 @@ def inputs(tmp_path_factory):
 
 def tokenise(data, model, out, variant=BASELINE, max_length=128, threads=1):
     report = out.parent / f"{out.name}_report.json"
-    assert pretokenise.main(["--model", str(model), "--data", str(data), "--variant", json.dumps(variant),
+    assert pretokenise.main(["--model", str(model), "--data", str(data), "--task", "generation", "--variant", json.dumps(variant),
                              "--max-length", str(max_length), "--threads", str(threads),
                              "--out", str(out), "--report", str(report)]) == 0
     return load_from_disk(str(out)), json.loads(report.read_text())
@@ -73,7 +73,7 @@ def test_truncation_is_counted_and_rows_without_target_are_dropped(inputs, tmp_p
     tokenised, report = tokenise(data_dir, model, tmp_path / "tok", max_length=limit)
     train = tokenised["train"]
     dropped = sum(length >= limit for length in prompt_lengths)
-    assert report["splits"]["train"]["dropped_no_target"] == dropped > 0
+    assert report["splits"]["train"]["dropped"] == dropped > 0
     assert report["splits"]["train"]["kept"] == len(train) == len(source) - dropped
     assert report["splits"]["train"]["truncated"] == len(source)  # every target was cut
     assert all(r["length"] <= limit and any(t != -100 for t in r["labels"]) for r in train)
@@ -167,7 +167,7 @@ def test_chat_template_variant_uses_the_tokenizers_template(inputs, tmp_path):
 ])
 def test_bad_arguments_end_in_one_message_and_no_output(inputs, tmp_path, change, message):
     data_dir, model = inputs
-    argv = {"--model": str(model), "--data": str(data_dir), "--variant": json.dumps(BASELINE), "--max-length": "64",
+    argv = {"--model": str(model), "--data": str(data_dir), "--task": "generation", "--variant": json.dumps(BASELINE), "--max-length": "64",
             "--out": str(tmp_path / "out" / "tok"), "--report": str(tmp_path / "out" / "report.json"), **change}
     with pytest.raises(WorkflowError, match=message):
         pretokenise.main([part for pair in argv.items() for part in pair])

@@ -10,6 +10,7 @@ from conftest import build_tiny_tokenised, tiny_training_settings
 from workflow_scripts.model import memory_estimate, model_loading
 from workflow_scripts.training import preflight_checks, training_setup
 from workflow_scripts import sanity
+from workflow_scripts.tasks import generation
 from workflow_scripts.training.distributed import DistributedContext
 from workflow_scripts.training.preflight_checks import PreflightError
 
@@ -76,8 +77,8 @@ def test_no_trainable_parameters(monkeypatch, tmp_path, tiny_model_dir, tiny_tok
 
 # 2. gradients
 def test_detached_loss(monkeypatch, tmp_path, tiny_model_dir, tiny_tokenised_dir):
-    forward = training_setup.TargetTokenLoss.forward
-    monkeypatch.setattr(training_setup.TargetTokenLoss, "forward", lambda self, *a: forward(self, *a).detach())
+    forward = generation.TargetTokenLoss.forward
+    monkeypatch.setattr(generation.TargetTokenLoss, "forward", lambda self, *a: forward(self, *a).detach())
     message = gate_error(tmp_path, tiny_model_dir, tiny_tokenised_dir)
     assert message.startswith("gradients:") and "detached" in message
 
@@ -85,8 +86,8 @@ def test_detached_loss(monkeypatch, tmp_path, tiny_model_dir, tiny_tokenised_dir
 def test_reentrant_checkpointing_without_input_grads(monkeypatch, tmp_path, tiny_model_dir, tiny_tokenised_dir):
     original = model_loading.add_lora
 
-    def reentrant(model, lora, gradient_checkpointing):  # the seed's set-up: frozen embeddings, reentrant
-        peft_model = original(model, lora, False)
+    def reentrant(model, lora, gradient_checkpointing, task_type):  # the seed's: frozen embeddings, reentrant
+        peft_model = original(model, lora, False, task_type)
         base = peft_model.get_base_model()
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         base.disable_input_require_grads()  # transformers 5 turns them on by itself; the seed had none

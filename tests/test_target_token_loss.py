@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import tiny_training_settings
 from workflow_scripts.data import batching
 from workflow_scripts.model import model_loading
-from workflow_scripts.training import training_setup
+from workflow_scripts.tasks import generation
 
 ROWS = [
     {"id": "a", "input_ids": [5, 6, 7, 8, 9, 10], "labels": [-100, -100, -100, 8, 9, 10]},
@@ -55,8 +55,7 @@ def test_target_token_loss_equals_the_models_forward(family):
                 parameter.normal_(0, 0.1)
     peft_model.eval()
     batch = batching.PaddingCollator(pad_token_id=0, vocab_size=64)(ROWS)
-    loss = training_setup.TargetTokenLoss(peft_model)(
-        batch["input_ids"], batch["attention_mask"], batch["target_index"], batch["target_ids"])
+    loss = generation.TargetTokenLoss(peft_model)(batch)
     assert float(loss) == pytest.approx(reference_loss_sum(peft_model, batch), rel=1e-5)
     # Gradients reach the adapters through the hooked head.
     loss.backward()

@@ -28,7 +28,7 @@ def setup(tiny_model_dir):
 
 def test_loss_matches_hugging_face_mean_over_target_tokens(setup):
     batch = batching.PaddingCollator(pad_token_id=0, vocab_size=128)(ROWS)
-    ours = setup.model(batch["input_ids"], batch["attention_mask"], batch["target_index"], batch["target_ids"])
+    ours = setup.model(batch)
     theirs = setup.peft_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                               labels=batch["labels"]).loss
     assert float(ours) / batch["target_tokens"] == pytest.approx(float(theirs), rel=1e-5)
@@ -38,8 +38,8 @@ def test_padding_does_not_change_a_rows_loss(setup):
     collate = batching.PaddingCollator(pad_token_id=0, vocab_size=128)
     alone = collate([ROWS[1]])
     padded = collate(ROWS)
-    only_b = setup.model(alone["input_ids"], alone["attention_mask"], alone["target_index"], alone["target_ids"])
-    both = setup.model(padded["input_ids"], padded["attention_mask"], padded["target_index"], padded["target_ids"])
+    only_b = setup.model(alone)
+    both = setup.model(padded)
     first = collate([ROWS[0]])
-    only_a = setup.model(first["input_ids"], first["attention_mask"], first["target_index"], first["target_ids"])
+    only_a = setup.model(first)
     assert float(both) == pytest.approx(float(only_a) + float(only_b), rel=1e-5)

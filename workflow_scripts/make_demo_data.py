@@ -16,6 +16,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from workflow_scripts import make_demo_classification
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import run_main
 
@@ -200,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="Random seed (the committed demo uses 0).")
     args = parser.parse_args(argv)
     write(args.out, args.seed)
+    make_demo_classification.write(args.out / "topics", args.seed)
     return 0
 
 

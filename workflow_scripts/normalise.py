@@ -24,13 +24,15 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from workflow_scripts.data import raw_records
+from workflow_scripts.data.rows import Rejected
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.experiment_config import validate_section
 from workflow_scripts.core.stage_arguments import json_setting
-from workflow_scripts.data.transforms import TRANSFORMS
+from workflow_scripts.tasks import task_named
 
-CANONICAL_SPLITS = ("train", "validation", "test")
+CANONICAL_SPLITS = ("train", "validation", "test")  # train first: later splits may be checked against it
+TASK_META = "task_meta.json"  # what the task learned while normalising (e.g. a label set)
 EXAMPLES_PER_REASON = 5
 REASONS = {
     "unparseable_record": "the raw row could not be decoded",
@@ -40,13 +42,8 @@ REASONS = {
     "length_mismatch": "a flattened record's question and answer lists differ in length",
     "duplicate_id": "the id was already used by an earlier row of the split",
     "transform_failed": "a derived field's transform rejected its input",
+    "unknown_label": "the label is not in the label set (declared labels:, else the train split's)",
 }
-
-
-class Rejected(Exception):
-    def __init__(self, reason: str, field: str | None, detail: str):
-        super().__init__(detail)
-        self.reason, self.field, self.detail = reason, field, detail
 
 
 @dataclass
@@ -84,141 +81,7 @@ def describe(example: Mapping[str, Any]) -> str:
     return f"{where}: field '{example['field']}': {example['detail']}" if example["field"] else f"{where}: {example['detail']}"
 
 
-# --- value checks: each returns the clean value or raises Rejected ---
-def _present(record: Mapping[str, Any], name: str) -> Any:
-    if name not in record or record[name] is None:
-        raise Rejected("missing_field", name, "is missing" if name not in record else "is null")
-    return record[name]
-
-
-def _text(value: Any, name: str) -> str:
-    if not isinstance(value, str):
-        raise Rejected("wrong_type", name, f"expected a string, got {type(value).__name__} {value!r:.60}")
-    if not value.strip():
-        raise Rejected("empty_value", name, "is empty")
-    return value.strip()
-
-
-def _answers(value: Any, name: str) -> list[str]:
-    """One answer string, or a list of gold answers (each a non-empty string)."""
-    if isinstance(value, str):
-        return [_text(value, name)]
-    if not isinstance(value, list):
-        raise Rejected("wrong_type", name, f"expected a string or a list of strings, got {type(value).__name__}")
-    if not value:
-        raise Rejected("empty_value", name, "is an empty list")
-    return [_text(item, f"{name}[{index}]") for index, item in enumerate(value)]
-
-
-def _record_id(value: Any, name: str) -> str:
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise Rejected("wrong_type", name, f"an id must be a string or an integer, got {type(value).__name__}")
-    return _text(str(value), name)
-
-
-def _kind(value: Any) -> str:
-    """The coarse type an extra field must keep across rows (Arrow needs one type per column)."""
-    for name, types in (("bool", bool), ("number", (int, float)), ("string", str), ("bytes", bytes),
-                        ("list", list), ("mapping", dict)):
-        if isinstance(value, types):
-            return name
-    return type(value).__name__
-
-
-class RecordMapper:
-    """Applies one dataset's declarative mapping to raw records."""
-
-    def __init__(self, settings: Mapping[str, Any], key: str):
-        self.fields = settings["fields"]
-        self.flatten = settings["flatten"]
-        self.extra = settings["extra_fields"]
-        self.derived = settings["derived"]
-        self.extra_kinds: dict[str, str] = {}
-        available = {"id", "question", "answer"} | set(self.extra)
-        for name, spec in self.derived.items():
-            if spec["field"] not in available:
-                raise ConfigError(
-                    f"{key}.derived.{name}.field",
-                    f"'{spec['field']}' is not a field of the normalised row (choose from {sorted(available)})",
-                )
-            available.add(name)
-
-    def source_fields(self) -> dict[str, str]:
-        """Config key -> source field name, for the 'absent from every row' check."""
-        mapped = {f"fields.{name}": source for name, source in self.fields.items()}
-        mapped.update({f"extra_fields.{name}": source for name, source in self.extra.items()})
-        return mapped
-
-    def rows(self, record: Any, split: str, row: int) -> Iterable[dict[str, Any] | Rejected]:
-        """Canonical rows of one record; a bad pair or record comes out as a Rejected instead."""
-        if isinstance(record, raw_records.Unparseable):
-            yield Rejected("unparseable_record", None, record.error)
-            return
-        if not isinstance(record, Mapping):
-            yield Rejected("wrong_type", None, f"the row is a {type(record).__name__}, not an object with fields")
-            return
-        try:
-            id_field = self.fields.get("id")
-            record_id = _record_id(_present(record, id_field), id_field) if id_field else f"{split}-{row}"
-            extras = {name: self._extra(record, name, source) for name, source in self.extra.items()}
-            if self.flatten:
-                pairs = self._pairs(record)
-            else:
-                pairs = [(_present(record, self.fields["question"]), _present(record, self.fields["answers"]), None)]
-        except Rejected as error:
-            yield error
-            return
-        for question, answers, index in pairs:
-            suffix = "" if index is None else f"[{index}]"
-            try:
-                canonical = {
-                    "id": record_id if index is None else f"{record_id}-q{index}",
-                    "question": _text(question, self.fields["question"] + suffix),
-                    "answers": _answers(answers, self.fields["answers"] + suffix),
-                    **extras,
-                }
-                yield self._derive(canonical)
-            except Rejected as error:
-                yield error
-
-    def _extra(self, record: Mapping[str, Any], name: str, source: str) -> Any:
-        value = _present(record, source)
-        if isinstance(value, (str, list, bytes)) and not value:
-            raise Rejected("empty_value", source, "is empty")
-        kind = self.extra_kinds.setdefault(name, _kind(value))
-        if _kind(value) != kind:
-            raise Rejected("wrong_type", source, f"is a {_kind(value)} where earlier rows hold a {kind}")
-        return value
-
-    def _pairs(self, record: Mapping[str, Any]) -> list[tuple[Any, Any, int]]:
-        questions = _present(record, self.fields["question"])
-        answers = _present(record, self.fields["answers"])
-        for name, value in ((self.fields["question"], questions), (self.fields["answers"], answers)):
-            if not isinstance(value, list):
-                raise Rejected("wrong_type", name, f"flatten needs a list, got {type(value).__name__}")
-            if not value:
-                raise Rejected("empty_value", name, "is an empty list")
-        if len(questions) != len(answers):
-            raise Rejected(
-                "length_mismatch", f"{self.fields['question']}/{self.fields['answers']}",
-                f"{len(questions)} questions but {len(answers)} answers; pairs cannot be matched",
-            )
-        return [(q, a, k) for k, (q, a) in enumerate(zip(questions, answers))]
-
-    def _derive(self, row: dict[str, Any]) -> dict[str, Any]:
-        fields = {**row, "answer": row["answers"][0]}
-        for name, spec in self.derived.items():
-            try:
-                value = TRANSFORMS[spec["transform"]](fields[spec["field"]])
-            except (ValueError, TypeError) as error:
-                raise Rejected("transform_failed", spec["field"], f"transform '{spec['transform']}' failed: {error}") from None
-            if not isinstance(value, str) or not value.strip():
-                raise Rejected("transform_failed", spec["field"], f"transform '{spec['transform']}' gave an empty result")
-            row[name] = fields[name] = value
-        return row
-
-
-def normalise_split(mapper: RecordMapper, raw_dir: Path, fmt: str, canonical: str, source_split: str,
+def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_split: str,
                     rejections: Rejections, key: str) -> tuple[list[dict], SplitTally]:
     location = raw_records.split_location(raw_dir, source_split, fmt)
     tally = SplitTally(source_split=source_split, file=str(location))
@@ -286,13 +149,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.raw.is_dir():
         raise WorkflowError(f"{args.raw}: raw data directory not found; run the download rule first")
     fmt = settings["format"]
-    mapper = RecordMapper(settings, key)
+    task = task_named(settings["task"])
+    mapper = task.record_mapper(settings, key)
     rejections, splits, tallies = Rejections(), {}, {}
     for canonical in CANONICAL_SPLITS:
         if canonical not in settings["splits"]:
             continue
         rows, tally = normalise_split(mapper, args.raw, fmt, canonical, settings["splits"][canonical], rejections, key)
         splits[canonical], tallies[canonical] = rows, tally
+        mapper.split_done(canonical, rows)  # train first: a later split may be checked against it
 
     report = {
         "dataset": args.name,
@@ -310,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             reason: {"count": count, "description": REASONS[reason], "examples": rejections.examples[reason]}
             for reason, count in sorted(rejections.counts.items())
         },
+        **mapper.report(splits),
         "ignored_source_splits": sorted(
             set(raw_records.available_splits(args.raw, fmt)) - set(settings["splits"].values())
         ),
@@ -326,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = DatasetDict({canonical: to_dataset(rows, tallies[canonical].file) for canonical, rows in splits.items()})
     with atomic_path(args.out, directory=True) as out:
         data.save_to_disk(str(out))
+        write_json(out / TASK_META, {"task": settings["task"], **mapper.task_meta()})
     write_json(args.report, report)
     for canonical, tally in tallies.items():
         print(f"{args.name}/{canonical}: kept {tally.kept} of {tally.examined} rows; rejected {dict(tally.reasons)}")

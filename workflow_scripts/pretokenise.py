@@ -1,12 +1,12 @@
-"""Stage ``pretokenise``: render a variant's templates over the normalised rows, tokenise them in
-batches with the model's fast tokenizer and save token ids with ``save_to_disk``.
+"""Stage ``pretokenise``: the dataset's task tokenises the normalised rows for one variant, in
+batches with the model's fast tokenizer, and the token ids are saved with ``save_to_disk``.
 
-Training opens the result with ``load_from_disk`` (memory-mapped Arrow), so data-loader workers
-share pages instead of receiving pickled copies (seed: 1.5 GB pickled per rank). Labels are -100 on
-every prompt token; the target ends with eos. Sequences longer than ``--max-length`` are cut from
-the end (counted); rows left without a single target token are dropped (counted).
+What is tokenised and how (prompt/target with masked labels, text + label, lines for masked LM) is
+the task's (``tasks/``); this stage runs it over each split, counts truncated and dropped rows, and
+keeps the output fresh. Training opens the result with ``load_from_disk`` (memory-mapped Arrow), so
+data-loader workers share pages instead of receiving pickled copies (seed: 1.5 GB pickled per rank).
 
-``tokenise_meta.json`` holds a cache key over the tokenizer files, the templates, the max length
+``tokenise_meta.json`` holds a cache key over the task, the tokenizer files, the variant, the max length
 and the input data files: an existing output with the same key is reused, anything else
 re-tokenises (seen elsewhere: axolotl reusing a stale cache after the tokenizer changed).
 """
@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from workflow_scripts.tasks import templates
+from workflow_scripts.data.normalised_data import read_task_meta
+from workflow_scripts.tasks import task_named
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
 from workflow_scripts.core.experiment_config import config_hash
@@ -34,7 +35,6 @@ META_NAME = "tokenise_meta.json"
 FORMAT_VERSION = 1  # bump when the stored layout or the masking rule changes
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
-VARIANT_KEYS = ("prompt", "target", "extractor", "chat_template")
 BATCH_SIZE = 2000  # rows per tokenizer call: large enough to keep the tokenizer's thread pool busy
 
 
@@ -68,32 +68,10 @@ def input_fingerprint(data_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def cache_key(tokenizer_fp: str, variant: Mapping[str, Any], max_length: int, input_fp: str) -> str:
-    return config_hash({"format": FORMAT_VERSION, "tokenizer": tokenizer_fp, "templates": variant,
+def cache_key(tokenizer_fp: str, variant: Mapping[str, Any], max_length: int, input_fp: str,
+              task: str = "generation") -> str:
+    return config_hash({"format": FORMAT_VERSION, "task": task, "tokenizer": tokenizer_fp, "templates": variant,
                         "max_length": max_length, "input": input_fp})
-
-
-def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: Mapping[str, Any], max_length: int) -> dict[str, list]:
-    """Batched map function: render, tokenise prompt and target separately, mask, truncate."""
-    rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-    prompts = [templates.render_prompt(variant, row, tokenizer) for row in rows]
-    targets = [templates.render_target(variant, row) for row in rows]
-    prompt_ids = templates.encode_prompts(tokenizer, variant, prompts)
-    target_ids = templates.encode_targets(tokenizer, targets)
-    input_ids, labels, lengths, truncated, target_lost = [], [], [], [], []
-    for prompt, target in zip(prompt_ids, target_ids):
-        full_length = len(prompt) + len(target)
-        if full_length > max_length:  # cut from the end; rare, so the common path copies nothing twice
-            input_ids.append((prompt + target)[:max_length])
-            labels.append(([-100] * len(prompt) + target)[:max_length])
-        else:
-            input_ids.append(prompt + target)
-            labels.append([-100] * len(prompt) + target)
-        lengths.append(min(full_length, max_length))
-        truncated.append(full_length > max_length)
-        target_lost.append(len(prompt) >= max_length)
-    return {"id": list(batch["id"]), "input_ids": input_ids, "labels": labels, "length": lengths,
-            "truncated": truncated, "target_lost": target_lost}
 
 
 def use_tokenizer_threads(threads: int) -> None:
@@ -121,19 +99,16 @@ def cyclic_gc_paused():
             gc.enable()
 
 
-def tokenise_split(dataset, tokenizer, variant: Mapping[str, Any], max_length: int, work: Path, split: str):
-    from datasets import Features, List, Value
-
-    features = Features({
-        "id": Value("string"), "input_ids": List(Value("int32")), "labels": List(Value("int32")),
-        "length": Value("int32"), "truncated": Value("bool"), "target_lost": Value("bool"),
-    })
+def tokenise_split(task, dataset, tokenizer, variant: Mapping[str, Any], max_length: int, work: Path, split: str,
+                   task_meta: Mapping[str, Any]):
+    """The task's batched tokenising over one split, written to ``work`` (never beside the input data)."""
     return dataset.map(
-        functools.partial(tokenise_batch, tokenizer=tokenizer, variant=dict(variant), max_length=max_length),
+        functools.partial(task.tokenise_batch, tokenizer=tokenizer, variant=dict(variant), max_length=max_length,
+                          task_meta=task_meta),
         batched=True,
         batch_size=BATCH_SIZE,
         remove_columns=dataset.column_names,
-        features=features,
+        features=task.tokenised_features(),
         cache_file_name=str(work / f"{split}.arrow"),  # never beside the input data
         desc=f"tokenising {split}",
     )
@@ -149,13 +124,13 @@ def split_statistics(full) -> tuple[dict[str, Any], Any]:
 
     table = full.with_format("arrow")
     lengths = table["length"]
-    lost = table["target_lost"].to_numpy(zero_copy_only=False)
+    lost = table["dropped"].to_numpy(zero_copy_only=False)
     rows = len(full)
     kept = np.flatnonzero(~lost) if lost.any() else None
     stats = {
         "rows": rows,
         "kept": rows if kept is None else len(kept),
-        "dropped_no_target": 0 if kept is None else rows - len(kept),
+        "dropped": 0 if kept is None else rows - len(kept),
         "truncated": int(table["truncated"].to_numpy(zero_copy_only=False).sum()),
         "max_length_seen": pc.max(lengths).as_py() if rows else 0,
         "mean_length": pc.sum(lengths).as_py() / rows if rows else 0.0,
@@ -171,31 +146,22 @@ def load_inputs(data_dir: Path, model_dir: Path):
         raise WorkflowError(f"{model_dir}: not a model directory (no config.json); run prepare_model first")
     data = open_normalised(data_dir)
     tokenizer = load_tokenizer(model_dir)
-    if tokenizer.eos_token_id is None:
-        raise WorkflowError(f"{model_dir}: the tokenizer has no eos token; targets need one so the model learns to stop")
     return data, tokenizer
-
-
-def check_variant(variant: Any) -> dict[str, Any]:
-    if not isinstance(variant, dict) or not {"prompt", "target"} <= set(variant):
-        raise WorkflowError("argument --variant: needs a JSON object with at least 'prompt' and 'target'")
-    unknown = set(variant) - set(VARIANT_KEYS)
-    if unknown:
-        raise WorkflowError(f"argument --variant: unknown keys {sorted(unknown)} (known: {list(VARIANT_KEYS)})")
-    return {"extractor": {"type": "whole"}, "chat_template": False, **variant}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Pre-tokenise one dataset for one prompt variant.")
     parser.add_argument("--model", required=True, type=Path, help="Prepared model directory (its tokenizer is used).")
     parser.add_argument("--data", required=True, type=Path, help="Normalised DatasetDict directory.")
-    parser.add_argument("--variant", required=True, help="The variant's templates as JSON: prompt, target, extractor, chat_template.")
+    parser.add_argument("--task", required=True, help="The dataset's task type (tasks.TASK_MODULES).")
+    parser.add_argument("--variant", required=True, help="The variant as JSON (its keys depend on the task).")
     parser.add_argument("--max-length", required=True, type=int, help="Tokens per example, prompt and target together.")
     parser.add_argument("--threads", type=int, default=1, help="Threads of the fast tokenizer's pool (one process).")
     parser.add_argument("--out", required=True, type=Path, help="Tokenised DatasetDict directory to create.")
     parser.add_argument("--report", required=True, type=Path, help="Tokenise report JSON to write.")
     args = parser.parse_args(argv)
-    variant = check_variant(json_setting(args.variant, "--variant"))
+    task = task_named(args.task)
+    variant = task.check_variant(json_setting(args.variant, "--variant"))
     if args.max_length < 2:
         raise WorkflowError(f"argument --max-length: {args.max_length} leaves no room for a prompt and a target")
     if args.threads < 1:
@@ -203,21 +169,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     use_tokenizer_threads(args.threads)
     data, tokenizer = load_inputs(args.data, args.model)
+    task_meta = read_task_meta(args.data, args.task)
     try:  # a template naming a field the data lacks fails here, once, naming the data
-        templates.render_prompt(variant, data["train"][0], tokenizer)
-        templates.render_target(variant, data["train"][0])
+        task.tokenise_batch(data["train"][:1], tokenizer=tokenizer, variant=variant, max_length=args.max_length,
+                            task_meta=task_meta)
     except WorkflowError as error:
         raise WorkflowError(f"{args.data} split 'train' row 0: {error}") from None
     meta = {
         "tokenizer_fingerprint": tokenizer_fingerprint(args.model),
+        "task": args.task,
         "templates": variant,
         "max_length": args.max_length,
         "input_fingerprint": input_fingerprint(args.data),
         "vocab_size": len(tokenizer),
         "pad_token_id": tokenizer.pad_token_id,
         "eos_token_id": tokenizer.eos_token_id,
+        "task_meta": task_meta,
+        **task.tokenise_meta(variant, task_meta),
     }
-    meta["cache_key"] = cache_key(meta["tokenizer_fingerprint"], variant, args.max_length, meta["input_fingerprint"])
+    meta["cache_key"] = cache_key(meta["tokenizer_fingerprint"], variant, args.max_length, meta["input_fingerprint"],
+                                  args.task)
 
     existing = args.out / META_NAME
     if existing.is_file():
@@ -229,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from datasets import DatasetDict
 
-    report = {"data": str(args.data), "model": str(args.model), "templates": variant,
+    report = {"data": str(args.data), "model": str(args.model), "task": args.task, "templates": variant,
               "max_length": args.max_length, "cache_key": meta["cache_key"], "splits": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{args.out.name}.work.", dir=args.out.parent) as work:
@@ -238,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if split not in data:
                 continue
             with cyclic_gc_paused():
-                full = tokenise_split(data[split], tokenizer, variant, args.max_length, Path(work), split)
+                full = tokenise_split(task, data[split], tokenizer, variant, args.max_length, Path(work), split,
+                                      task_meta)
             stats, kept_rows = split_statistics(full)
             kept = full if kept_rows is None else full.select(kept_rows)
             report["splits"][split] = stats
@@ -247,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{args.data} split '{split}': every prompt is at least --max-length {args.max_length} tokens, "
                     "so no row keeps a target token; raise training.max_length or shorten the prompt template"
                 )
-            tokenised[split] = kept.remove_columns(["truncated", "target_lost"])
+            tokenised[split] = kept.remove_columns(["truncated", "dropped"])
         meta["report"] = report
         with atomic_path(args.out, directory=True) as out:
             DatasetDict(tokenised).save_to_disk(str(out))

@@ -65,8 +65,8 @@ def run_gate(args: argparse.Namespace, training: dict) -> int:
             training["precision"], context.device, torch.amp.GradScaler(context.device.type)
             if training["precision"] == "fp16" else None, training_setup.bf16_supported))
         meta = batching.read_meta(args.data)
-        dataset = batching.TokenisedSplit(args.data, "train")
-        setup = training_setup.build(args.model, training, context, args.trust_remote_code)
+        dataset = batching.TokenisedSplit(args.data, "train", batching.stored_columns(meta))
+        setup = training_setup.build(args.model, training, context, args.trust_remote_code, meta)
         # Re-checked on the built objects: the scaler is the one training will use.
         checks.check_precision(training["precision"], context.device, setup.scaler, training_setup.bf16_supported)
         report.record("trainable_parameters", checks.check_trainable(setup.model))
@@ -104,7 +104,7 @@ def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report):
     plan = batching.GlobalBatchPlan(dataset.lengths(), training["effective_batch"], seed, training["length_grouping"])
     steps = training["sanity_batches"] + (MAX_FP16_OVERFLOW_STEPS if setup.scaler is not None else 0)
     sampler = batching.RankBatchSampler(plan, training["micro_batch"], context.rank, context.world_size, 0, steps)
-    collator = batching.PaddingCollator(meta["pad_token_id"], setup.vocab_size)
+    collator = setup.task.collator(meta, setup.vocab_size)
     batches = iter(batching.build_loader(dataset, sampler, collator, 0, False, seed))
     parameters = setup.trainable_parameters()
     losses, padding, gradients_checked = [], [], False

@@ -131,8 +131,8 @@ def train(args: argparse.Namespace, training: dict) -> int:
     log = None
     try:
         meta = batching.read_meta(args.data)
-        dataset = batching.TokenisedSplit(args.data, "train")
-        setup = training_setup.build(args.model, training, context, args.trust_remote_code)
+        dataset = batching.TokenisedSplit(args.data, "train", batching.stored_columns(meta))
+        setup = training_setup.build(args.model, training, context, args.trust_remote_code, meta)
         estimate = start_up_checks(setup, training)
         if meta.get("vocab_size") is not None and meta["vocab_size"] > setup.vocab_size:
             raise WorkflowError(f"{args.data}/tokenise_meta.json: vocab_size {meta['vocab_size']} exceeds the "
@@ -194,7 +194,7 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
     plan = batching.GlobalBatchPlan(dataset.lengths(), training["effective_batch"], args.seed, training["length_grouping"])
     sampler = batching.RankBatchSampler(plan, training["micro_batch"], context.rank, context.world_size,
                                         start_step, training["max_steps"])
-    collator = batching.PaddingCollator(meta["pad_token_id"], setup.vocab_size)
+    collator = setup.task.collator(meta, setup.vocab_size)
     loader = batching.build_loader(dataset, sampler, collator, training["dataloader_workers"], device.type == "cuda", args.seed)
     batches = iter(loader)
     parameters = setup.trainable_parameters()

@@ -16,6 +16,7 @@ format itself and are not compared.
 """
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Any, Mapping, Sequence
 
 from workflow_scripts.core.errors import WorkflowError
@@ -79,20 +80,32 @@ def differences(settings_by_variant: Mapping[str, Mapping[str, Any]], intended: 
 
 def check_fair(dataset: str, seed: int, settings_by_variant: Mapping[str, Mapping[str, Any]],
                sources: Mapping[str, str], intended: Sequence[str]) -> None:
-    """Raise one WorkflowError listing every unintended difference between the variants' runs."""
+    """Raise one WorkflowError (one line) listing every unintended difference between the variants' runs."""
     found = differences(settings_by_variant, intended)
     if not found:
         return
-    lines = [
-        f"unfair comparison on dataset '{dataset}', seed {seed}: the variants differ in more than the prompt format:"
-    ]
-    for key, values in found.items():
-        shown = ", ".join(f"{variant}={value!r}" for variant, value in values.items())
-        lines.append(f"  {key}: {shown}")
-    lines.append("  (from " + "; ".join(f"{variant}: {path}" for variant, path in sources.items()) + ")")
-    keys = ", ".join(sorted(found))
-    lines.append(
-        "Fix: make these settings equal (remove the variants.<name>.training overrides) and rerun, or, if the "
-        f"difference is intended, list it under comparison.intended_differences: [{keys}]"
+    shown = "; ".join(
+        f"{key}: " + ", ".join(f"{variant}={value!r}" for variant, value in values.items())
+        for key, values in found.items()
     )
-    raise WorkflowError("\n".join(lines))
+    keys = ", ".join(sorted(found))
+    raise WorkflowError(
+        f"unfair comparison on dataset '{dataset}', seed {seed}: the variants differ in more than the prompt "
+        f"format: {shown} (from {brief_paths(sources)}). Fix: make these settings equal (remove the "
+        "variants.<name>.training overrides) and rerun, or, if the difference is intended, list it under "
+        f"comparison.intended_differences: [{keys}]"
+    )
+
+
+def brief_paths(sources: Mapping[str, str]) -> str:
+    """The variants' files in one short phrase: '<root>/{baseline,mtup}/seed1/run_manifest.json' when the
+    paths differ only in one folder named for the variant, else 'baseline: <path>; mtup: <path>'."""
+    parts = {variant: PurePath(path).parts for variant, path in sources.items()}
+    lengths = {len(p) for p in parts.values()}
+    if len(parts) > 1 and len(lengths) == 1:
+        differing = [i for i in range(lengths.pop()) if len({p[i] for p in parts.values()}) > 1]
+        if len(differing) == 1 and all(p[differing[0]] == variant for variant, p in parts.items()):
+            first = next(iter(parts.values()))
+            at = differing[0]
+            return str(PurePath(*first[:at], "{" + ",".join(parts) + "}", *first[at + 1:]))
+    return "; ".join(f"{variant}: {path}" for variant, path in sources.items())

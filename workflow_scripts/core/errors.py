@@ -15,7 +15,7 @@ class ConfigError(WorkflowError):
     def __init__(self, key: str, message: str, source: str | None = None):
         where = f"{source}: " if source else ""
         super().__init__(f"{where}config key '{key}': {message}")
-        self.key = key
+        self.key, self.problem = key, message
 
 
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> None:

@@ -52,9 +52,9 @@ def validate_schema(config: dict, source: str | None = None) -> dict:
 
 
 def _looks_secret(name: Any) -> bool:
-    from workflow_scripts.core.run_manifest import SECRET_MARKERS
+    from workflow_scripts.core.run_manifest import is_secret_key
 
-    return any(marker in str(name).lower() for marker in SECRET_MARKERS)
+    return is_secret_key(name)
 
 
 def _secret_values(value: Any, secret: bool = False) -> Iterator[Any]:
@@ -75,6 +75,8 @@ def schema_error(error, prefix: str | None = None, source: str | None = None) ->
     A missing required key is named in the key path; a value under a key that looks like a secret
     (token, secret, password, api_key) is never echoed, however jsonschema's message quotes it.
     """
+    if error.validator == "unevaluatedProperties":  # task-dependent keys (if/then): same words as any unknown key
+        error.message = error.message.replace("Unevaluated properties", "Additional properties")
     path = [str(part) for part in error.absolute_path]
     instance = error.instance
     if error.validator == "required" and isinstance(instance, Mapping):
@@ -252,11 +254,18 @@ def gradient_accumulation(training: Mapping[str, Any], key: str = "training", so
 
 
 def experiments(config: Mapping[str, Any]) -> Iterator[tuple[str, str, int]]:
-    """The experiment matrix: every (dataset, variant, seed)."""
-    for dataset in config["datasets"]:
-        for variant in config["variants"]:
-            for seed in config["seeds"]:
-                yield dataset, variant, seed
+    """The experiment matrix: every (dataset, variant of the dataset's task, seed)."""
+    for dataset, variant in dataset_variants(config):
+        for seed in config["seeds"]:
+            yield dataset, variant, seed
+
+
+def dataset_variants(config: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    """Every (dataset, variant) pair of the same task."""
+    for dataset, dataset_config in config["datasets"].items():
+        for variant, variant_config in config["variants"].items():
+            if variant_config.get("task", "generation") == dataset_config.get("task", "generation"):
+                yield dataset, variant
 
 
 def template_fields(template: str) -> set[str]:
@@ -300,51 +309,72 @@ def config_hash(value: Any) -> str:
 
 def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
     """Checks beyond the JSON schema; each failure names the key and the fix."""
+    from workflow_scripts.core.errors import WorkflowError
+    from workflow_scripts.tasks import task_named
+
     _check_model(config["model"], source)
     for name, dataset in config["datasets"].items():
         _check_dataset(name, dataset, source)
     training_keys = set(config["training"])
     for name, variant in config["variants"].items():
         key = f"variants.{name}"
-        if variant["extractor"]["type"] == "section" and not variant["extractor"].get("marker"):
-            raise ConfigError(f"{key}.extractor.marker", "a section extractor needs the final task's marker", source)
         unknown = set(variant.get("training", {})) - training_keys
         if unknown:
             raise ConfigError(f"{key}.training", f"unknown training keys {sorted(unknown)}", source)
-        fields = {}
-        for part in ("prompt", "target"):
-            try:
-                fields[part] = templates.template_fields(variant[part])
-            except ValueError as error:
-                raise ConfigError(f"{key}.{part}", str(error), source) from None
-            if not fields[part] and not variant[part].strip():
-                raise ConfigError(f"{key}.{part}", f"the {part} is empty for every row; write a template such as "
-                                  + ("'Question: {question}'" if part == "prompt" else "' {answer}'"), source)
-        for ds_name, dataset in config["datasets"].items():
-            available = dataset_fields(dataset)
-            for part in ("prompt", "target"):
-                missing = set(fields[part]) - available
-                if missing:
-                    raise ConfigError(
-                        f"{key}.{part}",
-                        f"refers to {sorted(missing)}, which dataset '{ds_name}' does not provide "
-                        f"(it has {sorted(available)}); add them under datasets.{ds_name}.extra_fields or derived",
-                        source,
-                    )
-            gold = gold_fields(dataset)
-            for field in fields["prompt"]:
-                if field in gold:
-                    raise ConfigError(
-                        f"{key}.prompt",
-                        f"shows field '{field}', which in dataset '{ds_name}' {gold[field]}, so "
-                        "evaluation would put the gold answer into every test prompt; remove {" + field + "} from "
-                        "the prompt (a field computed from the answer belongs in the target, as MTUP's aux does)",
-                        source,
-                    )
+        task = task_named(variant["task"])
+        datasets = {ds: d for ds, d in config["datasets"].items() if d["task"] == variant["task"]}
+        try:  # the task's own checks: templates against each dataset of its task, leaks of the gold
+            task.check_config_variant(name, variant_settings(variant), datasets)
+        except ConfigError as error:
+            raise ConfigError(error.key, error.problem, source) from None
+        except WorkflowError as error:
+            raise ConfigError(key, str(error), source) from None
         gradient_accumulation(resolved_training(config, name), f"{key}.training" if variant.get("training") else "training", source)
+        _check_training_overrides(name, variant.get("training", {}), config, source)
+    tasks_in_use = {dataset["task"] for dataset in config["datasets"].values()}
+    for task_name in sorted(tasks_in_use):
+        if not any(variant["task"] == task_name for variant in config["variants"].values()):
+            raise ConfigError("variants", f"no variant has task '{task_name}', so its datasets would not run; "
+                              f"add one with task: {task_name}", source)
+        reference = reference_variant(config, task_name)
+        if reference not in config["variants"] or config["variants"][reference]["task"] != task_name:
+            choices = sorted(v for v, settings in config["variants"].items() if settings["task"] == task_name)
+            raise ConfigError("comparison.reference_variant",
+                              f"'{reference}' is not one of the {task_name} variants {choices}; with variants of "
+                              "several tasks give a mapping, e.g. {generation: baseline, classification: plain}", source)
+
+
+def variant_settings(variant: Mapping[str, Any]) -> dict[str, Any]:
+    """What a stage receives as ``--variant``: the variant without its task and training overrides."""
+    return {k: v for k, v in variant.items() if k not in ("task", "training")}
+
+
+def reference_variant(config: Mapping[str, Any], task: str) -> str | None:
+    """The variant the others of ``task`` are compared with (comparison.reference_variant: a name or task -> name)."""
     reference = config["comparison"]["reference_variant"]
-    if reference not in config["variants"]:
-        raise ConfigError("comparison.reference_variant", f"'{reference}' is not one of the variants {sorted(config['variants'])}", source)
+    return reference.get(task) if isinstance(reference, Mapping) else reference
+
+
+def _check_training_overrides(name: str, overrides: Mapping[str, Any], config: Mapping[str, Any],
+                              source: str | None) -> None:
+    """The fairness guard at parse time: a variant may change only what the comparison allows.
+
+    ``compare`` would refuse the finished runs anyway; refusing here saves the GPU hours between.
+    """
+    from workflow_scripts.analysis import fairness
+
+    intended = config["comparison"].get("intended_differences", [])
+    shared = fairness.flatten(config["training"], "training")
+    for top, value in overrides.items():
+        if top in fairness.RUNTIME_ONLY_TRAINING_KEYS:
+            continue
+        for dotted, item in fairness.flatten(value, f"training.{top}").items():
+            if shared.get(dotted, fairness.ABSENT) != item and not fairness.is_intended(dotted, intended):
+                raise ConfigError(
+                    f"variants.{name}.{dotted}",
+                    f"sets {item!r} where the other variants use {shared.get(dotted, fairness.ABSENT)!r}, so the "
+                    "comparison would not be fair; remove the override, or list it under "
+                    f"comparison.intended_differences: [{dotted}] if the difference is the point", source)
 
 
 def _require(mapping: Mapping[str, Any], keys: tuple[str, ...], prefix: str, why: str, source: str | None) -> None:

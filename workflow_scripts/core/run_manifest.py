@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -15,7 +16,38 @@ PACKAGES = (
     "torch", "transformers", "peft", "accelerate", "datasets", "tokenizers",
     "safetensors", "snakemake", "pandas", "PyYAML", "smatch",
 )
-SECRET_MARKERS = ("token", "secret", "password", "api_key")
+# Key names that hold credentials, matched as whole words of the key (snake_case, kebab-case, dotted or
+# camelCase parts), so 'hf_token', 'HF_TOKEN', 'apiKey' and 'client_secret' are secrets while
+# 'max_new_tokens', 'tokenizer_id' and 'pad_token_id' are not. Each marker is one word or two adjacent words.
+SECRET_MARKERS = (
+    "token", "secret", "secrets", "password", "passwords", "passwd", "passphrase", "credential", "credentials",
+    "apikey", "api_key", "private_key", "access_key", "authorization",
+)
+# 'token' is a credential as the key's last word ('hf_token', 'access_token'), except a tokenizer's special
+# tokens ('pad_token' holds '<pad>'); before another word it names something else ('pad_token_id').
+SPECIAL_TOKEN_ROLES = frozenset({"pad", "eos", "bos", "unk", "sep", "cls", "mask", "sos", "additional_special"})
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+
+
+def key_words(name: Any) -> list[str]:
+    """A key's words, lower-cased: 'HF_TOKEN' -> ['hf', 'token'], 'apiKey' -> ['api', 'key']."""
+    return [word.lower() for word in _WORD.findall(str(name))]
+
+
+def is_secret_key(name: Any) -> bool:
+    """Whether a settings key names a credential (its value must never reach a manifest, log or message)."""
+    words = key_words(name)
+    for marker in SECRET_MARKERS:
+        parts = marker.split("_")
+        for start in range(len(words) - len(parts) + 1):
+            if words[start:start + len(parts)] != parts:
+                continue
+            if marker != "token":
+                return True
+            roles = {"_".join(words[max(start - n, 0):start]) for n in (1, 2)}  # the one or two words before it
+            if start == len(words) - 1 and not roles & SPECIAL_TOKEN_ROLES:
+                return True
+    return False
 
 
 def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
@@ -44,7 +76,7 @@ def redact(value: Any) -> Any:
     """Drop values whose key looks like a credential, so manifests and logs never hold secrets."""
     if isinstance(value, Mapping):
         return {
-            key: "<redacted>" if any(marker in str(key).lower() for marker in SECRET_MARKERS) else redact(item)
+            key: "<redacted>" if is_secret_key(key) else redact(item)
             for key, item in value.items()
         }
     if isinstance(value, list):

@@ -27,21 +27,34 @@ GROUPING_WINDOW_BATCHES = 64
 
 
 def read_meta(data_dir: str | Path) -> dict:
+    """``tokenise_meta.json``; it names the task the data was tokenised for, which training follows."""
     path = Path(data_dir, "tokenise_meta.json")
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except FileNotFoundError:
         raise WorkflowError(f"{path}: missing; run the pretokenise rule first") from None
     except json.JSONDecodeError as error:
         raise WorkflowError(f"{path}: not valid JSON ({error})") from None
+    if "task" not in meta:
+        raise WorkflowError(f"{path}: no 'task' recorded (tokenised by an older version); re-run the pretokenise rule")
+    return meta
+
+
+def stored_columns(meta: dict) -> list[str]:
+    """The task's own columns in the pre-tokenised data (what its collator reads), from the task's features."""
+    from workflow_scripts.tasks import task_named
+
+    features = task_named(meta["task"]).tokenised_features()
+    return [name for name in features if name not in ("id", "input_ids", "length", "truncated", "dropped")]
 
 
 class TokenisedSplit(torch.utils.data.Dataset):
     """One split of the pre-tokenised data, opened lazily from disk (memory-mapped) in each process."""
 
-    def __init__(self, data_dir: str | Path, split: str = "train"):
+    def __init__(self, data_dir: str | Path, split: str = "train", columns: Sequence[str] = ("labels",)):
         self.data_dir = str(data_dir)
         self.split = split
+        self.columns = tuple(columns)  # the task's own columns (``stored_columns``), checked on opening
         self._table = None
         self._length = len(self.table)
 
@@ -54,7 +67,7 @@ class TokenisedSplit(torch.utils.data.Dataset):
             if not split_dir.is_dir():
                 raise WorkflowError(f"{self.data_dir}: no '{self.split}' split; run the pretokenise rule first")
             dataset = load_from_disk(str(split_dir))
-            missing = {"id", "input_ids", "labels", "length"} - set(dataset.column_names)
+            missing = ({"id", "input_ids", "length"} | set(self.columns)) - set(dataset.column_names)
             if missing:
                 raise WorkflowError(f"{split_dir}: missing columns {sorted(missing)}")
             self._table = dataset
@@ -62,7 +75,7 @@ class TokenisedSplit(torch.utils.data.Dataset):
 
     def __getstate__(self):
         # Only the location travels to workers; never the rows.
-        return {"data_dir": self.data_dir, "split": self.split, "_length": self._length}
+        return {"data_dir": self.data_dir, "split": self.split, "columns": self.columns, "_length": self._length}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -81,10 +94,8 @@ class TokenisedSplit(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict]:
         rows = self.table[list(indices)]
-        return [
-            {"index": int(i), "id": rows["id"][k], "input_ids": rows["input_ids"][k], "labels": rows["labels"][k]}
-            for k, i in enumerate(indices)
-        ]
+        columns = [column for column in rows if column != "length"]  # the task's collator reads its own
+        return [{"index": int(i), **{column: rows[column][k] for column in columns}} for k, i in enumerate(indices)]
 
 
 class GlobalBatchPlan:

@@ -1,7 +1,9 @@
 """Opening the canonical dataset that the normalise stage writes (one error message for every reader)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from workflow_scripts.core.errors import WorkflowError
 
@@ -18,3 +20,17 @@ def open_normalised(directory: str | Path, required_split: str | None = "train")
     if required_split is not None and required_split not in data:
         raise WorkflowError(f"{directory}: has no '{required_split}' split (it has {sorted(data)})")
     return data
+
+
+def read_task_meta(data_dir: Path, task: str) -> dict[str, Any]:
+    """What normalise learned for the task (e.g. a label set), from ``task_meta.json``; it must be the same task."""
+    path = Path(data_dir, "task_meta.json")
+    try:
+        task_meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise WorkflowError(f"{data_dir}: no task_meta.json, so this is not normalise output (or an older "
+                            "version's); run the normalise rule") from None
+    if task_meta.get("task") != task:
+        raise WorkflowError(f"{data_dir}: normalised for task {task_meta.get('task')!r}, but --task is {task!r}; "
+                            "set the dataset's task in the config and re-run normalise")
+    return task_meta

@@ -2,13 +2,21 @@
 
 Raw layouts (see docs/architecture.md): a hub dataset is a ``DatasetDict.save_to_disk`` directory;
 url and local sources are files named ``<source split>.<format>`` (jsonl, json, csv or parquet).
-Records are yielded with their 0-based row index and never repaired: a line that is not JSON comes
-back as :class:`Unparseable`, so normalisation can reject it with a reason.
+Records are yielded with their 0-based row index and never repaired: a row that cannot be decoded
+(a JSONL line that is not JSON, a CSV line whose field count differs from the header's) comes back
+as :class:`Unparseable`, so normalisation can reject it with a reason. A file that cannot be read at
+all (not UTF-8 text, a corrupt Parquet file, a CSV header naming a column twice) raises one
+WorkflowError naming it.
+
+Where a row is, as the user's editor shows it: :func:`iter_placed_records` gives each record's
+:class:`Place` (the 1-based line of a JSONL or CSV file, a CSV's header being line 1; the row index
+of a JSON list, Parquet file or saved dataset).
 """
 from __future__ import annotations
 
 import csv
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -16,6 +24,8 @@ from typing import Any, Iterator
 from workflow_scripts.core.errors import WorkflowError
 
 FORMATS = ("jsonl", "json", "csv", "parquet")
+# Text files are UTF-8; a byte order mark (Excel writes one) is skipped, never read as data.
+TEXT_ENCODING = "utf-8-sig"
 
 
 @dataclass(frozen=True)
@@ -23,6 +33,17 @@ class Unparseable:
     """A raw row that could not be decoded at all (e.g. a JSONL line that is not JSON)."""
 
     error: str
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a record is: its 0-based row index and, for JSONL and CSV, the 1-based line it starts on."""
+
+    index: int
+    line: int | None = None
+
+    def __str__(self) -> str:
+        return f"line {self.line}" if self.line is not None else f"row index {self.index}"
 
 
 def is_saved_dataset(raw_dir: Path) -> bool:
@@ -44,6 +65,12 @@ def split_location(raw_dir: Path, split: str, fmt: str) -> Path:
 
 def iter_records(raw_dir: Path, split: str, fmt: str) -> Iterator[tuple[int, Any]]:
     """(row index, record) for every row of one source split."""
+    for place, record in iter_placed_records(raw_dir, split, fmt):
+        yield place.index, record
+
+
+def iter_placed_records(raw_dir: Path, split: str, fmt: str) -> Iterator[tuple[Place, Any]]:
+    """(place, record) for every row of one source split."""
     raw_dir = Path(raw_dir)
     if split not in available_splits(raw_dir, fmt):
         raise WorkflowError(
@@ -51,55 +78,142 @@ def iter_records(raw_dir: Path, split: str, fmt: str) -> Iterator[tuple[int, Any
             "check the dataset's splits mapping in the config"
         )
     if is_saved_dataset(raw_dir):
-        yield from _saved_split(raw_dir, split)
+        for index, record in _saved_split(raw_dir, split):
+            yield Place(index), record
     else:
-        yield from read_file(split_location(raw_dir, split, fmt), fmt)
+        yield from read_placed(split_location(raw_dir, split, fmt), fmt)
 
 
 def read_file(path: Path, fmt: str) -> Iterator[tuple[int, Any]]:
-    if fmt == "jsonl":
-        with open(path, encoding="utf-8") as handle:
-            for row, line in enumerate(handle):
-                if not line.strip():
-                    continue
-                try:
-                    yield row, json.loads(line)
-                except json.JSONDecodeError as error:
-                    yield row, Unparseable(f"not valid JSON: {error.msg}")
-    elif fmt == "json":
-        records = _json_list(path)
-        yield from enumerate(records)
-    elif fmt == "csv":
-        with open(path, encoding="utf-8", newline="") as handle:
-            yield from enumerate(csv.DictReader(handle))
-    elif fmt == "parquet":
-        import pyarrow.parquet as pq
+    """(row index, record) for every row of one raw file."""
+    for place, record in read_placed(path, fmt):
+        yield place.index, record
 
-        yield from enumerate(pq.read_table(path).to_pylist())
+
+def read_placed(path: Path, fmt: str) -> Iterator[tuple[Place, Any]]:
+    """(place, record) for every row of one raw file."""
+    if fmt == "jsonl":
+        yield from _jsonl(path)
+    elif fmt == "json":
+        for index, record in enumerate(_json_list(path)):
+            yield Place(index), record
+    elif fmt == "csv":
+        yield from _csv(path)
+    elif fmt == "parquet":
+        for index, record in enumerate(_parquet_rows(path)):
+            yield Place(index), record
     else:
         raise WorkflowError(f"{path}: unknown format '{fmt}'; known: {list(FORMATS)}")
 
 
 def count_rows(path: Path, fmt: str) -> int:
-    """Rows in a raw file, without judging them (for the download manifest)."""
+    """Rows in a raw file, without judging them (for the download manifest; normalise judges them)."""
     if fmt == "jsonl":
-        with open(path, encoding="utf-8") as handle:
+        with open(path, "rb") as handle:  # bytes: a file that is not UTF-8 is normalise's to report
             return sum(1 for line in handle if line.strip())
+    if fmt == "csv":
+        try:
+            with open(path, encoding=TEXT_ENCODING, errors="replace", newline="") as handle:
+                return max(sum(1 for fields in csv.reader(handle) if fields) - 1, 0)  # minus the header
+        except csv.Error as error:
+            raise WorkflowError(f"{path}: not valid CSV: {error}") from None
     if fmt == "parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.ParquetFile(path).metadata.num_rows
-    return sum(1 for _ in read_file(path, fmt))
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except (pa.ArrowException, OSError) as error:  # a truncated or corrupt file
+            raise _not_parquet(path, error) from None
+    if fmt == "json":
+        return len(_json_list(path, errors="replace"))
+    raise WorkflowError(f"{path}: unknown format '{fmt}'; known: {list(FORMATS)}")
 
 
-def _json_list(path: Path) -> list:
+# --- the formats ---
+def _jsonl(path: Path) -> Iterator[tuple[Place, Any]]:
     try:
-        records = json.loads(Path(path).read_text(encoding="utf-8"))
+        with open(path, encoding=TEXT_ENCODING) as handle:
+            for index, line in enumerate(handle):
+                if not line.strip():
+                    continue
+                try:
+                    # Only the line's own end is dropped: the columns json reports stay the editor's.
+                    yield Place(index, index + 1), json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as error:
+                    yield Place(index, index + 1), Unparseable(
+                        f"not valid JSON: line {index + 1} column {error.colno}: {_json_problem(error)}"
+                    )
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+
+
+def _json_list(path: Path, errors: str = "strict") -> list:
+    try:
+        records = json.loads(Path(path).read_text(encoding=TEXT_ENCODING, errors=errors))
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
     except json.JSONDecodeError as error:
-        raise WorkflowError(f"{path}: not valid JSON (line {error.lineno}): {error.msg}") from None
+        raise WorkflowError(
+            f"{path}: not valid JSON (line {error.lineno} column {error.colno}): {_json_problem(error)}"
+        ) from None
     if not isinstance(records, list):
         raise WorkflowError(f"{path}: a json split file must hold a list of records, not a {type(records).__name__}")
     return records
+
+
+def _csv(path: Path) -> Iterator[tuple[Place, Any]]:
+    """Strict CSV: a line with more or fewer fields than the header is Unparseable, never shifted or padded."""
+    try:
+        with open(path, encoding=TEXT_ENCODING, newline="") as handle:
+            reader = csv.reader(handle, strict=True)
+            header, header_line = None, 0
+            index = 0
+            while True:
+                line = reader.line_num + 1  # the line this record starts on
+                try:
+                    fields = next(reader)
+                except StopIteration:
+                    return
+                except csv.Error as error:
+                    if header is None:
+                        raise WorkflowError(f"{path} line {line}: the header is not valid CSV: {error}") from None
+                    yield Place(index, line), Unparseable(f"not valid CSV: line {line}: {error}")
+                    index += 1
+                    continue
+                if not fields:  # a blank line holds no record
+                    continue
+                if header is None:
+                    header, header_line = fields, line
+                    twice = sorted({name for name in fields if fields.count(name) > 1})
+                    if twice:
+                        raise WorkflowError(
+                            f"{path} line {line}: the header names column {twice} more than once, so one "
+                            "column's values would be lost; rename the columns apart"
+                        )
+                    continue
+                if len(fields) != len(header):
+                    hint = ("a value that holds a comma must be in double quotes" if len(fields) > len(header)
+                            else "every line needs one value per column (an empty value is still separated by a comma)")
+                    yield Place(index, line), Unparseable(
+                        f"not valid CSV: line {line} has {_count(len(fields), 'field')} where the header "
+                        f"(line {header_line}) has {len(header)}; {hint}"
+                    )
+                else:
+                    yield Place(index, line), dict(zip(header, fields))
+                index += 1
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+
+
+def _parquet_rows(path: Path) -> list:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as error:  # ArrowInvalid (bad footer), OSError (bad page data)
+        raise _not_parquet(path, error) from None
 
 
 def _saved_split(raw_dir: Path, split: str) -> Iterator[tuple[int, Any]]:
@@ -111,3 +225,38 @@ def _saved_split(raw_dir: Path, split: str) -> Iterator[tuple[int, Any]]:
         if isinstance(feature, Image):
             dataset = dataset.cast_column(name, Image(decode=False))
     yield from enumerate(dataset)
+
+
+# --- one message per unreadable file ---
+def _json_problem(error: json.JSONDecodeError) -> str:
+    """json's message without its dangling 'at' (the position is given separately)."""
+    return re.sub(r" at$", " here", error.msg)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _not_utf8(path: Path) -> WorkflowError:
+    """Where a file stops being UTF-8: the first line (1-based) holding a byte that does not decode."""
+    offset = 0
+    with open(path, "rb") as handle:  # split on b"\n" only: in UTF-8 that byte never sits inside a character
+        for number, line in enumerate(handle, start=1):
+            try:
+                line.decode(TEXT_ENCODING if number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                bad = line[error.start]
+                return WorkflowError(
+                    f"{path} line {number}: not UTF-8 text (byte {bad:#04x} at byte offset {offset + error.start} "
+                    "of the file); re-save the file as UTF-8"
+                )
+            offset += len(line)
+    return WorkflowError(f"{path}: not UTF-8 text; re-save the file as UTF-8")
+
+
+def _not_parquet(path: Path, error: Exception) -> WorkflowError:
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    reason = re.sub(r"^Could not open Parquet input source '.*?': ", "", reason)
+    return WorkflowError(
+        f"{path}: not a readable Parquet file ({reason}); it is truncated or corrupt: download or export it again"
+    )

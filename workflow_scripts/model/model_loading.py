@@ -41,19 +41,26 @@ def load_base_model(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
+    auto_class: str = "AutoModelForCausalLM",
+    model_kwargs: Mapping[str, Any] | None = None,
 ):
-    """Load the causal LM fully onto ``device`` (never a device map, never offload)."""
-    from transformers import AutoModelForCausalLM
+    """Load the model fully onto ``device`` (never a device map, never offload).
+
+    ``auto_class`` is the task's transformers Auto class (``tasks.base.Task.auto_model_class``);
+    ``model_kwargs`` the task's extra ``from_pretrained`` arguments (a classifier's labels).
+    """
+    import transformers
 
     if not Path(model_dir, "config.json").exists():
         raise WorkflowError(f"{model_dir}: no config.json; run the prepare_model rule first")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code, low_cpu_mem_usage=False
+    model = getattr(transformers, auto_class).from_pretrained(
+        str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code, low_cpu_mem_usage=False,
+        **dict(model_kwargs or {}),
     )
     return model.to(device)
 
 
-def add_lora(model, lora: Mapping[str, Any], gradient_checkpointing: bool):
+def add_lora(model, lora: Mapping[str, Any], gradient_checkpointing: bool, task_type: str | None = "CAUSAL_LM"):
     """Wrap ``model`` with fresh LoRA adapters; the base stays frozen, adapters are trainable.
 
     PEFT is applied *after* any freezing (seed: a tower frozen after adapters were added left them
@@ -74,7 +81,7 @@ def add_lora(model, lora: Mapping[str, Any], gradient_checkpointing: bool):
         lora_dropout=lora["dropout"],
         target_modules=list(lora["target_modules"]),
         modules_to_save=list(lora.get("modules_to_save", [])) or None,
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
     try:
         peft_model = get_peft_model(model, config)
@@ -97,9 +104,10 @@ def keep_trainable_in_fp32(model) -> None:
 
 
 def load_with_adapter(model_dir: str | Path, adapter_dir: str | Path | None, device: torch.device,
-                      dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
+                      dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                      auto_class: str = "AutoModelForCausalLM", model_kwargs: Mapping[str, Any] | None = None):
     """Base model plus a trained adapter (or the bare base model when ``adapter_dir`` is None), in eval mode."""
-    model = load_base_model(model_dir, device, dtype, trust_remote_code)
+    model = load_base_model(model_dir, device, dtype, trust_remote_code, auto_class, model_kwargs)
     if adapter_dir is not None:
         from peft import PeftModel
 

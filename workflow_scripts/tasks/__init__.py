@@ -1,1 +1,21 @@
-"""What differs by kind of experiment: templates, answer extraction and metrics."""
+"""What differs by kind of experiment: one module per task type (``base.Task``), plus templates and metrics.
+
+Stages call :func:`task_named` with a dataset's ``task`` and never branch on the name themselves.
+"""
+from __future__ import annotations
+
+from workflow_scripts.core.errors import WorkflowError
+
+TASK_MODULES = {
+    "generation": "workflow_scripts.tasks.generation",
+    "classification": "workflow_scripts.tasks.classification",
+}
+
+
+def task_named(name: str):
+    """The task object of a task type (imported on first use: a stage loads only its own)."""
+    import importlib
+
+    if name not in TASK_MODULES:
+        raise WorkflowError(f"unknown task {name!r}; known: {sorted(TASK_MODULES)}")
+    return importlib.import_module(TASK_MODULES[name]).TASK

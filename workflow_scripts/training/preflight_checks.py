@@ -225,7 +225,9 @@ def scan_dataset(dataset, vocab_size: int, chunk_rows: int = 50_000) -> str:
     import pyarrow.compute as pc
 
     table = dataset.table.data.table if hasattr(dataset.table.data, "table") else dataset.table.data
-    ids_column, labels_column, id_column = table.column("input_ids"), table.column("labels"), table.column("id")
+    ids_column, id_column = table.column("input_ids"), table.column("id")
+    # Per-token labels (generation) must leave a target in every row; a per-row class label always is one.
+    labels_column = table.column("labels") if "labels" in table.column_names else None
     if table.num_rows == 0:
         raise PreflightError("data", f"{dataset.data_dir}/{dataset.split} has no rows", "check the pretokenise report")
     for start in range(0, table.num_rows, chunk_rows):
@@ -243,6 +245,8 @@ def scan_dataset(dataset, vocab_size: int, chunk_rows: int = 50_000) -> str:
                     f"{high if high >= vocab_size else low} outside the model's vocabulary of {vocab_size}",
                     "re-tokenise the data with this model's tokenizer (rerun pretokenise)",
                 )
+        if labels_column is None:
+            continue
         labels = labels_column.slice(start, chunk_rows).combine_chunks()
         lengths = np.asarray(pc.list_value_length(labels))
         values = labels.flatten().to_numpy()
@@ -255,4 +259,4 @@ def scan_dataset(dataset, vocab_size: int, chunk_rows: int = 50_000) -> str:
                 "data", f"{len(empty)} rows have every label masked, first row {row} (id '{id_column[row].as_py()}')",
                 "rerun pretokenise (it drops such rows) or raise max_length so the target survives truncation",
             )
-    return f"{table.num_rows} rows: token ids within the vocabulary, every row has targets"
+    return f"{table.num_rows} rows: token ids within the vocabulary, every row has a target"

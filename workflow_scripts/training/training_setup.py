@@ -6,65 +6,17 @@ The gate is only worth something if it checks what training will run, so both st
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workflow_scripts.model import model_loading
 from workflow_scripts.training.distributed import DistributedContext
 from workflow_scripts.core.experiment_config import gradient_accumulation
 
-WRAPPER_PREFIXES = ("module.", "causal_lm.")  # DDP's prefix, then TargetTokenLoss's attribute
-
-
-class TargetTokenLoss(nn.Module):
-    """Summed cross-entropy over target tokens only, with logits from the model's own forward.
-
-    The model's forward computes the logits, so whatever it applies after its head (Granite's
-    ``logits_scaling``, Cohere's ``logit_scale``, Gemma-2's soft-capping) is part of the training
-    objective exactly as evaluation decodes with it. To keep the (tokens x vocabulary) logits to the
-    target positions alone, a forward pre-hook hands the output layer only the hidden states of those
-    positions: ``logits_to_keep`` cannot say this (it keeps the same positions in every row), and what
-    models do after the head is elementwise, so it is unaffected by the gather (tests compare the loss
-    with a plain forward for Llama, Qwen2, Granite and Cohere).
-
-    The loss is a sum, not a mean: the caller divides by the target tokens of the whole global batch,
-    so every token weighs the same whatever the micro-batch split or the number of processes.
-    """
-
-    def __init__(self, causal_lm: nn.Module):
-        super().__init__()
-        self.causal_lm = causal_lm  # the PEFT model
-
-    def forward(self, input_ids, attention_mask, target_index, target_ids):
-        head = self.causal_lm.get_base_model().get_output_embeddings()
-        if head is None:  # no separate output layer (some remote-code models): slice the full logits
-            logits = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-            logits = logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, target_index)
-            return F.cross_entropy(logits.float(), target_ids, reduction="sum")
-
-        def keep_target_positions(module, args, kwargs):
-            hidden = args[0] if args else kwargs.pop("input")
-            if hidden.shape[:2] != input_ids.shape:
-                raise RuntimeError(f"the output layer got hidden states of shape {tuple(hidden.shape)} for input "
-                                   f"ids {tuple(input_ids.shape)}; expected one per input position")
-            # Position t predicts token t+1: the last position predicts nothing.
-            kept = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, target_index)
-            return (kept.unsqueeze(0), *args[1:]), kwargs
-
-        handle = head.register_forward_pre_hook(keep_target_positions, with_kwargs=True)
-        try:
-            logits = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        finally:
-            handle.remove()
-        logits = logits.reshape(-1, logits.shape[-1])
-        if logits.shape[0] != target_ids.shape[0]:
-            raise RuntimeError(f"the model returned {logits.shape[0]} logit rows for {target_ids.shape[0]} targets: "
-                               "its forward changes the head's output shape, which this loss does not support")
-        return F.cross_entropy(logits.float(), target_ids, reduction="sum")
+WRAPPER_PREFIXES = ("module.", "wrapped.")  # DDP's prefix, then the task loss module's attribute
 
 
 @dataclass
@@ -72,14 +24,14 @@ class TrainingSetup:
     context: DistributedContext
     training: Mapping[str, Any]
     peft_model: nn.Module
-    model: nn.Module  # what the loop calls: TargetTokenLoss, DDP-wrapped when world > 1
+    model: nn.Module  # what the loop calls: the task's loss module, DDP-wrapped when world > 1
     optimizer: torch.optim.Optimizer
     scheduler: Any
     scaler: torch.amp.GradScaler | None
     autocast_dtype: torch.dtype | None
     accumulation: int
     vocab_size: int
-    extras: dict = field(default_factory=dict)
+    task: Any  # tasks.base.Task: the collator and the loss come from it
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -97,9 +49,9 @@ class TrainingSetup:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The PEFT model inside DDP and TargetTokenLoss wrappers."""
-    while isinstance(model, (nn.parallel.DistributedDataParallel, TargetTokenLoss)):
-        model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model.causal_lm
+    """The PEFT model inside DDP and the task's loss module (which keeps it as ``wrapped``)."""
+    while isinstance(model, nn.parallel.DistributedDataParallel) or hasattr(model, "wrapped"):
+        model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model.wrapped
     return model
 
 
@@ -146,15 +98,26 @@ def build_optimizer_and_scheduler(parameters, training: Mapping[str, Any], devic
 
 
 def build(model_dir, training: Mapping[str, Any], context: DistributedContext,
-          trust_remote_code: bool = False) -> TrainingSetup:
-    """Load the base model onto this rank's device, add LoRA, wrap for DDP; optimizer and precision."""
+          trust_remote_code: bool = False, data_meta: Mapping[str, Any] | None = None) -> TrainingSetup:
+    """Load the task's model onto this rank's device, add LoRA, wrap the task's loss for DDP; optimizer, precision.
+
+    ``data_meta`` is the pre-tokenised data's ``tokenise_meta.json``: its task chooses model class, LoRA
+    task type and loss (generation when None, as in tests that build a model without data).
+    """
+    from workflow_scripts.tasks import task_named
+
+    data_meta = data_meta or {"task": "generation"}
+    task = task_named(data_meta["task"])
+    task_meta = data_meta.get("task_meta", {})
     device = context.device
     dtype = model_loading.weights_dtype(training["precision"], device)
-    base = model_loading.load_base_model(model_dir, device, dtype, trust_remote_code)
+    base = model_loading.load_base_model(model_dir, device, dtype, trust_remote_code, task.auto_model_class,
+                                         task.model_kwargs(task_meta))
+    task.prepare_model(base, data_meta.get("pad_token_id"), task_meta)
     vocab_size = base.get_input_embeddings().num_embeddings
-    peft_model = model_loading.add_lora(base, training["lora"], training["gradient_checkpointing"])
+    peft_model = model_loading.add_lora(base, training["lora"], training["gradient_checkpointing"], task.peft_task_type)
     peft_model.train()
-    model: nn.Module = TargetTokenLoss(peft_model)
+    model: nn.Module = task.loss_module(peft_model)
     if context.is_distributed:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -167,7 +130,7 @@ def build(model_dir, training: Mapping[str, Any], context: DistributedContext,
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     accumulation = gradient_accumulation(training)
     return TrainingSetup(context, training, peft_model, model, optimizer, scheduler, scaler,
-                         autocast_dtype, accumulation, vocab_size)
+                         autocast_dtype, accumulation, vocab_size, task)
 
 
 def to_device(batch: Mapping[str, Any], device: torch.device) -> dict:
@@ -200,7 +163,7 @@ def micro_step(setup: TrainingSetup, batch: Mapping[str, Any], loss_scale, last_
     seed_micro_batch(*randomness)
     with setup.no_sync(last_micro_step):
         with setup.autocast():
-            loss_sum = setup.model(batch["input_ids"], batch["attention_mask"], batch["target_index"], batch["target_ids"])
+            loss_sum = setup.model(batch)
         loss = loss_sum * loss_scale
         if setup.scaler is not None:
             setup.scaler.scale(loss).backward()

@@ -1,0 +1,743 @@
+"""Nothing wrong passes silently: one table of planted mistakes, each of which must end in one clear message.
+
+Every row of :func:`table` is one mistake::
+
+    case(family, case_id, setup, stage, expected, gap=None)
+
+- ``setup(w)`` plants the mistake in a fresh workspace ``w`` and returns the stage's argv
+  (for ``config``: the config file's path);
+- ``stage`` is the entry point called: ``config`` (``load_config``) or a stage module's ``main``;
+- ``expected`` is the exact one-line message, or ``rx(...)`` a regex it must match in full. Both may name
+  the workspace's paths as ``{config}``, ``{raw}``, ``{out}``, ``{model}``... (see ``Workspace.paths``);
+- ``gap`` is set where the stage does not give that message today: the case is then a strict xfail whose
+  reason says what happens instead, so the table documents the gap and fails loudly once it is fixed.
+
+Each case asserts that the stage raises WorkflowError (ConfigError is one) whose message is one line and
+is ``expected`` (which names the file, key/field and row), and that nothing is left where its outputs go
+(``w.out`` holds every --out/--report/--summary-out... path). A few cases also run as commands
+(``python -m workflow_scripts.<stage>``): exit code 2 and ``error: <message>`` as the last line of stderr.
+To add a case, add one line to the table.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+from conftest import tiny_training_settings
+from data_helpers import ROOT, default_config, leftovers, write_jsonl
+from test_compare import COMPARISON, EXPERIMENTS, TRAINING, correct, write_experiment
+from workflow_scripts.core.errors import WorkflowError
+
+BASELINE = {"prompt": "Question: {question}\nAnswer:", "target": " {answer}"}
+EVALUATION = {"split": "test", "max_new_tokens": 4, "batch_size": 4, "max_examples": None, "gpus": 0}
+DROP = object()  # as a value in an edit: remove the key / flag
+
+
+def table() -> list:  # called at collection, after the helpers below are defined
+    return [
+        # --- config: the schema (types, missing and unknown keys, enums, ranges, seeds) ---
+        case("config", "wrong-type", cfg("training.max_steps", "many"), "config", "{config}: config key 'training.max_steps': 'many' is not of type 'integer'"),
+        case("config", "bool-for-integer", cfg("training.max_steps", True), "config", "{config}: config key 'training.max_steps': True is not of type 'integer'"),
+        case("config", "string-for-list", cfg("training.lora.target_modules", "q_proj"), "config", "{config}: config key 'training.lora.target_modules': 'q_proj' is not of type 'array'"),
+        case("config", "missing-key", cfg("model.name", DROP), "config", "{config}: config key 'model.name': required, but missing (model has keys ['source', 'tiny', 'trust_remote_code'])"),
+        case("config", "missing-metric", cfg("datasets.amr_demo.metric", DROP), "config", "{config}: config key 'datasets.amr_demo.metric': required, but missing (datasets.amr_demo has keys ['derived', 'extra_fields', 'fields', 'flatten', 'format', 'max_rejected_fraction', 'source', 'splits', 'task'])"),
+        case("config", "missing-target", cfg("variants.baseline.target", DROP), "config", "{config}: config key 'variants.baseline.target': required, but missing (variants.baseline has keys ['chat_template', 'extractor', 'prompt', 'task', 'training'])"),
+        case("config", "unknown-top-level-key", cfg("trainig", {"max_steps": 5}), "config", "{config}: config key '<top level>': Additional properties are not allowed ('trainig' was unexpected)"),
+        case("config", "unknown-training-key", cfg("training.learning_rat", 1e-4), "config", "{config}: config key 'training': Additional properties are not allowed ('learning_rat' was unexpected)"),
+        case("config", "unknown-dataset-key", cfg("datasets.amr_demo.feilds", {"question": "q"}), "config", "{config}: config key 'datasets.amr_demo': Additional properties are not allowed ('feilds' was unexpected)"),
+        case("config", "unknown-variant-training-key", cfg("variants.mtup.training", {"max_lenght": 256}), "config", "{config}: config key 'variants.mtup.training': unknown training keys ['max_lenght']"),
+        case("config", "enum-precision", cfg("training.precision", "fp64"), "config", "{config}: config key 'training.precision': 'fp64' is not one of ['fp32', 'bf16', 'fp16']"),
+        case("config", "enum-metric", cfg("datasets.amr_demo.metric", "accuracy"), "config", "{config}: config key 'datasets.amr_demo.metric': 'accuracy' is not one of ['exact_match', 'exact_match_squad', 'token_f1', 'relaxed_accuracy', 'relaxed_accuracy_lenient', 'anls', 'smatch']"),
+        case("config", "enum-split", cfg("evaluation.split", "dev"), "config", "{config}: config key 'evaluation.split': 'dev' is not one of ['validation', 'test']"),
+        case("config", "enum-source-type", cfg("datasets.amr_demo.source.type", "s3"), "config", "{config}: config key 'datasets.amr_demo.source.type': 's3' is not one of ['hub', 'url', 'local']"),
+        case("config", "negative-learning-rate", cfg("training.learning_rate", -1e-4), "config", "{config}: config key 'training.learning_rate': -0.0001 is less than or equal to the minimum of 0"),
+        case("config", "negative-warmup", cfg("training.warmup_steps", -5), "config", "{config}: config key 'training.warmup_steps': -5 is less than the minimum of 0"),
+        case("config", "zero-lora-rank", cfg("training.lora.rank", 0), "config", "{config}: config key 'training.lora.rank': 0 is less than the minimum of 1"),
+        case("config", "zero-max-new-tokens", cfg("evaluation.max_new_tokens", 0), "config", "{config}: config key 'evaluation.max_new_tokens': 0 is less than the minimum of 1"),
+        case("config", "dropout-above-one", cfg("training.lora.dropout", 1.5), "config", "{config}: config key 'training.lora.dropout': 1.5 is greater than the maximum of 1"),
+        case("config", "seed-negative", cfg("seeds", [1, -1]), "config", "{config}: config key 'seeds.1': -1 is less than the minimum of 0"),
+        case("config", "seed-too-large", cfg("seeds", [2 ** 32]), "config", "{config}: config key 'seeds.0': 4294967296 is greater than the maximum of 4294967295"),
+        case("config", "seed-twice", cfg("seeds", [1, 1]), "config", "{config}: config key 'seeds': [1, 1] has non-unique elements"),
+        case("config", "seeds-empty", cfg("seeds", []), "config", "{config}: config key 'seeds': [] should be non-empty"),
+        case("config", "seed-as-string", cfg("seeds", ["1"]), "config", "{config}: config key 'seeds.0': '1' is not of type 'integer'"),
+        case("config", "seed-as-float", cfg("seeds", [1.5]), "config", "{config}: config key 'seeds.0': 1.5 is not of type 'integer'"),
+        case("config", "dataset-name-with-space", cfg("datasets", {"amr demo": default_config()["datasets"]["amr_demo"]}), "config", "{config}: config key 'datasets': 'amr demo' does not match '^[A-Za-z][A-Za-z0-9_-]*$'"),
+        case("config", "effective-batch-not-multiple", cfg("training.micro_batch", 5), "config", "{config}: config key 'training.effective_batch': 16 is not a multiple of micro_batch (5) x processes (1); choose an effective batch divisible by 5 or change micro_batch"),
+        case("config", "too-few-resamples", cfg("comparison.bootstrap_resamples", 10), "config", "{config}: config key 'comparison.bootstrap_resamples': 10 is less than the minimum of 1000"),
+        case("config", "local-model-without-path", cfg("model", {"name": "m", "source": "local"}), "config", "{config}: config key 'model.path': required when model.source is 'local'"),
+        case("config", "model-revision-is-a-branch", cfg("model", {"name": "m", "source": "hub", "hub_id": "Qwen/Qwen2.5-0.5B", "revision": "main"}), "config", "{config}: config key 'model.revision': 'main' is a branch, not a pinned revision; use a commit hash or a tag"),
+        case("config", "secret-never-echoed", cfg("datasets.amr_demo.extra_fields", {"api_key": 8675309}), "config", "{config}: config key 'datasets.amr_demo.extra_fields.api_key': <redacted> is not of type 'string'"),
+        case("config", "hf-token-never-echoed", cfg("datasets.amr_demo.extra_fields", {"HF_TOKEN": 8675309}), "config", "{config}: config key 'datasets.amr_demo.extra_fields.HF_TOKEN': <redacted> is not of type 'string'"),
+        # --- config: templates ---
+        case("config", "template-attribute-access", cfg("variants.baseline.prompt", "Q: {question.upper}"), "config", "{config}: config key 'variants.baseline.prompt': {question.upper} uses attribute access or indexing; " + HINT),
+        case("config", "template-indexing", cfg("variants.baseline.prompt", "Q: {question[0]}"), "config", "{config}: config key 'variants.baseline.prompt': {question[0]} uses attribute access or indexing; " + HINT),
+        case("config", "template-conversion", cfg("variants.baseline.target", " {answer!r}"), "config", "{config}: config key 'variants.baseline.target': {answer!r} uses a conversion or format spec; " + HINT),
+        case("config", "template-positional-field", cfg("variants.baseline.prompt", "Q: {}"), "config", "{config}: config key 'variants.baseline.prompt': {} is not a field name; " + HINT),
+        case("config", "template-unclosed-brace", cfg("variants.baseline.prompt", "Q: {question"), "config", "{config}: config key 'variants.baseline.prompt': unbalanced braces (expected '}' before end of string); a field is written {name}, write {{ and }} for literal braces"),
+        case("config", "template-stray-closing-brace", cfg("variants.baseline.target", " {answer}}"), "config", "{config}: config key 'variants.baseline.target': unbalanced braces (Single '}' encountered in format string); a field is written {name}, write {{ and }} for literal braces"),
+        case("config", "template-empty-prompt", cfg("variants.baseline.prompt", "  \n"), "config", "{config}: config key 'variants.baseline.prompt': the prompt is empty for every row; write a template such as 'Question: {question}'"),
+        case("config", "template-empty-target", cfg("variants.baseline.target", ""), "config", "{config}: config key 'variants.baseline.target': the target is empty for every row; write a template such as ' {answer}'"),
+        case("config", "template-unknown-field", cfg("variants.baseline.prompt", "Title: {title}\n{question}"), "config", "{config}: config key 'variants.baseline.prompt': refers to ['title'], which dataset 'amr_demo' does not provide (it has ['answer', 'answers', 'aux', 'id', 'question']); add them under datasets.amr_demo.extra_fields or derived"),
+        case("config", "template-gold-answer-in-prompt", cfg("variants.baseline.prompt", "Q: {question} ({answer})"), "config", "{config}: config key 'variants.baseline.prompt': shows field 'answer', which in dataset 'amr_demo' is the first gold answer, " + LEAK % "answer"),
+        case("config", "template-derived-gold-in-prompt", cfg("variants.mtup.prompt", "Q: {question} hint: {aux}"), "config", "{config}: config key 'variants.mtup.prompt': shows field 'aux', which in dataset 'amr_demo' is derived from the gold answer (aux = penman_skeleton(answer)), " + LEAK % "aux"),
+        case("config", "section-extractor-without-marker", cfg("variants.mtup.extractor", {"type": "section"}), "config", "{config}: config key 'variants.mtup.extractor.marker': a section extractor needs the final task's marker"),
+        # --- config: duplicate keys, YAML syntax, unreadable files ---
+        case("config", "dataset-twice", cfg_text(SMALL % ("  amr_demo:\n    source: {type: local, path: elsewhere}", "", "")), "config", "{config}: config key 'datasets.amr_demo': line 7: key 'amr_demo' is given twice (first at line 3); " + TWICE),
+        case("config", "variant-twice", cfg_text(SMALL % ("", "  baseline: {prompt: 'Q: {question}', target: '{answer}'}", "")), "config", "{config}: config key 'variants.baseline': line 10: key 'baseline' is given twice (first at line 9); " + TWICE),
+        case("config", "key-twice-in-flow-mapping", cfg_text(SMALL % ("", "", ", max_length: 64")), "config", "{config}: config key 'training.max_length': line 11: key 'max_length' is given twice (first at line 11); " + TWICE),
+        case("config", "yaml-unclosed-list", cfg_text("model: [unclosed"), "config", "{config}: config key '<file>': not valid YAML at line 1, column 17: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence at line 1, column 8)"),
+        case("config", "yaml-bad-indentation", cfg_text("model:\n  name: x\n   source: tiny\n"), "config", "{config}: config key '<file>': not valid YAML at line 3, column 10: mapping values are not allowed here"),
+        case("config", "yaml-tab-indentation", cfg_text("model:\n\tname: x\n"), "config", rx(r"\{config\}: config key '<file>': not valid YAML at line 2, column 1: found character '\\t' that cannot start any token.*")),
+        case("config", "yaml-top-level-list", cfg_text("- a\n- b\n"), "config", "{config}: config key '<top level>': the config must be a mapping"),
+        case("config", "yaml-empty-file", cfg_text(""), "config", "{config}: config key '<top level>': the config must be a mapping"),
+        case("config", "config-file-missing", lambda w: [str(w.config)], "config", "{config}: config key '<file>': config file not found"),
+        case("config", "config-not-utf8", cfg_bytes(b"model:\n  name: caf\xe9\n"), "config", "{config}: config key '<file>': not UTF-8 text (byte 19)"),
+        # --- config: a variant's training overrides must keep the comparison fair ---
+        case("config", "variant-overrides-max-length", cfg("variants.mtup.training", {"max_length": 256}), "config", "{config}: config key 'variants.mtup.training.max_length': " + UNFAIR.format(key="training.max_length", new=256, old=128)),
+        case("config", "variant-overrides-lora-rank", cfg("variants.mtup.training", {"lora": {"rank": 8}}), "config", "{config}: config key 'variants.mtup.training.lora.rank': " + UNFAIR.format(key="training.lora.rank", new=8, old=16)),
+        case("config", "reference-variant-missing", cfg("comparison.reference_variant", "plain"), "config", "{config}: config key 'comparison.reference_variant': 'plain' is not one of the generation variants ['baseline', 'mtup']; with variants of several tasks give a mapping, e.g. {generation: baseline, classification: plain}"),
+
+        # --- data files read by normalise: one bad row in ten is more than max_rejected_fraction 0.01 ---
+        case("data", "missing-field", rows({"a": "x"}), "normalise", rejected("missing_field", "q", "is missing")),
+        case("data", "null-value", rows({"q": None, "a": "x"}), "normalise", rejected("missing_field", "q", "is null")),
+        case("data", "empty-question", rows({"q": "  ", "a": "x"}), "normalise", rejected("empty_value", "q", "is empty")),
+        case("data", "empty-answer-list", rows({"q": "ok?", "a": []}), "normalise", rejected("empty_value", "a", "is an empty list")),
+        case("data", "empty-answer-in-list", rows({"q": "ok?", "a": ["x", ""]}), "normalise", rejected("empty_value", "a[1]", "is empty")),
+        case("data", "number-for-question", rows({"q": 42, "a": "x"}), "normalise", rejected("wrong_type", "q", "expected a string, got int 42")),
+        case("data", "object-for-answers", rows({"q": "ok?", "a": {"text": "x"}}), "normalise", rejected("wrong_type", "a", "expected a string or a list of strings, got dict")),
+        case("data", "row-is-a-list", rows(["q", "a"]), "normalise", rejected("wrong_type", None, "the row is a list, not an object with fields")),
+        case("data", "unparseable-jsonl-line", rows('{"q": "ok?", "a": }'), "normalise", rejected("unparseable_record", None, "not valid JSON: line 6 column 19: Expecting value")),
+        case("data", "unparseable-jsonl-line-cut-short", rows('{"q": "broken'), "normalise", rejected("unparseable_record", None, "not valid JSON: line 6 column 7: Unterminated string starting here")),
+        case("data", "jsonl-line-with-a-raw-tab", rows('{"q": "tab\there", "a": "x"}'), "normalise", rejected("unparseable_record", None, "not valid JSON: line 6 column 11: Invalid control character here")),
+        case("data", "duplicate-id", rows({"id": "r2", "q": "again?", "a": "x"}, ids=True), "normalise", rejected("duplicate_id", "id", "id 'r2' occurs earlier in the split")),
+        case("data", "extra-field-changes-type", rows({"q": "ok?", "a": "x", "img": 7}, extra=True), "normalise", rejected("wrong_type", "img", "is a number where earlier rows hold a string")),
+        case("data", "flattened-length-mismatch", rows({"id": "r", "q": ["a?", "b?"], "a": ["1"]}, flat=True), "normalise", rejected("length_mismatch", "q/a", "2 questions but 1 answers; pairs cannot be matched")),
+        case("data", "flatten-needs-a-list", rows({"id": "r", "q": "a?", "a": ["1"]}, flat=True), "normalise", rejected("wrong_type", "q", "flatten needs a list, got str")),
+        case("data", "field-absent-from-every-row", rows(settings={"fields": {"question": "query", "answers": "a"}}), "normalise", "{raw}/train.jsonl: field 'query' (datasets.d.fields.question) is absent from every row of split 'train'; the rows have fields ['a', 'q']"),
+        case("data", "too-many-rejections", rows({"q": "", "a": "x"}, copies=3, good=97), "normalise", "{raw}/train.jsonl: 3 of 100 rows of split 'train' rejected (3.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: empty_value 3; for example {raw}/train.jsonl row 5: field 'q': is empty"),
+        case("data", "every-row-rejected", rows({"q": "", "a": "x"}, good=0, settings={"max_rejected_fraction": 1.0}), "normalise", "{raw}/train.jsonl: 1 of 1 rows of split 'train' rejected (100.0%), so no row is left; reasons: empty_value 1; for example {raw}/train.jsonl row 0: field 'q': is empty"),
+        case("data", "empty-split-file", rows(good=0), "normalise", "{raw}/train.jsonl: split 'train' has no rows"),
+        case("data", "missing-split-file", rows(settings={"splits": {"train": "train", "validation": "dev", "test": "test"}}), "normalise", "{raw}: no split 'dev' (found ['test', 'train']); check the dataset's splits mapping in the config"),
+        case("data", "raw-directory-missing", normalise_args({"--raw": "{tmp}/nowhere"}), "normalise", "{tmp}/nowhere: raw data directory not found; run the download rule first"),
+        case("data", "not-utf8", raw_file("train.jsonl", b'{"q": "caf\xe9?", "a": "x"}\n'), "normalise", "{raw}/train.jsonl line 1: " + NOT_UTF8 % 10),
+        case("data", "not-utf8-far-into-the-file", raw_file("train.jsonl", b'{"q": "ok?", "a": "x"}\n' * 3000 + b'{"q": "caf\xe9?", "a": "x"}\n'), "normalise", "{raw}/train.jsonl line 3001: " + NOT_UTF8 % 69010),
+        case("data", "csv-not-utf8", raw_file("train.csv", b"q,a\nok?,x\ncaf\xe9?,y\n", fmt="csv"), "normalise", "{raw}/train.csv line 3: " + NOT_UTF8 % 13),
+        case("data", "json-not-utf8", raw_file("train.json", b'[{"q": "ok?",\n  "a": "caf\xe9"}]', fmt="json"), "normalise", "{raw}/train.json line 2: " + NOT_UTF8 % 25),
+        case("data", "csv-empty-cell", csv_rows("ok?,"), "normalise", rejected("empty_value", "a", "is empty", fmt="csv")),
+        case("data", "csv-missing-column", csv_rows(header="question,a"), "normalise", "{raw}/train.csv: field 'q' (datasets.d.fields.question) is absent from every row of split 'train'; the rows have fields ['a', 'question']"),
+        case("data", "csv-short-row", csv_rows("ok?"), "normalise", rejected("unparseable_record", None, "not valid CSV: line 7 has 1 field where the header (line 1) has 2; every line needs one value per column (an empty value is still separated by a comma)", fmt="csv")),
+        case("data", "csv-unquoted-comma", csv_rows("how many?,1,000"), "normalise", rejected("unparseable_record", None, "not valid CSV: line 7 has 3 fields where the header (line 1) has 2; a value that holds a comma must be in double quotes", fmt="csv")),
+        case("data", "csv-stray-quote", csv_rows('"how" many?,1'), "normalise", rejected("unparseable_record", None, "not valid CSV: line 7: ',' expected after '\"'", fmt="csv")),
+        case("data", "csv-header-names-a-column-twice", csv_rows(header="q,a,a"), "normalise", "{raw}/train.csv line 1: the header names column ['a'] more than once, so one column's values would be lost; rename the columns apart"),
+        case("data", "json-file-not-a-list", raw_file("train.json", b'{"q": "x?", "a": "1"}', fmt="json"), "normalise", "{raw}/train.json: a json split file must hold a list of records, not a dict"),
+        case("data", "json-file-invalid", raw_file("train.json", b'[{"q": "x?", "a": "1"},]', fmt="json"), "normalise", "{raw}/train.json: not valid JSON (line 1 column 24): Expecting value"),
+        case("data", "parquet-file-corrupt", raw_file("train.parquet", b"PAR1 not really parquet", fmt="parquet"), "normalise", "{raw}/train.parquet: " + NOT_PARQUET % "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file."),
+        case("data", "parquet-file-cut-short", raw_file("train.parquet", lambda: parquet_bytes()[:-100], fmt="parquet"), "normalise", "{raw}/train.parquet: " + NOT_PARQUET % "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file."),
+        case("data", "parquet-file-empty", raw_file("train.parquet", b"", fmt="parquet"), "normalise", "{raw}/train.parquet: " + NOT_PARQUET % "Parquet file size is 0 bytes"),
+        case("data", "dataset-argument-bad-json", normalise_args({"--dataset": "{source: local}"}), "normalise", "argument --dataset: not valid JSON at character 1: Expecting property name enclosed in double quotes"),
+        case("data", "dataset-argument-bad-metric", rows(settings={"metric": "accuracy"}), "normalise", rx(r"--dataset: config key 'datasets\.d\.metric': 'accuracy' is not one of \[.*\]")),
+        case("data", "derived-from-unknown-field", rows(settings={"derived": {"aux": {"transform": "answer_kind", "field": "label"}}}), "normalise", "config key 'datasets.d.derived.aux.field': 'label' is not a field of the normalised row (choose from ['answer', 'id', 'question'])"),
+
+        # --- stage command lines: pretokenise ---
+        case("cli", "pretokenise-variant-bad-json", pretok({"--variant": "{'prompt': 1}"}), "pretokenise", "argument --variant: not valid JSON at character 1: Expecting property name enclosed in double quotes"),
+        case("cli", "pretokenise-variant-without-target", pretok({"--variant": {"prompt": "{question}"}}), "pretokenise", "argument --variant: needs a JSON object with at least 'prompt' and 'target'"),
+        case("cli", "pretokenise-variant-unknown-key", pretok({"--variant": {**BASELINE, "colour": 1}}), "pretokenise", "argument --variant: unknown keys ['colour'] (known: ['prompt', 'target', 'extractor', 'chat_template'])"),
+        case("cli", "pretokenise-unknown-task", pretok({"--task": "translation"}), "pretokenise", rx(r"argument --task: unknown task 'translation'; known: \[.*'generation'.*\]"),
+             gap="WorkflowError \"unknown task 'translation'; known: ['generation']\" (tasks.task_named): the argument --task is not named"),
+        case("cli", "pretokenise-template-field-missing", pretok({"--variant": {"prompt": "{title}", "target": " {answer}"}}), "pretokenise", "{data} split 'train' row 0: row id 'r0': the prompt template refers to field 'title', which the row does not have (it has ['answer', 'answers', 'id', 'question'])"),
+        case("cli", "pretokenise-template-syntax", pretok({"--variant": {"prompt": "{question.upper}", "target": " {answer}"}}), "pretokenise", "{data} split 'train' row 0: the prompt template '{question.upper}': {question.upper} uses attribute access or indexing; " + HINT),
+        case("cli", "pretokenise-max-length-1", pretok({"--max-length": "1"}), "pretokenise", "argument --max-length: 1 leaves no room for a prompt and a target"),
+        case("cli", "pretokenise-threads-0", pretok({"--threads": "0"}), "pretokenise", "argument --threads: 0 must be at least 1"),
+        case("cli", "pretokenise-every-prompt-too-long", pretok({"--max-length": "3"}), "pretokenise", "{data} split 'train': every prompt is at least --max-length 3 tokens, so no row keeps a target token; raise training.max_length or shorten the prompt template"),
+        case("cli", "pretokenise-data-missing", pretok({"--data": "{tmp}/nowhere"}), "pretokenise", rx(r"\{tmp\}/nowhere: not a normalised dataset \(.*\); run normalise first")),
+        case("cli", "pretokenise-data-without-train", pretok({"--data": "{test_only}"}), "pretokenise", "{test_only}: has no 'train' split (it has ['test'])"),
+        case("cli", "pretokenise-data-is-tokenised", pretok({"--data": "{tok}"}), "pretokenise", "{tok}: no task_meta.json, so this is not normalise output (or an older version's); run the normalise rule"),
+        # --- stage command lines: evaluate ---
+        case("cli", "evaluate-evaluation-bad-json", evaluate_({"--evaluation": "{split: test}"}), "evaluate", "argument --evaluation: not valid JSON at character 1: Expecting property name enclosed in double quotes"),
+        case("cli", "evaluate-evaluation-not-an-object", evaluate_({"--evaluation": ["test"]}), "evaluate", "argument --evaluation: expected a JSON object, got list"),
+        case("cli", "evaluate-evaluation-key-missing", evaluate_({"--evaluation": {**EVALUATION, "max_new_tokens": DROP}}), "evaluate", "config key 'evaluation.max_new_tokens': missing from the --evaluation argument"),
+        case("cli", "evaluate-batch-size-0", evaluate_({"--evaluation": {**EVALUATION, "batch_size": 0}}), "evaluate", "config key 'evaluation.batch_size': must be a positive integer, got 0"),
+        case("cli", "evaluate-max-examples-not-a-number", evaluate_({"--evaluation": {**EVALUATION, "max_examples": "all"}}), "evaluate", "config key 'evaluation.max_examples': must be a positive integer or null, got 'all'",
+             gap="TypeError traceback: \"'<' not supported between instances of 'int' and 'str'\" from min() in evaluate.load_test_rows; evaluation.max_examples is never checked"),
+        case("cli", "evaluate-max-examples-0", evaluate_({"--evaluation": {**EVALUATION, "max_examples": 0}}), "evaluate", "config key 'evaluation.max_examples': must be a positive integer or null, got 0",
+             gap="WorkflowError \"<data> split 'test': no rows to evaluate\": blames the data, not evaluation.max_examples (never checked)"),
+        case("cli", "evaluate-split-missing", evaluate_({"--evaluation": {**EVALUATION, "split": "validation"}, "--data": "{test_only}"}), "evaluate", "config key 'evaluation.split': 'validation' is not a split of {test_only} (it has ['test'])"),
+        case("cli", "evaluate-seed-not-a-number", evaluate_({"--seed": "first"}), "evaluate", "argument --seed: expected an integer or 'base', got 'first'"),
+        case("cli", "evaluate-unknown-metric", evaluate_({"--metric": "accuracy"}), "evaluate", "argument --metric: 'accuracy' is not a metric of task 'generation' (choose from ['exact_match', 'exact_match_squad', 'token_f1', 'relaxed_accuracy', 'relaxed_accuracy_lenient', 'anls', 'smatch'])"),
+        case("cli", "evaluate-unknown-task", evaluate_({"--task": "translation"}), "evaluate", rx(r"argument --task: unknown task 'translation'; known: \[.*'generation'.*\]"),
+             gap="WorkflowError \"unknown task 'translation'; known: ['generation']\" (tasks.task_named): the argument --task is not named"),
+        case("cli", "evaluate-data-missing", evaluate_({"--data": "{tmp}/nowhere"}), "evaluate", rx(r"\{tmp\}/nowhere: not a normalised dataset \(.*\); run normalise first")),
+        case("cli", "evaluate-duplicate-test-id", evaluate_({"--data": "{duplicate_ids}"}), "evaluate", "{duplicate_ids} split 'test' row 1: duplicate id 'x'"),
+        case("cli", "evaluate-template-field-missing", evaluate_({"--variant": {"prompt": "{title}", "target": " {answer}"}}), "evaluate", rx(r"\{data\} split 'test' row 0: .*field 'title'.*"),
+             gap="WorkflowError \"row id 'r8': the prompt template refers to field 'title', which the row does not have (it has ['answer', 'answers', 'id', 'question'])\": names neither the data directory nor the split (pretokenise names both), and only after the model is loaded"),
+        # --- stage command lines: sanity and train (every case fails before a step is taken) ---
+        case("cli", "sanity-training-bad-json", gate({"--training": "{max_steps: 5}"}), "sanity", "config key '--training': not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+        case("cli", "sanity-training-not-an-object", gate({"--training": [1]}), "sanity", "config key '--training': must be a JSON object of training settings"),
+        case("cli", "sanity-training-wrong-type", gate({"--training": training(micro_batch="four")}), "sanity", "--training: config key 'training.micro_batch': 'four' is not of type 'integer'"),
+        case("cli", "sanity-training-unknown-key", gate({"--training": training(learning_rat=1e-3)}), "sanity", "--training: config key 'training': Additional properties are not allowed ('learning_rat' was unexpected)"),
+        case("cli", "sanity-training-bad-enum", gate({"--training": training(precision="fp64")}), "sanity", "--training: config key 'training.precision': 'fp64' is not one of ['fp32', 'bf16', 'fp16']"),
+        case("cli", "sanity-effective-batch-not-multiple", gate({"--training": training(micro_batch=3)}), "sanity", "config key 'training.effective_batch': 8 is not a multiple of micro_batch (3) x processes (1); choose an effective batch divisible by 3 or change micro_batch"),
+        case("cli", "sanity-seed-not-a-number", gate({"--seed": "one"}), "sanity", "argument --seed: invalid int value: 'one'",
+             gap="argparse's SystemExit(2) after printing its usage block and \"python -m workflow_scripts.sanity: error: argument --seed: invalid int value: 'one'\" (not a WorkflowError, not run_main's one 'error:' line)"),
+        case("cli", "sanity-data-missing", gate({"--data": "{tmp}/nowhere"}), "sanity", "{tmp}/nowhere/tokenise_meta.json: missing; run the pretokenise rule first"),
+        case("cli", "sanity-data-not-tokenised", gate({"--data": "{data}"}), "sanity", "{data}/tokenise_meta.json: missing; run the pretokenise rule first"),
+        case("cli", "sanity-meta-bad-json", gate({"--data": "{tok_copy}"}, plant=put("tok_copy/tokenise_meta.json", "{not json")), "sanity", "{tok_copy}/tokenise_meta.json: not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+        case("cli", "sanity-meta-without-task", gate({"--data": "{tok_copy}"}, plant=edit_meta(task=DROP)), "sanity", "{tok_copy}/tokenise_meta.json: no 'task' recorded (tokenised by an older version); re-run the pretokenise rule"),
+        case("cli", "sanity-split-column-missing", gate({"--data": "{tok_copy}"}, plant=drop_column("labels")), "sanity", "{tok_copy}/train: missing columns ['labels']"),
+        case("cli", "sanity-data-for-another-model", gate({"--model": "{tiny_model}"}), "sanity", rx(r"data: row \d+ \(id 'r\d+'\) has token id \d+ outside the model's vocabulary of 128\. Fix: re-tokenise the data with this model's tokenizer \(rerun pretokenise\)")),
+        case("cli", "sanity-data-for-another-tokenizer", gate({"--data": "{tiny_tok}"}), "sanity", rx(r".*tokeni[sz]er.*"),
+             gap="exit 0, sanity.json written: tokenise_meta.json's tokenizer_fingerprint ('tiny') is never compared with the model's tokenizer, and ids below the vocabulary size pass the data scan"),
+        case("cli", "train-training-bad-json", train_({"--training": "{max_steps: 5}"}), "train", "config key '--training': not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+        case("cli", "train-negative-learning-rate", train_({"--training": training(learning_rate=-0.1)}), "train", "--training: config key 'training.learning_rate': -0.1 is less than or equal to the minimum of 0"),
+        case("cli", "train-data-not-tokenised", train_({"--data": "{data}"}), "train", "{data}/tokenise_meta.json: missing; run the pretokenise rule first"),
+        case("cli", "train-data-for-another-model", train_({"--model": "{tiny_model}"}), "train", "{tok}/tokenise_meta.json: vocab_size 294 exceeds the model's 128; the data was tokenised for another model"),
+        # --- stage command lines: compare ---
+        case("cli", "compare-experiments-bad-json", compare_({"--experiments": "[[chart, baseline, 1]]"}), "compare", "argument --experiments: not valid JSON at character 2: Expecting value"),
+        case("cli", "compare-experiments-empty", compare_({"--experiments": []}), "compare", "argument --experiments: expected a non-empty JSON list of [dataset, variant, seed]"),
+        case("cli", "compare-experiment-seed-as-string", compare_({"--experiments": [["chart", "baseline", "1"]]}), "compare", "argument --experiments item 0: expected [dataset, variant, seed], got ['chart', 'baseline', '1']"),
+        case("cli", "compare-experiment-twice", compare_({"--experiments": EXPERIMENTS + [["chart", "mtup", 2]]}), "compare", "argument --experiments item 4: ['chart', 'mtup', 2] is listed twice"),
+        case("cli", "compare-comparison-key-missing", compare_({"--comparison": {**COMPARISON, "bootstrap_seed": DROP}}), "compare", "config key 'comparison.bootstrap_seed': missing from the --comparison argument"),
+        case("cli", "compare-too-few-resamples", compare_({"--comparison": {**COMPARISON, "bootstrap_resamples": 999}}), "compare", "config key 'comparison.bootstrap_resamples': must be an integer >= 1000, got 999"),
+        case("cli", "compare-bad-bootstrap-mode", compare_({"--comparison": {**COMPARISON, "bootstrap": "seeds"}}), "compare", "config key 'comparison.bootstrap': must be one of auto, examples, seeds_and_examples, got 'seeds'"),
+        case("cli", "compare-reference-not-compared", compare_({"--comparison": {**COMPARISON, "reference_variant": "plain"}}), "compare", "config key 'comparison.reference_variant': 'plain' is not among the compared variants"),
+        case("cli", "compare-results-missing", compare_({"--results-dir": "{tmp}/nowhere"}), "compare", "{tmp}/nowhere/chart/baseline/seed1/eval.json: not found; run the stage that writes it first"),
+        case("cli", "compare-eval-json-invalid", compare_(plant=put("results/chart/mtup/seed1/eval.json", '{"score": 0.5,')), "compare", "{results}/chart/mtup/seed1/eval.json: not valid JSON at line 1: Expecting property name enclosed in double quotes"),
+        case("cli", "compare-eval-json-for-another-seed", compare_(plant=patch_json("chart/mtup/seed1/eval.json", seed=2)), "compare", "{results}/chart/mtup/seed1/eval.json: field 'seed' is 2, but the path is for seed 1"),
+        case("cli", "compare-eval-json-unknown-metric", compare_(plant=patch_json("chart/mtup/seed1/eval.json", metric="accuracy")), "compare", rx(r"\{results\}/chart/mtup/seed1/eval\.json: field 'metric' is 'accuracy'; known: .*")),
+        case("cli", "compare-stale-eval-json", compare_(plant=patch_json("chart/mtup/seed1/eval.json", score=0.99)), "compare", "{results}/chart/mtup/seed1: eval.json score 0.99 does not match its predictions.jsonl (0.8); the two files come from different runs: rerun evaluate"),
+        case("cli", "compare-prediction-score-not-a-number", compare_(plant=patch_line("chart/mtup/seed1/predictions.jsonl", 3, score="high")), "compare", "{results}/chart/mtup/seed1/predictions.jsonl line 4: field 'score' is missing or not a finite number"),
+        case("cli", "compare-prediction-line-invalid", compare_(plant=append("chart/mtup/seed1/predictions.jsonl", "{oops\n")), "compare", "{results}/chart/mtup/seed1/predictions.jsonl line 21: not valid JSON: Expecting property name enclosed in double quotes"),
+        case("cli", "compare-prediction-id-twice", compare_(plant=patch_line("chart/mtup/seed1/predictions.jsonl", 3, id="ex000")), "compare", "{results}/chart/mtup/seed1/predictions.jsonl line 4: duplicate id 'ex000'"),
+        case("cli", "compare-different-test-sets", compare_(plant=rerun("mtup", 2, scores=correct(18)[:-1])), "compare", "{results}/chart/mtup/seed2/predictions.jsonl: not the same test examples as {results}/chart/baseline/seed1/predictions.jsonl (missing ids ['ex019'], extra ids []); paired comparison needs identical test sets: rerun evaluate with the same evaluation settings"),
+        case("cli", "compare-train-log-row-bad", compare_(plant=append("chart/baseline/seed2/train_log.jsonl", '{"step": 11}\n')), "compare", "{results}/chart/baseline/seed2/train_log.jsonl line 11: fields 'step' (integer) and 'loss' (finite number) are required"),
+        case("cli", "compare-run-manifest-missing", compare_(plant=delete("chart/mtup/seed2/run_manifest.json")), "compare", "{results}/chart/mtup/seed2/run_manifest.json: not found; run the stage that writes it first"),
+        case("cli", "compare-base-eval-missing", compare_(plant=delete("chart/mtup/base/eval.json")), "compare", "{results}/chart/mtup/base/eval.json: not found; run the stage that writes it first"),
+        case("cli", "compare-seeds-differ", compare_({"--experiments": EXPERIMENTS[:3]}), "compare", "dataset 'chart': variant 'mtup' has seeds [1], the reference 'baseline' has [1, 2]; pairing by seed needs the same seeds"),
+        case("cli", "compare-unfair-runs", compare_(plant=rerun("mtup", 1, training_change={"max_length": 2048})), "compare", "unfair comparison on dataset 'chart', seed 1: the variants differ in more than the prompt format: training.max_length: baseline=512, mtup=2048 (from {results}/chart/{baseline,mtup}/seed1/run_manifest.json). Fix: make these settings equal (remove the variants.<name>.training overrides) and rerun, or, if the difference is intended, list it under comparison.intended_differences: [training.max_length]"),
+
+        # --- models ---
+        case("model", "local-model-without-config", prepare_local(without=("config.json",)), "prepare_model", "model.path {tmp}/source_model: no config.json"),
+        case("model", "local-model-only-pickle-weights", prepare_local(without=("model.safetensors",), extra={"pytorch_model.bin": b"pickle"}), "prepare_model", "model.path {tmp}/source_model: only pickle weights ['pytorch_model.bin'], which can run code when loaded; convert them to safetensors first"),
+        case("model", "local-model-without-tokenizer", prepare_local(without=("tokenizer.json",)), "prepare_model", "model.path {tmp}/source_model: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)"),
+        case("model", "local-model-path-missing", prepare_({"--model": {"name": "m", "source": "local", "path": "{tmp}/nowhere"}}), "prepare_model", "model.path {tmp}/nowhere: not a model directory (missing or empty)"),
+        case("model", "model-source-unknown", prepare_({"--model": {"name": "m", "source": "s3"}}), "prepare_model", "--model: config key 'model.source': 's3' is not one of ['tiny', 'hub', 'gguf', 'local']"),
+        case("model", "hub-model-without-revision", prepare_({"--model": {"name": "m", "source": "hub", "hub_id": "Qwen/Qwen2.5-0.5B"}}), "prepare_model", "--model: config key 'model.revision': required when model.source is 'hub'"),
+        case("model", "corpus-for-a-non-tiny-model", prepare_({"--model": {"name": "m", "source": "local", "path": "{model}"}, "--corpus": "{data}"}), "prepare_model", "--corpus is only used by model.source 'tiny', not 'local'"),
+        case("model", "pretokenise-model-missing", pretok({"--model": "{tmp}/nowhere"}), "pretokenise", "{tmp}/nowhere: not a model directory (no config.json); run prepare_model first"),
+        case("model", "pretokenise-model-without-tokenizer", pretok({"--model": "{tiny_model}"}), "pretokenise", rx(r"\{tiny_model\}: .*tokenizer.*"),
+             gap="ValueError traceback from AutoTokenizer.from_pretrained: \"Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers` library serialization file, ...\" (5 lines, no directory named)"),
+        case("model", "evaluate-model-without-config", evaluate_({"--model": "{model_copy}"}, plant=copy_model(without=("config.json",))), "evaluate", "{model_copy}: no config.json; run the prepare_model rule first"),
+        case("model", "evaluate-model-without-weights", evaluate_({"--model": "{model_copy}"}, plant=copy_model(without=("model.safetensors",))), "evaluate", rx(r"\{model_copy\}: .*(weights|safetensors).*"),
+             gap="OSError traceback from from_pretrained: 'Error no file named model.safetensors, or pytorch_model.bin, found in directory <model_copy>.' (not a WorkflowError)"),
+        case("model", "evaluate-adapter-not-peft", evaluate_({"--adapter": "{tmp}/empty"}, plant=mkdir("empty")), "evaluate", "{tmp}/empty: no adapter_config.json; is this a PEFT adapter directory?"),
+        case("model", "evaluate-adapter-missing", evaluate_({"--adapter": "{tmp}/nowhere"}), "evaluate", "{tmp}/nowhere: no adapter_config.json; is this a PEFT adapter directory?"),
+        case("model", "evaluate-adapter-of-another-model", evaluate_({"--adapter": "{other_adapter}"}), "evaluate", rx(r"\{other_adapter\}: .*(another|base) model.*"),
+             gap="exit 0, eval.json written: PEFT loads the layer-0 LoRA weights of an adapter made for another base model (2 layers, vocabulary 128) and silently drops the rest; adapter_config.json's base model is never checked"),
+        case("model", "sanity-lora-target-matches-nothing", gate({"--training": training(lora={"target_modules": ["qkv_proj"]})}), "sanity", rx(r"training\.lora\.target_modules \['qkv_proj'\]: Target modules \{'qkv_proj'\} not found in the base model\..*")),
+        case("model", "train-lora-target-matches-nothing", train_({"--training": training(lora={"target_modules": ["qkv_proj"]})}), "train", rx(r"training\.lora\.target_modules \['qkv_proj'\]: Target modules \{'qkv_proj'\} not found in the base model\..*")),
+        case("model", "sanity-modules-to-save-matches-nothing", gate({"--training": training(lora={"modules_to_save": ["lm_haed"]})}), "sanity", rx(r".*modules_to_save.*lm_haed.*"),
+             gap="exit 0, sanity.json written: PEFT silently ignores a modules_to_save name that matches no module"),
+        case("model", "sanity-model-missing", gate({"--model": "{tmp}/nowhere"}), "sanity", "{tmp}/nowhere: no config.json; run the prepare_model rule first"),
+        case("model", "sanity-model-config-not-json", gate({"--model": "{model_copy}"}, plant=copy_model(replace={"config.json": b"{not json"})), "sanity", rx(r"\{model_copy\}/config\.json: .*JSON.*"),
+             gap="OSError traceback from AutoConfig: \"It looks like the config file at '<model_copy>/config.json' is not a valid JSON file.\" (not a WorkflowError; no line or column)"),
+    ]
+
+
+# --- the parts of the messages that many rows share ---
+HINT = "a field is a plain name such as {question}, write {{ and }} for literal braces"
+LEAK = ("so evaluation would put the gold answer into every test prompt; remove {%s} from the prompt "
+        "(a field computed from the answer belongs in the target, as MTUP's aux does)")
+TWICE = "YAML would silently keep only the last, so remove or rename one"
+NOT_UTF8 = "not UTF-8 text (byte 0xe9 at byte offset %d of the file); re-save the file as UTF-8"
+NOT_PARQUET = "not a readable Parquet file (%s); it is truncated or corrupt: download or export it again"
+UNFAIR = ("sets {new!r} where the other variants use {old!r}, so the comparison would not be fair; remove the override, "
+          "or list it under comparison.intended_differences: [{key}] if the difference is the point")
+SMALL = """\
+model: {name: tiny-llama, source: tiny}
+datasets:
+  amr_demo:
+    source: {type: local, path: demo_data/amr}
+    fields: {id: id, question: sentence, answers: graph}
+    metric: smatch
+%s
+variants:
+  baseline: {prompt: "Q: {question}", target: " {answer}"}
+%s
+training: {max_length: 128%s}
+"""
+
+
+def rejected(reason: str, field: str | None, detail: str, row: int = 5, fmt: str = "jsonl") -> str:
+    """normalise's message for one bad row (at ``row``) among ten."""
+    where = f"{{raw}}/train.{fmt} row {row}: " + (f"field '{field}': " if field else "")
+    return (f"{{raw}}/train.{fmt}: 1 of 10 rows of split 'train' rejected (10.0%), more than "
+            f"datasets.d.max_rejected_fraction = 0.01; reasons: {reason} 1; for example {where}{detail}")
+
+
+# --- the test ---
+@dataclass(frozen=True)
+class Regex:
+    pattern: str
+
+
+def rx(pattern: str) -> Regex:
+    """An expected message given as a regex (matched in full); write workspace paths as \\{name\\}."""
+    return Regex(pattern)
+
+
+def case(family: str, case_id: str, setup: Callable, stage: str, expected: str | Regex, gap: str | None = None):
+    marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
+    return pytest.param(setup, stage, expected, id=f"{family}-{case_id}", marks=marks)
+
+
+OUTPUT_FLAGS = ("--out", "--report", "--summary-out", "--predictions-out", "--adapter-out", "--log-out",
+                "--manifest-out", "--out-csv", "--out-markdown", "--plots-dir")
+
+
+def declared_outputs(argv: list[str]) -> list[Path]:
+    return [Path(value) for flag, value in zip(argv, argv[1:]) if flag in OUTPUT_FLAGS]
+
+
+def call(stage: str, argv: list[str]):
+    """The entry point: ``load_config(path)`` for ``config``, else ``workflow_scripts.<stage>.main(argv)``."""
+    if stage == "config":
+        from workflow_scripts.core.experiment_config import load_config
+
+        return load_config(argv[0])
+    return importlib.import_module(f"workflow_scripts.{stage}").main(argv)
+
+
+# --- fixtures: one set of tiny inputs for the module, a fresh workspace per case ---
+@dataclass
+class Shared:
+    model: Path          # prepared tiny model with a tokenizer (vocabulary 294)
+    data: Path           # normalised data: train (8 rows), validation, test (4 rows)
+    tok: Path            # data pre-tokenised for ``model``
+    test_only: Path      # normalised data with a test split only
+    duplicate_ids: Path  # normalised data whose test split repeats an id
+    tiny_model: Path     # conftest's tiny Llama: vocabulary 128, no tokenizer
+    tiny_tok: Path       # conftest's tiny token data (vocabulary 128, another "tokenizer")
+    other_adapter: Path  # a LoRA adapter made for ``tiny_model``, not for ``model``
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, tiny_model_dir, tiny_tokenised_dir) -> Shared:
+    import torch
+    from datasets import Dataset, DatasetDict
+
+    from workflow_scripts import prepare_model, pretokenise
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("bad_inputs")
+    rows = [{"id": f"r{i}", "question": f"what is {i} plus {i}?", "answers": [str(2 * i)]} for i in range(12)]
+    DatasetDict({"train": Dataset.from_list(rows[:8]), "validation": Dataset.from_list(rows[8:10]),
+                 "test": Dataset.from_list(rows[8:])}).save_to_disk(str(root / "data"))
+    DatasetDict({"test": Dataset.from_list(rows[8:])}).save_to_disk(str(root / "test_only"))
+    DatasetDict({"test": Dataset.from_list([{**rows[0], "id": "x"}, {**rows[1], "id": "x"}])}).save_to_disk(
+        str(root / "duplicate_ids"))
+    for name in ("data", "test_only", "duplicate_ids"):  # what normalise writes beside the rows
+        (root / name / "task_meta.json").write_text(json.dumps({"task": "generation"}))
+    tiny = {"name": "tiny", "source": "tiny", "tiny": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
+                                                      "num_heads": 2, "vocab_size": 300, "seed": 0}}
+    assert prepare_model.main(["--model", json.dumps(tiny), "--out", str(root / "model"),
+                               "--corpus", str(root / "data")]) == 0
+    assert pretokenise.main(["--model", str(root / "model"), "--data", str(root / "data"), "--task", "generation",
+                             "--variant", json.dumps(BASELINE), "--max-length", "64", "--out", str(root / "tok"),
+                             "--report", str(root / "tok_report.json")]) == 0
+    return Shared(root / "model", root / "data", root / "tok", root / "test_only", root / "duplicate_ids",
+                  tiny_model_dir, tiny_tokenised_dir, build_adapter(tiny_model_dir, root / "other_adapter"))
+
+
+def build_adapter(model_dir: Path, directory: Path) -> Path:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    model.save_pretrained(directory)
+    return directory
+
+
+@dataclass
+class Workspace:
+    tmp: Path
+    shared: Shared
+
+    @property
+    def out(self) -> Path:  # every output of the stage goes below here
+        return self.tmp / "out"
+
+    @property
+    def raw(self) -> Path:
+        return self.tmp / "raw"
+
+    @property
+    def config(self) -> Path:
+        return self.tmp / "config.yaml"
+
+    @property
+    def results(self) -> Path:
+        return self.tmp / "results"
+
+    def paths(self) -> dict[str, str]:
+        s = self.shared
+        return {"tmp": self.tmp, "out": self.out, "raw": self.raw, "config": self.config, "results": self.results,
+                "model": s.model, "data": s.data, "tok": s.tok, "test_only": s.test_only,
+                "duplicate_ids": s.duplicate_ids, "tiny_model": s.tiny_model, "tiny_tok": s.tiny_tok,
+                "other_adapter": s.other_adapter, "tok_copy": self.tmp / "tok_copy",
+                "model_copy": self.tmp / "model_copy"}
+
+    def substitute(self, text: str, regex: bool = False) -> str:
+        """``{name}`` of a workspace path -> the path (other braces are left alone)."""
+        for name, path in self.paths().items():
+            placeholder = re.escape("{" + name + "}") if regex else "{" + name + "}"
+            text = text.replace(placeholder, re.escape(str(path)) if regex else str(path))
+        return text
+
+
+@pytest.fixture
+def workspace(tmp_path, shared) -> Workspace:
+    return Workspace(tmp_path, shared)
+
+
+# --- setups: each returns ``setup(w) -> argv`` ---
+def argument(w: Workspace, value: Any) -> str:
+    """A command-line value: text (workspace paths substituted), or JSON for anything else."""
+    if callable(value):
+        value = value(w)
+    if isinstance(value, (str, Path)):
+        return w.substitute(str(value))
+    return w.substitute(json.dumps(without_dropped(value)))
+
+
+def without_dropped(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: without_dropped(v) for k, v in value.items() if v is not DROP}
+    return value
+
+
+def command(defaults: Callable[[Workspace], dict], changes: dict | None, plant: Callable | None):
+    def setup(w: Workspace) -> list[str]:
+        if plant is not None:
+            plant(w)
+        flags = {**defaults(w), **(changes or {})}
+        argv = []
+        for flag, value in flags.items():
+            if value is DROP:
+                continue
+            argv += [flag] if value is True else [flag, argument(w, value)]
+        return argv
+    return setup
+
+
+# config
+def cfg(dotted: str, value: Any):
+    """The demo config with ``value`` at ``dotted`` (DROP deletes the key), written to {config}."""
+    def setup(w: Workspace) -> list[str]:
+        config = default_config()
+        *parents, last = dotted.split(".")
+        node = config
+        for part in parents:
+            node = node[part]
+        if value is DROP:
+            del node[last]
+        else:
+            node[last] = copy.deepcopy(value)
+        w.config.write_text(yaml.safe_dump(config))
+        return [str(w.config)]
+    return setup
+
+
+def cfg_text(text: str):
+    return cfg_bytes(text.encode())
+
+
+def cfg_bytes(data: bytes):
+    def setup(w: Workspace) -> list[str]:
+        w.config.write_bytes(data)
+        return [str(w.config)]
+    return setup
+
+
+# data files for normalise
+
+
+def dataset_settings(w: Workspace, fmt: str = "jsonl", **changes) -> dict:
+    return {"source": {"type": "local", "path": str(w.tmp / "source")}, "format": fmt,
+            "splits": {"train": "train", "test": "test"}, "fields": {"question": "q", "answers": "a"},
+            "metric": "exact_match", **changes}
+
+
+def normalise_args(changes: dict | None = None, fmt: str = "jsonl", settings: dict | None = None,
+                   plant: Callable | None = None):
+    return command(lambda w: {"--name": "d", "--dataset": dataset_settings(w, fmt, **(settings or {})),
+                              "--raw": str(w.raw), "--out": str(w.out / "normalised"),
+                              "--report": str(w.out / "normalise_report.json")}, changes, plant)
+
+
+def rows(bad: Any = None, copies: int = 1, good: int = 9, ids: bool = False, extra: bool = False,
+         flat: bool = False, settings: dict | None = None):
+    """train.jsonl: ``good`` good rows with ``copies`` of ``bad`` from row 5 on (or last, with fewer good rows)."""
+    def row(i: int) -> dict:
+        if flat:
+            return {"id": f"r{i}", "q": [f"question {i}?"], "a": [f"answer {i}"]}
+        value = {"q": f"question {i}?", "a": f"answer {i}"}
+        if ids:
+            value["id"] = f"r{i}"
+        if extra:
+            value["img"] = f"p{i}.png"
+        return value
+
+    good_rows = [row(i) for i in range(good)]
+    train = good_rows[:5] + ([bad] * copies if bad is not None else []) + good_rows[5:]
+    test = [row(100)]
+    changes = dict(settings or {})
+    if ids or flat:
+        changes["fields"] = {"id": "id", "question": "q", "answers": "a"}
+    if extra:
+        changes["extra_fields"] = {"image": "img"}
+    if flat:
+        changes["flatten"] = True
+
+    def plant(w: Workspace) -> None:
+        write_jsonl(w.raw / "train.jsonl", train)
+        write_jsonl(w.raw / "test.jsonl", test)
+    return normalise_args(settings=changes, plant=plant)
+
+
+def csv_rows(bad_line: str | None = None, header: str = "q,a"):
+    """train.csv: a header and nine good lines, with ``bad_line`` as row 5."""
+    lines = [f"question {i}?,answer {i}" for i in range(9)]
+    lines[5:5] = [bad_line] if bad_line is not None else []
+
+    def plant(w: Workspace) -> None:
+        w.raw.mkdir(parents=True, exist_ok=True)
+        (w.raw / "train.csv").write_text("\n".join([header, *lines]) + "\n")
+        (w.raw / "test.csv").write_text("q,a\nx?,1\n")
+    return normalise_args(fmt="csv", plant=plant)
+
+
+def raw_file(name: str, data: bytes | Callable[[], bytes], fmt: str = "jsonl"):
+    """``name`` holding ``data`` (or what ``data()`` returns) in the raw directory, beside a good test split."""
+    def plant(w: Workspace) -> None:
+        w.raw.mkdir(parents=True, exist_ok=True)
+        (w.raw / name).write_bytes(data() if callable(data) else data)
+        test = {"jsonl": b'{"q": "x?", "a": "1"}\n', "json": b'[{"q": "x?", "a": "1"}]', "csv": b"q,a\nx?,1\n"}.get(fmt)
+        if test is not None:
+            (w.raw / f"test.{fmt}").write_bytes(test)
+        else:  # parquet
+            import pandas as pd
+
+            pd.DataFrame({"q": ["x?"], "a": ["1"]}).to_parquet(w.raw / "test.parquet")
+    return normalise_args(fmt=fmt, plant=plant)
+
+
+def parquet_bytes(n: int = 100) -> bytes:
+    """A good Parquet file of ``n`` rows, as bytes."""
+    import io
+
+    import pandas as pd
+
+    buffer = io.BytesIO()
+    pd.DataFrame({"q": [f"question {i}?" for i in range(n)], "a": [f"answer {i}" for i in range(n)]}).to_parquet(buffer)
+    return buffer.getvalue()
+
+
+# pretokenise, evaluate, sanity, train, prepare_model
+def pretok(changes: dict | None = None, plant: Callable | None = None):
+    return command(lambda w: {"--model": "{model}", "--data": "{data}", "--task": "generation", "--variant": BASELINE,
+                              "--max-length": "64", "--out": "{out}/tokenised", "--report": "{out}/tokenise_report.json"},
+                   changes, plant)
+
+
+def evaluate_(changes: dict | None = None, plant: Callable | None = None):
+    return command(lambda w: {"--model": "{model}", "--data": "{data}", "--task": "generation", "--variant": BASELINE,
+                              "--metric": "exact_match", "--evaluation": EVALUATION, "--dataset-name": "d",
+                              "--variant-name": "baseline", "--seed": "1", "--predictions-out": "{out}/predictions.jsonl",
+                              "--summary-out": "{out}/eval.json"}, changes, plant)
+
+
+def training(**changes) -> dict:
+    """Valid tiny training settings (schema defaults filled) with ``changes`` merged in, unchecked."""
+    settings = tiny_training_settings()
+    for key, value in changes.items():
+        settings[key] = {**settings[key], **value} if isinstance(value, dict) else value
+    return settings
+
+
+def gate(changes: dict | None = None, plant: Callable | None = None):
+    return command(lambda w: {"--model": "{model}", "--data": "{tok}", "--training": training(), "--seed": "1",
+                              "--out": "{out}/sanity.json"}, changes, plant)
+
+
+def train_(changes: dict | None = None, plant: Callable | None = None):
+    return command(lambda w: {"--model": "{model}", "--data": "{tok}", "--training": training(), "--seed": "1",
+                              "--checkpoint-dir": "{tmp}/checkpoints", "--adapter-out": "{out}/adapter",
+                              "--log-out": "{out}/train_log.jsonl", "--manifest-out": "{out}/run_manifest.json"},
+                   changes, plant)
+
+
+def prepare_(changes: dict | None = None, plant: Callable | None = None):
+    return command(lambda w: {"--model": {"name": "m", "source": "local", "path": "{tmp}/source_model"},
+                              "--out": "{out}/model"}, changes, plant)
+
+
+def prepare_local(without: tuple[str, ...] = (), extra: dict[str, bytes] | None = None):
+    """prepare_model from a local copy of the tiny model lacking ``without`` (plus ``extra`` files)."""
+    return prepare_(plant=copy_model(without, extra or {}, name="source_model"))
+
+
+def copy_model(without: tuple[str, ...] = (), replace: dict[str, bytes] | None = None, name: str = "model_copy"):
+    def plant(w: Workspace) -> None:
+        target = w.tmp / name
+        shutil.copytree(w.shared.model, target, ignore=shutil.ignore_patterns(*without, "model_manifest.json"))
+        for file, data in (replace or {}).items():
+            (target / file).write_bytes(data)
+    return plant
+
+
+def mkdir(name: str):
+    return lambda w: (w.tmp / name).mkdir(parents=True)
+
+
+def put(relative: str, text: str):
+    """Write ``text`` to tmp/relative; a ``tok_copy/...`` path first copies the token data there."""
+    def plant(w: Workspace) -> None:
+        path = w.tmp / relative
+        if relative.startswith("tok_copy/"):
+            shutil.copytree(w.shared.tok, w.tmp / "tok_copy")
+        if relative.startswith("results/"):
+            build_results(w)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return plant
+
+
+def edit_meta(**changes):
+    def plant(w: Workspace) -> None:
+        shutil.copytree(w.shared.tok, w.tmp / "tok_copy")
+        path = w.tmp / "tok_copy" / "tokenise_meta.json"
+        meta = json.loads(path.read_text())
+        meta = without_dropped({**meta, **changes})
+        path.write_text(json.dumps(meta))
+    return plant
+
+
+def drop_column(column: str):
+    def plant(w: Workspace) -> None:
+        from datasets import load_from_disk
+
+        shutil.copytree(w.shared.tok, w.tmp / "tok_copy", ignore=shutil.ignore_patterns("train"))
+        load_from_disk(str(w.shared.tok / "train")).remove_columns(column).save_to_disk(str(w.tmp / "tok_copy" / "train"))
+    return plant
+
+
+# compare: the synthetic results of tests/test_compare.py (2 seeds x baseline/mtup, plus base runs)
+
+SCORES = {("baseline", 1): 10, ("mtup", 1): 16, ("baseline", 2): 12, ("mtup", 2): 18}
+
+
+def build_results(w: Workspace) -> Path:
+    if not w.results.exists():
+        for (variant, seed), k in SCORES.items():
+            write_experiment(w.results, "chart", variant, seed, correct(k))
+        write_experiment(w.results, "chart", "baseline", "base", correct(2))
+        write_experiment(w.results, "chart", "mtup", "base", correct(1))
+    return w.results
+
+
+def compare_(changes: dict | None = None, plant: Callable | None = None):
+    def results_then_plant(w: Workspace) -> None:
+        build_results(w)
+        if plant is not None:
+            plant(w)
+    return command(lambda w: {"--results-dir": "{results}", "--experiments": EXPERIMENTS, "--comparison": COMPARISON,
+                              "--with-base": True, "--out-csv": "{out}/comparison.csv",
+                              "--out-markdown": "{out}/comparison.md", "--plots-dir": "{out}/plots"},
+                   changes, results_then_plant)
+
+
+def patch_json(relative: str, **fields):
+    def plant(w: Workspace) -> None:
+        path = w.results / relative
+        path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return plant
+
+
+def patch_line(relative: str, index: int, **fields):
+    def plant(w: Workspace) -> None:
+        path = w.results / relative
+        lines = path.read_text().splitlines()
+        lines[index] = json.dumps({**json.loads(lines[index]), **fields})
+        path.write_text("\n".join(lines) + "\n")
+    return plant
+
+
+def append(relative: str, text: str):
+    def plant(w: Workspace) -> None:
+        with open(w.results / relative, "a") as handle:
+            handle.write(text)
+    return plant
+
+
+def delete(relative: str):
+    return lambda w: (w.results / relative).unlink()
+
+
+def rerun(variant: str, seed: int, scores: list | None = None, training_change: dict | None = None):
+    """Rewrite one experiment's outputs (other scores, or training settings that differ)."""
+    def plant(w: Workspace) -> None:
+        write_experiment(w.results, "chart", variant, seed, scores or correct(SCORES[variant, seed]),
+                         training={**TRAINING, **(training_change or {})})
+    return plant
+
+
+# --- the tests (last: the table needs the helpers above) ---
+@pytest.mark.parametrize("setup, stage, expected", table())
+def test_bad_input_ends_in_one_message_naming_it_and_leaves_no_output(workspace, setup, stage, expected):
+    argv = setup(workspace)
+    with pytest.raises(WorkflowError) as caught:
+        call(stage, argv)
+    message = str(caught.value)
+    assert "\n" not in message, f"message spans {message.count(chr(10)) + 1} lines: {message!r}"
+    if isinstance(expected, Regex):
+        pattern = workspace.substitute(expected.pattern, regex=True)
+        assert re.fullmatch(pattern, message), f"GOT: {message}"
+    else:
+        assert message == workspace.substitute(expected), f"GOT: {message}"
+    assert not [path for path in declared_outputs(argv) if path.exists()], "a failed stage left an output behind"
+    assert leftovers(workspace.out) == [], "a failed stage left something (a '.partial' too) where its outputs go"
+
+
+# One row per stage module, run as the rules run it: exit code 2 and the message as the last line of stderr.
+AS_COMMANDS = ["data-missing-field", "cli-pretokenise-variant-bad-json", "cli-compare-eval-json-for-another-seed",
+               "model-local-model-without-config", "cli-train-data-not-tokenised"]
+
+
+@pytest.mark.parametrize("setup, stage, expected", [row for row in table() if row.id in AS_COMMANDS])
+def test_as_a_command_it_exits_2_with_the_message_as_the_last_line(workspace, setup, stage, expected):
+    argv = setup(workspace)
+    done = subprocess.run([sys.executable, "-m", f"workflow_scripts.{stage}", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == "error: " + workspace.substitute(expected)
+    assert leftovers(workspace.out) == []
+
+
+def test_the_table_has_unique_ids_and_covers_every_family():
+    ids = [row.id for row in table()]
+    assert len(ids) == len(set(ids)) and len(ids) >= 60
+    assert {i.split("-")[0] for i in ids} == {"config", "data", "cli", "model"}

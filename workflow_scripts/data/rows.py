@@ -1,0 +1,204 @@
+"""One raw record -> canonical rows: the value checks and the record mappers every task uses.
+
+A mapper turns a raw record into canonical rows (or ``Rejected`` reasons) for one dataset:
+:class:`RecordMapper` for generation (question/answers, flattening, derived fields) and
+:class:`FieldsMapper` for tasks whose rows a ``normalise_fields`` method builds (classification).
+``split_done`` tells a mapper a split is complete (train first), so a later split can be checked
+against it (a classification label set); ``task_meta`` is what the mapper learned, written beside
+the normalised data for the stages after it.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.data import raw_records
+from workflow_scripts.data.transforms import TRANSFORMS
+
+
+class Rejected(Exception):
+    def __init__(self, reason: str, field: str | None, detail: str):
+        super().__init__(detail)
+        self.reason, self.field, self.detail = reason, field, detail
+
+
+# --- value checks: each returns the clean value or raises Rejected ---
+def _present(record: Mapping[str, Any], name: str) -> Any:
+    if name not in record or record[name] is None:
+        raise Rejected("missing_field", name, "is missing" if name not in record else "is null")
+    return record[name]
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise Rejected("wrong_type", name, f"expected a string, got {type(value).__name__} {value!r:.60}")
+    if not value.strip():
+        raise Rejected("empty_value", name, "is empty")
+    return value.strip()
+
+
+def _answers(value: Any, name: str) -> list[str]:
+    """One answer string, or a list of gold answers (each a non-empty string)."""
+    if isinstance(value, str):
+        return [_text(value, name)]
+    if not isinstance(value, list):
+        raise Rejected("wrong_type", name, f"expected a string or a list of strings, got {type(value).__name__}")
+    if not value:
+        raise Rejected("empty_value", name, "is an empty list")
+    return [_text(item, f"{name}[{index}]") for index, item in enumerate(value)]
+
+
+def _record_id(value: Any, name: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise Rejected("wrong_type", name, f"an id must be a string or an integer, got {type(value).__name__}")
+    return _text(str(value), name)
+
+
+def _kind(value: Any) -> str:
+    """The coarse type an extra field must keep across rows (Arrow needs one type per column)."""
+    for name, types in (("bool", bool), ("number", (int, float)), ("string", str), ("bytes", bytes),
+                        ("list", list), ("mapping", dict)):
+        if isinstance(value, types):
+            return name
+    return type(value).__name__
+
+
+class RecordMapper:
+    """Applies one dataset's declarative mapping to raw records."""
+
+    def __init__(self, settings: Mapping[str, Any], key: str):
+        self.fields = settings["fields"]
+        self.flatten = settings["flatten"]
+        self.extra = settings["extra_fields"]
+        self.derived = settings["derived"]
+        self.extra_kinds: dict[str, str] = {}
+        available = {"id", "question", "answer"} | set(self.extra)
+        for name, spec in self.derived.items():
+            if spec["field"] not in available:
+                raise ConfigError(
+                    f"{key}.derived.{name}.field",
+                    f"'{spec['field']}' is not a field of the normalised row (choose from {sorted(available)})",
+                )
+            available.add(name)
+
+    def source_fields(self) -> dict[str, str]:
+        """Config key -> source field name, for the 'absent from every row' check."""
+        mapped = {f"fields.{name}": source for name, source in self.fields.items()}
+        mapped.update({f"extra_fields.{name}": source for name, source in self.extra.items()})
+        return mapped
+
+    def rows(self, record: Any, split: str, row: int) -> Iterable[dict[str, Any] | Rejected]:
+        """Canonical rows of one record; a bad pair or record comes out as a Rejected instead."""
+        if isinstance(record, raw_records.Unparseable):
+            yield Rejected("unparseable_record", None, record.error)
+            return
+        if not isinstance(record, Mapping):
+            yield Rejected("wrong_type", None, f"the row is a {type(record).__name__}, not an object with fields")
+            return
+        try:
+            id_field = self.fields.get("id")
+            record_id = _record_id(_present(record, id_field), id_field) if id_field else f"{split}-{row}"
+            extras = {name: self._extra(record, name, source) for name, source in self.extra.items()}
+            if self.flatten:
+                pairs = self._pairs(record)
+            else:
+                pairs = [(_present(record, self.fields["question"]), _present(record, self.fields["answers"]), None)]
+        except Rejected as error:
+            yield error
+            return
+        for question, answers, index in pairs:
+            suffix = "" if index is None else f"[{index}]"
+            try:
+                canonical = {
+                    "id": record_id if index is None else f"{record_id}-q{index}",
+                    "question": _text(question, self.fields["question"] + suffix),
+                    "answers": _answers(answers, self.fields["answers"] + suffix),
+                    **extras,
+                }
+                yield self._derive(canonical)
+            except Rejected as error:
+                yield error
+
+    def _extra(self, record: Mapping[str, Any], name: str, source: str) -> Any:
+        value = _present(record, source)
+        if isinstance(value, (str, list, bytes)) and not value:
+            raise Rejected("empty_value", source, "is empty")
+        kind = self.extra_kinds.setdefault(name, _kind(value))
+        if _kind(value) != kind:
+            raise Rejected("wrong_type", source, f"is a {_kind(value)} where earlier rows hold a {kind}")
+        return value
+
+    def _pairs(self, record: Mapping[str, Any]) -> list[tuple[Any, Any, int]]:
+        questions = _present(record, self.fields["question"])
+        answers = _present(record, self.fields["answers"])
+        for name, value in ((self.fields["question"], questions), (self.fields["answers"], answers)):
+            if not isinstance(value, list):
+                raise Rejected("wrong_type", name, f"flatten needs a list, got {type(value).__name__}")
+            if not value:
+                raise Rejected("empty_value", name, "is an empty list")
+        if len(questions) != len(answers):
+            raise Rejected(
+                "length_mismatch", f"{self.fields['question']}/{self.fields['answers']}",
+                f"{len(questions)} questions but {len(answers)} answers; pairs cannot be matched",
+            )
+        return [(q, a, k) for k, (q, a) in enumerate(zip(questions, answers))]
+
+    def _derive(self, row: dict[str, Any]) -> dict[str, Any]:
+        fields = {**row, "answer": row["answers"][0]}
+        for name, spec in self.derived.items():
+            try:
+                value = TRANSFORMS[spec["transform"]](fields[spec["field"]])
+            except (ValueError, TypeError) as error:
+                raise Rejected("transform_failed", spec["field"], f"transform '{spec['transform']}' failed: {error}") from None
+            if not isinstance(value, str) or not value.strip():
+                raise Rejected("transform_failed", spec["field"], f"transform '{spec['transform']}' gave an empty result")
+            row[name] = fields[name] = value
+        return row
+
+    def split_done(self, split: str, rows: list[dict]) -> None:
+        """Generation rows need nothing from another split."""
+
+    def task_meta(self) -> dict[str, Any]:
+        return {}
+
+    def report(self, rows_by_split: Mapping[str, list[dict]]) -> dict[str, Any]:
+        return {}
+
+
+
+class FieldsMapper:
+    """Rows built by a task's ``normalise_fields(record, settings)``; one row per record."""
+
+    def __init__(self, task, settings: Mapping[str, Any], key: str):
+        self.task, self.settings, self.key = task, settings, key
+        self.fields = settings["fields"]
+        self.state = task.normalise_state(settings) if hasattr(task, "normalise_state") else None
+
+    def source_fields(self) -> dict[str, str]:
+        return {f"fields.{name}": source for name, source in self.fields.items()}
+
+    def rows(self, record: Any, split: str, row: int) -> Iterable[dict[str, Any] | Rejected]:
+        if isinstance(record, raw_records.Unparseable):
+            yield Rejected("unparseable_record", None, record.error)
+            return
+        if not isinstance(record, Mapping):
+            yield Rejected("wrong_type", None, f"the row is a {type(record).__name__}, not an object with fields")
+            return
+        try:
+            canonical = self.task.normalise_fields(record, self.settings)
+            canonical.setdefault("id", f"{split}-{row}")
+            if self.state is not None:
+                self.state.check(canonical, split)
+            yield canonical
+        except Rejected as error:
+            yield error
+
+    def split_done(self, split: str, rows: list[dict]) -> None:
+        if self.state is not None:
+            self.state.split_done(split, rows)
+
+    def task_meta(self) -> dict[str, Any]:
+        return self.state.task_meta() if self.state is not None else {}
+
+    def report(self, rows_by_split: Mapping[str, list[dict]]) -> dict[str, Any]:
+        return self.state.report(rows_by_split) if self.state is not None else {}

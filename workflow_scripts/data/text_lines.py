@@ -1,0 +1,190 @@
+"""Plain-text corpora, one example per line: a streaming reader and the normalised Arrow data.
+
+Seed (CNM-BERT): pretraining on a 14.7M-line corpus, where every DataLoader worker received a
+pickled 1.5 GB copy of the text. Here the text is never held in Python memory: :func:`iter_lines`
+reads one line at a time (gzip included) and :func:`write_normalised` hands that stream to
+``datasets.Dataset.from_generator``, which writes Arrow record batches as they fill
+(``writer_batch_size`` rows at a time), so memory stays flat whatever the corpus size; the result
+is memory-mapped by every later reader.
+
+Rules:
+- One example per line. A line is split on ``\\n`` only (``\\r\\n`` loses its ``\\r``); other
+  Unicode line breaks (U+2028, ``\\x0b``...) stay inside the line, as ``str.splitlines`` would
+  otherwise cut a corpus line in two and shift every line number after it.
+- Lines that are empty or whitespace only are skipped and counted (``blank``), never examples.
+- Bytes must be UTF-8; the first invalid line fails the whole read, naming the file and the
+  1-based line (``file.txt line 17: ...``), rather than being replaced or skipped silently.
+- A UTF-8 byte-order mark at the start of a file is removed (editors on Windows write one).
+- ``.gz`` files are recognised by their magic bytes, not by their name.
+- Ids are ``<file stem>-<line>`` (stem without ``.gz`` and the text suffix; line 1-based), stable as
+  long as the file is; two input files with the same stem are refused (their ids would collide).
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, Sequence
+
+from workflow_scripts.core.errors import WorkflowError
+
+GZIP_MAGIC = b"\x1f\x8b"
+BOM = "\ufeff"
+# Rows per Arrow record batch written by from_generator: ~1 MB of text per batch for 100-character
+# lines; the writer holds at most this many rows in memory.
+WRITER_BATCH_ROWS = 10_000
+
+
+@dataclass
+class LineCounts:
+    """What :func:`iter_lines` saw, per file: ``lines`` read, ``kept`` (yielded), ``blank`` (skipped)."""
+
+    files: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def total(self, key: str) -> int:
+        return sum(counts[key] for counts in self.files.values())
+
+    def as_report(self) -> dict:
+        return {"files": {name: dict(c) for name, c in self.files.items()},
+                **{key: self.total(key) for key in ("lines", "kept", "blank")}}
+
+
+def file_stem(path: str | os.PathLike) -> str:
+    """``corpus/part-01.txt.gz`` -> ``part-01``: the name without ``.gz`` and its text suffix."""
+    name = Path(path).name
+    if name.endswith(".gz"):
+        name = name[:-3]
+    return Path(name).stem if "." in name else name
+
+
+def check_unique_stems(paths: Iterable[str | os.PathLike]) -> None:
+    seen: dict[str, str] = {}
+    for path in paths:
+        stem = file_stem(path)
+        if stem in seen:
+            raise WorkflowError(f"{path}: has the same name stem '{stem}' as {seen[stem]}, so their line ids "
+                                "'<stem>-<line>' would collide; rename one of the files")
+        seen[stem] = str(path)
+
+
+def _open_bytes(path: Path):
+    try:
+        with open(path, "rb") as probe:
+            compressed = probe.read(2) == GZIP_MAGIC
+        # gzip's own line iteration reads in small steps; a 1 MiB buffer halves its cost.
+        return io.BufferedReader(gzip.open(path, "rb"), 1 << 20) if compressed else open(path, "rb")
+    except FileNotFoundError:
+        raise WorkflowError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise WorkflowError(f"{path}: is a directory, not a text file") from None
+
+
+def _decode(raw: bytes, path: Path, number: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise WorkflowError(
+            f"{path} line {number}: invalid UTF-8 at byte {error.start} of the line ({error.reason}); "
+            "convert the file to UTF-8 (e.g. iconv -f <its encoding> -t UTF-8)"
+        ) from None
+
+
+def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = None) -> Iterator[tuple[str, int, str]]:
+    """``(file, line number (1-based), text)`` for every non-blank line of ``paths``, in order.
+
+    Reads line by line (never a whole file); ``counts`` (optional) is filled as the stream advances.
+    The text keeps everything but the line terminator (leading/trailing spaces are the tokenizer's).
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        raise WorkflowError(f"iter_lines takes a list of files, got the single path {paths!s}")
+    if not paths:
+        raise WorkflowError("no text files given")
+    check_unique_stems(paths)
+    for path in map(Path, paths):
+        number = kept = 0
+        with _open_bytes(path) as handle:
+            try:
+                for raw in handle:
+                    number += 1
+                    text = _decode(raw.rstrip(b"\n").removesuffix(b"\r"), path, number)
+                    if number == 1:
+                        text = text.removeprefix(BOM)
+                    if text.isspace() or not text:
+                        continue
+                    kept += 1
+                    yield str(path), number, text
+            except (EOFError, gzip.BadGzipFile, zlib.error) as error:
+                raise WorkflowError(f"{path} line {number + 1}: the gzip stream is damaged or cut short ({error}); "
+                                    "download the file again") from None
+            finally:  # counted once per file, not per line (the loop runs millions of times)
+                if counts is not None:
+                    counts.files[str(path)] = {"lines": number, "kept": kept, "blank": number - kept}
+
+
+def _rows(paths: list[str], counts_dir: str) -> Iterator[dict]:
+    """from_generator's generator: canonical rows. datasets calls it once per shard of ``paths``
+    (one file each) and may run it on a copy of its arguments, so the counts go to one file per
+    call in ``counts_dir``, not into an object passed in."""
+    import json
+
+    counts = LineCounts()
+    stems = {path: file_stem(path) for path in paths}  # per file, not per line (Path() costs microseconds)
+    for path, number, text in iter_lines(paths, counts):
+        yield {"id": f"{stems[path]}-{number}", "text": text}
+    Path(counts_dir, f"{file_stem(paths[0])}.json").write_text(json.dumps(counts.files))
+
+
+def write_normalised(splits: Mapping[str, Sequence[str | os.PathLike]], out_dir: str | os.PathLike,
+                     *, writer_batch_size: int = WRITER_BATCH_ROWS) -> dict:
+    """Write the normalised ``DatasetDict`` (columns ``id``, ``text``) of text files, split by split.
+
+    ``splits`` maps a canonical split name (``train``, ``test``, ``validation``) to its files.
+    Returns the report ``{split: {files: {file: {lines, kept, blank}}, lines, kept, blank}}``.
+    The output appears whole or not at all (``atomic_output``); the Arrow data is built in a work
+    directory beside it (never in the shared ``~/.cache``), which is removed afterwards.
+    """
+    import json
+
+    from datasets import Dataset, DatasetDict, Features, Value
+    from datasets.exceptions import DatasetGenerationError
+
+    from workflow_scripts.core.atomic_output import atomic_path
+
+    if not splits or "train" not in splits:
+        raise WorkflowError(f"text corpus: a 'train' split is required (got {sorted(splits)})")
+    check_unique_stems([p for files in splits.values() for p in files])
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    features = Features({"id": Value("string"), "text": Value("string")})
+    report: dict = {}
+    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.work.", dir=out_dir.parent) as work:
+        built = {}
+        for split, files in splits.items():
+            files = [str(p) for p in files]
+            counts_dir = Path(work, f"{split}.counts")
+            counts_dir.mkdir()
+            try:
+                built[split] = Dataset.from_generator(
+                    _rows, features=features, cache_dir=str(Path(work, split)), writer_batch_size=writer_batch_size,
+                    # A fresh work directory every run, so from_generator never reuses an earlier cache.
+                    gen_kwargs={"paths": files, "counts_dir": str(counts_dir)},
+                )
+            except DatasetGenerationError as error:  # datasets wraps what the generator raised
+                if isinstance(error.__cause__, WorkflowError):
+                    raise error.__cause__ from None
+                raise
+            counts = LineCounts()
+            for part in sorted(counts_dir.iterdir()):
+                counts.files.update(json.loads(part.read_text()))
+            counts.files = {name: counts.files[name] for name in files}  # input order
+            report[split] = counts.as_report()
+            if report[split]["kept"] == 0:
+                raise WorkflowError(f"text corpus split '{split}': no non-blank line in {files}")
+        with atomic_path(out_dir, directory=True) as out:
+            DatasetDict(built).save_to_disk(str(out))
+        del built  # release the memory maps before the work directory goes
+    return report

@@ -1,0 +1,81 @@
+"""The task interface: everything that differs by kind of experiment, in one object per task type.
+
+Stages never branch on the task's name: they look the task up (``tasks.task_named``) and call it.
+A task type is one module of this package defining a :class:`Task` and registered in
+``tasks/__init__.py``; adding one touches no stage.
+
+The contract, stage by stage (batches are dicts of tensors plus plain fields):
+
+- normalise: ``record_mapper(settings, key)`` maps raw records to this task's canonical rows (or
+  ``data.rows.Rejected`` reasons); the mapper hears when a split is done (train first) and returns
+  ``task_meta`` (e.g. the label set), written as ``task_meta.json`` beside the normalised data and
+  handed to ``tokenise_batch``, ``tokenise_meta``, ``model_kwargs`` and ``prepare_model``.
+- pretokenise: ``tokenise_batch(batch, tokenizer=, variant=, max_length=)`` is a batched map
+  function over canonical rows returning the columns of ``tokenised_features()``: at least ``id``,
+  ``input_ids``, ``length`` and the booleans ``truncated`` and ``dropped`` (rows that cannot teach
+  anything, e.g. no target token left; counted in the report and removed), plus the task's own
+  columns (``labels``, ``label``...). ``dropped_reason`` names what ``dropped`` means.
+- training: ``auto_model_class`` / ``peft_task_type`` choose the model and the LoRA wrapping;
+  ``model_kwargs(task_meta)`` adds ``from_pretrained`` arguments (a classifier's label count) and
+  ``prepare_model(model, pad_token_id, task_meta)`` finishes the loaded model (labels, pad id);
+  ``collator(meta, vocab_size)`` turns rows into a micro-batch carrying ``target_tokens`` (the
+  count the summed loss is divided by over the global batch), ``real_tokens``, ``padded_tokens`` and
+  ``row_ids``; ``loss_module(peft_model)`` returns an ``nn.Module`` whose ``forward(batch)`` gives the
+  loss SUMMED over the batch's targets.
+- evaluation: ``evaluate(model, tokenizer, variant, rows, metric, evaluation, device)`` returns an
+  :class:`EvaluationResult`: per-example prediction records (each with ``id`` and ``score``; ``counts``
+  where the corpus score is a ratio of sums, as smatch's), the corpus score, the number of outputs that
+  could not be parsed, and what ``eval.json`` should record about how predictions were made.
+- configuration: ``variant_keys`` are the keys a variant of this task may set (what the fairness
+  guard lets differ between variants); ``metrics`` the metric names a dataset of this task may use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import torch
+from torch import nn
+
+
+@dataclass
+class EvaluationResult:
+    records: list[dict]
+    score: float
+    unparseable: int
+    details: dict = field(default_factory=dict)  # merged into eval.json (e.g. the decoding config)
+
+    def __iter__(self):  # records, score, unparseable = task.evaluate(...)
+        return iter((self.records, self.score, self.unparseable))
+
+
+class Task(Protocol):
+    name: str
+    auto_model_class: str          # a transformers Auto class, e.g. "AutoModelForCausalLM"
+    peft_task_type: str            # a peft TaskType name, e.g. "CAUSAL_LM"
+    variant_keys: frozenset[str]
+    metrics: tuple[str, ...]
+
+    def check_variant(self, variant: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    dropped_reason: str
+
+    def tokenised_features(self): ...  # datasets.Features of tokenise_batch's columns
+
+    def tokenise_batch(self, batch: Mapping[str, list], *, tokenizer, variant: Mapping[str, Any],
+                       max_length: int, task_meta: Mapping[str, Any]) -> dict[str, list]: ...
+
+    def record_mapper(self, settings: Mapping[str, Any], key: str): ...  # data.rows.RecordMapper / FieldsMapper
+
+    def tokenise_meta(self, variant: Mapping[str, Any], task_meta: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def model_kwargs(self, task_meta: Mapping[str, Any]) -> dict[str, Any]: ...  # extra from_pretrained kwargs
+
+    def prepare_model(self, model: nn.Module, pad_token_id: int | None, task_meta: Mapping[str, Any]) -> None: ...
+
+    def collator(self, meta: Mapping[str, Any], vocab_size: int) -> Callable[[list[dict]], dict]: ...
+
+    def loss_module(self, peft_model: nn.Module) -> nn.Module: ...
+
+    def evaluate(self, model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict], metric: str,
+                 evaluation: Mapping[str, Any], device: torch.device) -> EvaluationResult: ...

@@ -1,0 +1,475 @@
+"""Task type ``classification``: one class label per text (or text pair), a sequence-classification head.
+
+Canonical row: ``id`` (str), ``text`` (non-empty str), optional ``text_pair`` (non-empty str), ``label``
+(str: the class NAME; integer labels in the raw data become their decimal string). The label set is
+the dataset's ``labels:`` list when declared, else the train split's labels (:func:`label_set`); its
+order fixes the class ids. A validation/test row whose label is outside the set is rejected
+(``unknown_label``), never mapped to some id.
+
+A variant is ``{input, class_weights}``: ``input`` is a template over the row's fields (``{text}``
+by default); ``class_weights`` maps label -> weight in the loss. A row's ``text_pair`` is the
+tokenizer's second segment unless the template itself refers to ``{text_pair}``.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections import Counter
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.data.rows import FieldsMapper, Rejected
+from workflow_scripts.tasks import templates
+from workflow_scripts.tasks.base import EvaluationResult
+
+DEFAULT_INPUT = "{text}"
+GOLD_FIELDS = ("label",)  # a template that shows the label would leak the answer
+
+
+# --- normalise ---
+def _present(record: Mapping[str, Any], source: str) -> Any:
+    if source not in record or record[source] is None:
+        raise Rejected("missing_field", source, "is missing" if source not in record else "is null")
+    return record[source]
+
+
+def _text(value: Any, source: str) -> str:
+    if not isinstance(value, str):
+        raise Rejected("wrong_type", source, f"expected a string, got {type(value).__name__} {value!r:.60}")
+    if not value.strip():
+        raise Rejected("empty_value", source, "is empty")
+    return value.strip()
+
+
+def _name(value: Any, source: str, what: str = "label") -> str:
+    """A class name: a string, or an integer's decimal string; a bool or float (``str(1.0)``) is refused, not coerced."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, str):
+        return _text(value, source)
+    raise Rejected("wrong_type", source, f"a {what} must be a string or an integer, got {type(value).__name__} {value!r:.60}")
+
+
+def check_label(label: str, labels: Sequence[str], source: str = "label") -> str:
+    """``label`` if it is in the label set, else ``Rejected("unknown_label")`` naming the label and the set."""
+    if label not in labels:
+        raise Rejected("unknown_label", source, f"label {label!r} is not in the label set {list(labels)}")
+    return label
+
+
+def _label_order(label: str) -> tuple:
+    # Integer names sort numerically ("2" before "10"), so raw labels 0..K-1 keep their ids.
+    digits = label.removeprefix("-")
+    return (0, int(label), label) if digits.isascii() and digits.isdigit() else (1, 0, label)
+
+
+def label_set(train_labels: Sequence[str], declared: Sequence[str] | None) -> list[str]:
+    """The class names in class-id order: the declared list as written, else the train split's labels sorted."""
+    if declared is not None:
+        if not isinstance(declared, (list, tuple)) or not all(isinstance(x, str) and x.strip() for x in declared):
+            raise WorkflowError(f"labels: expected a list of non-empty strings, got {declared!r:.80}")
+        if len(set(declared)) != len(declared):
+            raise WorkflowError(f"labels: {list(declared)} lists a label twice")
+        names = list(declared)
+    else:
+        names = sorted(set(train_labels), key=_label_order)
+    if len(names) < 2:
+        raise WorkflowError(f"labels {names}: a classifier needs at least two classes")
+    return names
+
+
+def class_balance(labels: Sequence[str]) -> dict[str, dict[str, float]]:
+    """``{label: {count, share}}`` of one split, for the normalise report (sorted as :func:`label_set` sorts)."""
+    counts = Counter(labels)
+    total = sum(counts.values())
+    return {name: {"count": counts[name], "share": counts[name] / total} for name in sorted(counts, key=_label_order)}
+
+
+# --- metrics ---
+def confusion_matrix(golds: Sequence[str], preds: Sequence[str], label_names: Sequence[str]) -> dict[str, dict[str, int]]:
+    """``matrix[gold][predicted]`` = count, every label of the set on both axes (zeros included)."""
+    matrix = {gold: {pred: 0 for pred in label_names} for gold in label_names}
+    for gold, pred in zip(golds, preds, strict=True):
+        matrix[gold][pred] += 1  # a label outside the set is a KeyError: evaluate checks golds first
+    return matrix
+
+
+def accuracy(golds: Sequence[str], preds: Sequence[str]) -> float:
+    return sum(g == p for g, p in zip(golds, preds, strict=True)) / len(golds)
+
+
+def macro_f1(golds: Sequence[str], preds: Sequence[str], label_names: Sequence[str]) -> float:
+    """Unweighted mean of per-class F1 over the WHOLE label set.
+
+    Reproduces scikit-learn's ``f1_score(golds, preds, labels=label_names, average="macro",
+    zero_division=0)``: per class F1 = 2TP / (2TP + FP + FN), and 0 (the zero_division value) when
+    the denominator is 0, i.e. the class is neither in the gold nor predicted. Such a class still counts
+    in the mean: the score is over the label set, not over the classes that happen to occur (which is
+    what ``f1_score`` without ``labels=`` would average over).
+    """
+    matrix = confusion_matrix(golds, preds, label_names)
+    scores = []
+    for name in label_names:
+        true_positive = matrix[name][name]
+        # 2TP + FP + FN = (row total: gold) + (column total: predicted)
+        denominator = sum(matrix[name].values()) + sum(matrix[gold][name] for gold in label_names)
+        scores.append(2 * true_positive / denominator if denominator else 0.0)
+    return sum(scores) / len(scores)
+
+
+# --- tokenising and batches ---
+def model_kwargs(label_names: Sequence[str]) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments sizing the head for this label set (the head is built at load)."""
+    return {"num_labels": len(label_names), "id2label": dict(enumerate(label_names)),
+            "label2id": {name: i for i, name in enumerate(label_names)}}
+
+
+def class_weight_vector(variant: Mapping[str, Any], label_names: Sequence[str]) -> list[float] | None:
+    """The variant's class weights by class id; an unlisted class weighs 1.0 (as scikit-learn's ``class_weight``)."""
+    weights = variant.get("class_weights")
+    if weights is None:
+        return None
+    unknown = sorted(set(weights) - set(label_names))
+    if unknown:
+        raise WorkflowError(f"variant class_weights: {unknown} not in the label set {list(label_names)}")
+    return [float(weights.get(name, 1.0)) for name in label_names]
+
+
+def encode(tokenizer, variant: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], max_length: int) -> list[dict]:
+    """Per row: ``input_ids``, ``pair_start`` (first token of the second segment, -1 if none), ``truncated``, ``dropped``.
+
+    Rows are encoded whole first and only the over-long ones again with truncation, so ``truncated``
+    is exact (``longest_first`` for pairs: the longer segment loses tokens first). ``dropped``: nothing
+    of the row's text is left, only special tokens.
+    """
+    if not rows:
+        return []
+    template = variant.get("input", DEFAULT_INPUT)
+    texts = [templates._render(template, row, "input") for row in rows]
+    pairs = None
+    if "text_pair" not in templates.template_fields(template):
+        present = [row.get("text_pair") is not None for row in rows]
+        if any(present) and not all(present):
+            raise WorkflowError(f"rows {[r['id'] for r, p in zip(rows, present) if not p][:5]} have no text_pair "
+                                "while others of the batch do; normalise maps text_pair for every row or none")
+        pairs = [row["text_pair"] for row in rows] if all(present) else None
+
+    def call(indices: list[int], truncation: bool):
+        return tokenizer([texts[i] for i in indices], [pairs[i] for i in indices] if pairs else None,
+                         truncation=truncation, max_length=max_length if truncation else None,
+                         return_special_tokens_mask=True, return_token_type_ids=True, return_attention_mask=False)
+
+    encoded = call(list(range(len(rows))), False)
+    columns = {key: list(encoded[key]) for key in ("input_ids", "special_tokens_mask", "token_type_ids")}
+    long = [i for i, ids in enumerate(columns["input_ids"]) if len(ids) > max_length]
+    if long:
+        cut = call(long, True)
+        for key in columns:
+            for i, value in zip(long, cut[key]):
+                columns[key][i] = value
+    over = [rows[i]["id"] for i in long if len(columns["input_ids"][i]) > max_length]
+    if over:  # the tokenizer only warns when its special tokens alone exceed max_length
+        raise WorkflowError(f"rows {over[:5]}: max_length {max_length} leaves no room beside the tokenizer's special tokens")
+    out = []
+    for i, ids in enumerate(columns["input_ids"]):
+        types = columns["token_type_ids"][i]
+        out.append({"input_ids": list(ids), "pair_start": types.index(1) if 1 in types else -1,
+                    "truncated": i in long, "dropped": all(columns["special_tokens_mask"][i])})
+    return out
+
+
+class ClassificationCollator:
+    """Right-pads a micro-batch; checks token and class ids, naming the row. A class, so workers can pickle it.
+
+    ``class_weights`` (by class id, from ``tokenise_meta.json``) ride along in every batch, so the loss
+    uses the weights of the data it trains on (both come from one pretokenise run, one cache key).
+    """
+
+    def __init__(self, pad_token_id: int, vocab_size: int, num_labels: int,
+                 class_weights: Sequence[float] | None = None):
+        self.pad_token_id, self.vocab_size, self.num_labels = pad_token_id, vocab_size, num_labels
+        if class_weights is not None and len(class_weights) != num_labels:
+            raise WorkflowError(f"{len(class_weights)} class weights for {num_labels} classes; re-run pretokenise")
+        self.class_weights = None if class_weights is None else torch.tensor(list(class_weights), dtype=torch.float32)
+
+    def __call__(self, rows: list[dict]) -> dict:
+        if not rows:
+            raise WorkflowError("empty batch: the sampler produced a micro-batch without rows")
+        width = max(len(r["input_ids"]) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        token_type_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        for k, row in enumerate(rows):
+            n = len(row["input_ids"])
+            if n == 0:
+                raise WorkflowError(f"row '{row['id']}': no tokens")
+            input_ids[k, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
+            attention_mask[k, :n] = 1
+            if row.get("pair_start", -1) >= 0:
+                token_type_ids[k, row["pair_start"]:n] = 1  # BERT-style segment B (its final [SEP] included)
+            if not 0 <= row["label"] < self.num_labels:
+                raise WorkflowError(f"row '{row['id']}': class id {row['label']} is outside the {self.num_labels} "
+                                    "classes of the model; re-run pretokenise for this label set")
+        bad = (input_ids >= self.vocab_size) | (input_ids < 0)
+        if bad.any():
+            k = int(bad.any(dim=1).nonzero()[0])
+            raise WorkflowError(f"row '{rows[k]['id']}': token id {int(input_ids[k][bad[k]][0])} is outside the "
+                                f"model's vocabulary (size {self.vocab_size}); re-tokenise with this model's tokenizer")
+        real_tokens = int(attention_mask.sum())
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask,
+                 "labels": torch.as_tensor([r["label"] for r in rows], dtype=torch.long),
+                 "target_tokens": len(rows), "real_tokens": real_tokens,
+                 "padded_tokens": input_ids.numel() - real_tokens, "row_ids": [r["id"] for r in rows]}
+        if token_type_ids.any():
+            batch["token_type_ids"] = token_type_ids
+        if self.class_weights is not None:
+            batch["class_weights"] = self.class_weights.clone()  # a fresh tensor: pinning/moving must not alias
+        return batch
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    return name in _parameters(type(model.get_base_model() if hasattr(model, "get_base_model") else model))
+
+
+def _forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """Pooled logits (rows x classes); segment ids only for models that take them (BERT does, Llama does not)."""
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    if "token_type_ids" in batch and _accepts(model, "token_type_ids"):
+        inputs["token_type_ids"] = batch["token_type_ids"]
+    if _accepts(model, "use_cache"):
+        inputs["use_cache"] = False
+    return model(**inputs).logits
+
+
+class ClassificationLoss(nn.Module):
+    """Cross-entropy SUMMED over the rows (the caller divides by the global batch's row count).
+
+    With class weights the sum is ``sum_i w[y_i] * CE_i`` (``F.cross_entropy(weight=, reduction="sum")``);
+    divided by the row count, not by the summed weights as torch's weighted mean is, so a batch's
+    contribution does not depend on which classes it happens to hold. The weights come from the batch
+    (the collator's, from the variant) or, for direct use, from ``class_weights`` here; never both.
+    """
+
+    def __init__(self, wrapped: nn.Module, class_weights: Sequence[float] | None = None):
+        super().__init__()
+        self.wrapped = wrapped  # the PEFT model (training_setup.unwrap finds it under this name)
+        device = next(wrapped.parameters()).device
+        weights = None if class_weights is None else torch.tensor(list(class_weights), dtype=torch.float32, device=device)
+        self.register_buffer("class_weights", weights)
+
+    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        weights = batch.get("class_weights")
+        if weights is not None and self.class_weights is not None:
+            raise RuntimeError("class weights given twice: by the batch (tokenise_meta.json) and by the loss module")
+        logits = _forward(self.wrapped, batch)
+        weights = self.class_weights if weights is None else weights
+        return F.cross_entropy(logits.float(), batch["labels"], weight=weights, reduction="sum")
+
+
+def head_module_names(model: nn.Module) -> list[str]:
+    """The top-level modules outside the pretrained body (``base_model_prefix``): the new classification head.
+
+    peft's SEQ_CLS adds modules named ``classifier`` or ``score`` to ``modules_to_save`` on its own;
+    other architectures name theirs differently (``classification_head``, ``logits_proj`` plus
+    ``sequence_summary``, DeBERTa's ``pooler``), so pass these to ``LoraConfig(modules_to_save=...)``.
+    """
+    return [name for name, child in model.named_children()
+            if name != model.base_model_prefix and any(True for _ in child.parameters())]
+
+
+def prepare_model(model: nn.Module, pad_token_id: int | None, label_names: Sequence[str]) -> nn.Module:
+    """Label names on the config, and the pad id a decoder head needs to find each row's last token."""
+    config = model.config
+    if config.num_labels != len(label_names):
+        raise WorkflowError(f"the model's head has {config.num_labels} classes but the label set has {len(label_names)} "
+                            "(load it with from_pretrained(..., **classification.model_kwargs(labels)))")
+    kwargs = model_kwargs(label_names)
+    config.id2label, config.label2id = kwargs["id2label"], kwargs["label2id"]
+    pad = pad_token_id
+    if pad is None:
+        raise WorkflowError("the tokenizer has no pad token (nor an eos to use as one); batched classification needs one")
+    for part in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+        if getattr(part, "pad_token_id", None) is None:
+            part.pad_token_id = pad  # decoder heads pool the rightmost token that is not pad_token_id
+        elif part.pad_token_id != pad:
+            raise WorkflowError(f"the model's pad_token_id {part.pad_token_id} differs from the tokenizer's {pad}; "
+                                "the head would pool a padding position")
+    return model
+
+
+class ClassificationTask:
+    name = "classification"
+    auto_model_class = "AutoModelForSequenceClassification"
+    peft_task_type = "SEQ_CLS"
+    variant_keys = frozenset({"input", "class_weights"})
+    metrics = ("accuracy", "macro_f1")
+    canonical_columns = ("id", "text", "text_pair", "label")
+    dropped_reason = "truncation left none of the row's text, only special tokens"
+
+    def check_variant(self, variant: Mapping[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(variant) - self.variant_keys)
+        if unknown:
+            raise WorkflowError(f"variant keys {unknown} are not used by classification (known: {sorted(self.variant_keys)})")
+        template = variant.get("input", DEFAULT_INPUT)
+        if not isinstance(template, str):
+            raise WorkflowError(f"variant input: expected a template string, got {type(template).__name__}")
+        try:
+            fields = templates.template_fields(template)
+        except ValueError as error:
+            raise WorkflowError(f"variant input template {template!r}: {error}") from None
+        if "text" not in fields or set(fields) & set(GOLD_FIELDS):
+            raise WorkflowError(f"variant input template {template!r} must show {{text}} and never {{label}} (the gold)")
+        weights = variant.get("class_weights")
+        if weights is not None and (not isinstance(weights, dict) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0 for w in weights.values())):
+            raise WorkflowError(f"variant class_weights: expected a mapping label -> positive number, got {weights!r:.80}")
+        # Keys as strings, as labels are (YAML reads ``0: 2.0`` with an int key; the JSON argument would not).
+        return {"input": template, "class_weights": {str(k): w for k, w in weights.items()} if weights is not None else None}
+
+    def normalise_fields(self, record: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
+        """The canonical row (``id`` only when mapped; the stage numbers the others); raises ``Rejected``."""
+        fields = settings["fields"]
+        row = {}
+        if fields.get("id"):
+            value = _present(record, fields["id"])
+            row["id"] = _name(value, fields["id"], "id")
+        row["text"] = _text(_present(record, fields["text"]), fields["text"])
+        if fields.get("text_pair"):
+            row["text_pair"] = _text(_present(record, fields["text_pair"]), fields["text_pair"])
+        row["label"] = _name(_present(record, fields["label"]), fields["label"])
+        if settings.get("labels") is not None:  # declared: every split, train included, must keep to it
+            check_label(row["label"], settings["labels"], fields["label"])
+        return row
+
+    def tokenised_features(self):
+        from datasets import Features, Sequence as ListOf, Value
+
+        return Features({"id": Value("string"), "input_ids": ListOf(Value("int32")), "pair_start": Value("int32"),
+                         "label": Value("int32"), "length": Value("int32"), "truncated": Value("bool"),
+                         "dropped": Value("bool")})
+
+    def tokenise_batch(self, batch: Mapping[str, list], *, tokenizer, variant: Mapping[str, Any], max_length: int,
+                       task_meta: Mapping[str, Any]) -> dict[str, list]:
+        """Columns of :meth:`tokenised_features`; ``task_meta["labels"]`` is the label set (class id = its index)."""
+        labels = task_meta["labels"]
+        variant = self.check_variant(variant)
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        ids = {name: i for i, name in enumerate(labels)}
+        for row in rows:
+            if row["label"] not in ids:
+                raise WorkflowError(f"row id {row['id']!r}: label {row['label']!r} is not in the label set {list(labels)}")
+        encoded = encode(tokenizer, variant, rows, max_length)
+        return {"id": [r["id"] for r in rows], "input_ids": [e["input_ids"] for e in encoded],
+                "pair_start": [e["pair_start"] for e in encoded], "label": [ids[r["label"]] for r in rows],
+                "length": [len(e["input_ids"]) for e in encoded], "truncated": [e["truncated"] for e in encoded],
+                "dropped": [e["dropped"] for e in encoded]}
+
+    def tokenise_meta(self, variant: Mapping[str, Any], task_meta: Mapping[str, Any]) -> dict[str, Any]:
+        """What train needs beside the token ids (for ``tokenise_meta.json``): classes and class weights."""
+        labels = task_meta["labels"]
+        return {"label_names": list(labels), "num_labels": len(labels),
+                "class_weights": class_weight_vector(self.check_variant(variant), labels)}
+
+    def check_config_variant(self, name: str, variant: Mapping[str, Any], datasets: Mapping[str, Mapping]) -> None:
+        """At parse time: the variant's keys and template, and its fields in every classification dataset."""
+        from workflow_scripts.core.errors import ConfigError
+
+        checked = self.check_variant(variant)
+        fields = set(templates.template_fields(checked["input"]))
+        for ds_name, dataset in datasets.items():
+            available = {"id", "text"} | ({"text_pair"} if dataset["fields"].get("text_pair") else set()) \
+                | set(dataset.get("extra_fields", {}))
+            if fields - available:
+                raise ConfigError(f"variants.{name}.input", f"refers to {sorted(fields - available)}, which dataset "
+                                  f"'{ds_name}' does not provide (it has {sorted(available)})")
+
+    def record_mapper(self, settings: Mapping[str, Any], key: str) -> FieldsMapper:
+        return FieldsMapper(self, settings, key)
+
+    def normalise_state(self, settings: Mapping[str, Any]) -> "LabelSetState":
+        return LabelSetState(settings)
+
+    def model_kwargs(self, task_meta: Mapping[str, Any]) -> dict[str, Any]:
+        """The head is sized when the model loads: num_labels and the label names go to from_pretrained."""
+        return model_kwargs(task_meta["labels"])
+
+    def prepare_model(self, model: nn.Module, pad_token_id: int | None, task_meta: Mapping[str, Any]) -> None:
+        prepare_model(model, pad_token_id, task_meta["labels"])
+
+    def collator(self, meta: Mapping[str, Any], vocab_size: int) -> ClassificationCollator:
+        if meta.get("pad_token_id") is None or not meta.get("num_labels"):
+            raise WorkflowError("tokenise_meta.json lacks pad_token_id or num_labels; re-run pretokenise")
+        return ClassificationCollator(meta["pad_token_id"], vocab_size, meta["num_labels"], meta.get("class_weights"))
+
+    def loss_module(self, peft_model: nn.Module, class_weights: Sequence[float] | None = None) -> ClassificationLoss:
+        return ClassificationLoss(peft_model, class_weights)
+
+    def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device):
+        """Argmax class per row; ``evaluation["max_length"]`` must be training's, so texts are cut the same way."""
+        if metric not in self.metrics:
+            raise WorkflowError(f"metric {metric!r} is not a classification metric (known: {list(self.metrics)})")
+        if evaluation.get("max_length") is None:
+            raise WorkflowError("evaluation max_length is missing: classification truncates test texts as training did")
+        variant = self.check_variant(variant)
+        names = [model.config.id2label[i] for i in range(model.config.num_labels)]
+        if not rows:
+            raise WorkflowError("no rows to evaluate")
+        for row in rows:
+            if row["label"] not in names:
+                raise WorkflowError(f"row id {row['id']!r}: label {row['label']!r} is not one of the model's classes {names}")
+        collate = ClassificationCollator(tokenizer.pad_token_id, model.get_input_embeddings().num_embeddings, len(names))
+        predicted = []
+        model.eval()
+        with torch.no_grad():
+            for start in range(0, len(rows), evaluation["batch_size"]):
+                chunk = rows[start:start + evaluation["batch_size"]]
+                encoded = encode(tokenizer, variant, chunk, evaluation["max_length"])
+                batch = collate([{**e, "id": r["id"], "label": names.index(r["label"])} for e, r in zip(encoded, chunk)])
+                tensors = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+                predicted += [names[i] for i in _forward(model, tensors).float().argmax(-1).tolist()]
+        records = []
+        for row, pred in zip(rows, predicted):  # text: the rendered input, as the model saw it
+            pair = {"text_pair": row["text_pair"]} if row.get("text_pair") is not None else {}
+            records.append({"id": row["id"], "text": templates._render(variant["input"], row, "input"), **pair,
+                            "predicted": pred, "gold": row["label"], "score": int(pred == row["label"]), "parsed": True})
+        golds = [row["label"] for row in rows]
+        scores = {"accuracy": accuracy(golds, predicted), "macro_f1": macro_f1(golds, predicted, names)}
+        return EvaluationResult(records, scores[metric], 0, {
+            **scores, "labels": names, "confusion_matrix": confusion_matrix(golds, predicted, names)})
+
+
+class LabelSetState:
+    """Normalise's memory across splits: the label set (declared, else train's) checks later splits."""
+
+    def __init__(self, settings: Mapping[str, Any]):
+        self.declared = settings.get("labels")
+        self.source = settings["fields"]["label"]
+        self.labels: list[str] | None = list(self.declared) if self.declared is not None else None
+
+    def check(self, row: Mapping[str, Any], split: str) -> None:
+        if split != "train" and self.labels is not None:
+            check_label(row["label"], self.labels, self.source)
+
+    def split_done(self, split: str, rows: list[dict]) -> None:
+        if split == "train":
+            self.labels = label_set([row["label"] for row in rows], self.declared)
+
+    def task_meta(self) -> dict[str, Any]:
+        return {"labels": self.labels}
+
+    def report(self, rows_by_split: Mapping[str, list[dict]]) -> dict[str, Any]:
+        return {"labels": self.labels,
+                "class_balance": {split: class_balance([r["label"] for r in rows]) for split, rows in rows_by_split.items()}}
+
+
+TASK = ClassificationTask()

@@ -1,0 +1,326 @@
+"""The ``generation`` task: a causal LM learns text -> text (question answering, AMR parsing, MTUP).
+
+Everything that is particular to generation lives here: the variant's templates (prompt, target,
+extractor), tokenising prompt and target with labels on the target only, the target-token loss,
+greedy decoding and scoring the extracted answer. See ``tasks/base.py`` for the interface.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.data.batching import PaddingCollator
+from workflow_scripts.data.rows import RecordMapper
+from workflow_scripts.tasks import metrics, templates
+from workflow_scripts.tasks.base import EvaluationResult
+
+VARIANT_KEYS = ("prompt", "target", "extractor", "chat_template")
+
+
+def check_variant(variant: Any) -> dict[str, Any]:
+    """The variant with defaults filled; unknown keys refused."""
+    if not isinstance(variant, dict) or not {"prompt", "target"} <= set(variant):
+        raise WorkflowError("argument --variant: needs a JSON object with at least 'prompt' and 'target'")
+    unknown = set(variant) - set(VARIANT_KEYS)
+    if unknown:
+        raise WorkflowError(f"argument --variant: unknown keys {sorted(unknown)} (known: {list(VARIANT_KEYS)})")
+    return {"extractor": {"type": "whole"}, "chat_template": False, **variant}
+
+
+
+def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: Mapping[str, Any], max_length: int) -> dict[str, list]:
+    """Batched map function: render, tokenise prompt and target separately, mask, truncate."""
+    rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    prompts = [templates.render_prompt(variant, row, tokenizer) for row in rows]
+    targets = [templates.render_target(variant, row) for row in rows]
+    prompt_ids = templates.encode_prompts(tokenizer, variant, prompts)
+    target_ids = templates.encode_targets(tokenizer, targets)
+    input_ids, labels, lengths, truncated, target_lost = [], [], [], [], []
+    for prompt, target in zip(prompt_ids, target_ids):
+        full_length = len(prompt) + len(target)
+        if full_length > max_length:  # cut from the end; rare, so the common path copies nothing twice
+            input_ids.append((prompt + target)[:max_length])
+            labels.append(([-100] * len(prompt) + target)[:max_length])
+        else:
+            input_ids.append(prompt + target)
+            labels.append([-100] * len(prompt) + target)
+        lengths.append(min(full_length, max_length))
+        truncated.append(full_length > max_length)
+        target_lost.append(len(prompt) >= max_length)
+    return {"id": list(batch["id"]), "input_ids": input_ids, "labels": labels, "length": lengths,
+            "truncated": truncated, "dropped": target_lost}
+
+
+class TargetTokenLoss(nn.Module):
+    """Summed cross-entropy over target tokens only, with logits from the model's own forward.
+
+    The model's forward computes the logits, so whatever it applies after its head (Granite's
+    ``logits_scaling``, Cohere's ``logit_scale``, Gemma-2's soft-capping) is part of the training
+    objective exactly as evaluation decodes with it. To keep the (tokens x vocabulary) logits to the
+    target positions alone, a forward pre-hook hands the output layer only the hidden states of those
+    positions: ``logits_to_keep`` cannot say this (it keeps the same positions in every row), and what
+    models do after the head is elementwise, so it is unaffected by the gather (tests compare the loss
+    with a plain forward for Llama, Qwen2, Granite and Cohere).
+
+    The loss is a sum, not a mean: the caller divides by the target tokens of the whole global batch,
+    so every token weighs the same whatever the micro-batch split or the number of processes.
+    """
+
+    def __init__(self, wrapped: nn.Module):
+        super().__init__()
+        self.wrapped = wrapped  # the PEFT model (training_setup.unwrap finds it under this name)
+
+    def forward(self, batch: Mapping[str, Any]):
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        target_index, target_ids = batch["target_index"], batch["target_ids"]
+        head = self.wrapped.get_base_model().get_output_embeddings()
+        if head is None:  # no separate output layer (some remote-code models): slice the full logits
+            logits = self.wrapped(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            logits = logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, target_index)
+            return F.cross_entropy(logits.float(), target_ids, reduction="sum")
+
+        def keep_target_positions(module, args, kwargs):
+            hidden = args[0] if args else kwargs.pop("input")
+            if hidden.shape[:2] != input_ids.shape:
+                raise RuntimeError(f"the output layer got hidden states of shape {tuple(hidden.shape)} for input "
+                                   f"ids {tuple(input_ids.shape)}; expected one per input position")
+            # Position t predicts token t+1: the last position predicts nothing.
+            kept = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, target_index)
+            return (kept.unsqueeze(0), *args[1:]), kwargs
+
+        handle = head.register_forward_pre_hook(keep_target_positions, with_kwargs=True)
+        try:
+            logits = self.wrapped(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        finally:
+            handle.remove()
+        logits = logits.reshape(-1, logits.shape[-1])
+        if logits.shape[0] != target_ids.shape[0]:
+            raise RuntimeError(f"the model returned {logits.shape[0]} logit rows for {target_ids.shape[0]} targets: "
+                               "its forward changes the head's output shape, which this loss does not support")
+        return F.cross_entropy(logits.float(), target_ids, reduction="sum")
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """The tokenizer's eos (what training targets end with) plus any eos the model's generation config adds."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    ids.discard(None)
+    if not ids:
+        raise WorkflowError("the tokenizer has no eos token, so generation could not stop")
+    return sorted(ids)
+
+
+def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
+    """Generated ids up to (not including) the first stop token."""
+    ids = list(ids)
+    for position, token in enumerate(ids):
+        if token in stop_ids:
+            return ids[:position]
+    return ids
+
+
+def greedy_generation_config(max_new_tokens: int, stop_ids: Sequence[int], pad_token_id: int | None):
+    """Greedy decoding, every logits processor neutral, each field set explicitly.
+
+    ``generate`` fills any field the caller leaves at its library default from the model's own
+    ``generation_config``; instruct models ship ``repetition_penalty``, ``no_repeat_ngram_size`` and
+    the like, which keep acting with sampling off. Every field that can change which token is chosen
+    is therefore given here, and the model's own config is swapped for this one while generating
+    (:func:`decoding_with`), so decoding is exactly what ``eval.json`` records.
+    """
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, min_new_tokens=0, min_length=0, do_sample=False, num_beams=1,
+        num_beam_groups=1, penalty_alpha=None, temperature=1.0, top_k=None, top_p=None, min_p=None,
+        typical_p=None, epsilon_cutoff=None, eta_cutoff=None, repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0, length_penalty=1.0, no_repeat_ngram_size=0,
+        encoder_no_repeat_ngram_size=0, bad_words_ids=None, force_words_ids=None, sequence_bias=None,
+        suppress_tokens=None, begin_suppress_tokens=None, forced_bos_token_id=None,
+        forced_eos_token_id=None, exponential_decay_length_penalty=None, renormalize_logits=False,
+        guidance_scale=None, watermarking_config=None, prompt_lookup_num_tokens=None,
+        eos_token_id=list(stop_ids), pad_token_id=pad_token_id, use_cache=True,
+    )
+
+
+@contextlib.contextmanager
+def decoding_with(model, config) -> Iterator[None]:
+    """The model's own generation config replaced by ``config`` while generating, so nothing is inherited."""
+    holders = [model]
+    if hasattr(model, "get_base_model"):  # PEFT: generate runs on the base model and reads its config
+        holders.append(model.get_base_model())
+    saved = [(holder, getattr(holder, "generation_config", None)) for holder in holders]
+    try:
+        for holder in holders:
+            holder.generation_config = config
+        yield
+    finally:
+        for holder, original in saved:
+            holder.generation_config = original
+
+
+def recorded_decoding(config) -> dict:
+    """The generation settings that decided the tokens, as eval.json records them."""
+    return {key: value for key, value in sorted(config.to_dict().items()) if not key.startswith("_")
+            and key not in ("transformers_version", "generation_kwargs")}
+
+
+@torch.no_grad()
+def generate(model, tokenizer, variant: Mapping[str, Any], prompts: Sequence[str], batch_size: int,
+             max_new_tokens: int, device: torch.device) -> list[str]:
+    """Greedy continuations of ``prompts``, batched by similar length, returned in input order."""
+    stop_ids = stop_token_ids(tokenizer, model)
+    tokenizer.padding_side = "left"  # decoder-only: padding on the right would sit between prompt and answer
+    config = greedy_generation_config(max_new_tokens, stop_ids, tokenizer.pad_token_id)
+    encoded = templates.encode_prompts(tokenizer, variant, prompts)  # the ids training saw
+    # Longest first (stable), so each batch holds similar lengths and little compute goes to padding.
+    order = sorted(range(len(prompts)), key=lambda index: -len(encoded[index]))
+    outputs: list[str | None] = [None] * len(prompts)
+    with decoding_with(model, config):
+        for start in range(0, len(order), batch_size):
+            batch = order[start:start + batch_size]
+            padded = tokenizer.pad({"input_ids": [encoded[i] for i in batch]}, padding=True, return_tensors="pt")
+            input_ids = padded["input_ids"].to(device)
+            generated = model.generate(
+                input_ids=input_ids, attention_mask=padded["attention_mask"].to(device), generation_config=config
+            )
+            for row, index in enumerate(batch):
+                new_ids = cut_at_stop(generated[row, input_ids.shape[1]:].tolist(), stop_ids)
+                outputs[index] = tokenizer.decode(new_ids, skip_special_tokens=True)
+            print(f"generated {min(start + batch_size, len(order))}/{len(order)}", flush=True)
+    return outputs
+
+
+def is_parsed(metric: str, extracted: str | None) -> bool:
+    """The extractor found an answer and, for graph outputs, smatch can read the graph."""
+    if extracted is None:
+        return False
+    return metric != "smatch" or metrics.graph_triples(extracted) is not None
+
+
+def score_outputs(rows: Sequence[dict], prompts: Sequence[str], outputs: Sequence[str],
+                  variant: Mapping[str, Any], metric: str) -> tuple[list[dict], float, int]:
+    """Per-example prediction records, the corpus score and the number of unparseable outputs."""
+    records, scores = [], []
+    for row, prompt, output in zip(rows, prompts, outputs, strict=True):
+        extracted, auxiliary = templates.extract_answer(variant, output)
+        example = metrics.score_example(metric, extracted, row["answers"])
+        scores.append(example)
+        record = {
+            "id": row["id"], "prompt": prompt, "raw_output": output, "extracted": extracted,
+            "auxiliary": auxiliary, "gold": list(row["answers"]), "score": example.score,
+            "parsed": is_parsed(metric, extracted),
+        }
+        if example.counts is not None:
+            record["counts"] = list(example.counts)
+        records.append(record)
+    unparseable = sum(not record["parsed"] for record in records)
+    return records, metrics.corpus_score(metric, scores), unparseable
+
+
+
+
+class GenerationTask:
+    name = "generation"
+    auto_model_class = "AutoModelForCausalLM"
+    peft_task_type = "CAUSAL_LM"
+    variant_keys = frozenset(VARIANT_KEYS)
+    metrics = metrics.METRICS
+    dropped_reason = "no target token left after truncation to max_length"
+
+    def check_variant(self, variant: Mapping[str, Any]) -> dict[str, Any]:
+        return check_variant(variant)
+
+    def tokenised_features(self):
+        from datasets import Features, List, Value
+
+        return Features({
+            "id": Value("string"), "input_ids": List(Value("int32")), "labels": List(Value("int32")),
+            "length": Value("int32"), "truncated": Value("bool"), "dropped": Value("bool"),
+        })
+
+    def tokenise_batch(self, batch, *, tokenizer, variant, max_length, task_meta=None):
+        return tokenise_batch(batch, tokenizer=tokenizer, variant=variant, max_length=max_length)
+
+    def check_config_variant(self, name: str, variant: Mapping[str, Any], datasets: Mapping[str, Mapping]) -> None:
+        check_config_variant(name, variant, datasets)
+
+    def record_mapper(self, settings: Mapping[str, Any], key: str) -> RecordMapper:
+        return RecordMapper(settings, key)
+
+    def tokenise_meta(self, variant, task_meta) -> dict[str, Any]:
+        return {}
+
+    def model_kwargs(self, task_meta) -> dict[str, Any]:
+        return {}
+
+    def prepare_model(self, model, pad_token_id, task_meta) -> None:
+        """A causal LM needs nothing beyond loading."""
+
+    def collator(self, meta: Mapping[str, Any], vocab_size: int) -> PaddingCollator:
+        return PaddingCollator(meta["pad_token_id"], vocab_size)
+
+    def loss_module(self, peft_model: nn.Module) -> nn.Module:
+        return TargetTokenLoss(peft_model)
+
+    def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device) -> EvaluationResult:
+        check_rows(rows)
+        prompts = [templates.render_prompt(variant, row, tokenizer) for row in rows]
+        outputs = generate(model, tokenizer, variant, prompts, evaluation["batch_size"],
+                           evaluation["max_new_tokens"], device)
+        records, score, unparseable = score_outputs(rows, prompts, outputs, variant, metric)
+        decoding = recorded_decoding(greedy_generation_config(
+            evaluation["max_new_tokens"], stop_token_ids(tokenizer, model), tokenizer.pad_token_id))
+        return EvaluationResult(records, score, unparseable, {"decoding": "greedy", "generation_config": decoding})
+
+
+def check_config_variant(name: str, variant: Mapping[str, Any], datasets: Mapping[str, Mapping[str, Any]]) -> None:
+    """At parse time: the extractor, the templates' syntax, their fields in every dataset, no gold in the prompt."""
+    from workflow_scripts.core.errors import ConfigError
+    from workflow_scripts.core.experiment_config import dataset_fields, gold_fields
+
+    key = f"variants.{name}"
+    if variant["extractor"]["type"] == "section" and not variant["extractor"].get("marker"):
+        raise ConfigError(f"{key}.extractor.marker", "a section extractor needs the final task's marker")
+    fields = {}
+    for part in ("prompt", "target"):
+        try:
+            fields[part] = templates.template_fields(variant[part])
+        except ValueError as error:
+            raise ConfigError(f"{key}.{part}", str(error)) from None
+        if not fields[part] and not variant[part].strip():
+            raise ConfigError(f"{key}.{part}", f"the {part} is empty for every row; write a template such as "
+                              + ("'Question: {question}'" if part == "prompt" else "' {answer}'"))
+    for ds_name, dataset in datasets.items():
+        available = dataset_fields(dataset)
+        for part in ("prompt", "target"):
+            missing = set(fields[part]) - available
+            if missing:
+                raise ConfigError(f"{key}.{part}", f"refers to {sorted(missing)}, which dataset '{ds_name}' does not "
+                                  f"provide (it has {sorted(available)}); add them under datasets.{ds_name}.extra_fields "
+                                  "or derived")
+        gold = gold_fields(dataset)
+        for field in fields["prompt"]:
+            if field in gold:
+                raise ConfigError(
+                    f"{key}.prompt", f"shows field '{field}', which in dataset '{ds_name}' {gold[field]}, so "
+                    "evaluation would put the gold answer into every test prompt; remove {" + field + "} from "
+                    "the prompt (a field computed from the answer belongs in the target, as MTUP's aux does)")
+
+
+def check_rows(rows: Sequence[dict]) -> None:
+    for index, row in enumerate(rows):
+        missing = [column for column in ("question", "answers") if column not in row]
+        if missing:
+            raise WorkflowError(f"row {index} (id {row.get('id')!r}): missing columns {missing}")
+        if not row["answers"]:
+            raise WorkflowError(f"row {index} (id {row['id']!r}): field 'answers' is empty")
+
+
+TASK = GenerationTask()

@@ -1,0 +1,451 @@
+"""The ``masked_lm`` task: BERT-style (continued) pretraining on plain text, one example per line.
+
+Data: the normalised rows are ``{id, text}`` (``data/text_lines.write_normalised``). Variant keys:
+``mask_rate`` (default 0.15), ``whole_word`` (default false) and ``grouping``:
+- ``blocks`` (default): every line is encoded with the tokenizer's own special tokens
+  (``[CLS] line [SEP]`` for BERT, ``<s> line </s>`` for RoBERTa), the lines of one map batch are
+  concatenated and cut into blocks of exactly ``max_length`` tokens, special tokens included;
+  the remainder of each map batch is one row marked ``dropped``. This is ``group_texts`` of
+  transformers' ``examples/pytorch/language-modeling/run_mlm.py`` (which also drops the remainder
+  per map batch). A grouping map changes the row count, which ``datasets.map(batched=True)``
+  allows because the stage sets ``remove_columns`` (the old columns would no longer line up).
+  Block ids are ``<id of the line holding its first token>+<token offset in that line>``.
+- ``lines``: one line per row, cut to ``max_length`` by the tokenizer (its special tokens kept).
+
+Masking happens when batches are made (dynamic masking, as RoBERTa), but never from a global RNG:
+each micro-batch's generator is seeded from (experiment seed, the batch's row ids), so a batch gets
+the same mask in any process, DataLoader worker or resumed run. ``transformers.
+DataCollatorForLanguageModeling`` is not used for that reason: it draws from torch's global RNG, or
+with ``seed=`` from one generator per worker (``seed + worker id``) that advances with every batch,
+so a batch's mask depends on which process and worker made it and how many batches came before.
+(Consequence here: a different ``micro_batch`` regroups rows and so changes the masks.)
+
+Which positions: google-research/bert ``create_pretraining_data.py`` (``create_masked_lm_predictions``):
+per row ``max(1, round(candidates x mask_rate))`` positions chosen uniformly among non-special
+tokens, so every row has at least one; with ``whole_word``, whole words are taken in random order
+while they fit the budget. Each chosen position becomes [MASK] 80%, a uniformly random token 10%
+(from the tokenizer's vocabulary, as both BERT and the HF collator do), itself 10%. Words are the
+fast tokenizer's ``word_ids`` (its pre-tokenizer's words: WordPiece ``##`` pieces for BERT, ``Ġ``
+pieces for RoBERTa alike), stored at tokenise time as ``word_start``; special tokens are the
+encoding's ``special_tokens_mask`` OR any id in ``all_special_ids`` (a literal "[MASK]" in the text
+is not in the encoding's mask; [UNK] is thereby never a target either, as in the HF collator's
+fallback ``get_special_tokens_mask``: predicting it teaches nothing).
+
+Model: ``AutoModelForMaskedLM``. Pretraining is full training (training ``finetune: full``); with
+``finetune: lora`` the PEFT task type is None: PEFT has no masked-LM task type, and TOKEN_CLS would
+wrap a token-classification forward and mark a ``classifier`` to save. A plain ``PeftModel``
+forwards to the model unchanged; the MLM head is pretrained (its decoder tied to the input
+embeddings), so it is not in ``modules_to_save`` unless the config lists it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.tasks.base import EvaluationResult
+
+IGNORE_INDEX = -100
+VARIANT_DEFAULTS = {"mask_rate": 0.15, "whole_word": False, "grouping": "blocks"}
+GROUPINGS = ("blocks", "lines")
+MASK_SHARE, RANDOM_SHARE = 0.8, 0.1  # of the chosen positions; the remaining 10% keep their token
+METRICS = ("masked_accuracy", "perplexity", "mlm_loss")
+# Evaluation masks every variant the same way (token level, 15%, all [MASK]), seeded from each
+# line's id and this constant only: never from the experiment seed or the variant.
+EVAL_MASK_RATE = 0.15
+EVAL_MASK_SEED = 1515
+
+
+def check_variant(variant: Any) -> dict[str, Any]:
+    if not isinstance(variant, Mapping):
+        raise WorkflowError(f"argument --variant: needs a JSON object with keys among {sorted(VARIANT_DEFAULTS)}")
+    unknown = set(variant) - set(VARIANT_DEFAULTS)
+    if unknown:
+        raise WorkflowError(f"argument --variant: unknown keys {sorted(unknown)} (known: {sorted(VARIANT_DEFAULTS)})")
+    checked = {**VARIANT_DEFAULTS, **variant}
+    rate = checked["mask_rate"]
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < 1:
+        raise WorkflowError(f"variant key 'mask_rate': must be a number between 0 and 1 (exclusive), got {rate!r}")
+    if not isinstance(checked["whole_word"], bool):
+        raise WorkflowError(f"variant key 'whole_word': must be true or false, got {checked['whole_word']!r}")
+    if checked["grouping"] not in GROUPINGS:
+        raise WorkflowError(f"variant key 'grouping': must be one of {list(GROUPINGS)}, got {checked['grouping']!r}")
+    return {**checked, "mask_rate": float(rate)}
+
+
+# Tokenising ---------------------------------------------------------------------------------------
+def _encode(tokenizer, texts: Sequence[str], max_length: int | None):
+    """Fast-tokenizer encodings with special tokens; truncation only when ``max_length`` is given."""
+    options = {"truncation": True, "max_length": max_length} if max_length else {"truncation": False}
+    return tokenizer(list(texts), add_special_tokens=True, return_attention_mask=False,
+                     return_token_type_ids=False, verbose=False, **options).encodings
+
+
+def _flat_columns(encodings, special_ids: np.ndarray):
+    """Concatenated ids, special flags and word starts of ``encodings``, plus each line's start offset."""
+    lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
+    total = int(lengths.sum())
+    ids = np.fromiter((i for e in encodings for i in e.ids), dtype=np.int64, count=total)
+    special = np.fromiter((s for e in encodings for s in e.special_tokens_mask), dtype=bool, count=total)
+    special |= np.isin(ids, special_ids)
+    words = np.fromiter((-1 if w is None else w for e in encodings for w in e.word_ids), dtype=np.int64, count=total)
+    words[special] = -1
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    previous = np.roll(words, 1)
+    previous[starts[lengths > 0]] = -2  # a line's first token never continues the previous line's word
+    word_start = ~special & (words != previous)
+    return ids, special, word_start, starts, lengths
+
+
+def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: Mapping[str, Any], max_length: int) -> dict[str, list]:
+    """Batched map function over ``{id, text}`` rows (see the module docstring for the groupings)."""
+    check_tokenizer(tokenizer)
+    variant = check_variant(variant)
+    specials = tokenizer.num_special_tokens_to_add()
+    if max_length <= specials:
+        raise WorkflowError(f"max_length {max_length} leaves no room beside the tokenizer's {specials} special tokens")
+    line_ids, texts = list(batch["id"]), list(batch["text"])
+    encodings = _encode(tokenizer, texts, None)
+    truncated = [len(e.ids) > max_length for e in encodings]
+    if variant["grouping"] == "lines" and any(truncated):  # rare: re-encode only the long lines, cut
+        long = [k for k, cut in enumerate(truncated) if cut]
+        for k, encoding in zip(long, _encode(tokenizer, [texts[k] for k in long], max_length)):
+            encodings[k] = encoding
+    ids, special, word_start, starts, lengths = _flat_columns(encodings, np.asarray(tokenizer.all_special_ids))
+    if variant["grouping"] == "lines":
+        spans = [(int(s), int(s + n), line_ids[k], truncated[k]) for k, (s, n) in enumerate(zip(starts, lengths))]
+    elif specials == 0:
+        raise WorkflowError("grouping 'blocks' separates lines by the tokenizer's special tokens, but it adds none; "
+                            "use grouping 'lines'")
+    else:
+        lines = np.searchsorted(starts, np.arange(0, len(ids), max_length), side="right") - 1
+        spans = [(b, min(b + max_length, len(ids)), f"{line_ids[k]}+{b - starts[k]}", False)
+                 for b, k in zip(range(0, len(ids), max_length), lines.tolist())]
+    out: dict[str, list] = {key: [] for key in ("id", "input_ids", "special_tokens_mask", "word_start",
+                                                 "length", "truncated", "dropped")}
+    for begin, end, row_id, was_cut in spans:
+        out["id"].append(row_id)
+        out["input_ids"].append(ids[begin:end].tolist())
+        out["special_tokens_mask"].append(special[begin:end].tolist())
+        out["word_start"].append(word_start[begin:end].tolist())
+        out["length"].append(end - begin)
+        out["truncated"].append(was_cut)
+        # Nothing to mask, or a block's short remainder (blocks are exactly max_length, as group_texts).
+        out["dropped"].append(bool(special[begin:end].all())
+                              or (variant["grouping"] == "blocks" and end - begin < max_length))
+    return out
+
+
+# Masking ------------------------------------------------------------------------------------------
+def batch_generator(seed: int, row_ids: Sequence[str]) -> np.random.Generator:
+    """A generator that depends only on (seed, the row ids in order): same batch, same mask, anywhere."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise WorkflowError(f"masking seed must be a non-negative integer, got {seed!r}")
+    digest = hashlib.sha256(json.dumps(list(row_ids)).encode()).digest()
+    return np.random.default_rng(np.random.SeedSequence([seed, *np.frombuffer(digest, dtype=np.uint32).tolist()]))
+
+
+def choose_positions(special: np.ndarray, word_start: np.ndarray | None, rate: float,
+                     rng: np.random.Generator, row_id: str) -> np.ndarray:
+    """Sorted positions to predict: ``max(1, round(candidates x rate))`` tokens (BERT's rule); with
+    ``word_start``, whole words taken in random order while they fit, at least one word."""
+    candidates = np.flatnonzero(~special)
+    if len(candidates) == 0:
+        raise WorkflowError(f"row '{row_id}': only special tokens, so no token can be masked; rerun pretokenise "
+                            "(it drops such rows)")
+    budget = max(1, math.floor(len(candidates) * rate + 0.5))  # round half up, as BERT's Python 2 round
+    if word_start is None:
+        return np.sort(rng.choice(candidates, size=budget, replace=False))
+    # A candidate opens a word at a word start or after a special token (a block may begin mid-word).
+    opens = word_start[candidates] | np.r_[True, np.diff(candidates) != 1]
+    word = np.cumsum(opens) - 1
+    sizes = np.bincount(word)
+    order = rng.permutation(len(sizes))
+    chosen, covered = [], 0
+    for w in order:
+        if covered >= budget:
+            break
+        if covered + sizes[w] <= budget:
+            chosen.append(w)
+            covered += sizes[w]
+    return candidates[np.isin(word, chosen or [order[0]])]
+
+
+class MaskingCollator:
+    """Pads rows and masks them; the batch carries what the loss, the gate and the log need."""
+
+    def __init__(self, *, pad_token_id: int, mask_token_id: int, vocab_size: int, tokenizer_vocab_size: int,
+                 mask_rate: float, whole_word: bool, seed: int):
+        if tokenizer_vocab_size > vocab_size:
+            raise WorkflowError(f"the tokenizer has {tokenizer_vocab_size} tokens but the model only {vocab_size}")
+        self.pad_token_id, self.mask_token_id = pad_token_id, mask_token_id
+        self.vocab_size, self.tokenizer_vocab_size = vocab_size, tokenizer_vocab_size
+        self.mask_rate, self.whole_word, self.seed = mask_rate, whole_word, seed
+
+    def __call__(self, rows: list[dict]) -> dict:
+        if not rows:
+            raise WorkflowError("empty batch: the sampler produced a micro-batch without rows")
+        row_ids = [r["id"] for r in rows]
+        rng = batch_generator(self.seed, row_ids)
+        width = max(len(r["input_ids"]) for r in rows)
+        input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
+        labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
+        attention_mask = np.zeros((len(rows), width), dtype=np.int64)
+        for k, row in enumerate(rows):
+            ids = np.asarray(row["input_ids"], dtype=np.int64)
+            special = np.asarray(row["special_tokens_mask"], dtype=bool)
+            starts = np.asarray(row["word_start"], dtype=bool) if self.whole_word else None
+            if len(special) != len(ids) or (starts is not None and len(starts) != len(ids)):
+                raise WorkflowError(f"row '{row['id']}': input_ids, special_tokens_mask and word_start differ in length")
+            bad = (ids < 0) | (ids >= self.vocab_size)
+            if bad.any():
+                raise WorkflowError(f"row '{row['id']}': token id {int(ids[bad][0])} is outside the model's vocabulary "
+                                    f"(size {self.vocab_size}); re-tokenise with this model's tokenizer")
+            input_ids[k, :len(ids)] = ids
+            attention_mask[k, :len(ids)] = 1
+            positions = choose_positions(special, starts, self.mask_rate, rng, row["id"])
+            labels[k, positions] = ids[positions]
+        chosen = labels != IGNORE_INDEX
+        draw = rng.random(int(chosen.sum()))
+        random_ids = rng.integers(0, self.tokenizer_vocab_size, size=len(draw))
+        original = input_ids[chosen]
+        input_ids[chosen] = np.where(draw < MASK_SHARE, self.mask_token_id,
+                                     np.where(draw < MASK_SHARE + RANDOM_SHARE, random_ids, original))
+        labels_t = torch.from_numpy(labels)
+        target_index = torch.from_numpy(np.flatnonzero(chosen.reshape(-1)))
+        real_tokens = int(attention_mask.sum())
+        return {
+            "input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
+            "labels": labels_t, "target_index": target_index, "target_ids": labels_t.reshape(-1)[target_index],
+            "target_tokens": len(target_index), "real_tokens": real_tokens,
+            "padded_tokens": input_ids.size - real_tokens, "row_ids": row_ids,
+        }
+
+
+# Loss ---------------------------------------------------------------------------------------------
+def masked_logits(model: nn.Module, input_ids, attention_mask, target_index) -> torch.Tensor:
+    """(targets x vocabulary) logits at the flattened positions ``target_index``, from the model's own
+    forward; a pre-hook gives the output layer only those positions' hidden states (as generation's
+    TargetTokenLoss), so the vocabulary-sized logits exist for ~15% of the tokens only."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = inner.get_output_embeddings()
+    if head is None:  # no separate output layer: slice the full logits
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return logits.reshape(-1, logits.shape[-1]).index_select(0, target_index)
+
+    def keep_targets(module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("input")
+        if hidden.shape[:2] != input_ids.shape:
+            raise RuntimeError(f"the output layer got hidden states of shape {tuple(hidden.shape)} for input ids "
+                               f"{tuple(input_ids.shape)}; expected one per input position")
+        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, target_index).unsqueeze(0), *args[1:]), kwargs
+
+    handle = head.register_forward_pre_hook(keep_targets, with_kwargs=True)
+    try:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    finally:
+        handle.remove()
+    logits = logits.reshape(-1, logits.shape[-1])
+    if logits.shape[0] != target_index.shape[0]:
+        raise RuntimeError(f"the model returned {logits.shape[0]} logit rows for {target_index.shape[0]} masked tokens")
+    return logits
+
+
+class MaskedTokenLoss(nn.Module):
+    """Cross-entropy SUMMED over the masked positions; the caller divides by the global batch's count."""
+
+    def __init__(self, wrapped: nn.Module):
+        super().__init__()
+        self.wrapped = wrapped  # training_setup.unwrap finds the model under this name
+
+    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        logits = masked_logits(self.wrapped, batch["input_ids"], batch["attention_mask"], batch["target_index"])
+        return F.cross_entropy(logits.float(), batch["target_ids"], reduction="sum")
+
+
+# Evaluation ---------------------------------------------------------------------------------------
+def check_metric(metric: str) -> None:
+    if metric not in METRICS:
+        raise WorkflowError(f"unknown masked_lm metric '{metric}'; known: {', '.join(METRICS)}")
+
+
+def ratio_score(metric: str, correct_or_loss: float, masked: float) -> float:
+    """A score from summed counts: masked_accuracy = correct / masked, mlm_loss = loss / masked,
+    perplexity = exp(mlm_loss). Corpus scores are micro (sums over lines, then the ratio)."""
+    check_metric(metric)
+    if masked <= 0:
+        raise WorkflowError("no masked token to score")
+    ratio = correct_or_loss / masked
+    return math.exp(ratio) if metric == "perplexity" else ratio
+
+
+def eval_positions(row_id: str, special: np.ndarray) -> np.ndarray:
+    """The fixed evaluation mask of one line: from its id only, so every model and variant is scored
+    on the same positions (given the same tokenizer)."""
+    digest = hashlib.sha256(row_id.encode()).digest()
+    rng = np.random.default_rng(np.random.SeedSequence([EVAL_MASK_SEED, *np.frombuffer(digest, np.uint32).tolist()]))
+    return choose_positions(special, None, EVAL_MASK_RATE, rng, row_id)
+
+
+def evaluate(model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict], metric: str,
+             evaluation: Mapping[str, Any], device: torch.device) -> EvaluationResult:
+    """Score every test line with its fixed mask (all chosen positions [MASK]), in batches sorted by
+    length. Records: ``{id, masked, correct, loss_sum, score, counts}``; ``counts`` is
+    ``[correct, masked]`` for masked_accuracy and ``[loss_sum, masked]`` otherwise."""
+    check_metric(metric)
+    check_tokenizer(tokenizer)
+    if "max_length" not in evaluation:
+        raise ConfigError("evaluation.max_length", "masked LM evaluation needs the tokens per test line")
+    max_length, batch_size = evaluation["max_length"], evaluation["batch_size"]
+    missing = [k for k, row in enumerate(rows) if "text" not in row]
+    if missing:
+        raise WorkflowError(f"test row {missing[0]}: no 'text' field; is this text_lines normalise output?")
+    encodings = _encode(tokenizer, [row["text"] for row in rows], max_length)
+    ids, special, _, starts, lengths = _flat_columns(encodings, np.asarray(tokenizer.all_special_ids))
+    for row, s, n in zip(rows, starts, lengths):
+        if special[s:s + n].all():
+            raise WorkflowError(f"test line '{row['id']}': the tokenizer turns it into special tokens only, so no "
+                                "token can be masked; remove the line from the test files")
+    lines = [(ids[s:s + n], eval_positions(row["id"], special[s:s + n])) for row, s, n in zip(rows, starts, lengths)]
+    totals = np.zeros((len(rows), 3))  # masked, correct, loss_sum
+    model.eval()
+    order = sorted(range(len(rows)), key=lambda k: -len(lines[k][0]))
+    for begin in range(0, len(order), batch_size):
+        chunk = order[begin:begin + batch_size]
+        width = max(len(lines[k][0]) for k in chunk)
+        input_ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        flat, targets, owner = [], [], []
+        for j, k in enumerate(chunk):
+            line, positions = lines[k]
+            input_ids[j, :len(line)] = torch.from_numpy(line)
+            attention_mask[j, :len(line)] = 1
+            input_ids[j, positions] = tokenizer.mask_token_id
+            flat.extend((j * width + positions).tolist())
+            targets.extend(line[positions].tolist())
+            owner.extend([k] * len(positions))
+        target_ids = torch.tensor(targets, device=device)
+        with torch.no_grad():
+            logits = masked_logits(model, input_ids.to(device), attention_mask.to(device),
+                                   torch.tensor(flat, device=device)).float()
+        losses = F.cross_entropy(logits, target_ids, reduction="none").double().cpu().numpy()
+        hits = (logits.argmax(-1) == target_ids).cpu().numpy()
+        np.add.at(totals, (owner, 0), 1)
+        np.add.at(totals, (owner, 1), hits)
+        np.add.at(totals, (owner, 2), losses)
+    records = []
+    for row, (masked, correct, loss_sum) in zip(rows, totals):
+        numerator = correct if metric == "masked_accuracy" else loss_sum
+        records.append({"id": row["id"], "masked": int(masked), "correct": int(correct), "loss_sum": float(loss_sum),
+                        "score": ratio_score(metric, numerator, masked),
+                        "counts": [int(correct) if metric == "masked_accuracy" else float(loss_sum), int(masked)]})
+    sums = totals.sum(axis=0)
+    scores = {name: ratio_score(name, sums[1] if name == "masked_accuracy" else sums[2], sums[0]) for name in METRICS}
+    details = {"scores": scores, "masked_tokens": int(sums[0]), "max_length": max_length,
+               "truncated_lines": int(sum(len(e.overflowing) > 0 for e in encodings)),
+               "eval_mask": {"rate": EVAL_MASK_RATE, "unit": "token", "replacement": "all [MASK]",
+                             "seed": EVAL_MASK_SEED, "from": "each line's id"}}
+    return EvaluationResult(records, scores[metric], 0, details)
+
+
+# Gate checks --------------------------------------------------------------------------------------
+def _refuse(check: str, cause: str, fix: str):
+    from workflow_scripts.training.preflight_checks import PreflightError  # lazily: the gate's module imports tasks
+
+    raise PreflightError(check, cause, fix)
+
+
+def check_tokenizer(tokenizer) -> str:
+    if tokenizer.mask_token_id is None:
+        _refuse("masked_lm_tokenizer", "the tokenizer has no mask token",
+                "use a model pretrained with masked LM (BERT, RoBERTa...), or add a mask token in prepare_model")
+    if tokenizer.pad_token_id is None:
+        _refuse("masked_lm_tokenizer", "the tokenizer has no pad token", "set the model's pad token in prepare_model")
+    if not getattr(tokenizer, "is_fast", False):
+        _refuse("masked_lm_tokenizer", "the tokenizer is not a fast tokenizer (word ids are needed)",
+                "save the model with its tokenizer.json (a fast tokenizer)")
+    return f"mask token {tokenizer.mask_token!r} (id {tokenizer.mask_token_id})"
+
+
+def check_batch(batch: Mapping[str, Any], tokenizer) -> str:
+    """Refuses a batch without a masked token, with labels on special or padding tokens, or with far
+    more unchanged labelled tokens than the 10% "keep" share allows (labels on unmasked positions)."""
+    labels, input_ids, attention = batch["labels"].cpu(), batch["input_ids"].cpu(), batch["attention_mask"].cpu()
+    rows = batch.get("row_ids") or []
+    labelled = labels != IGNORE_INDEX
+    n = int(labelled.sum())
+    if n == 0:
+        _refuse("masked_lm_batch", f"no token is masked in the batch (rows {rows[:5]})",
+                "use the masked_lm task's collator and a variant mask_rate above 0")
+    if (labelled & (attention == 0)).any():
+        _refuse("masked_lm_batch", "padding positions carry labels", "labels must be -100 wherever attention_mask is 0")
+    special = torch.isin(labels[labelled], torch.tensor(tokenizer.all_special_ids))
+    if special.any():
+        _refuse("masked_lm_batch", f"special token id {int(labels[labelled][special][0])} is masked",
+                "rerun pretokenise so special_tokens_mask marks every special token")
+    if not torch.equal(batch["target_index"].cpu(), labelled.reshape(-1).nonzero().squeeze(1)):
+        _refuse("masked_lm_batch", "target_index does not list the labelled positions",
+                "build batches with the task's collator")
+    # Unchanged tokens among the labelled ones ~ Binomial(n, q); 6 standard deviations (+3 for tiny n)
+    # is never reached by chance, but labels on every token (a causal collator) exceed it at once.
+    q = 1 - MASK_SHARE - RANDOM_SHARE + RANDOM_SHARE / len(tokenizer)
+    unchanged = int((labelled & (input_ids == labels)).sum())
+    if unchanged > n * q + 6 * math.sqrt(n * q * (1 - q)) + 3:
+        _refuse("masked_lm_batch", f"{unchanged} of {n} labelled tokens are unchanged in the input (expected about "
+                f"{q:.0%}): labels sit on unmasked positions", "labels must be -100 except on the masked positions")
+    return f"{n} masked tokens of {int(attention.sum())} ({n / int(attention.sum()):.1%}), none special or padding"
+
+
+class MaskedLMTask:
+    name = "masked_lm"
+    auto_model_class = "AutoModelForMaskedLM"
+    peft_task_type = None  # see the module docstring: PEFT has no masked-LM task type
+    variant_keys = frozenset(VARIANT_DEFAULTS)
+    metrics = METRICS
+    dropped_reason = "only special tokens, or the short remainder of a map batch in 'blocks' grouping"
+
+    def check_variant(self, variant: Mapping[str, Any]) -> dict[str, Any]:
+        return check_variant(variant)
+
+    def tokenised_features(self):
+        from datasets import Features, List, Value
+
+        return Features({
+            "id": Value("string"), "input_ids": List(Value("int32")), "special_tokens_mask": List(Value("bool")),
+            "word_start": List(Value("bool")), "length": Value("int32"), "truncated": Value("bool"),
+            "dropped": Value("bool"),
+        })
+
+    def tokenise_batch(self, batch, *, tokenizer, variant, max_length):
+        return tokenise_batch(batch, tokenizer=tokenizer, variant=variant, max_length=max_length)
+
+    def collator(self, meta: Mapping[str, Any], vocab_size: int, *, seed: int) -> MaskingCollator:
+        variant = check_variant(meta["variant"] if "variant" in meta else meta["templates"])
+        if meta.get("mask_token_id") is None:
+            raise WorkflowError("tokenise_meta.json has no mask_token_id; rerun pretokenise for the masked_lm task")
+        return MaskingCollator(pad_token_id=meta["pad_token_id"], mask_token_id=meta["mask_token_id"],
+                               vocab_size=vocab_size, tokenizer_vocab_size=meta["vocab_size"],
+                               mask_rate=variant["mask_rate"], whole_word=variant["whole_word"], seed=seed)
+
+    def loss_module(self, peft_model: nn.Module) -> nn.Module:
+        return MaskedTokenLoss(peft_model)
+
+    def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device) -> EvaluationResult:
+        return evaluate(model, tokenizer, variant, rows, metric, evaluation, device)
+
+    # The gate's task-specific checks (sanity calls them beside preflight_checks'): detail string or PreflightError.
+    def check_tokenizer(self, tokenizer) -> str:
+        return check_tokenizer(tokenizer)
+
+    def check_batch(self, batch: Mapping[str, Any], tokenizer) -> str:
+        return check_batch(batch, tokenizer)
+
+
+TASK = MaskedLMTask()
