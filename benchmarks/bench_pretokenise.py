@@ -142,6 +142,7 @@ def build_inputs(work: Path, settings: dict) -> tuple[Path, Path]:
     data_dir = work / "normalised"
     test = {key: values[:100] for key, values in columns.items()}
     DatasetDict({"train": Dataset.from_dict(columns), "test": Dataset.from_dict(test)}).save_to_disk(str(data_dir))
+    (data_dir / "task_meta.json").write_text('{"task": "generation"}')  # as normalise writes it
     corpus = [q + " " + a[0] for q, a in zip(columns["question"][:5000], columns["answers"][:5000])]
     config = synthetic.tiny_model_config(settings["vocab_size"], 16, 1, 2, 32)
     model_dir = synthetic.save_model_dir(config, work / "model", tokenizer_corpus=corpus)

@@ -19,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks import (bench_gpu, bench_pretokenise, bench_training, bench_worker_memory,
+from benchmarks import (bench_gpu, bench_packing, bench_pretokenise, bench_training, bench_worker_memory,
                         bench_workflow_overhead, records, report)
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 
@@ -27,7 +27,7 @@ BENCHMARKS = {
     module.NAME: module
     # The workflow benchmark may first run a reduced demo; it goes before the longest one, whose extra
     # repetitions give way when time runs short.
-    for module in (bench_training, bench_pretokenise, bench_workflow_overhead, bench_worker_memory, bench_gpu)
+    for module in (bench_training, bench_packing, bench_pretokenise, bench_workflow_overhead, bench_worker_memory, bench_gpu)
 }
 HERE = Path(__file__).resolve().parent
 

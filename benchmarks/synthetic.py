@@ -62,7 +62,7 @@ def save_tokenised(table, out: Path, vocab_size: int, max_length: int) -> Path:
 
     out = Path(out)
     DatasetDict({"train": Dataset(table)}).save_to_disk(str(out))
-    meta = {"cache_key": "benchmark", "tokenizer_fingerprint": "benchmark", "templates": {},
+    meta = {"cache_key": "benchmark", "task": "generation", "tokenizer_fingerprint": "benchmark", "templates": {},
             "max_length": max_length, "input_fingerprint": "benchmark", "vocab_size": vocab_size,
             "pad_token_id": PAD_ID, "eos_token_id": EOS_ID}
     (out / "tokenise_meta.json").write_text(json.dumps(meta, indent=2))

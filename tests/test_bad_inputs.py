@@ -125,8 +125,8 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "flattened-length-mismatch", rows({"id": "r", "q": ["a?", "b?"], "a": ["1"]}, flat=True), "normalise", rejected("length_mismatch", "q/a", "2 questions but 1 answers; pairs cannot be matched")),
         case("data", "flatten-needs-a-list", rows({"id": "r", "q": "a?", "a": ["1"]}, flat=True), "normalise", rejected("wrong_type", "q", "flatten needs a list, got str")),
         case("data", "field-absent-from-every-row", rows(settings={"fields": {"question": "query", "answers": "a"}}), "normalise", "{raw}/train.jsonl: field 'query' (datasets.d.fields.question) is absent from every row of split 'train'; the rows have fields ['a', 'q']"),
-        case("data", "too-many-rejections", rows({"q": "", "a": "x"}, copies=3, good=97), "normalise", "{raw}/train.jsonl: 3 of 100 rows of split 'train' rejected (3.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: empty_value 3; for example {raw}/train.jsonl row 5: field 'q': is empty"),
-        case("data", "every-row-rejected", rows({"q": "", "a": "x"}, good=0, settings={"max_rejected_fraction": 1.0}), "normalise", "{raw}/train.jsonl: 1 of 1 rows of split 'train' rejected (100.0%), so no row is left; reasons: empty_value 1; for example {raw}/train.jsonl row 0: field 'q': is empty"),
+        case("data", "too-many-rejections", rows({"q": "", "a": "x"}, copies=3, good=97), "normalise", "{raw}/train.jsonl: 3 of 100 rows of split 'train' rejected (3.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: empty_value 3; for example {raw}/train.jsonl line 6: field 'q': is empty"),
+        case("data", "every-row-rejected", rows({"q": "", "a": "x"}, good=0, settings={"max_rejected_fraction": 1.0}), "normalise", "{raw}/train.jsonl: 1 of 1 rows of split 'train' rejected (100.0%), so no row is left; reasons: empty_value 1; for example {raw}/train.jsonl line 1: field 'q': is empty"),
         case("data", "empty-split-file", rows(good=0), "normalise", "{raw}/train.jsonl: split 'train' has no rows"),
         case("data", "missing-split-file", rows(settings={"splits": {"train": "train", "validation": "dev", "test": "test"}}), "normalise", "{raw}: no split 'dev' (found ['test', 'train']); check the dataset's splits mapping in the config"),
         case("data", "raw-directory-missing", normalise_args({"--raw": "{tmp}/nowhere"}), "normalise", "{tmp}/nowhere: raw data directory not found; run the download rule first"),
@@ -134,11 +134,11 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "not-utf8-far-into-the-file", raw_file("train.jsonl", b'{"q": "ok?", "a": "x"}\n' * 3000 + b'{"q": "caf\xe9?", "a": "x"}\n'), "normalise", "{raw}/train.jsonl line 3001: " + NOT_UTF8 % 69010),
         case("data", "csv-not-utf8", raw_file("train.csv", b"q,a\nok?,x\ncaf\xe9?,y\n", fmt="csv"), "normalise", "{raw}/train.csv line 3: " + NOT_UTF8 % 13),
         case("data", "json-not-utf8", raw_file("train.json", b'[{"q": "ok?",\n  "a": "caf\xe9"}]', fmt="json"), "normalise", "{raw}/train.json line 2: " + NOT_UTF8 % 25),
-        case("data", "csv-empty-cell", csv_rows("ok?,"), "normalise", rejected("empty_value", "a", "is empty", fmt="csv")),
+        case("data", "csv-empty-cell", csv_rows("ok?,"), "normalise", rejected("empty_value", "a", "is empty", line=7, fmt="csv")),
         case("data", "csv-missing-column", csv_rows(header="question,a"), "normalise", "{raw}/train.csv: field 'q' (datasets.d.fields.question) is absent from every row of split 'train'; the rows have fields ['a', 'question']"),
-        case("data", "csv-short-row", csv_rows("ok?"), "normalise", rejected("unparseable_record", None, "not valid CSV: line 7 has 1 field where the header (line 1) has 2; every line needs one value per column (an empty value is still separated by a comma)", fmt="csv")),
-        case("data", "csv-unquoted-comma", csv_rows("how many?,1,000"), "normalise", rejected("unparseable_record", None, "not valid CSV: line 7 has 3 fields where the header (line 1) has 2; a value that holds a comma must be in double quotes", fmt="csv")),
-        case("data", "csv-stray-quote", csv_rows('"how" many?,1'), "normalise", rejected("unparseable_record", None, "not valid CSV: line 7: ',' expected after '\"'", fmt="csv")),
+        case("data", "csv-short-row", csv_rows("ok?"), "normalise", rejected("unparseable_record", None, "not valid CSV: line 7 has 1 field where the header (line 1) has 2; every line needs one value per column (an empty value is still separated by a comma)", line=7, fmt="csv")),
+        case("data", "csv-unquoted-comma", csv_rows("how many?,1,000"), "normalise", rejected("unparseable_record", None, "not valid CSV: line 7 has 3 fields where the header (line 1) has 2; a value that holds a comma must be in double quotes", line=7, fmt="csv")),
+        case("data", "csv-stray-quote", csv_rows('"how" many?,1'), "normalise", rejected("unparseable_record", None, "not valid CSV: line 7: ',' expected after '\"'", line=7, fmt="csv")),
         case("data", "csv-header-names-a-column-twice", csv_rows(header="q,a,a"), "normalise", "{raw}/train.csv line 1: the header names column ['a'] more than once, so one column's values would be lost; rename the columns apart"),
         case("data", "json-file-not-a-list", raw_file("train.json", b'{"q": "x?", "a": "1"}', fmt="json"), "normalise", "{raw}/train.json: a json split file must hold a list of records, not a dict"),
         case("data", "json-file-invalid", raw_file("train.json", b'[{"q": "x?", "a": "1"},]', fmt="json"), "normalise", "{raw}/train.json: not valid JSON (line 1 column 24): Expecting value"),
@@ -210,11 +210,11 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("cli", "compare-comparison-key-missing", compare_({"--comparison": {**COMPARISON, "bootstrap_seed": DROP}}), "compare", "config key 'comparison.bootstrap_seed': missing from the --comparison argument"),
         case("cli", "compare-too-few-resamples", compare_({"--comparison": {**COMPARISON, "bootstrap_resamples": 999}}), "compare", "config key 'comparison.bootstrap_resamples': must be an integer >= 1000, got 999"),
         case("cli", "compare-bad-bootstrap-mode", compare_({"--comparison": {**COMPARISON, "bootstrap": "seeds"}}), "compare", "config key 'comparison.bootstrap': must be one of auto, examples, seeds_and_examples, got 'seeds'"),
-        case("cli", "compare-reference-not-compared", compare_({"--comparison": {**COMPARISON, "reference_variant": "plain"}}), "compare", "config key 'comparison.reference_variant': 'plain' is not among the compared variants"),
+        case("cli", "compare-reference-not-compared", compare_({"--comparison": {**COMPARISON, "reference_variant": "plain"}}), "compare", "config key 'comparison.reference_variant': 'plain' has no runs for dataset 'chart' (variants: ['baseline', 'mtup'])"),
         case("cli", "compare-results-missing", compare_({"--results-dir": "{tmp}/nowhere"}), "compare", "{tmp}/nowhere/chart/baseline/seed1/eval.json: not found; run the stage that writes it first"),
         case("cli", "compare-eval-json-invalid", compare_(plant=put("results/chart/mtup/seed1/eval.json", '{"score": 0.5,')), "compare", "{results}/chart/mtup/seed1/eval.json: not valid JSON at line 1: Expecting property name enclosed in double quotes"),
         case("cli", "compare-eval-json-for-another-seed", compare_(plant=patch_json("chart/mtup/seed1/eval.json", seed=2)), "compare", "{results}/chart/mtup/seed1/eval.json: field 'seed' is 2, but the path is for seed 1"),
-        case("cli", "compare-eval-json-unknown-metric", compare_(plant=patch_json("chart/mtup/seed1/eval.json", metric="accuracy")), "compare", rx(r"\{results\}/chart/mtup/seed1/eval\.json: field 'metric' is 'accuracy'; known: .*")),
+        case("cli", "compare-eval-json-unknown-metric", compare_(plant=patch_json("chart/mtup/seed1/eval.json", metric="bleu")), "compare", rx(r"\{results\}/chart/mtup/seed1/eval\.json: field 'metric' is 'bleu'; the comparison resamples .*")),
         case("cli", "compare-stale-eval-json", compare_(plant=patch_json("chart/mtup/seed1/eval.json", score=0.99)), "compare", "{results}/chart/mtup/seed1: eval.json score 0.99 does not match its predictions.jsonl (0.8); the two files come from different runs: rerun evaluate"),
         case("cli", "compare-prediction-score-not-a-number", compare_(plant=patch_line("chart/mtup/seed1/predictions.jsonl", 3, score="high")), "compare", "{results}/chart/mtup/seed1/predictions.jsonl line 4: field 'score' is missing or not a finite number"),
         case("cli", "compare-prediction-line-invalid", compare_(plant=append("chart/mtup/seed1/predictions.jsonl", "{oops\n")), "compare", "{results}/chart/mtup/seed1/predictions.jsonl line 21: not valid JSON: Expecting property name enclosed in double quotes"),
@@ -278,9 +278,13 @@ training: {max_length: 128%s}
 """
 
 
-def rejected(reason: str, field: str | None, detail: str, row: int = 5, fmt: str = "jsonl") -> str:
-    """normalise's message for one bad row (at ``row``) among ten."""
-    where = f"{{raw}}/train.{fmt} row {row}: " + (f"field '{field}': " if field else "")
+def rejected(reason: str, field: str | None, detail: str, line: int = 6, fmt: str = "jsonl") -> str:
+    """normalise's message for one bad row among ten, named by the ``line`` of the file it is on.
+
+    :func:`rows` puts the bad record at row index 5, which is line 6 of train.jsonl; :func:`csv_rows`
+    puts it on line 7 of train.csv (the header is line 1).
+    """
+    where = f"{{raw}}/train.{fmt} line {line}: " + (f"field '{field}': " if field else "")
     return (f"{{raw}}/train.{fmt}: 1 of 10 rows of split 'train' rejected (10.0%), more than "
             f"datasets.d.max_rejected_fraction = 0.01; reasons: {reason} 1; for example {where}{detail}")
 

@@ -331,11 +331,12 @@ def test_rules_call_evaluate_and_compare_with_arguments_they_accept(tmp_path):
         if module in parsed:
             stage = evaluate if module == "evaluate" else compare
             parsed[module].append(stage.parse_args(words[3:words.index(">")]))
-    assert len(parsed["evaluate"]) == 12 + 6 and len(parsed["compare"]) == 1
-    assert sorted(str(args.seed) for args in parsed["evaluate"]).count("base") == 6
+    # 8 dataset x variant pairs of the same task (3 x 2 generation, 1 x 2 classification), 2 seeds + base each.
+    assert len(parsed["evaluate"]) == 16 + 8 and len(parsed["compare"]) == 1
+    assert sorted(str(args.seed) for args in parsed["evaluate"]).count("base") == 8
     (arguments,) = parsed["compare"]
     assert arguments.with_base and arguments.plots_dir == "results/plots"
-    assert len(json.loads(arguments.experiments)) == 12
+    assert len(json.loads(arguments.experiments)) == 16
     assert "results/plots/scores_amr_demo.png" in result.stdout and "results/plots/loss_ocrvqa_demo.png" in result.stdout
 
 

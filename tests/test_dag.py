@@ -62,8 +62,9 @@ def test_default_config_builds_its_dag(tmp_path):
                              "--replace-workflow-config", "--cores", "2")
     assert code == 0, output
     counts = job_counts(output)
-    assert counts["download"] == counts["normalise"] == 3 and counts["pretokenise"] == 6
-    assert counts["train"] == 3 * 2 * len(config["seeds"])
+    # 3 generation datasets x 2 generation variants, 1 classification dataset x 2 classification variants.
+    assert counts["download"] == counts["normalise"] == 4 and counts["pretokenise"] == 3 * 2 + 1 * 2
+    assert counts["train"] == (3 * 2 + 1 * 2) * len(config["seeds"])
 
 
 def test_a_bad_config_stops_snakemake_with_one_message(tmp_path):

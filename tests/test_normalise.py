@@ -87,9 +87,14 @@ def test_each_rejection_reason_is_counted_with_an_example(tmp_path, bad, reason,
     out, report_path = run_normalise("d", settings, raw, tmp_path)
     report = json.loads(report_path.read_text())
     assert report["splits"]["train"]["reasons"] == {reason: 1}
+    # the bad record is row index 30, on line 31 of the file (one record per line, no blank lines)
+    assert (raw / "train.jsonl").read_text().splitlines()[30] == (bad if isinstance(bad, str) else json.dumps(bad))
+    example = report["reasons"][reason]["examples"][0]
     assert report["reasons"][reason]["examples"] == [
-        {"file": str(raw / "train.jsonl"), "split": "train", "row": 30, "field": field,
-         "detail": report["reasons"][reason]["examples"][0]["detail"]}]
+        {"file": str(raw / "train.jsonl"), "split": "train", "row": 30, "line": 31, "field": field,
+         "detail": example["detail"]}]
+    where = f"{raw / 'train.jsonl'} line 31: " + (f"field '{field}': " if field else "")
+    assert normalise.describe(example) == where + example["detail"]
     train = load_from_disk(str(out))["train"]
     assert len(train) == 30 and all(r["question"].strip() and all(a.strip() for a in r["answers"]) for r in train)
 
@@ -140,7 +145,7 @@ def test_a_field_absent_from_every_row_fails_naming_file_field_and_key(tmp_path)
 
 def test_rejected_share_above_the_threshold_fails_with_counts_and_an_example(tmp_path):
     settings, raw = prepare(tmp_path, [good(i) for i in range(97)] + [{"q": "", "a": "x"}] * 3)
-    with pytest.raises(WorkflowError, match=r"3 of 100 rows of split 'train' rejected \(3\.0%\), more than datasets\.d\.max_rejected_fraction = 0\.01.*empty_value 3.*row 97: field 'q': is empty"):
+    with pytest.raises(WorkflowError, match=r"3 of 100 rows of split 'train' rejected \(3\.0%\), more than datasets\.d\.max_rejected_fraction = 0\.01.*empty_value 3; for example .*train\.jsonl line 98: field 'q': is empty$"):
         normalise.main(args(settings, raw, tmp_path))
     assert leftovers(tmp_path / "out") == []
 
@@ -263,6 +268,28 @@ def test_a_csv_line_with_an_unquoted_comma_is_counted_unparseable_not_shifted(tm
         (9, "not valid CSV: line 11 has 3 fields where the header (line 1) has 2"),
         (10, "not valid CSV: line 12 has 1 field where the header (line 1) has 2")]
     assert load_from_disk(str(out))["train"]["answers"] == [[f"answer {i}"] for i in range(9)]
+
+
+def test_a_rejected_csv_row_is_named_by_its_file_line_and_a_parquet_row_by_its_row_index(tmp_path):
+    import pandas as pd
+
+    # line 1 the header, lines 2-3 one record (a quoted value over two lines), line 4 the empty question
+    csv_settings = source_files(tmp_path / "csv", "csv", b'q,a\n"two\nlines?",1\n,2\nthree?,3\n', b"q,a\nx?,1\n")
+    raw = run_download("d", csv_settings, tmp_path / "csv")
+    _, report_path = run_normalise("d", csv_settings, raw, tmp_path / "csv")
+    example = json.loads(report_path.read_text())["reasons"]["empty_value"]["examples"][0]
+    assert example == {"file": str(raw / "train.csv"), "split": "train", "row": 1, "line": 4, "field": "q",
+                       "detail": "is empty"}
+    assert normalise.describe(example) == f"{raw / 'train.csv'} line 4: field 'q': is empty"
+
+    train, test = pd.DataFrame({"q": ["a?", "", "c?"], "a": ["1", "2", "3"]}), pd.DataFrame({"q": ["x?"], "a": ["1"]})
+    parquet_settings = source_files(tmp_path / "parquet", "parquet", train.to_parquet(), test.to_parquet())
+    raw = run_download("d", parquet_settings, tmp_path / "parquet")
+    _, report_path = run_normalise("d", parquet_settings, raw, tmp_path / "parquet")
+    example = json.loads(report_path.read_text())["reasons"]["empty_value"]["examples"][0]
+    assert example == {"file": str(raw / "train.parquet"), "split": "train", "row": 1, "line": None, "field": "q",
+                       "detail": "is empty"}
+    assert normalise.describe(example) == f"{raw / 'train.parquet'} row index 1: field 'q': is empty"
 
 
 def test_a_byte_order_mark_is_not_part_of_the_first_column_name(tmp_path):

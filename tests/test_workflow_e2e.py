@@ -26,6 +26,9 @@ pytestmark = pytest.mark.slow
 def write_config(directory: Path, **changes) -> Path:
     config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     config["datasets"] = {name: config["datasets"][name] for name in DATASETS}
+    # Generation only: the demo's classification variants would have no dataset here.
+    config["variants"] = {name: v for name, v in config["variants"].items() if v.get("task", "generation") == "generation"}
+    config["comparison"]["reference_variant"] = "baseline"
     for dataset in config["datasets"].values():
         dataset["source"]["path"] = str(ROOT / dataset["source"]["path"])
     config["seeds"] = list(SEEDS)

@@ -176,8 +176,9 @@ def check_summary(summary: Mapping[str, Any], path: Path, dataset: str, variant:
     for key, value in expected.items():
         if summary.get(key) != value:
             raise WorkflowError(f"{path}: field '{key}' is {summary.get(key)!r}, but the path is for {key} {value!r}")
-    if summary["metric"] not in metrics.METRICS:
-        raise WorkflowError(f"{path}: field 'metric' is {summary['metric']!r}; known: {', '.join(metrics.METRICS)}")
+    if summary["metric"] not in metrics.COMPARABLE_METRICS:
+        raise WorkflowError(f"{path}: field 'metric' is {summary['metric']!r}; the comparison resamples "
+                            f"{', '.join(metrics.COMPARABLE_METRICS)}")
 
 
 def load_run(results_dir: Path, dataset: str, variant: str, seed: int) -> Run:
@@ -332,8 +333,18 @@ def _method(mode: str, reference: str, comparison: Mapping[str, Any]) -> str:
     )
 
 
-def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any]) -> str:
+def reference_for(comparison: Mapping[str, Any], task: str) -> str:
+    """comparison.reference_variant: one name, or a mapping task -> name."""
     reference = comparison["reference_variant"]
+    if isinstance(reference, Mapping):
+        if task not in reference:
+            raise ConfigError("comparison.reference_variant", f"names no reference for task '{task}' ({dict(reference)})")
+        return reference[task]
+    return reference
+
+
+def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any]) -> str:
+    reference = " / ".join(dict.fromkeys(row["reference"] for row in rows))
     lines = [
         "# Comparison of prompt variants",
         "",
@@ -380,10 +391,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     experiments = parse_experiments(args.experiments)
     comparison = parse_comparison(args.comparison)
     results_dir = Path(args.results_dir)
-    reference = comparison["reference_variant"]
-    if reference not in {variant for _, variant, _ in experiments}:
-        raise ConfigError("comparison.reference_variant", f"'{reference}' is not among the compared variants")
-
     runs = [load_run(results_dir, *experiment) for experiment in experiments]
     check_fairness(runs, comparison["intended_differences"])
     mode = bootstrap_mode(comparison, experiments)
@@ -395,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metric = dataset_runs[0].summary["metric"]
         variants = list(dict.fromkeys(run.variant for run in dataset_runs))
         base = read_base_scores(results_dir, dataset, variants, metric) if args.with_base else None
+        reference = reference_for(comparison, dataset_runs[0].summary.get("task", "generation"))
         dataset_rows = compare_dataset(dataset, dataset_runs, reference, comparison, base, mode)
         rows.extend(dataset_rows)
         loss_curves[dataset] = {(run.variant, run.seed): read_loss_curve(run.directory / "train_log.jsonl") for run in dataset_runs}

@@ -67,8 +67,9 @@ class Rejections:
     counts: Counter = field(default_factory=Counter)
     examples: dict = field(default_factory=dict)
 
-    def add(self, error: Rejected, file: str, split: str, row: int) -> dict:
-        example = {"file": file, "split": split, "row": row, "field": error.field, "detail": error.detail}
+    def add(self, error: Rejected, file: str, split: str, place: raw_records.Place) -> dict:
+        example = {"file": file, "split": split, "row": place.index, "line": place.line, "field": error.field,
+                   "detail": error.detail}
         self.counts[error.reason] += 1
         kept = self.examples.setdefault(error.reason, [])
         if len(kept) < EXAMPLES_PER_REASON:
@@ -77,7 +78,7 @@ class Rejections:
 
 
 def describe(example: Mapping[str, Any]) -> str:
-    where = f"{example['file']} row {example['row']}"
+    where = f"{example['file']} {raw_records.Place(example['row'], example['line'])}"  # 'line 7' / 'row index 6'
     return f"{where}: field '{example['field']}': {example['detail']}" if example["field"] else f"{where}: {example['detail']}"
 
 
@@ -87,7 +88,8 @@ def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_spli
     tally = SplitTally(source_split=source_split, file=str(location))
     kept, ids = [], set()
     source_fields = mapper.source_fields()
-    for row, record in raw_records.iter_records(raw_dir, source_split, fmt):
+    for place, record in raw_records.iter_placed_records(raw_dir, source_split, fmt):
+        row = place.index
         if isinstance(record, Mapping):
             tally.seen_keys.update(record)
             tally.present.update(name for name in set(source_fields.values()) if name in record)
@@ -96,7 +98,7 @@ def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_spli
             if isinstance(result, dict) and result["id"] in ids:
                 result = Rejected("duplicate_id", mapper.fields.get("id", "id"), f"id '{result['id']}' occurs earlier in the split")
             if isinstance(result, Rejected):
-                example = rejections.add(result, str(location), canonical, row)
+                example = rejections.add(result, str(location), canonical, place)
                 tally.first.setdefault(result.reason, example)
                 tally.reasons[result.reason] += 1
             else:

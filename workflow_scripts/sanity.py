@@ -104,7 +104,7 @@ def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report):
     plan = batching.GlobalBatchPlan(dataset.lengths(), training["effective_batch"], seed, training["length_grouping"])
     steps = training["sanity_batches"] + (MAX_FP16_OVERFLOW_STEPS if setup.scaler is not None else 0)
     sampler = batching.RankBatchSampler(plan, training["micro_batch"], context.rank, context.world_size, 0, steps)
-    collator = setup.task.collator(meta, setup.vocab_size)
+    collator = setup.task.collator(meta, setup.vocab_size, **({"packing_for": setup.packing} if setup.packing else {}))
     batches = iter(batching.build_loader(dataset, sampler, collator, 0, False, seed))
     parameters = setup.trainable_parameters()
     losses, padding, gradients_checked = [], [], False

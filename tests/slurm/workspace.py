@@ -19,6 +19,9 @@ def reduced_config(steps: int = 24, checkpoint_every: int = 4) -> dict:
     config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     name = next(iter(config["datasets"]))
     config["datasets"] = {name: config["datasets"][name]}
+    # The first dataset is a generation one: keep only the variants that run on it.
+    config["variants"] = {n: v for n, v in config["variants"].items() if v.get("task", "generation") == "generation"}
+    config["comparison"]["reference_variant"] = "baseline"
     config["seeds"] = [config["seeds"][0]]
     config["training"].update(max_steps=steps, checkpoint_every=checkpoint_every, log_every=1,
                               warmup_steps=min(config["training"].get("warmup_steps", 0), steps // 4),

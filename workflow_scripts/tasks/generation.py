@@ -78,9 +78,13 @@ class TargetTokenLoss(nn.Module):
     def forward(self, batch: Mapping[str, Any]):
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         target_index, target_ids = batch["target_index"], batch["target_ids"]
+        # A packed batch (data/packing.py) carries position_ids restarting per example, and its
+        # attention_mask is the 4D block mask; a padded one has none and the model counts from 0.
+        positions = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
         head = self.wrapped.get_base_model().get_output_embeddings()
         if head is None:  # no separate output layer (some remote-code models): slice the full logits
-            logits = self.wrapped(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            logits = self.wrapped(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                  **positions).logits
             logits = logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, target_index)
             return F.cross_entropy(logits.float(), target_ids, reduction="sum")
 
@@ -95,7 +99,8 @@ class TargetTokenLoss(nn.Module):
 
         handle = head.register_forward_pre_hook(keep_target_positions, with_kwargs=True)
         try:
-            logits = self.wrapped(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            logits = self.wrapped(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                  **positions).logits
         finally:
             handle.remove()
         logits = logits.reshape(-1, logits.shape[-1])
@@ -228,6 +233,7 @@ def score_outputs(rows: Sequence[dict], prompts: Sequence[str], outputs: Sequenc
 
 class GenerationTask:
     name = "generation"
+    packs = True  # training.packing: data/packing.PackingCollator
     auto_model_class = "AutoModelForCausalLM"
     peft_task_type = "CAUSAL_LM"
     variant_keys = frozenset(VARIANT_KEYS)
@@ -263,7 +269,12 @@ class GenerationTask:
     def prepare_model(self, model, pad_token_id, task_meta) -> None:
         """A causal LM needs nothing beyond loading."""
 
-    def collator(self, meta: Mapping[str, Any], vocab_size: int) -> PaddingCollator:
+    def collator(self, meta: Mapping[str, Any], vocab_size: int, packing_for: tuple[int, str] | None = None):
+        """Padded micro-batches, or packed ones (``packing_for`` = (max_length, attention implementation))."""
+        if packing_for:
+            from workflow_scripts.data.packing import PackingCollator
+
+            return PackingCollator(meta["pad_token_id"], vocab_size, *packing_for)
         return PaddingCollator(meta["pad_token_id"], vocab_size)
 
     def loss_module(self, peft_model: nn.Module) -> nn.Module:

@@ -339,9 +339,16 @@ def score_example(metric: str, prediction: str | None, golds: Sequence[str]) -> 
     return ExampleScore(STRING_METRICS[metric](prediction, golds))
 
 
+# Corpus scores the comparison can recompute and resample from per-example records: the means (a
+# classifier's accuracy too: 1/0 per example) and smatch's micro F1. macro-F1 is neither.
+COMPARABLE_METRICS = (*METRICS, "accuracy")
+
+
 def corpus_score(metric: str, scores: Sequence[ExampleScore]) -> float:
     """Mean of per-example scores, or for smatch the F1 of the summed triple counts (micro)."""
-    check_metric(metric)
+    if metric not in COMPARABLE_METRICS:
+        raise WorkflowError(f"metric '{metric}' is not a mean over examples nor smatch, so the comparison cannot "
+                            f"resample it; compare with one of {', '.join(COMPARABLE_METRICS)} (e.g. accuracy)")
     if not scores:
         raise WorkflowError("no examples to score")
     if metric == "smatch":

@@ -32,6 +32,7 @@ class TrainingSetup:
     accumulation: int
     vocab_size: int
     task: Any  # tasks.base.Task: the collator and the loss come from it
+    packing: tuple[int, str] | None = None  # (max_length, attention implementation) when packing
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -117,6 +118,17 @@ def build(model_dir, training: Mapping[str, Any], context: DistributedContext,
     vocab_size = base.get_input_embeddings().num_embeddings
     peft_model = model_loading.add_lora(base, training["lora"], training["gradient_checkpointing"], task.peft_task_type)
     peft_model.train()
+    packing = None
+    if training.get("packing"):
+        from workflow_scripts.core.errors import WorkflowError
+        from workflow_scripts.data import packing as packing_module
+
+        if not hasattr(task, "packs"):
+            raise WorkflowError(f"training.packing: task '{task.name}' does not pack examples. Fix: set training.packing: false")
+        ok, reason = packing_module.supports_packing(peft_model, training["max_length"])
+        if not ok:
+            raise WorkflowError(f"training.packing: {reason}. Fix: set training.packing: false")
+        packing = (training["max_length"], base.config._attn_implementation)
     model: nn.Module = task.loss_module(peft_model)
     if context.is_distributed:
         model = nn.parallel.DistributedDataParallel(
@@ -130,7 +142,7 @@ def build(model_dir, training: Mapping[str, Any], context: DistributedContext,
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     accumulation = gradient_accumulation(training)
     return TrainingSetup(context, training, peft_model, model, optimizer, scheduler, scaler,
-                         autocast_dtype, accumulation, vocab_size, task)
+                         autocast_dtype, accumulation, vocab_size, task, packing)
 
 
 def to_device(batch: Mapping[str, Any], device: torch.device) -> dict:
