@@ -120,7 +120,7 @@ def file_sha256(path: Path) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    task = task_named(args.task)
+    task = task_named(args.task, "argument --task")
     variant = task.check_variant(parse_json_argument(args.variant, "--variant"))
     if args.metric not in task.metrics:
         raise WorkflowError(f"argument --metric: {args.metric!r} is not a metric of task {args.task!r} "

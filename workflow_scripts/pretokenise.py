@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="Tokenised DatasetDict directory to create.")
     parser.add_argument("--report", required=True, type=Path, help="Tokenise report JSON to write.")
     args = parser.parse_args(argv)
-    task = task_named(args.task)
+    task = task_named(args.task, "argument --task")
     variant = task.check_variant(json_setting(args.variant, "--variant"))
     if args.max_length < 2:
         raise WorkflowError(f"argument --max-length: {args.max_length} leaves no room for a prompt and a target")

@@ -23,13 +23,22 @@ class Rejected(Exception):
 
 
 # --- value checks: each returns the clean value or raises Rejected ---
-def _present(record: Mapping[str, Any], name: str) -> Any:
+def record_problem(record: Any) -> Rejected | None:
+    """Why a raw record cannot be a row at all (unparseable, or not an object with fields), or None."""
+    if isinstance(record, raw_records.Unparseable):
+        return Rejected("unparseable_record", None, record.error)
+    if not isinstance(record, Mapping):
+        return Rejected("wrong_type", None, f"the row is a {type(record).__name__}, not an object with fields")
+    return None
+
+
+def present(record: Mapping[str, Any], name: str) -> Any:
     if name not in record or record[name] is None:
         raise Rejected("missing_field", name, "is missing" if name not in record else "is null")
     return record[name]
 
 
-def _text(value: Any, name: str) -> str:
+def text(value: Any, name: str) -> str:
     if not isinstance(value, str):
         raise Rejected("wrong_type", name, f"expected a string, got {type(value).__name__} {value!r:.60}")
     if not value.strip():
@@ -40,18 +49,18 @@ def _text(value: Any, name: str) -> str:
 def _answers(value: Any, name: str) -> list[str]:
     """One answer string, or a list of gold answers (each a non-empty string)."""
     if isinstance(value, str):
-        return [_text(value, name)]
+        return [text(value, name)]
     if not isinstance(value, list):
         raise Rejected("wrong_type", name, f"expected a string or a list of strings, got {type(value).__name__}")
     if not value:
         raise Rejected("empty_value", name, "is an empty list")
-    return [_text(item, f"{name}[{index}]") for index, item in enumerate(value)]
+    return [text(item, f"{name}[{index}]") for index, item in enumerate(value)]
 
 
 def _record_id(value: Any, name: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise Rejected("wrong_type", name, f"an id must be a string or an integer, got {type(value).__name__}")
-    return _text(str(value), name)
+    return text(str(value), name)
 
 
 def _kind(value: Any) -> str:
@@ -89,20 +98,18 @@ class RecordMapper:
 
     def rows(self, record: Any, split: str, row: int) -> Iterable[dict[str, Any] | Rejected]:
         """Canonical rows of one record; a bad pair or record comes out as a Rejected instead."""
-        if isinstance(record, raw_records.Unparseable):
-            yield Rejected("unparseable_record", None, record.error)
-            return
-        if not isinstance(record, Mapping):
-            yield Rejected("wrong_type", None, f"the row is a {type(record).__name__}, not an object with fields")
+        problem = record_problem(record)
+        if problem is not None:
+            yield problem
             return
         try:
             id_field = self.fields.get("id")
-            record_id = _record_id(_present(record, id_field), id_field) if id_field else f"{split}-{row}"
+            record_id = _record_id(present(record, id_field), id_field) if id_field else f"{split}-{row}"
             extras = {name: self._extra(record, name, source) for name, source in self.extra.items()}
             if self.flatten:
                 pairs = self._pairs(record)
             else:
-                pairs = [(_present(record, self.fields["question"]), _present(record, self.fields["answers"]), None)]
+                pairs = [(present(record, self.fields["question"]), present(record, self.fields["answers"]), None)]
         except Rejected as error:
             yield error
             return
@@ -111,7 +118,7 @@ class RecordMapper:
             try:
                 canonical = {
                     "id": record_id if index is None else f"{record_id}-q{index}",
-                    "question": _text(question, self.fields["question"] + suffix),
+                    "question": text(question, self.fields["question"] + suffix),
                     "answers": _answers(answers, self.fields["answers"] + suffix),
                     **extras,
                 }
@@ -120,7 +127,7 @@ class RecordMapper:
                 yield error
 
     def _extra(self, record: Mapping[str, Any], name: str, source: str) -> Any:
-        value = _present(record, source)
+        value = present(record, source)
         if isinstance(value, (str, list, bytes)) and not value:
             raise Rejected("empty_value", source, "is empty")
         kind = self.extra_kinds.setdefault(name, _kind(value))
@@ -129,8 +136,8 @@ class RecordMapper:
         return value
 
     def _pairs(self, record: Mapping[str, Any]) -> list[tuple[Any, Any, int]]:
-        questions = _present(record, self.fields["question"])
-        answers = _present(record, self.fields["answers"])
+        questions = present(record, self.fields["question"])
+        answers = present(record, self.fields["answers"])
         for name, value in ((self.fields["question"], questions), (self.fields["answers"], answers)):
             if not isinstance(value, list):
                 raise Rejected("wrong_type", name, f"flatten needs a list, got {type(value).__name__}")
@@ -178,11 +185,9 @@ class FieldsMapper:
         return {f"fields.{name}": source for name, source in self.fields.items()}
 
     def rows(self, record: Any, split: str, row: int) -> Iterable[dict[str, Any] | Rejected]:
-        if isinstance(record, raw_records.Unparseable):
-            yield Rejected("unparseable_record", None, record.error)
-            return
-        if not isinstance(record, Mapping):
-            yield Rejected("wrong_type", None, f"the row is a {type(record).__name__}, not an object with fields")
+        problem = record_problem(record)
+        if problem is not None:
+            yield problem
             return
         try:
             canonical = self.task.normalise_fields(record, self.settings)

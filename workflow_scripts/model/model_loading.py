@@ -75,6 +75,7 @@ def add_lora(model, lora: Mapping[str, Any], gradient_checkpointing: bool, task_
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
+    check_modules_to_save(model, lora.get("modules_to_save", []))
     config = LoraConfig(
         r=lora["rank"],
         lora_alpha=lora["alpha"],
@@ -89,6 +90,19 @@ def add_lora(model, lora: Mapping[str, Any], gradient_checkpointing: bool, task_
         raise WorkflowError(f"training.lora.target_modules {list(lora['target_modules'])}: {error}") from None
     keep_trainable_in_fp32(peft_model)
     return peft_model
+
+
+def check_modules_to_save(model, names) -> None:
+    """Each ``modules_to_save`` entry must name a module (PEFT matches the name's last parts, and skips a
+    name that matches nothing without a word: a typo would leave the head frozen and unsaved)."""
+    import difflib
+
+    modules = [name for name, _ in model.named_modules() if name]
+    for entry in names:
+        if not any(name == entry or name.endswith("." + entry) for name in modules):
+            close = difflib.get_close_matches(entry, sorted({m.rsplit(".", 1)[-1] for m in modules}), n=3)
+            raise WorkflowError(f"training.lora.modules_to_save: '{entry}' matches no module of this model "
+                                f"(closest: {close}); fix the name or remove it")
 
 
 def keep_trainable_in_fp32(model) -> None:

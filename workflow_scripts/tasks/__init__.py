@@ -12,10 +12,10 @@ TASK_MODULES = {
 }
 
 
-def task_named(name: str):
+def task_named(name: str, where: str | None = None):
     """The task object of a task type (imported on first use: a stage loads only its own)."""
     import importlib
 
     if name not in TASK_MODULES:
-        raise WorkflowError(f"unknown task {name!r}; known: {sorted(TASK_MODULES)}")
+        raise WorkflowError(f"{where + ': ' if where else ''}unknown task {name!r}; known: {sorted(TASK_MODULES)}")
     return importlib.import_module(TASK_MODULES[name]).TASK

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workflow_scripts.core.errors import WorkflowError
-from workflow_scripts.data.rows import FieldsMapper, Rejected
+from workflow_scripts.data.rows import FieldsMapper, Rejected, present as _present, text as _text
 from workflow_scripts.tasks import templates
 from workflow_scripts.tasks.base import EvaluationResult
 
@@ -32,20 +32,6 @@ GOLD_FIELDS = ("label",)  # a template that shows the label would leak the answe
 
 
 # --- normalise ---
-def _present(record: Mapping[str, Any], source: str) -> Any:
-    if source not in record or record[source] is None:
-        raise Rejected("missing_field", source, "is missing" if source not in record else "is null")
-    return record[source]
-
-
-def _text(value: Any, source: str) -> str:
-    if not isinstance(value, str):
-        raise Rejected("wrong_type", source, f"expected a string, got {type(value).__name__} {value!r:.60}")
-    if not value.strip():
-        raise Rejected("empty_value", source, "is empty")
-    return value.strip()
-
-
 def _name(value: Any, source: str, what: str = "label") -> str:
     """A class name: a string, or an integer's decimal string; a bool or float (``str(1.0)``) is refused, not coerced."""
     if isinstance(value, int) and not isinstance(value, bool):
