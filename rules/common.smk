@@ -9,6 +9,7 @@ sys.path.insert(0, workflow.basedir)
 shell.prefix(f"export PYTHONPATH={shlex.quote(workflow.basedir)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; ")
 
 from workflow_scripts.core import experiment_config as xc
+from workflow_scripts.data import source_files
 from workflow_scripts.core.errors import ConfigError
 
 try:
@@ -84,6 +85,11 @@ def local_source(wildcards):
         return []
     splits = dict.fromkeys(dataset["splits"].values())
     return [os.path.join(dataset["source"]["path"], f"{split}.{dataset['format']}") for split in splits]
+
+
+def local_source_sha256(wildcards):
+    """The local source files' content (sha256): a file copied in with an old mtime still reruns download."""
+    return as_json(source_files.sha256_of_existing(local_source(wildcards)))
 
 
 def tiny_model_corpus(wildcards):

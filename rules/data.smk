@@ -14,6 +14,7 @@ rule download:
         manifest="results/data/{dataset}/download_manifest.json",
     params:
         dataset=dataset_settings,
+        source_sha256=local_source_sha256,  # content, not clocks, decides a rerun
     log:
         "logs/download/{dataset}.log",
     benchmark:

@@ -114,3 +114,27 @@ def test_a_configfile_replaces_the_demo_config_instead_of_merging(tmp_path):
     assert code == 0, output
     assert job_counts(output)["download"] == 1
     assert "dataset=amr_demo" in output and "chartqa_demo" not in output
+
+
+@pytest.mark.slow
+def test_a_source_file_copied_in_with_its_old_time_still_reruns_download(tmp_path):
+    """Reruns follow content: `cp -p` of other bytes keeps the old mtime, but the sha256 parameter changes."""
+    import os
+    import shutil
+
+    data = tmp_path / "amr"
+    shutil.copytree(ROOT / "demo_data" / "amr", data)
+    config = absolute_demo_config(["amr_demo"])
+    config["datasets"]["amr_demo"]["source"]["path"] = str(data)
+    base = ["--configfile", str(config_file(tmp_path, config)), "--replace-workflow-config", "--cores", "1"]
+    code, output = snakemake(tmp_path, *base, "--until", "download")
+    assert code == 0, output
+    code, output = snakemake(tmp_path, *base, "-n", "--until", "download")
+    assert code == 0 and nothing_to_do(output), output
+    test_file = data / "test.jsonl"
+    times = (test_file.stat().st_atime_ns, test_file.stat().st_mtime_ns)
+    lines = test_file.read_text().splitlines()
+    test_file.write_text("\n".join(lines[:-1]) + "\n")  # other bytes ...
+    os.utime(test_file, ns=times)  # ... with the old modification time, as cp -p leaves it
+    code, output = snakemake(tmp_path, *base, "-n", "--until", "download")
+    assert code == 0 and job_counts(output).get("download") == 1, output

@@ -61,6 +61,9 @@ def check_evaluation(evaluation: Mapping[str, Any]) -> None:
     for key in ("max_new_tokens", "batch_size"):
         if not isinstance(evaluation[key], int) or isinstance(evaluation[key], bool) or evaluation[key] < 1:
             raise ConfigError(f"evaluation.{key}", f"must be a positive integer, got {evaluation[key]!r}")
+    limit = evaluation["max_examples"]
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ConfigError("evaluation.max_examples", f"must be a positive integer or null, got {limit!r}")
 
 
 def parse_seed(text: str) -> int | str:

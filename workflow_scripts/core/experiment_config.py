@@ -330,7 +330,6 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
         except WorkflowError as error:
             raise ConfigError(key, str(error), source) from None
         gradient_accumulation(resolved_training(config, name), f"{key}.training" if variant.get("training") else "training", source)
-        _check_training_overrides(name, variant.get("training", {}), config, source)
     tasks_in_use = {dataset["task"] for dataset in config["datasets"].values()}
     for task_name in sorted(tasks_in_use):
         if not any(variant["task"] == task_name for variant in config["variants"].values()):
@@ -342,6 +341,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
             raise ConfigError("comparison.reference_variant",
                               f"'{reference}' is not one of the {task_name} variants {choices}; with variants of "
                               "several tasks give a mapping, e.g. {generation: baseline, classification: plain}", source)
+        _check_fair_training(config, task_name, reference, source)
 
 
 def variant_settings(variant: Mapping[str, Any]) -> dict[str, Any]:
@@ -355,26 +355,35 @@ def reference_variant(config: Mapping[str, Any], task: str) -> str | None:
     return reference.get(task) if isinstance(reference, Mapping) else reference
 
 
-def _check_training_overrides(name: str, overrides: Mapping[str, Any], config: Mapping[str, Any],
-                              source: str | None) -> None:
-    """The fairness guard at parse time: a variant may change only what the comparison allows.
+def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, source: str | None) -> None:
+    """The fairness guard at parse time: the variants of one task train alike, up to intended differences.
 
     ``compare`` would refuse the finished runs anyway; refusing here saves the GPU hours between.
+    Variants are compared with their task's reference variant (not with the shared block, so all
+    classification variants may override, say, the LoRA targets the same way).
     """
     from workflow_scripts.analysis import fairness
 
     intended = config["comparison"].get("intended_differences", [])
-    shared = fairness.flatten(config["training"], "training")
-    for top, value in overrides.items():
-        if top in fairness.RUNTIME_ONLY_TRAINING_KEYS:
+
+    def comparable(variant: str) -> dict[str, Any]:
+        settings = resolved_training(config, variant)
+        return {key: value for top, item in settings.items() if top not in fairness.RUNTIME_ONLY_TRAINING_KEYS
+                for key, value in fairness.flatten(item, f"training.{top}").items()}
+
+    expected = comparable(reference)
+    for name, variant in config["variants"].items():
+        if variant["task"] != task or name == reference:
             continue
-        for dotted, item in fairness.flatten(value, f"training.{top}").items():
-            if shared.get(dotted, fairness.ABSENT) != item and not fairness.is_intended(dotted, intended):
+        ours = comparable(name)
+        for key in sorted(set(expected) | set(ours)):
+            mine, theirs = ours.get(key, fairness.ABSENT), expected.get(key, fairness.ABSENT)
+            if mine != theirs and not fairness.is_intended(key, intended):
                 raise ConfigError(
-                    f"variants.{name}.{dotted}",
-                    f"sets {item!r} where the other variants use {shared.get(dotted, fairness.ABSENT)!r}, so the "
-                    "comparison would not be fair; remove the override, or list it under "
-                    f"comparison.intended_differences: [{dotted}] if the difference is the point", source)
+                    f"variants.{name}.{key}",
+                    f"sets {mine!r} where the reference variant '{reference}' uses {theirs!r}, so the comparison "
+                    "would not be fair; make them equal, or list it under comparison.intended_differences: "
+                    f"[{key}] if the difference is the point", source)
 
 
 def _require(mapping: Mapping[str, Any], keys: tuple[str, ...], prefix: str, why: str, source: str | None) -> None:

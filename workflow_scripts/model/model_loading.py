@@ -75,7 +75,8 @@ def add_lora(model, lora: Mapping[str, Any], gradient_checkpointing: bool, task_
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    check_modules_to_save(model, lora.get("modules_to_save", []))
+    check_module_names(model, "modules_to_save", lora.get("modules_to_save", []))
+    check_module_names(model, "target_modules", lora["target_modules"])
     config = LoraConfig(
         r=lora["rank"],
         lora_alpha=lora["alpha"],
@@ -92,16 +93,19 @@ def add_lora(model, lora: Mapping[str, Any], gradient_checkpointing: bool, task_
     return peft_model
 
 
-def check_modules_to_save(model, names) -> None:
-    """Each ``modules_to_save`` entry must name a module (PEFT matches the name's last parts, and skips a
-    name that matches nothing without a word: a typo would leave the head frozen and unsaved)."""
+def check_module_names(model, key: str, names) -> None:
+    """Each ``target_modules`` / ``modules_to_save`` entry must name a module of this model.
+
+    PEFT matches an entry against the end of module names and skips one that matches nothing without
+    a word, so a typo would train fewer adapters (or leave a head frozen and unsaved) in silence.
+    """
     import difflib
 
     modules = [name for name, _ in model.named_modules() if name]
     for entry in names:
         if not any(name == entry or name.endswith("." + entry) for name in modules):
             close = difflib.get_close_matches(entry, sorted({m.rsplit(".", 1)[-1] for m in modules}), n=3)
-            raise WorkflowError(f"training.lora.modules_to_save: '{entry}' matches no module of this model "
+            raise WorkflowError(f"training.lora.{key}: '{entry}' matches no module of this model "
                                 f"(closest: {close}); fix the name or remove it")
 
 
