@@ -274,12 +274,16 @@ def _validated_training(workflow_dir: Path, resolved_training) -> dict:
 # --- the profiles themselves (no cluster needed) -------------------------------------------------
 
 def _rules_declaring_gpus() -> set[str]:
-    rules = set()
+    rules, derived = set(), []
     for smk in (ROOT / "rules").glob("*.smk"):
-        for block in re.split(r"\n(?=rule )", smk.read_text()):
+        text = smk.read_text()
+        for block in re.split(r"\n(?=rule )", text):
             name = re.match(r"rule (\w+):", block)
             if name and re.search(r"resources:\s*\n(\s+#.*\n)*(\s+\w+=.*\n)*?\s+gpu=", block):
                 rules.add(name.group(1))
+        derived += re.findall(r"^use rule (\w+) as (\w+)", text, re.MULTILINE)
+    # `use rule X as Y with:` keeps X's resources unless it overrides them (ours never drop gpu).
+    rules |= {child for parent, child in derived if parent in rules}
     return rules
 
 
