@@ -84,6 +84,9 @@ def local_source(wildcards):
     if dataset["source"]["type"] != "local":
         return []
     splits = dict.fromkeys(dataset["splits"].values())
+    if dataset["format"] == "text":  # plain-text corpora: <split>.txt, or gzipped <split>.txt.gz
+        paths = [os.path.join(dataset["source"]["path"], f"{split}.txt") for split in splits]
+        return [path if os.path.exists(path) or not os.path.exists(f"{path}.gz") else f"{path}.gz" for path in paths]
     return [os.path.join(dataset["source"]["path"], f"{split}.{dataset['format']}") for split in splits]
 
 

@@ -137,7 +137,8 @@ def _is_number(value: Any) -> bool:
 
 
 def read_predictions(path: Path, metric: str) -> dict[str, Any]:
-    """id -> per-example score, or (match, test, gold) counts for smatch."""
+    """id -> per-example score, or the record's ``counts`` for a ratio-of-sums metric (metrics.COUNTS_WIDTH:
+    smatch's (match, test, gold) triples; a masked-LM metric's (numerator, masked tokens))."""
     values: dict[str, Any] = {}
     for number, row in read_jsonl(path):
         example_id = row.get("id")
@@ -145,11 +146,19 @@ def read_predictions(path: Path, metric: str) -> dict[str, Any]:
             raise WorkflowError(f"{path} line {number}: field 'id' is missing or not a string")
         if example_id in values:
             raise WorkflowError(f"{path} line {number}: duplicate id {example_id!r}")
+        width = metrics.counts_width(metric)
         if metric == "smatch":
             counts = row.get("counts")
             if not (isinstance(counts, list) and len(counts) == 3 and all(isinstance(c, int) and c >= 0 for c in counts)):
                 raise WorkflowError(f"{path} line {number}: field 'counts' must be [match, test, gold] triple counts")
             values[example_id] = counts
+        elif width is not None:  # a masked-LM ratio: [correct or summed loss (float), masked tokens]
+            counts = row.get("counts")
+            if not (isinstance(counts, list) and len(counts) == width
+                    and all(_is_number(c) and c >= 0 for c in counts) and isinstance(counts[-1], int)):
+                raise WorkflowError(f"{path} line {number}: field 'counts' must be [non-negative number, masked "
+                                    f"token count] for {metric}")
+            values[example_id] = [float(c) for c in counts]
         else:
             if not _is_number(row.get("score")):
                 raise WorkflowError(f"{path} line {number}: field 'score' is missing or not a finite number")
@@ -189,7 +198,7 @@ def load_run(results_dir: Path, dataset: str, variant: str, seed: int) -> Run:
     if len(values) != summary["n_examples"]:
         raise WorkflowError(f"{directory / 'predictions.jsonl'}: {len(values)} rows, but eval.json says n_examples={summary['n_examples']}")
     recomputed = metrics.corpus_score(summary["metric"], [
-        metrics.ExampleScore(0.0, tuple(v)) if summary["metric"] == "smatch" else metrics.ExampleScore(v)
+        metrics.ExampleScore(0.0, tuple(v)) if metrics.counts_width(summary["metric"]) else metrics.ExampleScore(v)
         for v in values.values()
     ])
     if not math.isclose(recomputed, summary["score"], abs_tol=1e-9):

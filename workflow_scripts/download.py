@@ -7,7 +7,8 @@ Sources (``datasets.<name>.source``):
   anything is placed. The file is either a ``.zip``/``.tar.gz``/``.tgz`` archive holding one
   ``<split>.<format>`` file per split (in any folder), or a single ``.json`` file holding an object
   that maps split names to lists of records.
-- ``local``: a directory with one ``<split>.<format>`` file per split.
+- ``local``: a directory with one ``<split>.<format>`` file per split; format ``text`` (plain-text
+  corpora, one example per line) takes ``<split>.txt`` or ``<split>.txt.gz`` and counts non-blank lines.
 For url and local sources the raw files are kept byte for byte (rows may be malformed; normalise
 judges them). A checksum mismatch or an interrupted transfer leaves no output and says why.
 """
@@ -27,9 +28,9 @@ import zipfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from workflow_scripts.data import raw_records
+from workflow_scripts.data import raw_records, text_lines
 from workflow_scripts.core.atomic_output import atomic_path, write_json
-from workflow_scripts.core.errors import WorkflowError, run_main
+from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.experiment_config import validate_section
 from workflow_scripts.core.run_manifest import build_manifest
 from workflow_scripts.core.stage_arguments import json_setting
@@ -144,12 +145,19 @@ def download_url(settings: Mapping[str, Any], out: Path, work: Path) -> dict[str
     return {"url": url, "sha256": actual}
 
 
+def local_split_file(directory: Path, split: str, fmt: str) -> Path:
+    """A split's file: ``<split>.<format>``, or for plain text ``<split>.txt`` / ``<split>.txt.gz``."""
+    if fmt == text_lines.TEXT_FORMAT:
+        return text_lines.split_file(directory, split)
+    return directory / f"{split}.{fmt}"
+
+
 def copy_local(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
     directory, fmt = Path(settings["source"]["path"]), settings["format"]
     if not directory.is_dir():
         raise WorkflowError(f"{directory}: source.path is not a directory (it must hold one <split>.{fmt} file per split)")
     for split in source_splits(settings):
-        path = directory / f"{split}.{fmt}"
+        path = local_split_file(directory, split, fmt)
         if not path.is_file():
             present = sorted(p.name for p in directory.iterdir())
             raise WorkflowError(f"{path}: missing; split '{split}' needs this file (the directory holds {present})")
@@ -180,6 +188,8 @@ def rows_per_split(out: Path, settings: Mapping[str, Any]) -> dict[str, int]:
 
         data = load_from_disk(str(out))
         return {split: data[split].num_rows for split in data}
+    if settings["format"] == text_lines.TEXT_FORMAT:  # rows = non-blank lines (a stream: corpora are large)
+        return {split: text_lines.count_lines(text_lines.split_file(out, split)) for split in source_splits(settings)}
     return {
         split: raw_records.count_rows(out / f"{split}.{settings['format']}", settings["format"])
         for split in source_splits(settings)
@@ -203,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = validate_section(json_setting(args.dataset, "--dataset"), "datasets", f"datasets.{args.name}", "--dataset")
     kind = settings["source"]["type"]
+    if settings["format"] == text_lines.TEXT_FORMAT and kind != "local":
+        raise ConfigError(f"datasets.{args.name}.format", f"'text' is read from local directories only, not a {kind} source")
 
     with atomic_path(args.out, directory=True) as out:
         out.mkdir(parents=True, exist_ok=True)

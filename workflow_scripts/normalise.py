@@ -138,6 +138,18 @@ def to_dataset(rows: list[dict], location: str):
         raise WorkflowError(f"{location}: the kept rows cannot be stored as one table: {error}") from None
 
 
+def normalise_by_task(normalise_source, args: argparse.Namespace, settings: Mapping[str, Any]) -> int:
+    """A task's own normalisation (``Task.normalise_source``): it writes the normalised data, with
+    ``task_meta.json`` inside in the same atomic step, and returns its part of the report."""
+    task_meta = {"task": settings["task"]}
+    extras = normalise_source(args.raw, settings, args.out, extra_json={TASK_META: task_meta})
+    report = {"dataset": args.name, "raw": str(args.raw), "task": settings["task"], **extras}
+    write_json(args.report, report)
+    for canonical, split in report.get("splits", {}).items():
+        print(f"{args.name}/{canonical}: {json.dumps({k: v for k, v in split.items() if k != 'files'})}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Map one dataset's raw records onto the canonical schema.")
     parser.add_argument("--name", required=True, help="Dataset name (the key under datasets in the config).")
@@ -152,6 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise WorkflowError(f"{args.raw}: raw data directory not found; run the download rule first")
     fmt = settings["format"]
     task = task_named(settings["task"])
+    own_normalisation = getattr(task, "normalise_source", None)
+    if own_normalisation is not None:  # the task reads its raw files itself (e.g. plain text, line by line)
+        return normalise_by_task(own_normalisation, args, settings)
     mapper = task.record_mapper(settings, key)
     rejections, splits, tallies = Rejections(), {}, {}
     for canonical in CANONICAL_SPLITS:

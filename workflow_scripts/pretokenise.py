@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pad_token_id": tokenizer.pad_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "task_meta": task_meta,
-        **task.tokenise_meta(variant, task_meta),
+        **task.tokenise_meta(variant, task_meta, tokenizer=tokenizer),
     }
     meta["cache_key"] = cache_key(meta["tokenizer_fingerprint"], variant, args.max_length, meta["input_fingerprint"],
                                   args.task)

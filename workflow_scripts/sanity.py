@@ -77,7 +77,10 @@ def run_gate(args: argparse.Namespace, training: dict) -> int:
         capacity = memory_estimate.device_capacity(context.device, processes_here)
         report.record("memory", checks.check_memory(estimate, capacity, training["memory_headroom"], training, context.device))
         report.record("data_scan", checks.scan_dataset(dataset, setup.vocab_size))
-        losses, padding = run_probe_steps(setup, dataset, meta, training, args.seed, report)
+        # The task's own checks (tasks.base: check_tokenizer / check_batch) may read the model's tokenizer.
+        tokenizer = LazyTokenizer(args.model, args.trust_remote_code)
+        record_task_check(report, f"{setup.task.name}_tokenizer", setup.task.check_tokenizer(tokenizer))
+        losses, padding = run_probe_steps(setup, dataset, meta, training, args.seed, report, tokenizer)
         devices = distributed.all_gather_objects(distributed.device_name(context.device), context)
         if context.is_main:
             write_json(args.out, {
@@ -97,14 +100,42 @@ def run_gate(args: argparse.Namespace, training: dict) -> int:
         distributed.teardown(context)
 
 
-def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report):
+class LazyTokenizer:
+    """The model's tokenizer, loaded when a task check first reads it: a task without tokenizer checks
+    never loads it, so its gate does not require tokenizer files it would not otherwise use."""
+
+    def __init__(self, model_dir: str, trust_remote_code: bool):
+        self._args, self._tokenizer = (model_dir, trust_remote_code), None
+
+    def _loaded(self):
+        if self._tokenizer is None:
+            from workflow_scripts.model.model_loading import load_tokenizer
+
+            self._tokenizer = load_tokenizer(*self._args)
+        return self._tokenizer
+
+    def __getattr__(self, name: str):
+        return getattr(self._loaded(), name)
+
+    def __len__(self) -> int:
+        return len(self._loaded())
+
+
+def record_task_check(report: Report, name: str, detail: str | None) -> None:
+    """A task check's detail goes into the report; None means the task has no such check."""
+    if detail is not None:
+        report.record(name, detail)
+
+
+def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report, tokenizer):
     """A few real optimizer steps through the training code, checking batches and gradients."""
     context = setup.context
     report.record("train_mode", checks.check_train_mode(setup.model))
     plan = batching.GlobalBatchPlan(dataset.lengths(), training["effective_batch"], seed, training["length_grouping"])
     steps = training["sanity_batches"] + (MAX_FP16_OVERFLOW_STEPS if setup.scaler is not None else 0)
     sampler = batching.RankBatchSampler(plan, training["micro_batch"], context.rank, context.world_size, 0, steps)
-    collator = setup.task.collator(meta, setup.vocab_size, **({"packing_for": setup.packing} if setup.packing else {}))
+    collator = setup.task.collator(meta, setup.vocab_size, seed=seed,
+                                   **({"packing_for": setup.packing} if setup.packing else {}))
     batches = iter(batching.build_loader(dataset, sampler, collator, 0, False, seed))
     parameters = setup.trainable_parameters()
     losses, padding, gradients_checked = [], [], False
@@ -118,6 +149,7 @@ def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report):
         for k, batch in enumerate(micro_batches):
             batch = training_setup.to_device(batch, context.device)
             detail = checks.check_batch(batch, context.device, setup.vocab_size)
+            task_detail = setup.task.check_batch(batch, tokenizer)  # raises PreflightError on a bad batch
             randomness = (seed, step, training_setup.global_micro_batch_index(setup, k))
             try:
                 step_loss += float(training_setup.micro_step(setup, batch, loss_scale, k == len(micro_batches) - 1,
@@ -150,6 +182,7 @@ def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report):
         losses.append(step_loss)
         if step == 0:
             report.record("data", detail)
+            record_task_check(report, f"{setup.task.name}_batch", task_detail)
         if gradients_checked and step + 1 >= training["sanity_batches"]:
             break
     if setup.scaler is not None:

@@ -194,7 +194,8 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
     plan = batching.GlobalBatchPlan(dataset.lengths(), training["effective_batch"], args.seed, training["length_grouping"])
     sampler = batching.RankBatchSampler(plan, training["micro_batch"], context.rank, context.world_size,
                                         start_step, training["max_steps"])
-    collator = setup.task.collator(meta, setup.vocab_size, **({"packing_for": setup.packing} if setup.packing else {}))
+    collator = setup.task.collator(meta, setup.vocab_size, seed=args.seed,
+                                   **({"packing_for": setup.packing} if setup.packing else {}))
     loader = batching.build_loader(dataset, sampler, collator, training["dataloader_workers"], device.type == "cuda", args.seed)
     batches = iter(loader)
     parameters = setup.trainable_parameters()

@@ -34,6 +34,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.tasks import metrics
 
 CHUNK = 100  # replicates per block, so (replicates x examples x 3) smatch counts stay small in memory
 EXAMPLES = "examples"
@@ -94,11 +95,20 @@ def micro_f1(sums: np.ndarray) -> np.ndarray:
     return np.where((test > 0) & (gold > 0) & (match > 0), f1, 0.0)
 
 
+def from_sums(metric: str, sums: np.ndarray) -> np.ndarray:
+    """The corpus score from counts summed over examples (last axis: the counts): smatch's micro F1,
+    or a masked-LM ratio (metrics.ratio_from_sums: sum of the first count over sum of masked tokens)."""
+    if metric == "smatch":
+        return micro_f1(sums)
+    return metrics.ratio_from_sums(metric, sums[..., 0], sums[..., 1])
+
+
 def corpus_statistic(metric: str, values: np.ndarray) -> np.ndarray:
-    """Corpus score along the example axis: ``values`` is (..., n) scores or (..., n, 3) smatch counts."""
-    if metric != "smatch":
+    """Corpus score along the example axis: ``values`` is (..., n) scores or (..., n, k) counts
+    (metrics.counts_width: smatch's 3, a masked-LM ratio's 2), summed before the score is taken."""
+    if metrics.counts_width(metric) is None:
         return values.mean(axis=-1)
-    return micro_f1(values.sum(axis=-2))
+    return from_sums(metric, values.sum(axis=-2))
 
 
 def _resampled_scores(metric: str, multiplicities: np.ndarray, stacked: np.ndarray) -> np.ndarray:
@@ -106,7 +116,7 @@ def _resampled_scores(metric: str, multiplicities: np.ndarray, stacked: np.ndarr
     was drawn; ``stacked`` is (n, seeds) scores or (n, seeds, 3) counts, as float."""
     n = multiplicities.shape[1]
     sums = (multiplicities @ stacked.reshape(n, -1)).reshape((len(multiplicities),) + stacked.shape[1:])
-    return micro_f1(sums) if metric == "smatch" else sums / n
+    return sums / n if metrics.counts_width(metric) is None else from_sums(metric, sums)
 
 
 def _check(metric: str, systems: Sequence[Sequence[np.ndarray]]) -> tuple[int, int]:
@@ -118,8 +128,10 @@ def _check(metric: str, systems: Sequence[Sequence[np.ndarray]]) -> tuple[int, i
     if len(shapes) != 1:
         raise WorkflowError(f"paired bootstrap needs the same examples everywhere; got arrays of shapes {sorted(shapes)}")
     shape = shapes.pop()
-    if metric == "smatch" and (len(shape) != 2 or shape[1] != 3):
-        raise WorkflowError("smatch needs (match, test, gold) counts per example")
+    width = metrics.counts_width(metric)
+    if width is not None and (len(shape) != 2 or shape[1] != width):
+        raise WorkflowError(f"{metric} needs {width} counts per example (smatch: match, test, gold; a masked-LM "
+                            "ratio: numerator, masked tokens)")
     if shape[0] == 0:
         raise WorkflowError("paired bootstrap over zero examples")
     return shape[0], n_seeds.pop()

@@ -139,11 +139,13 @@ def _rows(paths: list[str], counts_dir: str) -> Iterator[dict]:
 
 
 def write_normalised(splits: Mapping[str, Sequence[str | os.PathLike]], out_dir: str | os.PathLike,
-                     *, writer_batch_size: int = WRITER_BATCH_ROWS) -> dict:
+                     *, writer_batch_size: int = WRITER_BATCH_ROWS, extra_json: Mapping[str, object] | None = None) -> dict:
     """Write the normalised ``DatasetDict`` (columns ``id``, ``text``) of text files, split by split.
 
     ``splits`` maps a canonical split name (``train``, ``test``, ``validation``) to its files.
     Returns the report ``{split: {files: {file: {lines, kept, blank}}, lines, kept, blank}}``.
+    ``extra_json`` (file name -> value) is written inside the output in the same atomic step (the
+    normalise stage's ``task_meta.json``), so the data never appears without it.
     The output appears whole or not at all (``atomic_output``); the Arrow data is built in a work
     directory beside it (never in the shared ``~/.cache``), which is removed afterwards.
     """
@@ -186,5 +188,36 @@ def write_normalised(splits: Mapping[str, Sequence[str | os.PathLike]], out_dir:
                 raise WorkflowError(f"text corpus split '{split}': no non-blank line in {files}")
         with atomic_path(out_dir, directory=True) as out:
             DatasetDict(built).save_to_disk(str(out))
+            for name, value in (extra_json or {}).items():
+                Path(out, name).write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
         del built  # release the memory maps before the work directory goes
     return report
+
+
+# Raw files of a split ------------------------------------------------------------------------------
+TEXT_FORMAT = "text"  # the dataset ``format`` of plain-text corpora
+SPLIT_SUFFIXES = (".txt", ".txt.gz")  # a split is ``<split>.txt`` or its gzip ``<split>.txt.gz``
+
+
+def split_file(directory: str | os.PathLike, split: str) -> Path:
+    """The one file of ``split`` in ``directory``: ``<split>.txt`` or ``<split>.txt.gz`` (both is
+    ambiguous, so refused rather than one picked silently)."""
+    directory = Path(directory)
+    found = [directory / f"{split}{suffix}" for suffix in SPLIT_SUFFIXES if (directory / f"{split}{suffix}").is_file()]
+    if not found:
+        present = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+        raise WorkflowError(f"{directory / (split + '.txt')}: missing; split '{split}' needs <split>.txt or "
+                            f"<split>.txt.gz (the directory holds {present})")
+    if len(found) > 1:
+        raise WorkflowError(f"{directory}: both {found[0].name} and {found[1].name} exist for split '{split}'; keep one")
+    return found[0]
+
+
+def available_splits(directory: str | os.PathLike) -> list[str]:
+    names = [p.name for p in Path(directory).iterdir() if p.is_file()]
+    return sorted({name[: -len(suffix)] for name in names for suffix in SPLIT_SUFFIXES if name.endswith(suffix)})
+
+
+def count_lines(path: str | os.PathLike) -> int:
+    """Non-blank lines of one file (the rows it will give), read as a stream."""
+    return sum(1 for _ in iter_lines([path]))

@@ -9,6 +9,7 @@ from workflow_scripts.core.errors import WorkflowError
 TASK_MODULES = {
     "generation": "workflow_scripts.tasks.generation",
     "classification": "workflow_scripts.tasks.classification",
+    "masked_lm": "workflow_scripts.tasks.masked_lm",
 }
 
 

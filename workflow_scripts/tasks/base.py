@@ -10,18 +10,30 @@ The contract, stage by stage (batches are dicts of tensors plus plain fields):
   ``data.rows.Rejected`` reasons); the mapper hears when a split is done (train first) and returns
   ``task_meta`` (e.g. the label set), written as ``task_meta.json`` beside the normalised data and
   handed to ``tokenise_batch``, ``tokenise_meta``, ``model_kwargs`` and ``prepare_model``.
+  A task whose raw data are not records (plain text, one example per line) sets
+  ``normalise_source(raw_dir, settings, out_dir, *, extra_json) -> report extras`` instead: it writes
+  the normalised data itself (with the ``extra_json`` files, e.g. ``task_meta.json``, inside, in the
+  same atomic step) and returns its part of ``normalise_report.json``; record-based tasks set
+  ``normalise_source = None`` and normalise uses ``record_mapper``.
 - pretokenise: ``tokenise_batch(batch, tokenizer=, variant=, max_length=)`` is a batched map
   function over canonical rows returning the columns of ``tokenised_features()``: at least ``id``,
   ``input_ids``, ``length`` and the booleans ``truncated`` and ``dropped`` (rows that cannot teach
   anything, e.g. no target token left; counted in the report and removed), plus the task's own
   columns (``labels``, ``label``...). ``dropped_reason`` names what ``dropped`` means.
+  ``tokenise_meta(variant, task_meta, *, tokenizer)`` adds what training needs beside the ids to
+  ``tokenise_meta.json`` (class weights; a masked LM's ``mask_token_id``: train loads no tokenizer).
 - training: ``auto_model_class`` / ``peft_task_type`` choose the model and the LoRA wrapping;
   ``model_kwargs(task_meta)`` adds ``from_pretrained`` arguments (a classifier's label count) and
   ``prepare_model(model, pad_token_id, task_meta)`` finishes the loaded model (labels, pad id);
-  ``collator(meta, vocab_size)`` turns rows into a micro-batch carrying ``target_tokens`` (the
+  ``collator(meta, vocab_size, *, seed)`` turns rows into a micro-batch carrying ``target_tokens`` (the
   count the summed loss is divided by over the global batch), ``real_tokens``, ``padded_tokens`` and
-  ``row_ids``; ``loss_module(peft_model)`` returns an ``nn.Module`` whose ``forward(batch)`` gives the
-  loss SUMMED over the batch's targets.
+  ``row_ids``; ``seed`` is the experiment seed, for collators that draw (a masked LM's masks are
+  seeded from it and the batch's row ids, so they are the same in any process and after a resume);
+  the others ignore it. ``loss_module(peft_model)`` returns an ``nn.Module`` whose ``forward(batch)``
+  gives the loss SUMMED over the batch's targets.
+- the gate (sanity): ``check_tokenizer(tokenizer)`` once and ``check_batch(batch, tokenizer)`` per
+  probe batch are the task's own checks beside ``training/preflight_checks``: a detail string for
+  the report, None when the task has no such check, or ``PreflightError``.
 - evaluation: ``evaluate(model, tokenizer, variant, rows, metric, evaluation, device)`` returns an
   :class:`EvaluationResult`: per-example prediction records (each with ``id`` and ``score``; ``counts``
   where the corpus score is a ratio of sums, as smatch's), the corpus score, the number of outputs that
@@ -67,13 +79,21 @@ class Task(Protocol):
 
     def record_mapper(self, settings: Mapping[str, Any], key: str): ...  # data.rows.RecordMapper / FieldsMapper
 
-    def tokenise_meta(self, variant: Mapping[str, Any], task_meta: Mapping[str, Any]) -> dict[str, Any]: ...
+    def tokenise_meta(self, variant: Mapping[str, Any], task_meta: Mapping[str, Any], *,
+                      tokenizer=None) -> dict[str, Any]: ...
+
+    # None, or the task's own normalisation of a raw directory (see the module docstring).
+    normalise_source: Callable[..., dict[str, Any]] | None
 
     def model_kwargs(self, task_meta: Mapping[str, Any]) -> dict[str, Any]: ...  # extra from_pretrained kwargs
 
     def prepare_model(self, model: nn.Module, pad_token_id: int | None, task_meta: Mapping[str, Any]) -> None: ...
 
-    def collator(self, meta: Mapping[str, Any], vocab_size: int) -> Callable[[list[dict]], dict]: ...
+    def collator(self, meta: Mapping[str, Any], vocab_size: int, *, seed: int) -> Callable[[list[dict]], dict]: ...
+
+    def check_tokenizer(self, tokenizer) -> str | None: ...  # the gate's task check (None: none)
+
+    def check_batch(self, batch: Mapping[str, Any], tokenizer) -> str | None: ...  # per probe batch
 
     def loss_module(self, peft_model: nn.Module) -> nn.Module: ...
 

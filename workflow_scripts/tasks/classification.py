@@ -301,6 +301,7 @@ class ClassificationTask:
     metrics = ("accuracy", "macro_f1")
     canonical_columns = ("id", "text", "text_pair", "label")
     dropped_reason = "truncation left none of the row's text, only special tokens"
+    normalise_source = None  # raw records go through record_mapper
 
     def check_variant(self, variant: Mapping[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(variant) - self.variant_keys)
@@ -360,7 +361,7 @@ class ClassificationTask:
                 "length": [len(e["input_ids"]) for e in encoded], "truncated": [e["truncated"] for e in encoded],
                 "dropped": [e["dropped"] for e in encoded]}
 
-    def tokenise_meta(self, variant: Mapping[str, Any], task_meta: Mapping[str, Any]) -> dict[str, Any]:
+    def tokenise_meta(self, variant: Mapping[str, Any], task_meta: Mapping[str, Any], *, tokenizer=None) -> dict[str, Any]:
         """What train needs beside the token ids (for ``tokenise_meta.json``): classes and class weights."""
         labels = task_meta["labels"]
         return {"label_names": list(labels), "num_labels": len(labels),
@@ -392,13 +393,20 @@ class ClassificationTask:
     def prepare_model(self, model: nn.Module, pad_token_id: int | None, task_meta: Mapping[str, Any]) -> None:
         prepare_model(model, pad_token_id, task_meta["labels"])
 
-    def collator(self, meta: Mapping[str, Any], vocab_size: int) -> ClassificationCollator:
+    def collator(self, meta: Mapping[str, Any], vocab_size: int, *, seed: int | None = None) -> ClassificationCollator:
+        # seed is ignored: classification batches draw nothing at random.
         if meta.get("pad_token_id") is None or not meta.get("num_labels"):
             raise WorkflowError("tokenise_meta.json lacks pad_token_id or num_labels; re-run pretokenise")
         return ClassificationCollator(meta["pad_token_id"], vocab_size, meta["num_labels"], meta.get("class_weights"))
 
     def loss_module(self, peft_model: nn.Module, class_weights: Sequence[float] | None = None) -> ClassificationLoss:
         return ClassificationLoss(peft_model, class_weights)
+
+    def check_tokenizer(self, tokenizer) -> str | None:
+        return None  # no task-specific gate check: preflight_checks covers classification's batches
+
+    def check_batch(self, batch: Mapping[str, Any], tokenizer) -> str | None:
+        return None
 
     def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device):
         """Argmax class per row; ``evaluation["max_length"]`` must be training's, so texts are cut the same way."""

@@ -239,6 +239,7 @@ class GenerationTask:
     variant_keys = frozenset(VARIANT_KEYS)
     metrics = metrics.METRICS
     dropped_reason = "no target token left after truncation to max_length"
+    normalise_source = None  # raw records go through record_mapper
 
     def check_variant(self, variant: Mapping[str, Any]) -> dict[str, Any]:
         return check_variant(variant)
@@ -260,7 +261,7 @@ class GenerationTask:
     def record_mapper(self, settings: Mapping[str, Any], key: str) -> RecordMapper:
         return RecordMapper(settings, key)
 
-    def tokenise_meta(self, variant, task_meta) -> dict[str, Any]:
+    def tokenise_meta(self, variant, task_meta, *, tokenizer=None) -> dict[str, Any]:
         return {}
 
     def model_kwargs(self, task_meta) -> dict[str, Any]:
@@ -269,8 +270,10 @@ class GenerationTask:
     def prepare_model(self, model, pad_token_id, task_meta) -> None:
         """A causal LM needs nothing beyond loading."""
 
-    def collator(self, meta: Mapping[str, Any], vocab_size: int, packing_for: tuple[int, str] | None = None):
-        """Padded micro-batches, or packed ones (``packing_for`` = (max_length, attention implementation))."""
+    def collator(self, meta: Mapping[str, Any], vocab_size: int, packing_for: tuple[int, str] | None = None, *,
+                 seed: int | None = None):
+        """Padded micro-batches, or packed ones (``packing_for`` = (max_length, attention implementation)).
+        ``seed`` is ignored: these batches draw nothing at random."""
         if packing_for:
             from workflow_scripts.data.packing import PackingCollator
 
@@ -279,6 +282,12 @@ class GenerationTask:
 
     def loss_module(self, peft_model: nn.Module) -> nn.Module:
         return TargetTokenLoss(peft_model)
+
+    def check_tokenizer(self, tokenizer) -> str | None:
+        return None  # no task-specific gate check: preflight_checks covers generation's batches
+
+    def check_batch(self, batch: Mapping[str, Any], tokenizer) -> str | None:
+        return None
 
     def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device) -> EvaluationResult:
         check_rows(rows)

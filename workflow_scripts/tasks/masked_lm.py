@@ -31,11 +31,19 @@ encoding's ``special_tokens_mask`` OR any id in ``all_special_ids`` (a literal "
 is not in the encoding's mask; [UNK] is thereby never a target either, as in the HF collator's
 fallback ``get_special_tokens_mask``: predicting it teaches nothing).
 
-Model: ``AutoModelForMaskedLM``. Pretraining is full training (training ``finetune: full``); with
-``finetune: lora`` the PEFT task type is None: PEFT has no masked-LM task type, and TOKEN_CLS would
-wrap a token-classification forward and mark a ``classifier`` to save. A plain ``PeftModel``
-forwards to the model unchanged; the MLM head is pretrained (its decoder tied to the input
-embeddings), so it is not in ``modules_to_save`` unless the config lists it.
+Model: ``AutoModelForMaskedLM``, trained with LoRA only: continued pretraining of a pretrained
+masked LM. Full fine-tuning and pretraining from scratch are out of scope (the workflow trains
+adapters), and a variant asking for them is refused by name. The PEFT task type is None: PEFT has no
+masked-LM task type, and TOKEN_CLS would wrap a token-classification forward and mark a
+``classifier`` to save. A plain ``PeftModel`` forwards to the model unchanged; the MLM head is
+pretrained (its decoder tied to the input embeddings), so it is not in ``modules_to_save`` unless
+the config lists it.
+
+Stages: normalise calls :meth:`MaskedLMTask.normalise_source` (text files -> ``{id, text}`` rows,
+streamed by ``data/text_lines``) instead of a record mapper; pretokenise records ``mask_token_id``
+through :meth:`MaskedLMTask.tokenise_meta`; sanity runs :meth:`check_tokenizer` and
+:meth:`check_batch` through the task's gate hooks; train and sanity pass the experiment seed to
+:meth:`MaskedLMTask.collator`.
 """
 from __future__ import annotations
 
@@ -63,9 +71,18 @@ EVAL_MASK_RATE = 0.15
 EVAL_MASK_SEED = 1515
 
 
+# Keys that ask for training the whole model: named in the refusal, as the workflow trains LoRA only.
+FULL_TRAINING_KEYS = ("finetune", "full_finetune", "from_scratch", "pretrain_from_scratch")
+
+
 def check_variant(variant: Any) -> dict[str, Any]:
     if not isinstance(variant, Mapping):
         raise WorkflowError(f"argument --variant: needs a JSON object with keys among {sorted(VARIANT_DEFAULTS)}")
+    asked = [key for key in FULL_TRAINING_KEYS if key in variant and variant[key] not in ("lora", False, None)]
+    if asked:
+        raise WorkflowError(f"variant key '{asked[0]}': masked_lm trains LoRA adapters on a pretrained masked LM "
+                            "only; full fine-tuning and pretraining from scratch are out of scope")
+    variant = {k: v for k, v in variant.items() if k not in FULL_TRAINING_KEYS}  # 'lora' / false: what happens anyway
     unknown = set(variant) - set(VARIANT_DEFAULTS)
     if unknown:
         raise WorkflowError(f"argument --variant: unknown keys {sorted(unknown)} (known: {sorted(VARIANT_DEFAULTS)})")
@@ -423,8 +440,46 @@ class MaskedLMTask:
             "dropped": Value("bool"),
         })
 
-    def tokenise_batch(self, batch, *, tokenizer, variant, max_length):
+    def tokenise_batch(self, batch, *, tokenizer, variant, max_length, task_meta=None):
+        # task_meta (normalise's findings) holds nothing masked LM needs: lines carry no labels.
         return tokenise_batch(batch, tokenizer=tokenizer, variant=variant, max_length=max_length)
+
+    def tokenise_meta(self, variant: Mapping[str, Any], task_meta: Mapping[str, Any], *, tokenizer=None) -> dict[str, Any]:
+        """The mask token's id for the collator (tokenise_meta.json): train never loads the tokenizer."""
+        if tokenizer is None:
+            raise WorkflowError("masked_lm needs the tokenizer to record its mask token; pretokenise passes it")
+        check_tokenizer(tokenizer)
+        return {"mask_token_id": tokenizer.mask_token_id}
+
+    def check_config_variant(self, name: str, variant: Mapping[str, Any], datasets: Mapping[str, Mapping]) -> None:
+        """At parse time: the variant's keys and values (a masked LM variant names no data field)."""
+        self.check_variant(variant)
+
+    # Normalise: plain text has no records to map; the task writes the rows itself (normalise_source).
+    def record_mapper(self, settings: Mapping[str, Any], key: str):
+        raise WorkflowError(f"{key}: masked_lm reads plain text through normalise_source, not a record mapper")
+
+    def normalise_source(self, raw_dir, settings: Mapping[str, Any], out_dir, *,
+                         extra_json: Mapping[str, Any]) -> dict[str, Any]:
+        """``raw_dir``'s ``<split>.txt[.gz]`` files -> ``{id, text}`` rows at ``out_dir`` (with ``extra_json``
+        files inside, atomically); returns the report's ``splits`` (lines, kept, blank per split and file)
+        and ``ignored_source_splits``."""
+        from workflow_scripts.data import text_lines
+
+        splits = dict(settings["splits"])
+        files = {canonical: [text_lines.split_file(raw_dir, source)] for canonical, source in splits.items()}
+        counts = text_lines.write_normalised(files, out_dir, extra_json=extra_json)
+        return {
+            "splits": {canonical: {"source_split": splits[canonical], "file": str(files[canonical][0]), **counts[canonical]}
+                       for canonical in files},
+            "ignored_source_splits": sorted(set(text_lines.available_splits(raw_dir)) - set(splits.values())),
+        }
+
+    def model_kwargs(self, task_meta: Mapping[str, Any]) -> dict[str, Any]:
+        return {}  # the pretrained MLM head is used as it is
+
+    def prepare_model(self, model: nn.Module, pad_token_id: int | None, task_meta: Mapping[str, Any]) -> None:
+        return None  # nothing to size or add: the collator pads and masks with the tokenizer's own ids
 
     def collator(self, meta: Mapping[str, Any], vocab_size: int, *, seed: int) -> MaskingCollator:
         variant = check_variant(meta["variant"] if "variant" in meta else meta["templates"])
@@ -441,10 +496,10 @@ class MaskedLMTask:
         return evaluate(model, tokenizer, variant, rows, metric, evaluation, device)
 
     # The gate's task-specific checks (sanity calls them beside preflight_checks'): detail string or PreflightError.
-    def check_tokenizer(self, tokenizer) -> str:
+    def check_tokenizer(self, tokenizer) -> str | None:
         return check_tokenizer(tokenizer)
 
-    def check_batch(self, batch: Mapping[str, Any], tokenizer) -> str:
+    def check_batch(self, batch: Mapping[str, Any], tokenizer) -> str | None:
         return check_batch(batch, tokenizer)
 
 

@@ -30,6 +30,11 @@ Metrics and the reference each one reproduces (see the function docstrings for t
 - ``smatch``: the PyPI ``smatch`` package, micro-averaged: (match, test, gold) triple counts are
   summed over the corpus before computing F1. A graph ``smatch`` cannot parse counts
   (0 matched, 0 predicted, gold triples), so it lowers recall without crashing the run.
+- ``masked_accuracy``, ``mlm_loss``, ``perplexity`` (task masked_lm, scored in ``tasks/masked_lm``):
+  ratios of sums over test lines, as smatch: each line's record carries ``counts`` =
+  ``[correct, masked]`` or ``[summed cross-entropy, masked]``; the corpus score is
+  sum(first) / sum(masked), and perplexity exp of the mean loss. So the comparison resamples lines
+  and recomputes the ratio (a mean of per-line ratios would weight short lines as long ones).
 """
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ SMATCH_SEED = 0
 @dataclass(frozen=True)
 class ExampleScore:
     score: float
-    counts: tuple[int, int, int] | None = None  # smatch only: (match, test, gold) triples
+    counts: tuple[float, ...] | None = None  # ratio-of-sums metrics only (COUNTS_WIDTH): smatch's triples...
 
 
 def _collapse(text: str) -> str:
@@ -339,9 +344,31 @@ def score_example(metric: str, prediction: str | None, golds: Sequence[str]) -> 
     return ExampleScore(STRING_METRICS[metric](prediction, golds))
 
 
+# Metrics whose corpus score is computed from counts summed over the examples (not a mean of the
+# examples' scores): how many counts each record carries.
+COUNTS_WIDTH = {"smatch": 3, "masked_accuracy": 2, "mlm_loss": 2, "perplexity": 2}
+RATIO_METRICS = ("masked_accuracy", "mlm_loss", "perplexity")  # counts = [numerator, masked tokens]
+
 # Corpus scores the comparison can recompute and resample from per-example records: the means (a
-# classifier's accuracy too: 1/0 per example) and smatch's micro F1. macro-F1 is neither.
-COMPARABLE_METRICS = (*METRICS, "accuracy")
+# classifier's accuracy too: 1/0 per example), smatch's micro F1 and the masked-LM ratios. macro-F1 is none.
+COMPARABLE_METRICS = (*METRICS, "accuracy", *RATIO_METRICS)
+
+
+def counts_width(metric: str) -> int | None:
+    """How many summed counts a record of ``metric`` carries; None for a mean of per-example scores."""
+    return COUNTS_WIDTH.get(metric)
+
+
+def ratio_from_sums(metric: str, numerator, masked):
+    """masked_accuracy / mlm_loss = numerator / masked; perplexity = exp(that). Works on numpy arrays
+    (the bootstrap's resampled sums) and on floats; no masked token gives NaN, never a made-up score."""
+    import numpy as np
+
+    if metric not in RATIO_METRICS:
+        raise WorkflowError(f"'{metric}' is not a ratio-of-sums metric ({', '.join(RATIO_METRICS)})")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.asarray(numerator, dtype=float) / np.asarray(masked, dtype=float)
+    return np.exp(ratio) if metric == "perplexity" else ratio
 
 
 def corpus_score(metric: str, scores: Sequence[ExampleScore]) -> float:
@@ -353,4 +380,9 @@ def corpus_score(metric: str, scores: Sequence[ExampleScore]) -> float:
         raise WorkflowError("no examples to score")
     if metric == "smatch":
         return f1_from_counts(*(sum(s.counts[k] for s in scores) for k in range(3)))
+    if metric in RATIO_METRICS:
+        masked = math.fsum(s.counts[1] for s in scores)
+        if masked <= 0:
+            raise WorkflowError(f"{metric}: no masked token in any example")
+        return float(ratio_from_sums(metric, math.fsum(s.counts[0] for s in scores), masked))
     return math.fsum(s.score for s in scores) / len(scores)
