@@ -68,6 +68,7 @@ def matrix_config(workdir: Path, datasets: int, variants: int, seeds: int) -> Pa
         "datasets": {},
         "variants": dict(list(variant_pool.items())[:variants]),
         "seeds": list(range(1, seeds + 1)),
+        "training": {"max_steps": 100},
     }
     splits = {"train": "train", "validation": "validation", "test": "test"}
     for i in range(datasets):

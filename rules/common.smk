@@ -18,13 +18,17 @@ except ConfigError as error:
     raise WorkflowError(str(error)) from None
 
 
+MODELS = xc.models(config)
+
+
 wildcard_constraints:
+    model="|".join(MODELS),
     dataset="|".join(config["datasets"]),
     variant="|".join(config["variants"]),
     seed=r"\d+",
 
 
-MODEL_DIR = f"resources/models/{config['model']['name']}"
+MODEL_DIR = "resources/models/{model}"
 
 
 def as_json(value):
@@ -46,7 +50,17 @@ def dataset_task(wildcards):
 
 
 def training_settings(wildcards):
-    return xc.resolved_training(config, wildcards.variant)
+    return xc.resolved_training(config, wildcards.variant, wildcards.model)
+
+
+def model_json(wildcards):
+    """What prepare_model needs (not the model's training overrides: changing those must not rebuild it)."""
+    settings = xc.model_settings(config, wildcards.model)
+    return as_json({key: value for key, value in settings.items() if key != "training"})
+
+
+def trust_remote_code(wildcards):
+    return "--trust-remote-code" if MODELS[wildcards.model]["trust_remote_code"] else ""
 
 
 def training_json(wildcards):
@@ -67,7 +81,7 @@ def training_nodes(wildcards):
 # the plugin must not wrap it in `srun -n1`; all variants then use this launch mode.
 MULTI_NODE_LAUNCH = (
     {"mpi": "srun", "tasks": training_nodes}
-    if any(xc.resolved_training(config, v)["nodes"] > 1 for v in config["variants"])
+    if any(xc.resolved_training(config, v, m)["nodes"] > 1 for v in config["variants"] for m in MODELS)
     else {}
 )
 
@@ -96,22 +110,28 @@ def local_source_sha256(wildcards):
 
 
 def tiny_model_corpus(wildcards):
-    """The demo's tiny tokenizer is trained on the normalised datasets (never on templates)."""
-    if config["model"]["source"] != "tiny":
+    """A tiny model's tokenizer is trained on the normalised datasets it runs on (never on templates)."""
+    if MODELS[wildcards.model]["source"] != "tiny":
         return []
-    return expand("results/data/{dataset}/normalised", dataset=config["datasets"])
+    datasets = [d for d in config["datasets"] if wildcards.model in xc.dataset_models(config, d)]
+    return expand("results/data/{dataset}/normalised", dataset=datasets)
 
 
 def experiment_outputs(file_name):
-    """One path per experiment: results/{dataset}/{variant}/seed{seed}/<file_name>."""
-    return [f"results/{d}/{v}/seed{s}/{file_name}" for d, v, s in xc.experiments(config)]
+    """One path per experiment: results/{model}/{dataset}/{variant}/seed{seed}/<file_name>."""
+    return [f"results/{m}/{d}/{v}/seed{s}/{file_name}" for m, d, v, s in xc.experiments(config)]
 
 
 def base_eval_outputs(file_name):
-    """The untrained model's evaluation per dataset and variant (none when switched off)."""
+    """The untrained model's evaluation per model, dataset and variant (none when switched off)."""
     if not config["evaluation"]["evaluate_base_model"]:
         return []
-    return [f"results/{d}/{v}/base/{file_name}" for d, v in xc.dataset_variants(config)]
+    return [f"results/{m}/{d}/{v}/base/{file_name}" for m, d, v in xc.model_dataset_variants(config)]
+
+
+def model_datasets():
+    """(model, dataset) pairs of the matrix, one plot each."""
+    return list(dict.fromkeys((m, d) for m, d, _ in xc.model_dataset_variants(config)))
 
 
 def final_outputs():

@@ -57,11 +57,11 @@ rule prepare_model:
     output:
         directory(MODEL_DIR),
     params:
-        model=as_json(config["model"]),
+        model=model_json,
     log:
-        "logs/prepare_model.log",
+        "logs/prepare_model/{model}.log",
     benchmark:
-        "results/benchmarks/prepare_model.tsv"
+        "results/benchmarks/prepare_model/{model}.tsv"
     conda:
         "../envs/data.yaml"
     threads: 1
@@ -75,16 +75,16 @@ rule pretokenise:
         data="results/data/{dataset}/normalised",
         model=MODEL_DIR,
     output:
-        data=directory("results/data/{dataset}/tokenised/{variant}"),
-        report="results/data/{dataset}/tokenise_report_{variant}.json",
+        data=directory("results/data/{dataset}/tokenised/{model}/{variant}"),
+        report="results/data/{dataset}/tokenised/{model}/{variant}_report.json",
     params:
         task=dataset_task,
         variant=variant_templates,
         max_length=lambda wildcards: training_settings(wildcards)["max_length"],
     log:
-        "logs/pretokenise/{dataset}/{variant}.log",
+        "logs/pretokenise/{dataset}/{model}/{variant}.log",
     benchmark:
-        "results/benchmarks/pretokenise/{dataset}/{variant}.tsv"
+        "results/benchmarks/pretokenise/{dataset}/{model}/{variant}.tsv"
     conda:
         "../envs/data.yaml"
     threads: 8  # the fast tokenizer's thread pool; Snakemake scales it down to --cores

@@ -5,25 +5,25 @@ rule evaluate:
     input:
         data="results/data/{dataset}/normalised",
         model=MODEL_DIR,
-        adapter="results/{dataset}/{variant}/seed{seed}/adapter",
+        adapter="results/{model}/{dataset}/{variant}/seed{seed}/adapter",
     output:
-        predictions="results/{dataset}/{variant}/seed{seed}/predictions.jsonl",
-        summary="results/{dataset}/{variant}/seed{seed}/eval.json",
+        predictions="results/{model}/{dataset}/{variant}/seed{seed}/predictions.jsonl",
+        summary="results/{model}/{dataset}/{variant}/seed{seed}/eval.json",
     params:
         task=dataset_task,
         variant=variant_templates,
         metric=lambda wildcards: config["datasets"][wildcards.dataset]["metric"],
         # max_length: inputs are cut at evaluation as in training (a classifier's texts).
         evaluation=lambda wildcards: as_json({**config["evaluation"], "max_length": training_settings(wildcards)["max_length"]}),
-        trust_remote_code="--trust-remote-code" if config["model"]["trust_remote_code"] else "",
+        trust_remote_code=trust_remote_code,
         adapter=lambda wildcards, input: f"--adapter {shlex.quote(input.adapter)}",
         seed=lambda wildcards: wildcards.seed,
     resources:
         gpu=config["evaluation"]["gpus"],
     log:
-        "logs/{dataset}/{variant}/seed{seed}/evaluate.log",
+        "logs/{model}/{dataset}/{variant}/seed{seed}/evaluate.log",
     benchmark:
-        "results/benchmarks/{dataset}/{variant}/seed{seed}/evaluate.tsv"
+        "results/benchmarks/{model}/{dataset}/{variant}/seed{seed}/evaluate.tsv"
     conda:
         "../envs/evaluation.yaml"
     threads: 1
@@ -31,7 +31,7 @@ rule evaluate:
         "python -m workflow_scripts.evaluate --model {input.model:q} {params.adapter}"
         " --data {input.data:q} --task {params.task} --variant {params.variant:q} --metric {params.metric}"
         " --evaluation {params.evaluation:q} {params.trust_remote_code}"
-        " --dataset-name {wildcards.dataset:q} --variant-name {wildcards.variant:q} --seed {params.seed}"
+        " --model-name {wildcards.model:q} --dataset-name {wildcards.dataset:q} --variant-name {wildcards.variant:q} --seed {params.seed}"
         " --predictions-out {output.predictions:q} --summary-out {output.summary:q} > {log:q} 2>&1"
 
 
@@ -41,21 +41,21 @@ use rule evaluate as evaluate_base with:
         data="results/data/{dataset}/normalised",
         model=MODEL_DIR,
     output:
-        predictions="results/{dataset}/{variant}/base/predictions.jsonl",
-        summary="results/{dataset}/{variant}/base/eval.json",
+        predictions="results/{model}/{dataset}/{variant}/base/predictions.jsonl",
+        summary="results/{model}/{dataset}/{variant}/base/eval.json",
     params:
         task=dataset_task,
         variant=variant_templates,
         metric=lambda wildcards: config["datasets"][wildcards.dataset]["metric"],
         # max_length: inputs are cut at evaluation as in training (a classifier's texts).
         evaluation=lambda wildcards: as_json({**config["evaluation"], "max_length": training_settings(wildcards)["max_length"]}),
-        trust_remote_code="--trust-remote-code" if config["model"]["trust_remote_code"] else "",
+        trust_remote_code=trust_remote_code,
         adapter="",
         seed="base",
     log:
-        "logs/{dataset}/{variant}/base/evaluate.log",
+        "logs/{model}/{dataset}/{variant}/base/evaluate.log",
     benchmark:
-        "results/benchmarks/{dataset}/{variant}/base/evaluate.tsv"
+        "results/benchmarks/{model}/{dataset}/{variant}/base/evaluate.tsv"
 
 
 rule compare:
@@ -65,16 +65,17 @@ rule compare:
         manifests=experiment_outputs("run_manifest.json"),
         train_logs=experiment_outputs("train_log.jsonl"),
         base_summaries=base_eval_outputs("eval.json"),
+        base_predictions=base_eval_outputs("predictions.jsonl"),
     output:
         csv=report("results/comparison.csv", caption="../report/comparison.rst", category="Comparison"),
         markdown=report("results/comparison.md", caption="../report/comparison.rst", category="Comparison"),
         score_plots=[
             report(path, caption="../report/score_plot.rst", category="Comparison", subcategory="Scores")
-            for path in expand("results/plots/scores_{dataset}.png", dataset=config["datasets"])
+            for path in [f"results/plots/scores_{m}_{d}.png" for m, d in model_datasets()]
         ],
         loss_plots=[
             report(path, caption="../report/loss_plot.rst", category="Comparison", subcategory="Training loss")
-            for path in expand("results/plots/loss_{dataset}.png", dataset=config["datasets"])
+            for path in [f"results/plots/loss_{m}_{d}.png" for m, d in model_datasets()]
         ],
     params:
         comparison=as_json(config["comparison"]),

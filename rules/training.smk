@@ -6,18 +6,18 @@
 
 rule sanity:
     input:
-        data="results/data/{dataset}/tokenised/{variant}",
+        data="results/data/{dataset}/tokenised/{model}/{variant}",
         model=MODEL_DIR,
     output:
         report(
-            "results/{dataset}/{variant}/seed{seed}/sanity.json",
+            "results/{model}/{dataset}/{variant}/seed{seed}/sanity.json",
             caption="../report/sanity.rst",
             category="Sanity checks",
             subcategory="{dataset}",
         ),
     params:
         training=training_json,
-        trust_remote_code="--trust-remote-code" if config["model"]["trust_remote_code"] else "",
+        trust_remote_code=trust_remote_code,
     resources:
         # gpu is the job's total (the SLURM plugin's --gpus); nodes > 1 hands the launch to the
         # rule's own srun (mpi), one torchrun per node (workflow_scripts/launch/launcher.py).
@@ -27,9 +27,9 @@ rule sanity:
         mem_mb=lambda w: training_settings(w)["mem_mb"],
         **MULTI_NODE_LAUNCH,
     log:
-        "logs/{dataset}/{variant}/seed{seed}/sanity.log",
+        "logs/{model}/{dataset}/{variant}/seed{seed}/sanity.log",
     benchmark:
-        "results/benchmarks/{dataset}/{variant}/seed{seed}/sanity.tsv"
+        "results/benchmarks/{model}/{dataset}/{variant}/seed{seed}/sanity.tsv"
     conda:
         "../envs/training.yaml"
     threads: training_threads
@@ -41,18 +41,18 @@ rule sanity:
 
 rule train:
     input:
-        data="results/data/{dataset}/tokenised/{variant}",
+        data="results/data/{dataset}/tokenised/{model}/{variant}",
         model=MODEL_DIR,
-        sanity="results/{dataset}/{variant}/seed{seed}/sanity.json",
+        sanity="results/{model}/{dataset}/{variant}/seed{seed}/sanity.json",
     output:
-        adapter=directory("results/{dataset}/{variant}/seed{seed}/adapter"),
-        train_log="results/{dataset}/{variant}/seed{seed}/train_log.jsonl",
-        manifest="results/{dataset}/{variant}/seed{seed}/run_manifest.json",
+        adapter=directory("results/{model}/{dataset}/{variant}/seed{seed}/adapter"),
+        train_log="results/{model}/{dataset}/{variant}/seed{seed}/train_log.jsonl",
+        manifest="results/{model}/{dataset}/{variant}/seed{seed}/run_manifest.json",
     params:
         training=training_json,
-        checkpoints="results/{dataset}/{variant}/seed{seed}/checkpoints",
-        tensorboard="results/{dataset}/{variant}/seed{seed}/tensorboard",
-        trust_remote_code="--trust-remote-code" if config["model"]["trust_remote_code"] else "",
+        checkpoints="results/{model}/{dataset}/{variant}/seed{seed}/checkpoints",
+        tensorboard="results/{model}/{dataset}/{variant}/seed{seed}/tensorboard",
+        trust_remote_code=trust_remote_code,
     resources:
         gpu=training_gpu_total,
         nodes=training_nodes,
@@ -60,9 +60,9 @@ rule train:
         mem_mb=lambda w: training_settings(w)["mem_mb"],
         **MULTI_NODE_LAUNCH,
     log:
-        "logs/{dataset}/{variant}/seed{seed}/train.log",
+        "logs/{model}/{dataset}/{variant}/seed{seed}/train.log",
     benchmark:
-        "results/benchmarks/{dataset}/{variant}/seed{seed}/train.tsv"
+        "results/benchmarks/{model}/{dataset}/{variant}/seed{seed}/train.tsv"
     conda:
         "../envs/training.yaml"
     threads: training_threads

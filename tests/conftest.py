@@ -34,23 +34,31 @@ def build_tiny_model(directory: Path, seed: int = 0, vocab_size: int = TINY_VOCA
 
 
 def build_tiny_tokenised(directory: Path, rows: int = 96, seed: int = 0, vocab_size: int = TINY_VOCAB,
-                         min_prompt: int = 3, max_prompt: int = 24) -> Path:
-    """Rows whose target is a fixed function of the prompt (learnable), lengths varying ~6..37."""
+                         min_prompt: int = 3, max_prompt: int = 24, validation_rows: int = 0) -> Path:
+    """Rows whose target is a fixed function of the prompt (learnable), lengths varying ~6..37;
+    ``validation_rows`` > 0 adds a validation split drawn the same way."""
     import numpy as np
     from datasets import Dataset, DatasetDict
 
     rng = np.random.default_rng(seed)
-    records = {"id": [], "input_ids": [], "labels": [], "length": []}
-    for k in range(rows):
-        prompt = rng.integers(3, vocab_size, size=int(rng.integers(min_prompt, max_prompt + 1))).tolist()
-        # Targets use 8 token ids that depend on the prompt: quick to learn, so the loss visibly falls.
-        target = [t % 8 + 3 for t in prompt[: max(2, len(prompt) // 2)]] + [TINY_EOS]
-        ids = prompt + target
-        records["id"].append(f"train-{k}")
-        records["input_ids"].append(ids)
-        records["labels"].append([-100] * len(prompt) + target)
-        records["length"].append(len(ids))
-    DatasetDict({"train": Dataset.from_dict(records)}).save_to_disk(str(directory))
+
+    def split(name: str, count: int) -> Dataset:
+        records = {"id": [], "input_ids": [], "labels": [], "length": []}
+        for k in range(count):
+            prompt = rng.integers(3, vocab_size, size=int(rng.integers(min_prompt, max_prompt + 1))).tolist()
+            # Targets use 8 token ids that depend on the prompt: quick to learn, so the loss visibly falls.
+            target = [t % 8 + 3 for t in prompt[: max(2, len(prompt) // 2)]] + [TINY_EOS]
+            ids = prompt + target
+            records["id"].append(f"{name}-{k}")
+            records["input_ids"].append(ids)
+            records["labels"].append([-100] * len(prompt) + target)
+            records["length"].append(len(ids))
+        return Dataset.from_dict(records)
+
+    splits = {"train": split("train", rows)}
+    if validation_rows:
+        splits["validation"] = split("validation", validation_rows)
+    DatasetDict(splits).save_to_disk(str(directory))
     meta = {"cache_key": f"tiny-{seed}-{rows}", "task": "generation", "tokenizer_fingerprint": "tiny", "templates": {}, "max_length": 64,
             "input_fingerprint": "tiny", "vocab_size": vocab_size, "pad_token_id": TINY_PAD, "eos_token_id": TINY_EOS}
     Path(directory, "tokenise_meta.json").write_text(json.dumps(meta))

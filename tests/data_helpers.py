@@ -15,6 +15,23 @@ def default_config() -> dict:
     return yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
 
 
+def single_model_config(model: str = "tiny-llama") -> dict:
+    """The demo config as a one-model config (``model:``): its datasets and variants for that model only."""
+    config = default_config()
+    spec = config.pop("models")[model]
+    config["model"] = {"name": model, **spec}
+    kept = {name: d for name, d in config["datasets"].items() if model in d.get("models", [model])}
+    for dataset in kept.values():
+        dataset.pop("models", None)
+    config["datasets"] = kept
+    tasks = {d.get("task", "generation") for d in kept.values()}
+    config["variants"] = {n: v for n, v in config["variants"].items() if v.get("task", "generation") in tasks}
+    reference = config["comparison"]["reference_variant"]
+    if isinstance(reference, dict):
+        config["comparison"]["reference_variant"] = {t: v for t, v in reference.items() if t in tasks}
+    return config
+
+
 def demo_settings(name: str) -> dict:
     """A demo dataset's settings from config/config.yaml, with an absolute source path."""
     settings = copy.deepcopy(default_config()["datasets"][name])

@@ -35,7 +35,7 @@ import pytest
 import yaml
 
 from conftest import tiny_training_settings
-from data_helpers import ROOT, default_config, leftovers, write_jsonl
+from data_helpers import ROOT, default_config, leftovers, single_model_config, write_jsonl
 from test_compare import COMPARISON, EXPERIMENTS, TRAINING, correct, write_experiment
 from workflow_scripts.core.errors import WorkflowError
 
@@ -47,11 +47,11 @@ DROP = object()  # as a value in an edit: remove the key / flag
 def table() -> list:  # called at collection, after the helpers below are defined
     return [
         # --- config: the schema (types, missing and unknown keys, enums, ranges, seeds) ---
-        case("config", "wrong-type", cfg("training.max_steps", "many"), "config", "{config}: config key 'training.max_steps': 'many' is not of type 'integer'"),
-        case("config", "bool-for-integer", cfg("training.max_steps", True), "config", "{config}: config key 'training.max_steps': True is not of type 'integer'"),
+        case("config", "wrong-type", cfg("training.max_steps", "many"), "config", "{config}: config key 'training.max_steps': 'many' is not of type 'integer', 'null'"),
+        case("config", "bool-for-integer", cfg("training.max_steps", True), "config", "{config}: config key 'training.max_steps': True is not of type 'integer', 'null'"),
         case("config", "string-for-list", cfg("training.lora.target_modules", "q_proj"), "config", "{config}: config key 'training.lora.target_modules': 'q_proj' is not of type 'array'"),
-        case("config", "missing-key", cfg("model.name", DROP), "config", "{config}: config key 'model.name': required, but missing (model has keys ['source', 'tiny', 'trust_remote_code'])"),
-        case("config", "missing-metric", cfg("datasets.amr_demo.metric", DROP), "config", "{config}: config key 'datasets.amr_demo.metric': required, but missing (datasets.amr_demo has keys ['derived', 'extra_fields', 'fields', 'flatten', 'format', 'max_rejected_fraction', 'source', 'splits', 'task'])"),
+        case("config", "missing-key", cfg("model.name", DROP), "config", "{config}: config key 'model.name': required, but missing (model has keys ['source', 'tiny', 'training', 'trust_remote_code'])"),
+        case("config", "missing-metric", cfg("datasets.amr_demo.metric", DROP), "config", "{config}: config key 'datasets.amr_demo.metric': required, but missing (datasets.amr_demo has keys ['contamination', 'derived', 'extra_fields', 'fields', 'flatten', 'format', 'max_rejected_fraction', 'source', 'splits', 'task'])"),
         case("config", "missing-target", cfg("variants.baseline.target", DROP), "config", "{config}: config key 'variants.baseline.target': required, but missing (variants.baseline has keys ['chat_template', 'extractor', 'prompt', 'task', 'training'])"),
         case("config", "unknown-top-level-key", cfg("trainig", {"max_steps": 5}), "config", "{config}: config key '<top level>': Additional properties are not allowed ('trainig' was unexpected)"),
         case("config", "unknown-training-key", cfg("training.learning_rat", 1e-4), "config", "{config}: config key 'training': Additional properties are not allowed ('learning_rat' was unexpected)"),
@@ -148,6 +148,8 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "dataset-argument-bad-json", normalise_args({"--dataset": "{source: local}"}), "normalise", "argument --dataset: not valid JSON at character 1: Expecting property name enclosed in double quotes"),
         case("data", "dataset-argument-bad-metric", rows(settings={"metric": "accuracy"}), "normalise", rx(r"--dataset: config key 'datasets\.d\.metric': 'accuracy' is not one of \[.*\]")),
         case("data", "derived-from-unknown-field", rows(settings={"derived": {"aux": {"transform": "answer_kind", "field": "label"}}}), "normalise", "config key 'datasets.d.derived.aux.field': 'label' is not a field of the normalised row (choose from ['answer', 'id', 'question'])"),
+        case("data", "test-row-copied-from-train", raw_file("train.jsonl", b'{"q": "ok?", "a": "0"}\n{"q": " X? ", "a": "1"}\n'), "normalise", "{raw}/test.jsonl: 1 of 1 rows of split 'test' (100.0%) repeat a row of split 'train' (same question, ignoring case, spacing and Unicode form; 1 with the same answers too), more than datasets.d.contamination.max_fraction = 0.01; overlapping ids (test = train): 'test-0' = 'train-1'; set datasets.d.contamination.accept: true to run anyway, or deduplicate the splits"),
+        case("data", "contamination-max-fraction-above-one", rows(settings={"contamination": {"max_fraction": 2}}), "normalise", "--dataset: config key 'datasets.d.contamination.max_fraction': 2 is greater than the maximum of 1"),
 
         # --- stage command lines: pretokenise ---
         case("cli", "pretokenise-variant-bad-json", pretok({"--variant": "{'prompt': 1}"}), "pretokenise", "argument --variant: not valid JSON at character 1: Expecting property name enclosed in double quotes"),
@@ -200,27 +202,27 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("cli", "train-data-for-another-model", train_({"--model": "{tiny_model}"}), "train", "{tok}/tokenise_meta.json: vocab_size 294 exceeds the model's 128; the data was tokenised for another model"),
         # --- stage command lines: compare ---
         case("cli", "compare-experiments-bad-json", compare_({"--experiments": "[[chart, baseline, 1]]"}), "compare", "argument --experiments: not valid JSON at character 2: Expecting value"),
-        case("cli", "compare-experiments-empty", compare_({"--experiments": []}), "compare", "argument --experiments: expected a non-empty JSON list of [dataset, variant, seed]"),
-        case("cli", "compare-experiment-seed-as-string", compare_({"--experiments": [["chart", "baseline", "1"]]}), "compare", "argument --experiments item 0: expected [dataset, variant, seed], got ['chart', 'baseline', '1']"),
-        case("cli", "compare-experiment-twice", compare_({"--experiments": EXPERIMENTS + [["chart", "mtup", 2]]}), "compare", "argument --experiments item 4: ['chart', 'mtup', 2] is listed twice"),
+        case("cli", "compare-experiments-empty", compare_({"--experiments": []}), "compare", "argument --experiments: expected a non-empty JSON list of [model, dataset, variant, seed]"),
+        case("cli", "compare-experiment-seed-as-string", compare_({"--experiments": [["tiny", "chart", "baseline", "1"]]}), "compare", "argument --experiments item 0: expected [model, dataset, variant, seed], got ['tiny', 'chart', 'baseline', '1']"),
+        case("cli", "compare-experiment-twice", compare_({"--experiments": EXPERIMENTS + [["tiny", "chart", "mtup", 2]]}), "compare", "argument --experiments item 4: ['tiny', 'chart', 'mtup', 2] is listed twice"),
         case("cli", "compare-comparison-key-missing", compare_({"--comparison": {**COMPARISON, "bootstrap_seed": DROP}}), "compare", "config key 'comparison.bootstrap_seed': missing from the --comparison argument"),
         case("cli", "compare-too-few-resamples", compare_({"--comparison": {**COMPARISON, "bootstrap_resamples": 999}}), "compare", "config key 'comparison.bootstrap_resamples': must be an integer >= 1000, got 999"),
         case("cli", "compare-bad-bootstrap-mode", compare_({"--comparison": {**COMPARISON, "bootstrap": "seeds"}}), "compare", "config key 'comparison.bootstrap': must be one of auto, examples, seeds_and_examples, got 'seeds'"),
         case("cli", "compare-reference-not-compared", compare_({"--comparison": {**COMPARISON, "reference_variant": "plain"}}), "compare", "config key 'comparison.reference_variant': 'plain' has no runs for dataset 'chart' (variants: ['baseline', 'mtup'])"),
-        case("cli", "compare-results-missing", compare_({"--results-dir": "{tmp}/nowhere"}), "compare", "{tmp}/nowhere/chart/baseline/seed1/eval.json: not found; run the stage that writes it first"),
-        case("cli", "compare-eval-json-invalid", compare_(plant=put("results/chart/mtup/seed1/eval.json", '{"score": 0.5,')), "compare", "{results}/chart/mtup/seed1/eval.json: not valid JSON at line 1: Expecting property name enclosed in double quotes"),
-        case("cli", "compare-eval-json-for-another-seed", compare_(plant=patch_json("chart/mtup/seed1/eval.json", seed=2)), "compare", "{results}/chart/mtup/seed1/eval.json: field 'seed' is 2, but the path is for seed 1"),
-        case("cli", "compare-eval-json-unknown-metric", compare_(plant=patch_json("chart/mtup/seed1/eval.json", metric="bleu")), "compare", rx(r"\{results\}/chart/mtup/seed1/eval\.json: field 'metric' is 'bleu'; the comparison resamples .*")),
-        case("cli", "compare-stale-eval-json", compare_(plant=patch_json("chart/mtup/seed1/eval.json", score=0.99)), "compare", "{results}/chart/mtup/seed1: eval.json score 0.99 does not match its predictions.jsonl (0.8); the two files come from different runs: rerun evaluate"),
-        case("cli", "compare-prediction-score-not-a-number", compare_(plant=patch_line("chart/mtup/seed1/predictions.jsonl", 3, score="high")), "compare", "{results}/chart/mtup/seed1/predictions.jsonl line 4: field 'score' is missing or not a finite number"),
-        case("cli", "compare-prediction-line-invalid", compare_(plant=append("chart/mtup/seed1/predictions.jsonl", "{oops\n")), "compare", "{results}/chart/mtup/seed1/predictions.jsonl line 21: not valid JSON: Expecting property name enclosed in double quotes"),
-        case("cli", "compare-prediction-id-twice", compare_(plant=patch_line("chart/mtup/seed1/predictions.jsonl", 3, id="ex000")), "compare", "{results}/chart/mtup/seed1/predictions.jsonl line 4: duplicate id 'ex000'"),
-        case("cli", "compare-different-test-sets", compare_(plant=rerun("mtup", 2, scores=correct(18)[:-1])), "compare", "{results}/chart/mtup/seed2/predictions.jsonl: not the same test examples as {results}/chart/baseline/seed1/predictions.jsonl (missing ids ['ex019'], extra ids []); paired comparison needs identical test sets: rerun evaluate with the same evaluation settings"),
-        case("cli", "compare-train-log-row-bad", compare_(plant=append("chart/baseline/seed2/train_log.jsonl", '{"step": 11}\n')), "compare", "{results}/chart/baseline/seed2/train_log.jsonl line 11: fields 'step' (integer) and 'loss' (finite number) are required"),
-        case("cli", "compare-run-manifest-missing", compare_(plant=delete("chart/mtup/seed2/run_manifest.json")), "compare", "{results}/chart/mtup/seed2/run_manifest.json: not found; run the stage that writes it first"),
-        case("cli", "compare-base-eval-missing", compare_(plant=delete("chart/mtup/base/eval.json")), "compare", "{results}/chart/mtup/base/eval.json: not found; run the stage that writes it first"),
+        case("cli", "compare-results-missing", compare_({"--results-dir": "{tmp}/nowhere"}), "compare", "{tmp}/nowhere/tiny/chart/baseline/seed1/eval.json: not found; run the stage that writes it first"),
+        case("cli", "compare-eval-json-invalid", compare_(plant=put("results/tiny/chart/mtup/seed1/eval.json", '{"score": 0.5,')), "compare", "{results}/tiny/chart/mtup/seed1/eval.json: not valid JSON at line 1: Expecting property name enclosed in double quotes"),
+        case("cli", "compare-eval-json-for-another-seed", compare_(plant=patch_json("tiny/chart/mtup/seed1/eval.json", seed=2)), "compare", "{results}/tiny/chart/mtup/seed1/eval.json: field 'seed' is 2, but the path is for seed 1"),
+        case("cli", "compare-eval-json-unknown-metric", compare_(plant=patch_json("tiny/chart/mtup/seed1/eval.json", metric="bleu")), "compare", rx(r"\{results\}/tiny/chart/mtup/seed1/eval\.json: field 'metric' is 'bleu'; the comparison resamples .*")),
+        case("cli", "compare-stale-eval-json", compare_(plant=patch_json("tiny/chart/mtup/seed1/eval.json", score=0.99)), "compare", "{results}/tiny/chart/mtup/seed1: eval.json score 0.99 does not match its predictions.jsonl (0.8); the two files come from different runs: rerun evaluate"),
+        case("cli", "compare-prediction-score-not-a-number", compare_(plant=patch_line("tiny/chart/mtup/seed1/predictions.jsonl", 3, score="high")), "compare", "{results}/tiny/chart/mtup/seed1/predictions.jsonl line 4: field 'score' is missing or not a finite number"),
+        case("cli", "compare-prediction-line-invalid", compare_(plant=append("tiny/chart/mtup/seed1/predictions.jsonl", "{oops\n")), "compare", "{results}/tiny/chart/mtup/seed1/predictions.jsonl line 21: not valid JSON: Expecting property name enclosed in double quotes"),
+        case("cli", "compare-prediction-id-twice", compare_(plant=patch_line("tiny/chart/mtup/seed1/predictions.jsonl", 3, id="ex000")), "compare", "{results}/tiny/chart/mtup/seed1/predictions.jsonl line 4: duplicate id 'ex000'"),
+        case("cli", "compare-different-test-sets", compare_(plant=rerun("mtup", 2, scores=correct(18)[:-1])), "compare", "{results}/tiny/chart/mtup/seed2/predictions.jsonl: not the same test examples as {results}/tiny/chart/baseline/seed1/predictions.jsonl (missing ids ['ex019'], extra ids []); paired comparison needs identical test sets: rerun evaluate with the same evaluation settings"),
+        case("cli", "compare-train-log-row-bad", compare_(plant=append("tiny/chart/baseline/seed2/train_log.jsonl", '{"step": 11}\n')), "compare", "{results}/tiny/chart/baseline/seed2/train_log.jsonl line 11: fields 'step' (integer) and 'loss' (finite number) are required"),
+        case("cli", "compare-run-manifest-missing", compare_(plant=delete("tiny/chart/mtup/seed2/run_manifest.json")), "compare", "{results}/tiny/chart/mtup/seed2/run_manifest.json: not found; run the stage that writes it first"),
+        case("cli", "compare-base-eval-missing", compare_(plant=delete("tiny/chart/mtup/base/eval.json")), "compare", "{results}/tiny/chart/mtup/base/eval.json: not found; run the stage that writes it first"),
         case("cli", "compare-seeds-differ", compare_({"--experiments": EXPERIMENTS[:3]}), "compare", "dataset 'chart': variant 'mtup' has seeds [1], the reference 'baseline' has [1, 2]; pairing by seed needs the same seeds"),
-        case("cli", "compare-unfair-runs", compare_(plant=rerun("mtup", 1, training_change={"max_length": 2048})), "compare", "unfair comparison on dataset 'chart', seed 1: the variants differ in more than the prompt format: training.max_length: baseline=512, mtup=2048 (from {results}/chart/{baseline,mtup}/seed1/run_manifest.json). Fix: make these settings equal (remove the variants.<name>.training overrides) and rerun, or, if the difference is intended, list it under comparison.intended_differences: [training.max_length]"),
+        case("cli", "compare-unfair-runs", compare_(plant=rerun("mtup", 1, training_change={"max_length": 2048})), "compare", "unfair comparison on model 'tiny', dataset 'chart', seed 1: the variants differ in more than the prompt format: training.max_length: baseline=512, mtup=2048 (from {results}/tiny/chart/{baseline,mtup}/seed1/run_manifest.json). Fix: make these settings equal (remove the variants.<name>.training overrides) and rerun, or, if the difference is intended, list it under comparison.intended_differences: [training.max_length]"),
 
         # --- models ---
         case("model", "local-model-without-config", prepare_local(without=("config.json",)), "prepare_model", "model.path {tmp}/source_model: no config.json"),
@@ -445,9 +447,9 @@ def command(defaults: Callable[[Workspace], dict], changes: dict | None, plant: 
 
 # config
 def cfg(dotted: str, value: Any):
-    """The demo config with ``value`` at ``dotted`` (DROP deletes the key), written to {config}."""
+    """The demo config (one model's) with ``value`` at ``dotted`` (DROP deletes the key), written to {config}."""
     def setup(w: Workspace) -> list[str]:
-        config = default_config()
+        config = single_model_config()
         *parents, last = dotted.split(".")
         node = config
         for part in parents:

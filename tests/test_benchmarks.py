@@ -158,3 +158,83 @@ def test_update_replaces_only_the_benchmarks_rerun(tmp_path):
     assert names == ["workflow_overhead", "gpu_lora_bf16"]  # run order kept
     assert after["benchmarks"][0] == before["workflow_overhead"]
     assert after["run"]["updated"] == ["gpu_lora_bf16"]
+
+
+def test_corpus_generator_is_deterministic_and_the_small_corpus_is_a_prefix(tmp_path):
+    from benchmarks import bench_corpus
+
+    generator = bench_corpus.CorpusGenerator()
+    assert generator.chunk(3, 200) == bench_corpus.CorpusGenerator().chunk(3, 200)
+    sizes = bench_corpus.write_corpora({300: tmp_path / "small", 1200: tmp_path / "large"}, generator)
+    small = (tmp_path / "small" / "train.txt").read_text(encoding="utf-8").splitlines()
+    large = (tmp_path / "large" / "train.txt").read_text(encoding="utf-8").splitlines()
+    assert len(small) == 300 and len(large) == 1200 and large[:300] == small
+    assert sizes[1200]["bytes"] == (tmp_path / "large" / "train.txt").stat().st_size
+    latin = [line for line in large if line.endswith(".")]
+    chinese = [line for line in large if line.endswith("。")]
+    assert len(latin) + len(chinese) == len(large) and latin and chinese
+    words = [len(line.split()) for line in latin]
+    assert bench_corpus.WORDS_MIN <= min(words) and max(words) <= bench_corpus.WORDS_MAX
+    assert all(line.isascii() for line in latin) and all(any("\u4e00" <= c <= "\u9fff" for c in line) for line in chinese)
+    assert all(line == line.strip() for line in large)
+
+
+def test_corpus_benchmark_runs_at_tiny_size(tmp_path, monkeypatch):
+    """The whole harness with the probes run in this process (fast); one probe as the benchmark starts it."""
+    import os
+
+    from benchmarks import bench_corpus
+
+    for name in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM", bench_corpus.SIZES_VARIABLE):
+        monkeypatch.delenv(name, raising=False)  # pretokenise sets the first two; restored afterwards
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setattr(bench_corpus, "run_probe", lambda kind, cores, **arguments: bench_corpus.PROBES[kind](**arguments))
+    rec = bench_corpus.run("tiny", work_dir=tmp_path)
+    json.dumps(rec)
+    assert RECORD_KEYS <= set(rec) and rec["status"] == "measured"
+    assert rec["ours"]["median"] == pytest.approx(statistics.median(rec["ours"]["samples"]))
+    assert rec["ratio"] == pytest.approx(rec["ours"]["median"] / rec["reference"]["median"])
+    small, large = bench_corpus.SCALES["tiny"]["sizes"]
+    assert rec["setup"]["lines"] == [small, large]
+    assert len(rec["goals"]) == 9 and all(isinstance(goal["met"], bool) for goal in rec["goals"])
+    labels = " ".join(series["label"] for series in rec["others"])
+    for wanted in ("map(tokenize", "peak RSS", "extra DataLoader worker", f"{large:,} lines"):
+        assert wanted in labels
+    assert not list(tmp_path.iterdir())  # the generated corpus and every output are gone
+
+    # One probe as the benchmark runs it: a fresh, pinned interpreter, its result as JSON.
+    monkeypatch.undo()
+    raw = tmp_path / "raw"
+    bench_corpus.write_corpora({500: raw}, bench_corpus.CorpusGenerator())
+    result = bench_corpus.run_probe("normalise", 1, raw=raw, out=tmp_path / "normalised")
+    assert result["lines"] == 500 and result["peak_rss"] >= result["baseline_rss"] > 0
+    assert os.path.isdir(tmp_path / "normalised" / "train")
+
+
+def test_vision_batches_benchmark_runs_at_tiny_size(tmp_path, monkeypatch):
+    """The whole benchmark at a tiny size: the workflow's stages build the data, the probes run in a
+    fresh process as `make bench` starts them; no timing is asserted."""
+    from benchmarks import bench_vision_batches
+
+    monkeypatch.delenv(bench_vision_batches.SIZE_VARIABLE, raising=False)
+    for name in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM"):
+        monkeypatch.delenv(name, raising=False)  # pretokenise sets them; restored afterwards
+    rec = bench_vision_batches.run("tiny", work_dir=tmp_path, log=lambda message: None)
+    json.dumps(rec)
+    assert RECORD_KEYS <= set(rec) and rec["status"] == "measured"
+    assert rec["ours"]["median"] == pytest.approx(statistics.median(rec["ours"]["samples"]))
+    assert rec["ratio"] == pytest.approx(rec["ours"]["median"] / rec["reference"]["median"])
+    settings = bench_vision_batches.SCALES["tiny"]
+    labels = " ".join(series["label"] for series in rec["others"])
+    for wanted in ("computed, 0 workers", "computed, 1 worker", "cached, 0 workers", "PIL decode", "image processor only",
+                   "one-off build of the pixel cache", "one more worker adds", f"{2 * settings['examples']:,}-row set"):
+        assert wanted in labels
+    assert rec["ours"]["details"]["pixel_values_shape"][1:] == [3, settings["processor_size"], settings["processor_size"]]
+    # Workers get paths and settings, never images; the cache holds exactly what the collator makes.
+    assert max(rec["ours"]["details"]["pickled_bytes"].values()) < 4096
+    assert rec["setup"]["cache_matches_collator"] is True
+    assert rec["setup"]["cache_bytes"] >= settings["examples"] * 3 * settings["processor_size"] ** 2 * 4
+    assert all(memory["samples"] > 0 for memory in rec["setup"]["memory_mib"].values())
+    assert len(rec["goals"]) == 2 and all(isinstance(goal["met"], bool) for goal in rec["goals"])
+    assert any(note.startswith("Decision:") for note in rec["notes"])
+    assert not list(tmp_path.iterdir())  # the generated images, sets and cache are gone

@@ -25,9 +25,9 @@ N = 20
 
 
 def write_experiment(root, dataset, variant, seed, scores, metric="exact_match", training=None, counts=None,
-                     model_sha="m" * 64, evaluation=EVALUATION):
+                     model_sha="m" * 64, evaluation=EVALUATION, model="tiny"):
     """One experiment's outputs; ``scores`` are per-example scores (or ``counts`` for smatch)."""
-    directory = root / dataset / variant / (f"seed{seed}" if seed != "base" else "base")
+    directory = root / model / dataset / variant / (f"seed{seed}" if seed != "base" else "base")
     directory.mkdir(parents=True, exist_ok=True)
     rows = []
     for index, score in enumerate(scores):
@@ -42,7 +42,7 @@ def write_experiment(root, dataset, variant, seed, scores, metric="exact_match",
         corpus = 2 * m / (t + g) if m else 0.0
     else:
         corpus = float(np.mean(scores))
-    summary = {"dataset": dataset, "variant": variant, "seed": seed, "metric": metric, "score": corpus,
+    summary = {"model": model, "dataset": dataset, "variant": variant, "seed": seed, "metric": metric, "score": corpus,
                "n_examples": len(rows), "n_unparseable": 1, "model_dir": "resources/models/tiny",
                "model_manifest_sha256": model_sha,
                "manifest": {"settings": {"evaluation": evaluation, "metric": metric}}}
@@ -73,7 +73,8 @@ def results(tmp_path):
     return root
 
 
-EXPERIMENTS = [["chart", "baseline", 1], ["chart", "baseline", 2], ["chart", "mtup", 1], ["chart", "mtup", 2]]
+EXPERIMENTS = [["tiny", "chart", "baseline", 1], ["tiny", "chart", "baseline", 2], ["tiny", "chart", "mtup", 1],
+               ["tiny", "chart", "mtup", 2]]
 
 
 def run(tmp_path, root, experiments=EXPERIMENTS, comparison=COMPARISON, with_base=True):
@@ -122,7 +123,7 @@ def test_identical_variants_have_zero_difference_and_p_one(tmp_path):
 def test_pairing_is_by_example_id_not_file_order(tmp_path, results):
     """Shuffling one file's lines must not change anything: examples are matched by id."""
     first, _ = run(tmp_path, results)
-    path = results / "chart" / "mtup" / "seed1" / "predictions.jsonl"
+    path = results / "tiny" / "chart" / "mtup" / "seed1" / "predictions.jsonl"
     lines = path.read_text().splitlines()
     path.write_text("\n".join(reversed(lines)) + "\n")
     second, _ = run(tmp_path, results)
@@ -157,7 +158,7 @@ def test_smatch_comparison_uses_micro_f1_per_seed(tmp_path):
     for seed in (1, 2):
         write_experiment(root, "amr", "baseline", seed, [0.0] * 10, metric="smatch", counts=poor)
         write_experiment(root, "amr", "mtup", seed, [0.0] * 10, metric="smatch", counts=good)
-    experiments = [["amr", v, s] for v in ("baseline", "mtup") for s in (1, 2)]
+    experiments = [["tiny", "amr", v, s] for v in ("baseline", "mtup") for s in (1, 2)]
     rows, _ = run(tmp_path, root, experiments=experiments, with_base=False)
     assert float(rows[0]["mean"]) == pytest.approx(14 / 18, abs=1e-6)
     assert float(rows[1]["mean"]) == pytest.approx(10 / 11, abs=1e-6)
@@ -171,8 +172,8 @@ def test_fairness_guard_refuses_the_seeds_512_vs_2048_runs(tmp_path, results):
         run(tmp_path, results)
     message = str(caught.value)
     assert message == (
-        f"unfair comparison on dataset 'chart', seed 1: the variants differ in more than the prompt format: "
-        f"training.max_length: baseline=512, mtup=2048 (from {results}/chart/{{baseline,mtup}}/seed1/run_manifest.json). "
+        f"unfair comparison on model 'tiny', dataset 'chart', seed 1: the variants differ in more than the prompt format: "
+        f"training.max_length: baseline=512, mtup=2048 (from {results}/tiny/chart/{{baseline,mtup}}/seed1/run_manifest.json). "
         "Fix: make these settings equal (remove the variants.<name>.training overrides) and rerun, or, if the "
         "difference is intended, list it under comparison.intended_differences: [training.max_length]"
     )
@@ -200,7 +201,7 @@ def test_fairness_message_is_one_line_listing_every_difference():
                 "mtup": {"training.max_length": 2048, "evaluation.max_new_tokens": 512}}
     sources = {"baseline": "r/amr/baseline/seed3/run_manifest.json", "mtup": "elsewhere/mtup/run_manifest.json"}
     with pytest.raises(WorkflowError) as caught:
-        fairness.check_fair("amr", 3, settings, sources, intended=[])
+        fairness.check_fair("dataset 'amr'", 3, settings, sources, intended=[])
     assert str(caught.value) == (
         "unfair comparison on dataset 'amr', seed 3: the variants differ in more than the prompt format: "
         "evaluation.max_new_tokens: baseline=64, mtup=512; training.max_length: baseline=512, mtup=2048; "
@@ -247,7 +248,7 @@ def test_different_test_sets_are_refused(tmp_path, results):
 
 
 def test_stale_eval_summary_is_refused(tmp_path, results):
-    path = results / "chart" / "mtup" / "seed1" / "eval.json"
+    path = results / "tiny" / "chart" / "mtup" / "seed1" / "eval.json"
     summary = json.loads(path.read_text())
     path.write_text(json.dumps({**summary, "score": 0.99}))
     with pytest.raises(WorkflowError, match="does not match its predictions.jsonl"):
@@ -255,14 +256,14 @@ def test_stale_eval_summary_is_refused(tmp_path, results):
 
 
 def test_summary_for_another_experiment_is_refused(tmp_path, results):
-    path = results / "chart" / "mtup" / "seed1" / "eval.json"
+    path = results / "tiny" / "chart" / "mtup" / "seed1" / "eval.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "seed": 2}))
     with pytest.raises(WorkflowError, match=r"mtup/seed1/eval.json: field 'seed' is 2, but the path is for seed 1"):
         run(tmp_path, results)
 
 
 def test_bad_prediction_and_log_rows_name_file_and_line(tmp_path, results):
-    predictions = results / "chart" / "mtup" / "seed1" / "predictions.jsonl"
+    predictions = results / "tiny" / "chart" / "mtup" / "seed1" / "predictions.jsonl"
     lines = predictions.read_text().splitlines()
     good = list(lines)
     lines[3] = json.dumps({**json.loads(lines[3]), "score": "high"})
@@ -270,7 +271,7 @@ def test_bad_prediction_and_log_rows_name_file_and_line(tmp_path, results):
     with pytest.raises(WorkflowError, match=r"mtup/seed1/predictions.jsonl line 4: field 'score'"):
         run(tmp_path, results)
     predictions.write_text("\n".join(good) + "\n")
-    log = results / "chart" / "baseline" / "seed2" / "train_log.jsonl"
+    log = results / "tiny" / "chart" / "baseline" / "seed2" / "train_log.jsonl"
     log.write_text(log.read_text() + '{"step": 11}\n')
     with pytest.raises(WorkflowError, match=r"baseline/seed2/train_log.jsonl line 11: fields 'step'"):
         run(tmp_path, results)
@@ -298,7 +299,7 @@ def test_bad_comparison_settings_are_named(tmp_path, results, comparison, key):
 
 def test_plots_are_written_as_png(tmp_path, results):
     run(tmp_path, results)
-    for name in ("scores_chart.png", "loss_chart.png"):
+    for name in ("scores_tiny_chart.png", "loss_tiny_chart.png"):
         data = (tmp_path / "out" / "plots" / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
 
@@ -331,20 +332,24 @@ def test_rules_call_evaluate_and_compare_with_arguments_they_accept(tmp_path):
         if module in parsed:
             stage = evaluate if module == "evaluate" else compare
             parsed[module].append(stage.parse_args(words[3:words.index(">")]))
-    # 8 dataset x variant pairs of the same task (3 x 2 generation, 1 x 2 classification), 2 seeds + base each.
-    assert len(parsed["evaluate"]) == 16 + 8 and len(parsed["compare"]) == 1
-    assert sorted(str(args.seed) for args in parsed["evaluate"]).count("base") == 8
+    # 12 model x dataset x variant triples (tiny-llama: 3 x 2 generation, 1 x 2 classification; tiny-bert:
+    # 1 x 2 masked_lm; tiny-llava: 1 x 2 vision_language), 2 seeds + base each.
+    assert len(parsed["evaluate"]) == 24 + 12 and len(parsed["compare"]) == 1
+    assert sorted(str(args.seed) for args in parsed["evaluate"]).count("base") == 12
+    assert {args.model_name for args in parsed["evaluate"]} == {"tiny-llama", "tiny-bert", "tiny-llava"}
     (arguments,) = parsed["compare"]
     assert arguments.with_base and arguments.plots_dir == "results/plots"
-    assert len(json.loads(arguments.experiments)) == 16
-    assert "results/plots/scores_amr_demo.png" in result.stdout and "results/plots/loss_ocrvqa_demo.png" in result.stdout
+    assert len(json.loads(arguments.experiments)) == 24
+    assert "results/plots/scores_tiny-llama_amr_demo.png" in result.stdout and "results/plots/loss_tiny-llama_ocrvqa_demo.png" in result.stdout
+    assert "results/plots/scores_tiny-llava_shapes_demo.png" in result.stdout
 
 
 @pytest.mark.parametrize(
     ("experiments", "message"),
     [
-        (EXPERIMENTS + [["chart", "mtup", 2]], r"item 4: \['chart', 'mtup', 2\] is listed twice"),
-        ([["chart", "baseline", "1"]], r"item 0: expected \[dataset, variant, seed\]"),
+        (EXPERIMENTS + [["tiny", "chart", "mtup", 2]], r"item 4: \['tiny', 'chart', 'mtup', 2\] is listed twice"),
+        ([["tiny", "chart", "baseline", "1"]], r"item 0: expected \[model, dataset, variant, seed\]"),
+        ([["chart", "baseline", 1]], r"item 0: expected \[model, dataset, variant, seed\]"),
         ([], "non-empty JSON list"),
     ],
 )
@@ -365,7 +370,7 @@ def three_seeds_that_disagree(root, n=100):
     for seed, gain in {1: 2, 2: 30, 3: 58}.items():
         write_experiment(root, "chart", "baseline", seed, [1.0] * 20 + [0.0] * (n - 20))
         write_experiment(root, "chart", "mtup", seed, [1.0] * (20 + gain) + [0.0] * (n - 20 - gain))
-    return [["chart", variant, seed] for variant in ("baseline", "mtup") for seed in (1, 2, 3)]
+    return [["tiny", "chart", variant, seed] for variant in ("baseline", "mtup") for seed in (1, 2, 3)]
 
 
 def test_three_seeds_use_the_two_level_bootstrap_which_widens_the_interval(tmp_path):

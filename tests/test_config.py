@@ -4,7 +4,7 @@ import copy
 import pytest
 import yaml
 
-from data_helpers import ROOT, default_config
+from data_helpers import ROOT, default_config, single_model_config
 from workflow_scripts.core.errors import ConfigError
 from workflow_scripts.core.experiment_config import (check_config, check_workflow_config, load_config, validate_schema,
                                                validate_section)
@@ -37,8 +37,8 @@ def test_defaults_are_filled():
 
 
 def edit(path, value):
-    """default config with ``value`` set at the dotted ``path`` (None deletes the key)."""
-    config = default_config()
+    """the demo config as one model's (``model:``) with ``value`` set at the dotted ``path`` (None deletes the key)."""
+    config = single_model_config()
     *parents, last = path.split(".")
     node = config
     for part in parents:
@@ -256,9 +256,10 @@ def test_yaml_syntax_errors_are_one_line_with_line_and_column(tmp_path, text, me
 
 
 @pytest.mark.parametrize("path, value, expected", [
-    ("training.max_steps", "many", "config key 'training.max_steps': 'many' is not of type 'integer'"),
-    ("model.name", None, "config key 'model.name': required, but missing (model has keys ['source', 'tiny', 'trust_remote_code'])"),
-    ("model", None, "config key 'model': required, but missing (the config has keys "
+    ("training.max_steps", "many", "config key 'training.max_steps': 'many' is not of type 'integer', 'null'"),
+    ("model.name", None, "config key 'model.name': required, but missing (model has keys ['source', 'tiny', 'training', 'trust_remote_code'])"),
+    ("model", None, "config key 'model': required, but missing: give the base model under model: (one) or models: "
+                    "(several, by name) (the config has keys "
                     "['comparison', 'datasets', 'evaluation', 'seeds', 'training', 'variants'])"),
     # a value under a key that looks like a secret is never echoed, nor one inside a value that is echoed
     ("datasets.chartqa_demo.extra_fields", {"api_key": 8675309}, "config key 'datasets.chartqa_demo.extra_fields.api_key': "

@@ -62,9 +62,11 @@ def test_default_config_builds_its_dag(tmp_path):
                              "--replace-workflow-config", "--cores", "2")
     assert code == 0, output
     counts = job_counts(output)
-    # 3 generation datasets x 2 generation variants, 1 classification dataset x 2 classification variants.
-    assert counts["download"] == counts["normalise"] == 4 and counts["pretokenise"] == 3 * 2 + 1 * 2
-    assert counts["train"] == (3 * 2 + 1 * 2) * len(config["seeds"])
+    # tiny-llama: 3 generation datasets x 2 generation variants, 1 classification dataset x 2 classification
+    # variants; tiny-bert: 1 masked_lm dataset x 2 variants; tiny-llava: 1 vision_language dataset x 2 variants.
+    pairs = 3 * 2 + 1 * 2 + 1 * 2 + 1 * 2
+    assert counts["download"] == counts["normalise"] == 6 and counts["pretokenise"] == pairs
+    assert counts["train"] == pairs * len(config["seeds"]) and counts["prepare_model"] == 3
 
 
 def test_a_bad_config_stops_snakemake_with_one_message(tmp_path):
@@ -84,7 +86,7 @@ def test_data_chain_runs_once_and_a_template_edit_reruns_only_that_variant(tmp_p
     code, output = snakemake(tmp_path, *base)
     assert code == 0, output
     for variant in ("baseline", "mtup"):
-        assert (tmp_path / f"results/data/amr_demo/tokenised/{variant}/tokenise_meta.json").exists()
+        assert (tmp_path / f"results/data/amr_demo/tokenised/tiny-llama/{variant}/tokenise_meta.json").exists()
     assert (tmp_path / "resources/models/tiny-llama/model_manifest.json").exists()
 
     code, output = snakemake(tmp_path, *base)

@@ -75,7 +75,9 @@ def chain(tmp_path_factory):
         handle.write("\n".join(train_lines[:200] + ["", "   "] + train_lines[200:]) + "\n")
     (source / "test.txt").write_text("\n".join(test_lines) + "\n", encoding="utf-8")
     settings = {"task": "masked_lm", "source": {"type": "local", "path": str(source)}, "format": "text",
-                "splits": {"train": "train", "test": "test"}, "metric": "masked_accuracy"}
+                "splits": {"train": "train", "test": "test"}, "metric": "masked_accuracy",
+                # a handful of facts, repeated by design (learnable in seconds): the test lines are train's
+                "contamination": {"accept": True}}
     raw = run_download("lines", settings, tmp)
     data, report = run_normalise("lines", settings, raw, tmp)
     save_tiny_bert(train_lines, tmp / "model")
@@ -130,7 +132,7 @@ def test_the_gate_runs_the_task_checks_and_refuses_an_unmasked_batch(chain):
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.full_like(ids, -100),
              "target_index": torch.tensor([], dtype=torch.long), "row_ids": ["x"]}
     with pytest.raises(PreflightError, match="masked_lm_batch"):
-        task_named("masked_lm").check_batch(batch, tokenizer)
+        task_named("masked_lm").check_batch(batch, tokenizer, None)
 
 
 def test_full_training_is_refused_by_name():

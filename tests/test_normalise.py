@@ -15,7 +15,7 @@ def good(i):
 
 
 def prepare(tmp_path, train, test=None, **settings):
-    settings = local_dataset(tmp_path / "src", {"train": train, "test": test or [good(0)]}, **settings)
+    settings = local_dataset(tmp_path / "src", {"train": train, "test": test or [good(10_000)]}, **settings)
     return settings, run_download("d", settings, tmp_path)
 
 
@@ -124,7 +124,7 @@ def test_extra_field_of_another_type_is_rejected_not_coerced(tmp_path):
 def test_flatten_accepts_several_golds_per_question_and_rejects_single_bad_pairs(tmp_path):
     record = {"id": "r", "qs": ["one?", "", "three?"], "as": [["1", "uno"], "2", "3"]}
     settings, raw = prepare(tmp_path, [record] * 1 + [{"id": f"k{i}", "qs": ["x?"], "as": ["y"]} for i in range(30)],
-                            test=[{"id": "t", "qs": ["x?"], "as": ["y"]}],
+                            test=[{"id": "t", "qs": ["held out?"], "as": ["y"]}],
                             fields={"id": "id", "question": "qs", "answers": "as"}, flatten=True,
                             max_rejected_fraction=0.1)
     out, report_path = run_normalise("d", settings, raw, tmp_path)
@@ -189,7 +189,8 @@ def test_csv_parquet_and_json_files_are_read(tmp_path):
         for split in ("train", "test"):
             write(src / f"{split}.{fmt}")
         settings = {"source": {"type": "local", "path": str(src)}, "format": fmt, "splits": {"train": "train", "test": "test"},
-                    "fields": {"question": "q", "answers": "a"}, "metric": "exact_match"}
+                    "fields": {"question": "q", "answers": "a"}, "metric": "exact_match",
+                    "contamination": {"accept": True}}  # one file read as both splits
         out, _ = run_normalise("d", settings, run_download("d", settings, tmp_path / fmt), tmp_path / fmt)
         assert load_from_disk(str(out))["train"]["answers"] == [["1"], ["2"]], fmt
 
@@ -209,7 +210,7 @@ def test_hub_layout_with_images_carries_them_undecoded(tmp_path):
                  "test": Dataset.from_list(rows, features=features)}).save_to_disk(str(raw))
     settings = {"source": {"type": "hub", "id": "x/y", "revision": "r"}, "splits": {"train": "train", "test": "test"},
                 "fields": {"question": "query", "answers": "label"}, "extra_fields": {"image": "image"},
-                "metric": "relaxed_accuracy"}
+                "metric": "relaxed_accuracy", "contamination": {"accept": True}}  # the same row in both splits
     out, _ = run_normalise("d", settings, raw, tmp_path)
     row = load_from_disk(str(out))["train"][0]
     assert row["image"]["bytes"] == buffer.getvalue() and row["id"] == "train-0"

@@ -159,7 +159,7 @@ def test_data_stages_run_through_slurm_and_local_rules_stay_local(slurm, job_env
     config = reduced_config()
     dataset = next(iter(config["datasets"]))
     for variant in config["variants"]:
-        assert (workflow_dir / f"results/data/{dataset}/tokenised/{variant}").is_dir()
+        assert (workflow_dir / f"results/data/{dataset}/tokenised/{next(iter(config['models']))}/{variant}").is_dir()
     calls = sbatch_calls(result.stdout)
     comments = [re.search(r"--comment (\S+)", call).group(1) for call in calls]
     # normalise once, pretokenise per variant; download and prepare_model ran on the submit host
@@ -209,7 +209,7 @@ def _signal_when_training_reaches(env, run_dir: Path, variant: str, step: int, r
 def test_demo_through_slurm_with_a_training_job_signalled_mid_run(slurm, job_env, workflow_dir, tmp_path):
     config = reduced_config(steps=120, checkpoint_every=10)
     dataset, seed = next(iter(config["datasets"])), config["seeds"][0]
-    run_dir = workflow_dir / f"results/{dataset}/baseline/seed{seed}"
+    run_dir = workflow_dir / f"results/{next(iter(config['models']))}/{dataset}/baseline/seed{seed}"
     record, stop = {}, threading.Event()
     signaller = threading.Thread(target=_signal_when_training_reaches,
                                  args=(slurm.env(), run_dir, "baseline", 15, record, stop), daemon=True)
@@ -220,7 +220,7 @@ def test_demo_through_slurm_with_a_training_job_signalled_mid_run(slurm, job_env
         stop.set()
         signaller.join(timeout=10)
     assert result.returncode == 0, result.stdout[-8000:]
-    assert (workflow_dir / "results/comparison.md").read_text().count("| " + dataset) == len(config["variants"])
+    assert (workflow_dir / "results/comparison.md").read_text().count(f"| {dataset} |") == len(config["variants"])
     assert record, "the baseline training job finished before it could be signalled"
     assert record["at_step"] < config["training"]["max_steps"]
 
@@ -234,7 +234,7 @@ def test_demo_through_slurm_with_a_training_job_signalled_mid_run(slurm, job_env
     # The signalled job checkpointed and exited; Snakemake resubmitted it (preemptible-retries) and it resumed.
     train_jobs = [c for c in sbatch_calls(result.stdout) if "rule_train_wildcards" in c and "_baseline_" in c]
     assert len(train_jobs) == 2, f"expected the signalled train job to be resubmitted once: {train_jobs}"
-    train_log = (workflow_dir / f"logs/{dataset}/baseline/seed{seed}/train.log").read_text()
+    train_log = (workflow_dir / f"logs/{next(iter(config['models']))}/{dataset}/baseline/seed{seed}/train.log").read_text()
     resumed = re.search(r"resumed from \S+ at step (\d+)", train_log)
     # from the checkpoint written on the signal or the periodic one before it, never from scratch
     assert resumed and config["training"]["checkpoint_every"] <= int(resumed.group(1)) < config["training"]["max_steps"], \
@@ -247,8 +247,8 @@ def test_demo_through_slurm_with_a_training_job_signalled_mid_run(slurm, job_env
     from workflow_scripts.core.experiment_config import resolved_training
 
     uninterrupted = subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.train", "--model", str(workflow_dir / "resources/models" / config["model"]["name"]),
-         "--data", str(workflow_dir / f"results/data/{dataset}/tokenised/baseline"),
+        [sys.executable, "-m", "workflow_scripts.train", "--model", str(workflow_dir / "resources/models" / next(iter(config["models"]))),
+         "--data", str(workflow_dir / f"results/data/{dataset}/tokenised/{next(iter(config['models']))}/baseline"),
          "--training", json.dumps(_validated_training(workflow_dir, resolved_training)), "--seed", str(seed),
          "--checkpoint-dir", str(reference / "checkpoints"), "--adapter-out", str(reference / "adapter"),
          "--log-out", str(reference / "train_log.jsonl"), "--manifest-out", str(reference / "run_manifest.json")],

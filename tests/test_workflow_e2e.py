@@ -77,12 +77,13 @@ def test_comparison_covers_the_matrix_and_training_beats_the_untrained_model(fin
         assert int(row["n_seeds"]) == len(SEEDS)
         trained, untrained = float(row["mean"]), float(row["base_score"])
         assert trained >= untrained + 0.3, f"{row['dataset']}/{row['variant']}: trained {trained} vs untrained {untrained}"
+        assert float(row["gain_ci_low"]) > 0, f"{row['dataset']}/{row['variant']}: gain interval reaches 0"
     markdown = (finished_run / "results" / "comparison.md").read_text()
     assert "Δ vs baseline" in markdown and "mtup" in markdown
     for dataset in DATASETS:
         for variant in VARIANTS:
             for seed in SEEDS:
-                experiment = finished_run / "results" / dataset / variant / f"seed{seed}"
+                experiment = finished_run / "results" / "tiny-llama" / dataset / variant / f"seed{seed}"
                 assert (experiment / "adapter" / "adapter_model.safetensors").exists()
                 assert (experiment / "run_manifest.json").exists()
 

@@ -1,7 +1,8 @@
-"""The ``compare`` stage: datasets x variants x seeds in one table, each variant against the reference.
+"""The ``compare`` stage: models x datasets x variants x seeds in one table, each variant against the reference.
 
-For every dataset: the seed-averaged score of each variant (mean and sample standard deviation over
+For every (model, dataset): the seed-averaged score of each variant (mean and sample standard deviation over
 seeds, and a 95% bootstrap interval), the untrained base model's score with the same prompt, and
+the gain of each variant over the untrained model (paired over the same test examples), and
 each variant minus the reference variant with a paired bootstrap over the same test examples, or
 with a two-level one (seeds, then test examples) when ``comparison.bootstrap`` says so or, under
 ``auto``, when every compared variant has 3 or more seeds (see paired_bootstrap.py for the pairing,
@@ -29,8 +30,8 @@ from workflow_scripts.core.stage_arguments import json_setting
 
 MIN_RESAMPLES = 1000
 COLUMNS = (
-    "dataset", "metric", "variant", "n_seeds", "seeds", "seed_scores", "mean", "std", "ci_low", "ci_high",
-    "base_score", "gain_over_base", "reference", "difference", "difference_ci_low", "difference_ci_high",
+    "model", "dataset", "metric", "variant", "n_seeds", "seeds", "seed_scores", "mean", "std", "ci_low", "ci_high",
+    "base_score", "gain_over_base", "gain_ci_low", "gain_ci_high", "reference", "difference", "difference_ci_low", "difference_ci_high",
     "p_value", "n_examples", "unparseable_share", "bootstrap",
 )
 
@@ -38,6 +39,7 @@ COLUMNS = (
 @dataclass
 class Run:
     """One experiment's outputs: eval summary, per-example values keyed by id, train manifest and log."""
+    model: str
     dataset: str
     variant: str
     seed: int
@@ -49,28 +51,28 @@ class Run:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results-dir", required=True, help="root of results/{dataset}/{variant}/seed{seed}/")
-    parser.add_argument("--experiments", required=True, help="JSON list of [dataset, variant, seed]")
+    parser.add_argument("--results-dir", required=True, help="root of results/{model}/{dataset}/{variant}/seed{seed}/")
+    parser.add_argument("--experiments", required=True, help="JSON list of [model, dataset, variant, seed]")
     parser.add_argument("--comparison", required=True, help="the config's comparison settings as JSON")
-    parser.add_argument("--with-base", action="store_true", help="read the untrained model's results/{dataset}/{variant}/base/eval.json")
+    parser.add_argument("--with-base", action="store_true", help="read the untrained model's results/{model}/{dataset}/{variant}/base/ eval.json and predictions")
     parser.add_argument("--out-csv", required=True)
     parser.add_argument("--out-markdown", required=True)
-    parser.add_argument("--plots-dir", required=True, help="writes scores_{dataset}.png and loss_{dataset}.png here")
+    parser.add_argument("--plots-dir", required=True, help="writes scores_{model}_{dataset}.png and loss_{model}_{dataset}.png here")
     return parser.parse_args(argv)
 
 
-def parse_experiments(text: str) -> list[tuple[str, str, int]]:
+def parse_experiments(text: str) -> list[tuple[str, str, str, int]]:
     value = json_setting(text, "--experiments")
     if not isinstance(value, list) or not value:
-        raise WorkflowError("argument --experiments: expected a non-empty JSON list of [dataset, variant, seed]")
+        raise WorkflowError("argument --experiments: expected a non-empty JSON list of [model, dataset, variant, seed]")
     experiments = []
     for index, item in enumerate(value):
-        if (not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], str)
-                or not isinstance(item[1], str) or not isinstance(item[2], int) or isinstance(item[2], bool)):
-            raise WorkflowError(f"argument --experiments item {index}: expected [dataset, variant, seed], got {item!r}")
+        if (not isinstance(item, list) or len(item) != 4 or not all(isinstance(name, str) for name in item[:3])
+                or not isinstance(item[3], int) or isinstance(item[3], bool)):
+            raise WorkflowError(f"argument --experiments item {index}: expected [model, dataset, variant, seed], got {item!r}")
         if tuple(item) in experiments:
             raise WorkflowError(f"argument --experiments item {index}: {item!r} is listed twice")
-        experiments.append((item[0], item[1], item[2]))
+        experiments.append((item[0], item[1], item[2], item[3]))
     return experiments
 
 
@@ -92,12 +94,12 @@ def parse_comparison(text: str) -> dict:
     return comparison
 
 
-def bootstrap_mode(comparison: Mapping[str, Any], experiments: Sequence[tuple[str, str, int]]) -> str:
+def bootstrap_mode(comparison: Mapping[str, Any], experiments: Sequence[tuple[str, str, str, int]]) -> str:
     """The bootstrap used for the whole table: ``comparison.bootstrap``, with ``auto`` resolved over every
-    compared (dataset, variant)'s seed count, so all rows use one mode."""
-    counts: dict[tuple[str, str], int] = {}
-    for dataset, variant, _ in experiments:
-        counts[dataset, variant] = counts.get((dataset, variant), 0) + 1
+    compared (model, dataset, variant)'s seed count, so all rows use one mode."""
+    counts: dict[tuple[str, str, str], int] = {}
+    for model, dataset, variant, _ in experiments:
+        counts[model, dataset, variant] = counts.get((model, dataset, variant), 0) + 1
     return paired_bootstrap.resolve_mode(comparison.get("bootstrap", "auto"), counts.values())
 
 
@@ -166,22 +168,28 @@ def read_predictions(path: Path, metric: str) -> dict[str, Any]:
     return values
 
 
-def read_loss_curve(path: Path) -> tuple[list[int], list[float]]:
-    steps, losses = [], []
+def read_loss_curve(path: Path) -> tuple[list[int], list[float], list[int], list[float]]:
+    """Training loss per step, and the validation loss at the steps where training computed it."""
+    steps, losses, validation_steps, validation_losses = [], [], [], []
     for number, row in read_jsonl(path):
         if not isinstance(row.get("step"), int) or not _is_number(row.get("loss")):
             raise WorkflowError(f"{path} line {number}: fields 'step' (integer) and 'loss' (finite number) are required")
         steps.append(row["step"])
         losses.append(float(row["loss"]))
-    return steps, losses
+        if "validation_loss" in row:
+            if not _is_number(row["validation_loss"]):
+                raise WorkflowError(f"{path} line {number}: field 'validation_loss' is not a finite number")
+            validation_steps.append(row["step"])
+            validation_losses.append(float(row["validation_loss"]))
+    return steps, losses, validation_steps, validation_losses
 
 
-def check_summary(summary: Mapping[str, Any], path: Path, dataset: str, variant: str, seed: int | str) -> None:
+def check_summary(summary: Mapping[str, Any], path: Path, model: str, dataset: str, variant: str, seed: int | str) -> None:
     """eval.json must describe the experiment its path names (a stale or copied file would not)."""
     for key in ("metric", "score", "n_examples", "n_unparseable"):
         if key not in summary:
             raise WorkflowError(f"{path}: field '{key}' is missing")
-    expected = {"dataset": dataset, "variant": variant, "seed": seed}
+    expected = {"model": model, "dataset": dataset, "variant": variant, "seed": seed}
     for key, value in expected.items():
         if summary.get(key) != value:
             raise WorkflowError(f"{path}: field '{key}' is {summary.get(key)!r}, but the path is for {key} {value!r}")
@@ -190,10 +198,16 @@ def check_summary(summary: Mapping[str, Any], path: Path, dataset: str, variant:
                             f"{', '.join(metrics.COMPARABLE_METRICS)}")
 
 
-def load_run(results_dir: Path, dataset: str, variant: str, seed: int) -> Run:
-    directory = results_dir / dataset / variant / f"seed{seed}"
+def load_run(results_dir: Path, model: str, dataset: str, variant: str, seed: int) -> Run:
+    directory = results_dir / model / dataset / variant / f"seed{seed}"
+    summary, values = read_evaluation(directory, model, dataset, variant, seed)
+    return Run(model, dataset, variant, seed, directory, summary, values, read_json(directory / "run_manifest.json"))
+
+
+def read_evaluation(directory: Path, model: str, dataset: str, variant: str, seed: int | str) -> tuple[dict, dict]:
+    """eval.json and its per-example values, checked against each other and against the path."""
     summary = read_json(directory / "eval.json")
-    check_summary(summary, directory / "eval.json", dataset, variant, seed)
+    check_summary(summary, directory / "eval.json", model, dataset, variant, seed)
     values = read_predictions(directory / "predictions.jsonl", summary["metric"])
     if len(values) != summary["n_examples"]:
         raise WorkflowError(f"{directory / 'predictions.jsonl'}: {len(values)} rows, but eval.json says n_examples={summary['n_examples']}")
@@ -204,7 +218,7 @@ def load_run(results_dir: Path, dataset: str, variant: str, seed: int) -> Run:
     if not math.isclose(recomputed, summary["score"], abs_tol=1e-9):
         raise WorkflowError(f"{directory}: eval.json score {summary['score']} does not match its predictions.jsonl "
                             f"({recomputed}); the two files come from different runs: rerun evaluate")
-    return Run(dataset, variant, seed, directory, summary, values, read_json(directory / "run_manifest.json"))
+    return summary, values
 
 
 def aligned_ids(runs: Sequence[Run]) -> list[str]:
@@ -223,8 +237,8 @@ def aligned_ids(runs: Sequence[Run]) -> list[str]:
 
 
 def check_fairness(runs: Sequence[Run], intended: Sequence[str]) -> None:
-    for dataset, seed in sorted({(run.dataset, run.seed) for run in runs}):
-        same = [run for run in runs if run.dataset == dataset and run.seed == seed]
+    for model, dataset, seed in sorted({(run.model, run.dataset, run.seed) for run in runs}):
+        same = [run for run in runs if run.model == model and run.dataset == dataset and run.seed == seed]
         settings, sources = {}, {}
         for run in same:
             try:
@@ -232,7 +246,7 @@ def check_fairness(runs: Sequence[Run], intended: Sequence[str]) -> None:
             except WorkflowError as error:
                 raise WorkflowError(f"{run.directory / 'run_manifest.json'}: {error}") from None
             sources[run.variant] = str(run.directory / "run_manifest.json")
-        fairness.check_fair(dataset, seed, settings, sources, intended)
+        fairness.check_fair(f"model '{model}', dataset '{dataset}'", seed, settings, sources, intended)
 
 
 def _round(value: float | None) -> float | None:
@@ -240,13 +254,20 @@ def _round(value: float | None) -> float | None:
 
 
 def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, comparison: Mapping[str, Any],
-                    base_scores: Mapping[str, float] | None, mode: str | None = None) -> list[dict]:
-    """Rows of one dataset; ``mode`` is the bootstrap mode (None: resolve ``comparison.bootstrap`` from these runs)."""
+                    base: Mapping[str, "BaseRun"] | None, mode: str | None = None) -> list[dict]:
+    """Rows of one (model, dataset); ``base``: the untrained model's evaluation per variant (None: not run);
+    ``mode`` is the bootstrap mode (None: resolve ``comparison.bootstrap`` from these runs)."""
+    model = runs[0].model
     metric_names = {run.summary["metric"] for run in runs}
     if len(metric_names) != 1:
         raise WorkflowError(f"dataset '{dataset}': runs were scored with different metrics {sorted(metric_names)}")
     metric = metric_names.pop()
     ids = aligned_ids(runs)
+    if base is not None:
+        for variant, base_run in base.items():
+            if set(base_run.values) != set(ids):
+                raise WorkflowError(f"{base_run.directory / 'predictions.jsonl'}: not the same test examples as the "
+                                    f"trained runs of '{dataset}'; rerun evaluate_base with the same evaluation settings")
     by_variant: dict[str, dict[int, Run]] = {}
     for run in runs:
         by_variant.setdefault(run.variant, {})[run.seed] = run
@@ -269,18 +290,22 @@ def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, compariso
     for variant in order:
         seed_scores = [by_variant[variant][seed].summary["score"] for seed in seeds]
         interval = paired_bootstrap.score_interval(metric, arrays(variant), resamples, bootstrap_seed, mode)
-        base = None if base_scores is None else base_scores[variant]
+        base_score = None if base is None else base[variant].score
         row = {
-            "dataset": dataset, "metric": metric, "variant": variant, "n_seeds": len(seeds),
+            "model": model, "dataset": dataset, "metric": metric, "variant": variant, "n_seeds": len(seeds),
             "seeds": " ".join(map(str, seeds)), "seed_scores": seed_scores,
             "mean": interval.score, "std": float(np.std(seed_scores, ddof=1)) if len(seeds) > 1 else None,
             "ci_low": interval.low, "ci_high": interval.high,
-            "base_score": base, "gain_over_base": None if base is None else interval.score - base,
+            "base_score": base_score, "gain_over_base": None, "gain_ci_low": None, "gain_ci_high": None,
             "reference": reference, "difference": None, "difference_ci_low": None, "difference_ci_high": None,
             "p_value": None, "n_examples": len(ids),
             "unparseable_share": float(np.mean([by_variant[variant][s].summary["n_unparseable"] / len(ids) for s in seeds])),
             "bootstrap": mode,
         }
+        if base is not None:  # the untrained model is one model for every seed: its values repeat per seed
+            untrained = [np.asarray([base[variant].values[i] for i in ids])] * len(seeds)
+            gain = paired_bootstrap.paired_difference(metric, arrays(variant), untrained, resamples, bootstrap_seed, mode)
+            row.update(gain_over_base=gain.difference, gain_ci_low=gain.low, gain_ci_high=gain.high)
         if variant != reference:
             result = paired_bootstrap.paired_difference(metric, arrays(variant), arrays(reference), resamples,
                                                         bootstrap_seed, mode)
@@ -290,16 +315,24 @@ def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, compariso
     return rows
 
 
-def read_base_scores(results_dir: Path, dataset: str, variants: Sequence[str], metric: str) -> dict[str, float]:
-    scores = {}
+@dataclass
+class BaseRun:
+    """The untrained model's evaluation with one variant's prompt."""
+    directory: Path
+    score: float
+    values: dict[str, Any] = field(repr=False)
+
+
+def read_base_runs(results_dir: Path, model: str, dataset: str, variants: Sequence[str], metric: str) -> dict[str, BaseRun]:
+    runs = {}
     for variant in variants:
-        path = results_dir / dataset / variant / "base" / "eval.json"
-        summary = read_json(path)
-        check_summary(summary, path, dataset, variant, "base")
+        directory = results_dir / model / dataset / variant / "base"
+        summary, values = read_evaluation(directory, model, dataset, variant, "base")
         if summary["metric"] != metric:
-            raise WorkflowError(f"{path}: metric '{summary['metric']}' differs from the trained runs' '{metric}'")
-        scores[variant] = float(summary["score"])
-    return scores
+            raise WorkflowError(f"{directory / 'eval.json'}: metric '{summary['metric']}' differs from the trained "
+                                f"runs' '{metric}'")
+        runs[variant] = BaseRun(directory, float(summary["score"]), values)
+    return runs
 
 
 def _cell(value: Any, digits: int = 4) -> str:
@@ -357,16 +390,19 @@ def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any]) -
     lines = [
         "# Comparison of prompt variants",
         "",
-        f"| dataset | metric | variant | seeds | mean ± std | 95% CI | base model | Δ vs {reference} [95% CI] | p |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| model | dataset | metric | variant | seeds | mean ± std | 95% CI | untrained | gain over untrained [95% CI] "
+        f"| Δ vs {reference} [95% CI] | p |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         delta = "—" if row["difference"] is None else (
             f"{row['difference']:+.4f} [{row['difference_ci_low']:+.4f}, {row['difference_ci_high']:+.4f}]")
+        gain = "n/a" if row["gain_over_base"] is None else (
+            f"{row['gain_over_base']:+.4f} [{row['gain_ci_low']:+.4f}, {row['gain_ci_high']:+.4f}]")
         lines.append(
-            f"| {row['dataset']} | {row['metric']} | {row['variant']} | {row['n_seeds']} | "
+            f"| {row['model']} | {row['dataset']} | {row['metric']} | {row['variant']} | {row['n_seeds']} | "
             f"{_cell(row['mean'])} ± {_cell(row['std'])} | [{_cell(row['ci_low'])}, {_cell(row['ci_high'])}] | "
-            f"{_cell(row['base_score'])} | {delta} | {'—' if row['p_value'] is None else _cell(row['p_value'])} |"
+            f"{_cell(row['base_score'])} | {gain} | {delta} | {'—' if row['p_value'] is None else _cell(row['p_value'])} |"
         )
     intended = comparison["intended_differences"]
     modes = dict.fromkeys(row["bootstrap"] for row in rows)
@@ -374,6 +410,8 @@ def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any]) -
     lines += [
         "Mean and sample standard deviation over seeds; scores are in [0, 1]. "
         + " ".join(_method(mode, reference, comparison) for mode in modes)
+        + " Gain over untrained: the same paired bootstrap against the untrained base model's predictions with "
+        "the variant's own prompt (one model, repeated for every seed)."
         + " 95% CI: percentile interval. "
         "p: two-sided, shift method as in sacrebleu, (c + 1) / (B + 1), with c the resamples whose centred "
         "difference is at least as far from 0 as the observed one.",
@@ -405,22 +443,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = bootstrap_mode(comparison, experiments)
 
     rows, loss_curves = [], {}
-    datasets = list(dict.fromkeys(dataset for dataset, _, _ in experiments))
-    for dataset in datasets:
-        dataset_runs = [run for run in runs if run.dataset == dataset]
-        metric = dataset_runs[0].summary["metric"]
-        variants = list(dict.fromkeys(run.variant for run in dataset_runs))
-        base = read_base_scores(results_dir, dataset, variants, metric) if args.with_base else None
-        reference = reference_for(comparison, dataset_runs[0].summary.get("task", "generation"))
-        dataset_rows = compare_dataset(dataset, dataset_runs, reference, comparison, base, mode)
-        rows.extend(dataset_rows)
-        loss_curves[dataset] = {(run.variant, run.seed): read_loss_curve(run.directory / "train_log.jsonl") for run in dataset_runs}
+    groups = list(dict.fromkeys((model, dataset) for model, dataset, _, _ in experiments))
+    for model, dataset in groups:
+        group_runs = [run for run in runs if run.model == model and run.dataset == dataset]
+        metric = group_runs[0].summary["metric"]
+        variants = list(dict.fromkeys(run.variant for run in group_runs))
+        base = read_base_runs(results_dir, model, dataset, variants, metric) if args.with_base else None
+        reference = reference_for(comparison, group_runs[0].summary.get("task", "generation"))
+        rows.extend(compare_dataset(dataset, group_runs, reference, comparison, base, mode))
+        loss_curves[model, dataset] = {(run.variant, run.seed): read_loss_curve(run.directory / "train_log.jsonl")
+                                       for run in group_runs}
 
     plots_dir = Path(args.plots_dir)
-    for dataset in datasets:
-        dataset_rows = [row for row in rows if row["dataset"] == dataset]
-        plots.score_plot(plots_dir / f"scores_{dataset}.png", dataset, dataset_rows[0]["metric"], dataset_rows)
-        plots.loss_plot(plots_dir / f"loss_{dataset}.png", dataset, loss_curves[dataset])
+    for model, dataset in groups:
+        group_rows = [row for row in rows if row["model"] == model and row["dataset"] == dataset]
+        title = f"{dataset} ({model})"
+        plots.score_plot(plots_dir / f"scores_{model}_{dataset}.png", title, group_rows[0]["metric"], group_rows)
+        plots.loss_plot(plots_dir / f"loss_{model}_{dataset}.png", title, loss_curves[model, dataset])
     write_csv(args.out_csv, rows)
     text = markdown(rows, comparison)
     with atomic_path(args.out_markdown) as temporary:

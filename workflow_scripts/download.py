@@ -36,6 +36,7 @@ from workflow_scripts.core.run_manifest import build_manifest
 from workflow_scripts.core.stage_arguments import json_setting
 
 CHUNK_BYTES = 1 << 20
+IMAGES_DIR = "images"  # beside the split files: what image paths in the records refer to
 ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz")
 
 
@@ -162,7 +163,29 @@ def copy_local(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
             present = sorted(p.name for p in directory.iterdir())
             raise WorkflowError(f"{path}: missing; split '{split}' needs this file (the directory holds {present})")
         shutil.copyfile(path, out / path.name)
+    if "image" in settings.get("fields", {}) and (directory / IMAGES_DIR).is_dir():
+        copy_images(directory / IMAGES_DIR, out / IMAGES_DIR)
     return {"path": str(directory)}
+
+
+def copy_images(source: Path, target: Path) -> None:
+    """The dataset's ``images/`` folder, so the raw snapshot holds what its records refer to.
+
+    Hard links where the filesystem allows (no second copy of a large image set), copies otherwise;
+    symbolic links are refused: the snapshot must not change when their targets do.
+    """
+    import os
+
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    for path in source.rglob("*"):
+        if path.is_symlink():
+            raise WorkflowError(f"{path}: a symbolic link in the images folder; copy the file in instead")
+    shutil.copytree(source, target, copy_function=link_or_copy)
 
 
 def download_hub(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:

@@ -38,6 +38,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--variant", required=True, help="the variant as JSON (its keys depend on the task)")
     parser.add_argument("--metric", required=True, help="one of the task's metrics")
     parser.add_argument("--evaluation", required=True, help="the config's evaluation settings as JSON")
+    parser.add_argument("--model-name", help="the model's name in the config, recorded in eval.json "
+                        "(default: the model directory's name)")
     parser.add_argument("--dataset-name", required=True, help="dataset name, recorded in eval.json")
     parser.add_argument("--variant-name", required=True, help="variant name, recorded in eval.json")
     parser.add_argument("--seed", required=True, help="the experiment's seed, or 'base' for the untrained model")
@@ -135,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = load_test_rows(args.data, evaluation["split"], evaluation["max_examples"])
     task_meta = read_task_meta(args.data, args.task)
     torch.manual_seed(0)  # greedy decoding draws nothing, but keep any stray randomness fixed
-    label = f"evaluate {args.dataset_name}/{args.variant_name}/{seed}"
+    label = f"evaluate {args.model_name or Path(args.model).name}/{args.dataset_name}/{args.variant_name}/{seed}"
     with evaluation_device(evaluation["gpus"], label) as device:
         dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
         tokenizer = model_loading.load_tokenizer(args.model, args.trust_remote_code)
@@ -147,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records, score, unparseable = result.records, result.score, result.unparseable
 
     summary = {
+        "model": args.model_name or Path(args.model).name,
         "dataset": args.dataset_name,
         "variant": args.variant_name,
         "seed": seed,

@@ -51,10 +51,17 @@ def broken(row: dict, how: str) -> dict:
 
 def build(seed: int = 0) -> dict[str, list[dict]]:
     """Split name -> records (one random stream per split, so resizing one split leaves the others)."""
-    splits = {}
+    splits, seen = {}, set()
     for offset, (split, size) in enumerate(SPLIT_SIZES.items()):
         rng = random.Random(seed * 1000 + offset)
-        splits[split] = [record(rng, split, index) for index in range(size)]
+        rows = []
+        for index in range(size):
+            row = record(rng, split, index)
+            while split != "train" and row["sentence"].lower() in seen:  # held-out text, never train's
+                row = record(rng, split, index)
+            rows.append(row)
+        seen |= {row["sentence"].lower() for row in rows} if split == "train" else set()
+        splits[split] = rows
     for split, index, how in MALFORMED:
         splits[split][index] = broken(splits[split][index], how)
     return splits

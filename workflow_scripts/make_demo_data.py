@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from workflow_scripts import make_demo_classification
+from workflow_scripts import make_demo_classification, make_demo_corpus
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import run_main
 
@@ -164,10 +164,21 @@ MALFORMED = {
 
 
 def _records(make: Callable[[random.Random, int, str], dict], rng: random.Random, splits: dict[str, str],
-             sizes: dict[str, int], broken: Sequence[tuple[str, int, Callable]]) -> dict[str, list[dict]]:
-    out = {}
+             sizes: dict[str, int], broken: Sequence[tuple[str, int, Callable]],
+             keys: Callable[[dict], set]) -> dict[str, list[dict]]:
+    """Records per split; a validation or test record sharing one of its ``keys`` (its inputs: one per
+    question of a flattened record) with train is drawn again, so the held-out splits are held out
+    (normalise's contamination check would stop them)."""
+    out, seen = {}, set()
     for canonical, name in splits.items():
-        rows = [make(rng, index, name) for index in range(sizes[canonical])]
+        rows = []
+        for index in range(sizes[canonical]):
+            row = make(rng, index, name)
+            while canonical != "train" and keys(row) & seen:
+                row = make(rng, index, name)
+            rows.append(row)
+        if canonical == "train":
+            seen = set().union(*(keys(row) for row in rows))
         for split, index, breaker in broken:
             if split == name:
                 rows[index] = breaker(rows[index])
@@ -180,11 +191,14 @@ def build(seed: int = 0) -> dict[str, dict[str, list[dict]]]:
     ocr_sizes = {split: size // 2 for split, size in SPLIT_SIZES.items()}  # about two pairs per record
     return {
         "chartqa": _records(lambda r, i, s: chartqa_record(r, i), random.Random(seed),
-                            {"train": "train", "validation": "val", "test": "test"}, SPLIT_SIZES, MALFORMED["chartqa"]),
+                            {"train": "train", "validation": "val", "test": "test"}, SPLIT_SIZES, MALFORMED["chartqa"],
+                            keys=lambda row: {(row["query"].lower(), row["image"])}),
         "ocrvqa": _records(lambda r, i, s: ocrvqa_record(r, i), random.Random(seed + 1),
-                           {"train": "train", "validation": "validation", "test": "test"}, ocr_sizes, MALFORMED["ocrvqa"]),
+                           {"train": "train", "validation": "validation", "test": "test"}, ocr_sizes, MALFORMED["ocrvqa"],
+                           keys=lambda row: {(row["image_id"], row["title"], q.lower()) for q in row["questions"]}),
         "amr": _records(amr_record, random.Random(seed + 2),
-                        {"train": "train", "validation": "validation", "test": "test"}, SPLIT_SIZES, MALFORMED["amr"]),
+                        {"train": "train", "validation": "validation", "test": "test"}, SPLIT_SIZES, MALFORMED["amr"],
+                        keys=lambda row: {row["sentence"].lower()}),
     }
 
 
@@ -202,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     write(args.out, args.seed)
     make_demo_classification.write(args.out / "topics", args.seed)
+    make_demo_corpus.write(args.out / "corpus", args.seed)
     return 0
 
 

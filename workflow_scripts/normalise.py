@@ -10,12 +10,19 @@ The report counts rejections per reason with examples (file, split, row, field).
 with one message when a mapped field is absent from every row of a split, or when a split's
 rejected share passes ``max_rejected_fraction``.
 
+Contamination (``data/contamination.py``): the kept validation and test rows are compared with the
+train rows on their normalised input (question and extra fields / images, a classification text, a
+masked LM's line); the report's ``contamination`` section counts the overlap per split, and above
+``contamination.max_fraction`` of a split the stage stops naming the overlapping ids, unless
+``contamination.accept`` is true. Either way nothing is written before the check has passed.
+
 Counting: a row is one record, or one question/answer pair of a flattened record; a flattened
 record that cannot be split into pairs (not lists, or lists of different lengths) counts as one.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections import Counter
@@ -23,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from workflow_scripts.data import raw_records
+from workflow_scripts.data import contamination, raw_records
 from workflow_scripts.data.rows import Rejected
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
@@ -129,6 +136,29 @@ def check_tally(tally: SplitTally, threshold: float, key: str) -> None:
     )
 
 
+def contamination_outcome(results, fields: list[str], gold: list[str], settings: Mapping[str, Any],
+                          files: Mapping[str, str], key: str) -> tuple[dict, str | None]:
+    """The report's ``contamination`` section, and the message that stops the stage (None when the
+    overlap is within ``max_fraction`` or accepted)."""
+    limits = settings["contamination"]
+    section = contamination.report(results, limits, fields)
+    problems = (contamination.problem(r, limits, file=files[r.split], key=key, fields=fields, gold=gold) for r in results)
+    return section, next((message for message in problems if message), None)
+
+
+def check_record_contamination(mapper, splits: Mapping[str, list[dict]], settings: Mapping[str, Any],
+                               files: Mapping[str, str], key: str) -> tuple[dict, str | None, list]:
+    """Kept validation/test rows against the kept train rows, keyed by the mapper (``contamination_key``)."""
+    keyed = functools.partial(contamination.keyed_rows, key=mapper.contamination_key)
+    results = contamination.check(functools.partial(keyed, splits.get("train", [])),
+                                  {split: functools.partial(keyed, rows) for split, rows in splits.items()
+                                   if split in contamination.CHECKED_SPLITS})
+    sample = next((rows[0] for rows in splits.values() if rows), {})
+    section, message = contamination_outcome(results, mapper.contamination_fields(sample),
+                                             contamination.gold_fields(sample), settings, files, key)
+    return section, message, results
+
+
 def to_dataset(rows: list[dict], location: str):
     from datasets import Dataset
 
@@ -140,14 +170,41 @@ def to_dataset(rows: list[dict], location: str):
 
 def normalise_by_task(normalise_source, args: argparse.Namespace, settings: Mapping[str, Any]) -> int:
     """A task's own normalisation (``Task.normalise_source``): it writes the normalised data, with
-    ``task_meta.json`` inside in the same atomic step, and returns its part of the report."""
+    ``task_meta.json`` inside in the same atomic step, and returns its part of the report.
+
+    The task writes into this stage's staging directory, which is published only after the
+    contamination check has passed (streamed from the written Arrow data, memory-mapped)."""
+    from datasets import load_from_disk
+
     task_meta = {"task": settings["task"]}
-    extras = normalise_source(args.raw, settings, args.out, extra_json={TASK_META: task_meta})
-    report = {"dataset": args.name, "raw": str(args.raw), "task": settings["task"], **extras}
+    key = f"datasets.{args.name}"
+    with atomic_path(args.out, directory=True) as staging:
+        staging.rmdir()  # the task creates its output itself, as it would at args.out
+        extras = normalise_source(args.raw, settings, staging, extra_json={TASK_META: task_meta})
+        report = {"dataset": args.name, "raw": str(args.raw), "task": settings["task"], **extras}
+        data = load_from_disk(str(staging))
+        columns = {name: None for name in data["train"].column_names}
+        keyed = contamination.keyed_batches
+        results = contamination.check(functools.partial(keyed, data["train"]),
+                                      {split: functools.partial(keyed, data[split]) for split in data
+                                       if split in contamination.CHECKED_SPLITS})
+        files = {split: report.get("splits", {}).get(split, {}).get("file", str(args.raw)) for split in data}
+        report["contamination"], message = contamination_outcome(
+            results, contamination.key_fields(columns), contamination.gold_fields(columns), settings, files, key)
+        del data  # the memory maps, before the directory is renamed or removed
+        if message:
+            print(json.dumps(report, indent=2, default=str), file=sys.stderr)  # the log keeps the evidence
+            raise WorkflowError(message)
     write_json(args.report, report)
     for canonical, split in report.get("splits", {}).items():
         print(f"{args.name}/{canonical}: {json.dumps({k: v for k, v in split.items() if k != 'files'})}")
+    print_contamination(args.name, results, settings)
     return 0
+
+
+def print_contamination(name: str, results, settings: Mapping[str, Any]) -> None:
+    for result in results:
+        print(f"{name}/{result.split}: contamination: {contamination.summary(result, settings['contamination'])}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -167,7 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     own_normalisation = getattr(task, "normalise_source", None)
     if own_normalisation is not None:  # the task reads its raw files itself (e.g. plain text, line by line)
         return normalise_by_task(own_normalisation, args, settings)
+    descriptions = {**REASONS, **getattr(task, "rejection_reasons", {})}  # a task's own reasons (images...)
     mapper = task.record_mapper(settings, key)
+    mapper.raw_dir = args.raw  # files a record refers to (images) are found beside its split files
     rejections, splits, tallies = Rejections(), {}, {}
     for canonical in CANONICAL_SPLITS:
         if canonical not in settings["splits"]:
@@ -175,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows, tally = normalise_split(mapper, args.raw, fmt, canonical, settings["splits"][canonical], rejections, key)
         splits[canonical], tallies[canonical] = rows, tally
         mapper.split_done(canonical, rows)  # train first: a later split may be checked against it
+    files = {canonical: tally.file for canonical, tally in tallies.items()}
+    overlap, overlap_problem, overlaps = check_record_contamination(mapper, splits, settings, files, key)
 
     report = {
         "dataset": args.name,
@@ -189,17 +250,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             for canonical, t in tallies.items()
         },
         "reasons": {
-            reason: {"count": count, "description": REASONS[reason], "examples": rejections.examples[reason]}
+            reason: {"count": count, "description": descriptions[reason], "examples": rejections.examples[reason]}
             for reason, count in sorted(rejections.counts.items())
         },
         **mapper.report(splits),
         "ignored_source_splits": sorted(
             set(raw_records.available_splits(args.raw, fmt)) - set(settings["splits"].values())
         ),
+        "contamination": overlap,
     }
     try:
         for tally in tallies.values():
             check_tally(tally, settings["max_rejected_fraction"], key)
+        if overlap_problem:  # after the rejections: a file with bad rows is fixed first
+            raise WorkflowError(overlap_problem)
     except WorkflowError:
         print(json.dumps(report, indent=2, default=str), file=sys.stderr)  # the log keeps the evidence
         raise
@@ -213,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_json(args.report, report)
     for canonical, tally in tallies.items():
         print(f"{args.name}/{canonical}: kept {tally.kept} of {tally.examined} rows; rejected {dict(tally.reasons)}")
+    print_contamination(args.name, overlaps, settings)
     return 0
 
 

@@ -22,6 +22,12 @@ from workflow_scripts.core.run_manifest import build_manifest
 from workflow_scripts.core.stage_arguments import json_setting
 
 MANIFEST_NAME = "model_manifest.json"
+# model.tiny.architecture -> the module whose build() makes it (others: tiny_model's causal LMs)
+TINY_BUILDERS = {
+    "llava": "workflow_scripts.model.tiny_vlm",
+    "idefics3": "workflow_scripts.model.tiny_vlm",
+    "bert": "workflow_scripts.model.tiny_bert",
+}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # What a snapshot keeps: config, safetensors weights (and their index), tokenizer and generation files.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
@@ -88,10 +94,11 @@ def copy_local(model: Mapping[str, Any], out: Path) -> dict[str, Any]:
 
 def prepare(model: Mapping[str, Any], corpus: Sequence[str], out: Path) -> dict[str, Any]:
     source = model["source"]
-    if source == "tiny":
-        from workflow_scripts.model import tiny_model
+    if source == "tiny":  # each family of tiny model has its own builder module
+        import importlib
 
-        return tiny_model.build(model["tiny"], corpus, out)
+        module = TINY_BUILDERS.get(model["tiny"]["architecture"], "workflow_scripts.model.tiny_model")
+        return importlib.import_module(module).build(model["tiny"], corpus, out)
     if source == "gguf":
         from workflow_scripts.model import gguf_model
 

@@ -34,7 +34,9 @@ TRAINING_SPLITS = ("train", "validation")
 META_NAME = "tokenise_meta.json"
 FORMAT_VERSION = 1  # bump when the stored layout or the masking rule changes
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   # a VLM's processor expands image placeholders and normalises pixels: part of the key too
+                   "processor_config.json", "preprocessor_config.json")
 BATCH_SIZE = 2000  # rows per tokenizer call: large enough to keep the tokenizer's thread pool busy
 
 
@@ -217,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if len(kept) == 0:
                 raise WorkflowError(
                     f"{args.data} split '{split}': every prompt is at least --max-length {args.max_length} tokens, "
-                    "so no row keeps a target token; raise training.max_length or shorten the prompt template"
+                    f"so no row keeps a target token{getattr(task, 'all_dropped_hint', '')}; raise training.max_length "
+                    "or shorten the prompt template"
                 )
             tokenised[split] = kept.remove_columns(["truncated", "dropped"])
         meta["report"] = report

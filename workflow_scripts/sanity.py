@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from workflow_scripts.data import batching
-from workflow_scripts.training import distributed, preflight_checks as checks, training_setup
+from workflow_scripts.training import distributed, preflight_checks as checks, training_setup, validation
 from workflow_scripts.launch import launcher
 from workflow_scripts.model import memory_estimate
 from workflow_scripts.core.atomic_output import write_json
@@ -66,12 +66,18 @@ def run_gate(args: argparse.Namespace, training: dict) -> int:
             if training["precision"] == "fp16" else None, training_setup.bf16_supported))
         meta = batching.read_meta(args.data)
         dataset = batching.TokenisedSplit(args.data, "train", batching.stored_columns(meta))
+        training = training_setup.with_length(training, len(dataset))
+        held_out = validation.open_split(args.data, training["validation"], batching.stored_columns(meta))
+        if held_out is not None:
+            report.record("validation_split", f"{len(held_out)} rows for the held-out loss every "
+                                              f"{training['validation']['every_steps']} steps")
         setup = training_setup.build(args.model, training, context, args.trust_remote_code, meta)
         # Re-checked on the built objects: the scaler is the one training will use.
         checks.check_precision(training["precision"], context.device, setup.scaler, training_setup.bf16_supported)
         report.record("trainable_parameters", checks.check_trainable(setup.model))
         report.record("placement", checks.check_placement(setup.model, context.device))
         report.record("name_lookup", checks.check_name_lookup(setup.model))
+        record_task_check(report, f"{setup.task.name}_model", setup.task.check_model(setup.peft_model, meta.get("task_meta") or {}, training))
         estimate = memory_estimate.estimate(setup.peft_model, training, context.device)
         processes_here = context.local_world_size if context.device.type == "cpu" else 1
         capacity = memory_estimate.device_capacity(context.device, processes_here)
@@ -149,7 +155,7 @@ def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report, t
         for k, batch in enumerate(micro_batches):
             batch = training_setup.to_device(batch, context.device)
             detail = checks.check_batch(batch, context.device, setup.vocab_size)
-            task_detail = setup.task.check_batch(batch, tokenizer)  # raises PreflightError on a bad batch
+            task_detail = setup.task.check_batch(batch, tokenizer, setup.peft_model)  # PreflightError on a bad batch
             randomness = (seed, step, training_setup.global_micro_batch_index(setup, k))
             try:
                 step_loss += float(training_setup.micro_step(setup, batch, loss_scale, k == len(micro_batches) - 1,
@@ -173,6 +179,7 @@ def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report, t
                 torch.isfinite(p.grad).all() for p in parameters if p.grad is not None)
             if not overflow and not gradients_checked:
                 report.record("gradients", checks.check_gradients(setup.model))
+                record_task_check(report, f"{setup.task.name}_gradients", setup.task.check_gradients(setup.peft_model, training))
                 gradients_checked = True
 
         training_setup.unscale_and_clip(setup, check_gradients_once)

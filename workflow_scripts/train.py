@@ -10,6 +10,7 @@ import argparse
 import hashlib
 import math
 import random
+import shutil
 import signal
 import sys
 import time
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from workflow_scripts.data import batching
-from workflow_scripts.training import checkpointing, distributed, preflight_checks, training_setup
+from workflow_scripts.training import checkpointing, distributed, preflight_checks, training_setup, validation
 from workflow_scripts.analysis import fairness
 from workflow_scripts.launch import launcher
 from workflow_scripts.model import memory_estimate
@@ -132,6 +133,8 @@ def train(args: argparse.Namespace, training: dict) -> int:
     try:
         meta = batching.read_meta(args.data)
         dataset = batching.TokenisedSplit(args.data, "train", batching.stored_columns(meta))
+        training = training_setup.with_length(training, len(dataset))  # epochs -> steps, for the schedule too
+        held_out = validation.open_split(args.data, training["validation"], batching.stored_columns(meta))
         setup = training_setup.build(args.model, training, context, args.trust_remote_code, meta)
         estimate = start_up_checks(setup, training)
         if meta.get("vocab_size") is not None and meta["vocab_size"] > setup.vocab_size:
@@ -149,10 +152,14 @@ def train(args: argparse.Namespace, training: dict) -> int:
         resume_from, refusal = distributed.all_gather_objects((resume_from, refusal), context)[0]
         if refusal is not None:
             raise WorkflowError(refusal)
+        selection = validation.Selection()
         if resume_from is not None:
             start_step = checkpointing.load(resume_from, setup.peft_model, setup.optimizer, setup.scheduler,
                                             setup.scaler, context.rank, context.device, messages)
+            selection = validation.Selection.from_dict(checkpointing.extra_state(resume_from).get("validation"))
             messages(f"resumed from {resume_from} at step {start_step}")
+        if context.is_main:
+            validation.prune(args.checkpoint_dir, selection, resumed_step=start_step)
         log = TrainingLog(Path(args.checkpoint_dir, "train_log.running.jsonl"), start_step, training["max_steps"],
                           training["log_every"], args.tensorboard_dir, enabled=context.is_main)
         log.message(
@@ -160,14 +167,19 @@ def train(args: argparse.Namespace, training: dict) -> int:
             f"{setup.accumulation} micro-batches of {training['micro_batch']} per process per step, "
             f"estimated peak {memory_estimate.human(estimate['total'])}"
         )
-        outcome = run_steps(setup, dataset, meta, training, args, start_step, stop, log, fingerprint)
+        outcome, stopped_early_at = run_steps(setup, dataset, meta, training, args, start_step, stop, log,
+                                              fingerprint, held_out, selection)
         if outcome == "preempted":
             return PREEMPTED_EXIT_CODE
         peak = max(distributed.all_gather_objects(memory_estimate.peak_memory_bytes(context.device), context))
         devices = distributed.all_gather_objects(distributed.device_name(context.device), context)
         if context.is_main:
             with atomic_path(args.adapter_out, directory=True) as directory:
-                setup.peft_model.save_pretrained(str(directory), safe_serialization=True)
+                if training["validation"]["keep"] == "best":  # the lowest validation loss, as configured
+                    shutil.copytree(validation.best_adapter(args.checkpoint_dir, selection), directory,
+                                    dirs_exist_ok=True)
+                else:
+                    setup.peft_model.save_pretrained(str(directory), safe_serialization=True)
             log.finish(args.log_out)
             write_json(args.manifest_out, build_manifest(
                 "train", training, seed=args.seed, world_size=context.world_size, devices=devices,
@@ -178,8 +190,10 @@ def train(args: argparse.Namespace, training: dict) -> int:
                 gradient_accumulation=setup.accumulation, resumed_from_step=start_step,
                 final_loss=log.records[-1]["loss"] if log.records else None,
                 skipped_updates=sum(bool(r.get("update_skipped")) for r in log.records),
+                validation=validation.summary(selection, training["validation"], stopped_early_at),
             ))
             checkpointing.clear(args.checkpoint_dir)
+            validation.clear(args.checkpoint_dir)
         distributed.barrier(context)
         return 0
     finally:
@@ -188,7 +202,11 @@ def train(args: argparse.Namespace, training: dict) -> int:
         distributed.teardown(context)
 
 
-def run_steps(setup, dataset, meta, training, args, start_step, stop, log, fingerprint) -> str:
+def run_steps(setup, dataset, meta, training, args, start_step, stop, log, fingerprint, held_out=None,
+              selection=None) -> tuple[str, int | None]:
+    """The optimizer steps; returns ("done" | "preempted", the step training stopped early at, or None)."""
+    selection = selection if selection is not None else validation.Selection()
+    checks = training["validation"]
     context = setup.context
     device = context.device
     plan = batching.GlobalBatchPlan(dataset.lengths(), training["effective_batch"], args.seed, training["length_grouping"])
@@ -244,7 +262,13 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
                         "learning-rate schedule did not advance")
         completed = step + 1
         now = time.perf_counter()
-        log.write({
+        record = {}
+        if held_out is not None and validation.due(checks, completed, training["max_steps"]):
+            record["validation_loss"] = validation.finite(
+                validation.held_out_loss(setup, held_out, collator, checks), completed)
+            if selection.update(completed, record["validation_loss"]):
+                validation.save_best(setup, args.checkpoint_dir, completed)
+        log.write({**record,
             "step": completed,
             "loss": loss,
             "learning_rate": learning_rate,
@@ -257,21 +281,28 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
         })
         preempted = stop_votes > 0
         if completed % training["checkpoint_every"] == 0 or (preempted and completed < training["max_steps"]):
-            last_checkpoint = save_checkpoint(setup, args, completed, fingerprint)
+            last_checkpoint = save_checkpoint(setup, args, completed, fingerprint, selection)
         if preempted and completed < training["max_steps"]:
             log.message(f"received {stop.signal_name or 'a stop signal on another rank'}: checkpointed step "
                         f"{completed}; exiting with {PREEMPTED_EXIT_CODE} so the job is requeued and resumes")
-            return "preempted"
-    return "done"
+            return "preempted", None
+        patience = checks.get("early_stopping_patience")
+        if patience and "validation_loss" in record and selection.since_best >= patience:
+            log.message(f"step {completed}: the validation loss has not improved for {patience} evaluations "
+                        f"(best {selection.best_loss:.4f} at step {selection.best_step}); stopping early")
+            return "done", completed
+    return "done", None
 
 
-def save_checkpoint(setup, args, step: int, fingerprint: dict):
+def save_checkpoint(setup, args, step: int, fingerprint: dict, selection: validation.Selection | None = None):
     context = setup.context
     rng_states = distributed.all_gather_objects(checkpointing.rng_state(context.device), context)
     path = None
     if context.is_main:
+        selection = selection if selection is not None else validation.Selection()
         path = checkpointing.save(args.checkpoint_dir, step, setup.peft_model, setup.optimizer, setup.scheduler,
-                                  setup.scaler, rng_states, fingerprint)
+                                  setup.scaler, rng_states, fingerprint, extra={"validation": selection.as_dict()})
+        validation.prune(args.checkpoint_dir, selection)
     distributed.barrier(context)
     return path
 

@@ -19,6 +19,8 @@ def reduced_config(steps: int = 24, checkpoint_every: int = 4) -> dict:
     config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     name = next(iter(config["datasets"]))
     config["datasets"] = {name: config["datasets"][name]}
+    kept_models = config["datasets"][name].get("models") or list(config["models"])
+    config["models"] = {model: config["models"][model] for model in kept_models}
     # The first dataset is a generation one: keep only the variants that run on it.
     config["variants"] = {n: v for n, v in config["variants"].items() if v.get("task", "generation") == "generation"}
     config["comparison"]["reference_variant"] = "baseline"

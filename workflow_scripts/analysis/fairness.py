@@ -90,7 +90,7 @@ def check_fair(dataset: str, seed: int, settings_by_variant: Mapping[str, Mappin
     )
     keys = ", ".join(sorted(found))
     raise WorkflowError(
-        f"unfair comparison on dataset '{dataset}', seed {seed}: the variants differ in more than the prompt "
+        f"unfair comparison on {dataset}, seed {seed}: the variants differ in more than the prompt "
         f"format: {shown} (from {brief_paths(sources)}). Fix: make these settings equal (remove the "
         "variants.<name>.training overrides) and rerun, or, if the difference is intended, list it under "
         f"comparison.intended_differences: [{keys}]"

@@ -43,18 +43,28 @@ def score_plot(path: str | Path, dataset: str, metric: str, rows: Sequence[Mappi
     _save(figure, path)
 
 
-def loss_plot(path: str | Path, dataset: str, curves: Mapping[tuple[str, int], tuple[Sequence[int], Sequence[float]]]) -> None:
-    """Training loss against optimizer step, one line per (variant, seed); colour by variant."""
+def loss_plot(path: str | Path, dataset: str, curves: Mapping[tuple[str, int], Sequence[Sequence]]) -> None:
+    """Training loss against optimizer step, one line per (variant, seed), colour by variant; the held-out
+    validation loss (when training computed it) as markers joined by a thin line in the same colour.
+
+    ``curves``: (variant, seed) -> (steps, losses) or (steps, losses, validation steps, validation losses).
+    """
     figure, axes = plt.subplots(figsize=(6, 3.6))
     variants = sorted({variant for variant, _ in curves})
     colours = {variant: plt.get_cmap("tab10")(k % 10) for k, variant in enumerate(variants)}
     styles = ["-", "--", ":", "-."]
     seeds = sorted({seed for _, seed in curves})
-    for (variant, seed), (steps, losses) in sorted(curves.items()):
-        axes.plot(steps, losses, color=colours[variant], linestyle=styles[seeds.index(seed) % len(styles)],
-                  linewidth=1.2, label=f"{variant}, seed {seed}")
+    validated = False
+    for (variant, seed), curve in sorted(curves.items()):
+        steps, losses = curve[0], curve[1]
+        style = styles[seeds.index(seed) % len(styles)]
+        axes.plot(steps, losses, color=colours[variant], linestyle=style, linewidth=1.2, label=f"{variant}, seed {seed}")
+        if len(curve) > 2 and curve[2]:
+            validated = True
+            axes.plot(curve[2], curve[3], color=colours[variant], linestyle=style, linewidth=0.8, marker="o",
+                      markersize=3, label=f"{variant}, seed {seed} (validation)")
     axes.set_xlabel("optimizer step")
-    axes.set_ylabel("training loss")
-    axes.set_title(f"{dataset}: training loss")
+    axes.set_ylabel("loss per target token")
+    axes.set_title(f"{dataset}: training" + (" and validation" if validated else "") + " loss")
     axes.legend(fontsize=7)
     _save(figure, path)

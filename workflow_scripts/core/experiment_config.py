@@ -48,6 +48,10 @@ def validate_schema(config: dict, source: str | None = None) -> dict:
     errors = list(validator_class(schema).iter_errors(config))
     if errors:
         raise schema_error(best_match(errors), None, source)
+    if isinstance(config, dict) and ("model" in config) == ("models" in config):
+        raise ConfigError("model", "give the base model under model: (one) or under models: (several, by name), "
+                          "not both" if "model" in config else "required, but missing: give the base model under "
+                          f"model: (one) or models: (several, by name) (the config has keys {sorted(config)})", source)
     return config
 
 
@@ -227,9 +231,39 @@ def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict:
     return merged
 
 
-def resolved_training(config: Mapping[str, Any], variant: str) -> dict:
-    """Shared training settings with the variant's overrides applied."""
-    return deep_merge(config["training"], config["variants"][variant].get("training", {}))
+def resolved_training(config: Mapping[str, Any], variant: str, model: str | None = None) -> dict:
+    """Shared training settings, then the model's overrides, then the variant's (the last wins).
+
+    ``model`` None: the config's only model (a config with several models must name one).
+    """
+    spec = model_settings(config, model)
+    with_model = deep_merge(config["training"], spec.get("training", {}))
+    return deep_merge(with_model, config["variants"][variant].get("training", {}))
+
+
+RESERVED_MODEL_NAMES = ("data", "plots", "benchmarks")
+
+
+def models(config: Mapping[str, Any]) -> dict[str, dict]:
+    """name -> model settings: ``models:``, or the single ``model:`` under its own name."""
+    if "models" in config:
+        return {name: dict(spec) for name, spec in config["models"].items()}
+    return {config["model"]["name"]: dict(config["model"])}
+
+
+def model_settings(config: Mapping[str, Any], model: str | None = None) -> dict:
+    """One model's settings as prepare_model receives them (with its name)."""
+    all_models = models(config)
+    if model is None:
+        if len(all_models) != 1:
+            raise ConfigError("models", f"several models ({sorted(all_models)}): name the model", None)
+        model = next(iter(all_models))
+    return {**all_models[model], "name": model}
+
+
+def dataset_models(config: Mapping[str, Any], dataset: str) -> list[str]:
+    """The models a dataset runs on: its ``models:`` list, or every model."""
+    return list(config["datasets"][dataset].get("models") or models(config))
 
 
 def world_size(training: Mapping[str, Any]) -> int:
@@ -253,11 +287,18 @@ def gradient_accumulation(training: Mapping[str, Any], key: str = "training", so
     return training["effective_batch"] // per_step
 
 
-def experiments(config: Mapping[str, Any]) -> Iterator[tuple[str, str, int]]:
-    """The experiment matrix: every (dataset, variant of the dataset's task, seed)."""
-    for dataset, variant in dataset_variants(config):
+def experiments(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str, int]]:
+    """The experiment matrix: every (model, dataset, variant of the dataset's task, seed)."""
+    for model, dataset, variant in model_dataset_variants(config):
         for seed in config["seeds"]:
-            yield dataset, variant, seed
+            yield model, dataset, variant, seed
+
+
+def model_dataset_variants(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str]]:
+    """Every (model, dataset, variant) with the variant of the dataset's task and the model among the dataset's."""
+    for dataset, variant in dataset_variants(config):
+        for model in dataset_models(config, dataset):
+            yield model, dataset, variant
 
 
 def dataset_variants(config: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
@@ -312,9 +353,25 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
     from workflow_scripts.core.errors import WorkflowError
     from workflow_scripts.tasks import task_named
 
-    _check_model(config["model"], source)
+    if ("model" in config) == ("models" in config):
+        raise ConfigError("model", "give the base model under model: (one) or under models: (several, by name), "
+                          "not both" if "model" in config else "missing: give the base model under model: "
+                          "(one) or models: (several, by name)", source)
+    for name, model in models(config).items():
+        key = "model" if "model" in config else f"models.{name}"
+        if name in RESERVED_MODEL_NAMES:  # results/{model}/... sits beside these folders
+            raise ConfigError(f"{key}.name" if "model" in config else key,
+                              f"'{name}' is reserved for results/{name}/; choose another model name", source)
+        _check_model(model, source, key)
+        unknown = set(model.get("training", {})) - set(config["training"])
+        if unknown:
+            raise ConfigError(f"models.{name}.training", f"unknown training keys {sorted(unknown)}", source)
     for name, dataset in config["datasets"].items():
         _check_dataset(name, dataset, source)
+        for model in dataset.get("models", []):
+            if model not in models(config):
+                raise ConfigError(f"datasets.{name}.models", f"'{model}' is not a model of this config "
+                                  f"(models: {sorted(models(config))})", source)
     training_keys = set(config["training"])
     for name, variant in config["variants"].items():
         key = f"variants.{name}"
@@ -329,7 +386,17 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
             raise ConfigError(error.key, error.problem, source) from None
         except WorkflowError as error:
             raise ConfigError(key, str(error), source) from None
-        gradient_accumulation(resolved_training(config, name), f"{key}.training" if variant.get("training") else "training", source)
+        for model in models(config):
+            settings = resolved_training(config, name, model)
+            where = f"{key}.training" if variant.get("training") else "training"
+            gradient_accumulation(settings, where, source)
+            _check_length(settings, where, source)
+    for model, dataset, variant in model_dataset_variants(config):
+        validation = resolved_training(config, variant, model).get("validation") or {}
+        if validation.get("every_steps") and "validation" not in config["datasets"][dataset]["splits"]:
+            raise ConfigError("training.validation.every_steps", f"dataset '{dataset}' has no validation split "
+                              f"(datasets.{dataset}.splits), so there is no held-out loss to compute; add one or "
+                              "switch validation off for it with a variant's training override", source)
     tasks_in_use = {dataset["task"] for dataset in config["datasets"].values()}
     for task_name in sorted(tasks_in_use):
         if not any(variant["task"] == task_name for variant in config["variants"].values()):
@@ -341,7 +408,8 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
             raise ConfigError("comparison.reference_variant",
                               f"'{reference}' is not one of the {task_name} variants {choices}; with variants of "
                               "several tasks give a mapping, e.g. {generation: baseline, classification: plain}", source)
-        _check_fair_training(config, task_name, reference, source)
+        for model in models(config):
+            _check_fair_training(config, task_name, reference, source, model)
 
 
 def variant_settings(variant: Mapping[str, Any]) -> dict[str, Any]:
@@ -355,7 +423,8 @@ def reference_variant(config: Mapping[str, Any], task: str) -> str | None:
     return reference.get(task) if isinstance(reference, Mapping) else reference
 
 
-def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, source: str | None) -> None:
+def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, source: str | None,
+                         model: str | None = None) -> None:
     """The fairness guard at parse time: the variants of one task train alike, up to intended differences.
 
     ``compare`` would refuse the finished runs anyway; refusing here saves the GPU hours between.
@@ -367,7 +436,7 @@ def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, s
     intended = config["comparison"].get("intended_differences", [])
 
     def comparable(variant: str) -> dict[str, Any]:
-        settings = resolved_training(config, variant)
+        settings = resolved_training(config, variant, model)
         return {key: value for top, item in settings.items() if top not in fairness.RUNTIME_ONLY_TRAINING_KEYS
                 for key, value in fairness.flatten(item, f"training.{top}").items()}
 
@@ -386,6 +455,12 @@ def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, s
                     f"[{key}] if the difference is the point", source)
 
 
+def _check_length(training: Mapping[str, Any], key: str, source: str | None) -> None:
+    from workflow_scripts.training.training_setup import check_length
+
+    check_length(training, source, key)
+
+
 def _require(mapping: Mapping[str, Any], keys: tuple[str, ...], prefix: str, why: str, source: str | None) -> None:
     for key in keys:
         if not mapping.get(key):
@@ -401,11 +476,11 @@ def _check_pinned(revision: Any, key: str, source: str | None) -> None:
         raise ConfigError(key, f"'{revision}' is a branch, not a pinned revision; use a commit hash or a tag", source)
 
 
-def _check_model(model: Mapping[str, Any], source: str | None) -> None:
+def _check_model(model: Mapping[str, Any], source: str | None, key: str = "model") -> None:
     needs = {"hub": ("hub_id", "revision"), "local": ("path",), "gguf": ("gguf",), "tiny": ()}[model["source"]]
-    _require(model, needs, "model", f"when model.source is '{model['source']}'", source)
+    _require(model, needs, key, f"when {key}.source is '{model['source']}'", source)
     if model["source"] == "hub":
-        _check_pinned(model["revision"], "model.revision", source)
+        _check_pinned(model["revision"], f"{key}.revision", source)
 
 
 def _check_dataset(name: str, dataset: Mapping[str, Any], source: str | None) -> None:

@@ -171,6 +171,18 @@ class RecordMapper:
     def report(self, rows_by_split: Mapping[str, list[dict]]) -> dict[str, Any]:
         return {}
 
+    # Normalise's train/test overlap check (data/contamination.py): the key is the row's input fields
+    # (question, extra fields, images), never a field derived from them or the gold.
+    def contamination_fields(self, row: Mapping[str, Any]) -> list[str]:
+        from workflow_scripts.data import contamination
+
+        return contamination.key_fields(row, skip=self.derived)
+
+    def contamination_key(self, row: Mapping[str, Any]) -> tuple[int, int | None]:
+        from workflow_scripts.data import contamination
+
+        return contamination.row_keys(row, skip=self.derived)
+
 
 
 class FieldsMapper:
@@ -207,3 +219,14 @@ class FieldsMapper:
 
     def report(self, rows_by_split: Mapping[str, list[dict]]) -> dict[str, Any]:
         return self.state.report(rows_by_split) if self.state is not None else {}
+
+    # Normalise's train/test overlap check (data/contamination.py): every field but the id and the gold.
+    def contamination_fields(self, row: Mapping[str, Any]) -> list[str]:
+        from workflow_scripts.data import contamination
+
+        return contamination.key_fields(row)
+
+    def contamination_key(self, row: Mapping[str, Any]) -> tuple[int, int | None]:
+        from workflow_scripts.data import contamination
+
+        return contamination.row_keys(row)

@@ -2,10 +2,10 @@
 
 Seed (CNM-BERT): pretraining on a 14.7M-line corpus, where every DataLoader worker received a
 pickled 1.5 GB copy of the text. Here the text is never held in Python memory: :func:`iter_lines`
-reads one line at a time (gzip included) and :func:`write_normalised` hands that stream to
-``datasets.Dataset.from_generator``, which writes Arrow record batches as they fill
-(``writer_batch_size`` rows at a time), so memory stays flat whatever the corpus size; the result
-is memory-mapped by every later reader.
+reads one line at a time (gzip included) and :func:`write_normalised` writes that stream as Arrow
+record batches (``writer_batch_size`` rows at a time) straight into ``save_to_disk``'s layout, so
+memory stays flat whatever the corpus size (benchmarks/bench_corpus.py: peak RSS at 10M lines
+against 1M); the result is memory-mapped by every later reader.
 
 Rules:
 - One example per line. A line is split on ``\\n`` only (``\\r\\n`` loses its ``\\r``); other
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import os
-import tempfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,9 +34,15 @@ from workflow_scripts.core.errors import WorkflowError
 
 GZIP_MAGIC = b"\x1f\x8b"
 BOM = "\ufeff"
-# Rows per Arrow record batch written by from_generator: ~1 MB of text per batch for 100-character
-# lines; the writer holds at most this many rows in memory.
+# Rows per Arrow record batch: ~2 MB of text per batch for 200-byte lines; the writer holds at most
+# this many rows in memory.
 WRITER_BATCH_ROWS = 10_000
+
+
+def _features():
+    from datasets import Features, Value
+
+    return Features({"id": Value("string"), "text": Value("string")})
 
 
 @dataclass
@@ -125,17 +131,69 @@ def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = N
                     counts.files[str(path)] = {"lines": number, "kept": kept, "blank": number - kept}
 
 
-def _rows(paths: list[str], counts_dir: str) -> Iterator[dict]:
-    """from_generator's generator: canonical rows. datasets calls it once per shard of ``paths``
-    (one file each) and may run it on a copy of its arguments, so the counts go to one file per
-    call in ``counts_dir``, not into an object passed in."""
-    import json
+def _write_split(split: str, files: list[str], directory: Path, writer_batch_size: int) -> LineCounts:
+    """Stream one split's lines into ``directory`` laid out as ``Dataset.save_to_disk`` lays it out
+    (``data-NNNNN-of-NNNNN.arrow`` shards of at most ``datasets.config.MAX_SHARD_SIZE``, ``state.json``,
+    ``dataset_info.json``), so ``load_from_disk`` memory-maps it like any saved set.
 
+    Written once, by ``datasets``' own ArrowWriter, ``writer_batch_size`` rows per record batch, and
+    never read back: the earlier ``Dataset.from_generator`` + ``save_to_disk`` wrote every row twice,
+    encoded it example by example (three quarters of the stage's time), and read the first copy back
+    through a memory map, so the process's RSS grew by the whole corpus (file-backed pages).
+    """
+    import pyarrow as pa
+    from datasets import DatasetInfo, SplitDict, SplitInfo, config
+    from datasets.arrow_writer import ArrowWriter
+    from datasets.fingerprint import generate_random_fingerprint
+    from datasets.utils.py_utils import convert_file_size_to_int
+
+    directory.mkdir()
+    shard_bytes = convert_file_size_to_int(config.MAX_SHARD_SIZE)
     counts = LineCounts()
-    stems = {path: file_stem(path) for path in paths}  # per file, not per line (Path() costs microseconds)
-    for path, number, text in iter_lines(paths, counts):
-        yield {"id": f"{stems[path]}-{number}", "text": text}
-    Path(counts_dir, f"{file_stem(paths[0])}.json").write_text(json.dumps(counts.files))
+    stems = {path: file_stem(path) for path in files}  # per file, not per line (Path() costs microseconds)
+    parts: list[Path] = []
+    writer, written, total_bytes, rows = None, 0, 0, 0
+    ids: list[str] = []
+    texts: list[str] = []
+
+    def flush() -> None:
+        nonlocal writer, written, total_bytes, rows
+        if writer is None:
+            parts.append(directory / f"part-{len(parts)}.arrow")
+            writer, written = ArrowWriter(features=_features(), path=str(parts[-1])), 0
+        table = pa.table({"id": pa.array(ids, pa.string()), "text": pa.array(texts, pa.string())})
+        writer.write_table(table)
+        written += table.nbytes
+        total_bytes += table.nbytes
+        rows += len(ids)
+        ids.clear()
+        texts.clear()
+        if written >= shard_bytes:  # the next batch starts a new shard file, as save_to_disk shards
+            writer.finalize()
+            writer = None
+
+    try:
+        for path, number, text in iter_lines(files, counts):
+            ids.append(f"{stems[path]}-{number}")
+            texts.append(text)
+            if len(texts) >= writer_batch_size:
+                flush()
+        if texts or not parts:
+            flush()
+    finally:
+        if writer is not None:
+            writer.finalize()
+    names = [f"data-{k:05d}-of-{len(parts):05d}.arrow" for k in range(len(parts))]
+    for part, name in zip(parts, names):
+        part.rename(directory / name)
+    info = DatasetInfo(features=_features(), splits=SplitDict(), dataset_size=total_bytes)
+    info.splits.add(SplitInfo(name=split, num_bytes=total_bytes, num_examples=rows))
+    info.write_to_directory(str(directory), pretty_print=True)
+    state = {"_data_files": [{"filename": name} for name in names], "_fingerprint": generate_random_fingerprint(),
+             "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False,
+             "_split": split}
+    (directory / config.DATASET_STATE_JSON_FILENAME).write_text(json.dumps(state, indent=2, sort_keys=True))
+    return counts
 
 
 def write_normalised(splits: Mapping[str, Sequence[str | os.PathLike]], out_dir: str | os.PathLike,
@@ -146,13 +204,11 @@ def write_normalised(splits: Mapping[str, Sequence[str | os.PathLike]], out_dir:
     Returns the report ``{split: {files: {file: {lines, kept, blank}}, lines, kept, blank}}``.
     ``extra_json`` (file name -> value) is written inside the output in the same atomic step (the
     normalise stage's ``task_meta.json``), so the data never appears without it.
-    The output appears whole or not at all (``atomic_output``); the Arrow data is built in a work
-    directory beside it (never in the shared ``~/.cache``), which is removed afterwards.
+    The output appears whole or not at all (``atomic_output``): it is written straight into the
+    temporary directory that is renamed into place (never into the shared ``~/.cache``).
+    Memory stays flat whatever the corpus size: one record batch of ``writer_batch_size`` rows.
     """
-    import json
-
-    from datasets import Dataset, DatasetDict, Features, Value
-    from datasets.exceptions import DatasetGenerationError
+    from datasets import config
 
     from workflow_scripts.core.atomic_output import atomic_path
 
@@ -161,36 +217,18 @@ def write_normalised(splits: Mapping[str, Sequence[str | os.PathLike]], out_dir:
     check_unique_stems([p for files in splits.values() for p in files])
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    features = Features({"id": Value("string"), "text": Value("string")})
     report: dict = {}
-    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.work.", dir=out_dir.parent) as work:
-        built = {}
+    with atomic_path(out_dir, directory=True) as out:
         for split, files in splits.items():
             files = [str(p) for p in files]
-            counts_dir = Path(work, f"{split}.counts")
-            counts_dir.mkdir()
-            try:
-                built[split] = Dataset.from_generator(
-                    _rows, features=features, cache_dir=str(Path(work, split)), writer_batch_size=writer_batch_size,
-                    # A fresh work directory every run, so from_generator never reuses an earlier cache.
-                    gen_kwargs={"paths": files, "counts_dir": str(counts_dir)},
-                )
-            except DatasetGenerationError as error:  # datasets wraps what the generator raised
-                if isinstance(error.__cause__, WorkflowError):
-                    raise error.__cause__ from None
-                raise
-            counts = LineCounts()
-            for part in sorted(counts_dir.iterdir()):
-                counts.files.update(json.loads(part.read_text()))
+            counts = _write_split(split, files, out / split, writer_batch_size)
             counts.files = {name: counts.files[name] for name in files}  # input order
             report[split] = counts.as_report()
             if report[split]["kept"] == 0:
                 raise WorkflowError(f"text corpus split '{split}': no non-blank line in {files}")
-        with atomic_path(out_dir, directory=True) as out:
-            DatasetDict(built).save_to_disk(str(out))
-            for name, value in (extra_json or {}).items():
-                Path(out, name).write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-        del built  # release the memory maps before the work directory goes
+        (out / config.DATASETDICT_JSON_FILENAME).write_text(json.dumps({"splits": list(splits)}))
+        for name, value in (extra_json or {}).items():
+            Path(out, name).write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
     return report
 
 

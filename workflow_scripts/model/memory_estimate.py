@@ -49,6 +49,18 @@ def activation_bytes(config, micro_batch: int, max_length: int, activation_dtype
     return elements * activation_dtype_bytes + logits
 
 
+def vision_activation_bytes(vision, images: int, dtype_bytes: int, trains: bool) -> int:
+    """The vision tower on ``images`` images (one per row): one layer's working set when frozen (nothing
+    is saved for backward), every layer's saved activations when it trains."""
+    hidden = _config_value(vision, "hidden_size", default=0)
+    inter = _config_value(vision, "intermediate_size", default=4 * hidden)
+    layers = _config_value(vision, "num_hidden_layers", default=1)
+    size, patch = _config_value(vision, "image_size", default=0), _config_value(vision, "patch_size", default=1)
+    tokens = images * ((size // max(1, patch)) ** 2 + 1)
+    per_layer = 11 * hidden + 2 * inter
+    return tokens * per_layer * (layers if trains else 1) * dtype_bytes
+
+
 def estimate(peft_model: nn.Module, training: Mapping[str, Any], device: torch.device) -> dict[str, int]:
     """Bytes per process by component; ``total`` includes the CUDA runtime overhead on GPUs."""
     frozen = sum(p.numel() * p.element_size() for p in peft_model.parameters() if not p.requires_grad)
@@ -58,12 +70,19 @@ def estimate(peft_model: nn.Module, training: Mapping[str, Any], device: torch.d
     optimizer = sum(p.numel() for p in trainable) * FP32 * 2  # AdamW: two fp32 moments
     activation_dtype_bytes = 2 if training["precision"] in ("bf16", "fp16") else FP32
     config = peft_model.get_base_model().config
+    # A VLM: the language model's sequence holds the image tokens (max_length counts them), and the
+    # vision tower runs on each image; its activations are kept only when it trains.
+    language = getattr(config, "text_config", None) or config
     lora_targets = sum(1 for name, _ in peft_model.named_modules() if name.endswith("lora_A"))
-    layers = _config_value(config, "num_hidden_layers", "n_layer", "num_layers", default=1)
+    layers = _config_value(language, "num_hidden_layers", "n_layer", "num_layers", default=1)
     activations = activation_bytes(
-        config, training["micro_batch"], training["max_length"], activation_dtype_bytes,
+        language, training["micro_batch"], training["max_length"], activation_dtype_bytes,
         training["gradient_checkpointing"], training["lora"]["rank"], max(1, lora_targets // max(1, layers)),
     )
+    vision = getattr(config, "vision_config", None)
+    if vision is not None:
+        activations += vision_activation_bytes(vision, training["micro_batch"], activation_dtype_bytes,
+                                               bool(training["lora"].get("train_vision_tower")))
     overhead = CUDA_RUNTIME_OVERHEAD if device.type == "cuda" else 0
     parts = {
         "weights": frozen, "adapters": adapters, "gradients": gradients,

@@ -29,8 +29,12 @@ def corpus_texts(corpus_dirs: Sequence[str | Path]) -> Iterator[str]:
             for value in row.values():
                 if isinstance(value, str):
                     yield value
-                elif isinstance(value, list):
-                    yield from (item for item in value if isinstance(item, str))
+                elif isinstance(value, list):  # answers; or conversation turns, whose contents are text
+                    for item in value:
+                        if isinstance(item, str):
+                            yield item
+                        elif isinstance(item, dict):
+                            yield from (part for part in item.values() if isinstance(part, str))
 
 
 def train_tokenizer(texts: Iterator[str], vocab_size: int):

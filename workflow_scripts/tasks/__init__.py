@@ -10,6 +10,8 @@ TASK_MODULES = {
     "generation": "workflow_scripts.tasks.generation",
     "classification": "workflow_scripts.tasks.classification",
     "masked_lm": "workflow_scripts.tasks.masked_lm",
+    "vision_language": "workflow_scripts.tasks.vision_language",
+    "conversation": "workflow_scripts.tasks.conversation",
 }
 
 

@@ -31,9 +31,15 @@ The contract, stage by stage (batches are dicts of tensors plus plain fields):
   seeded from it and the batch's row ids, so they are the same in any process and after a resume);
   the others ignore it. ``loss_module(peft_model)`` returns an ``nn.Module`` whose ``forward(batch)``
   gives the loss SUMMED over the batch's targets.
-- the gate (sanity): ``check_tokenizer(tokenizer)`` once and ``check_batch(batch, tokenizer)`` per
-  probe batch are the task's own checks beside ``training/preflight_checks``: a detail string for
-  the report, None when the task has no such check, or ``PreflightError``.
+- the gate (sanity): ``check_tokenizer(tokenizer)`` once, ``check_model(peft_model, task_meta, training)``
+  once on the built model (before any step: what trains, what will be saved), ``check_batch(batch,
+  tokenizer, model)`` per probe batch (``model``: the PEFT model) and ``check_gradients(peft_model,
+  training)`` once after the first backward are
+  the task's own checks beside ``training/preflight_checks``: a detail string for the report, None
+  when the task has no such check, or ``PreflightError``.
+- LoRA (optional): ``lora_settings(model, lora) -> lora`` rewrites the ``training.lora`` settings for the
+  loaded model before PEFT wraps it (a VLM: adapter targets inside the language model only, the
+  projector saved whole when asked); a task without it uses the settings as given.
 - evaluation: ``evaluate(model, tokenizer, variant, rows, metric, evaluation, device)`` returns an
   :class:`EvaluationResult`: per-example prediction records (each with ``id`` and ``score``; ``counts``
   where the corpus score is a ratio of sums, as smatch's), the corpus score, the number of outputs that
@@ -93,7 +99,12 @@ class Task(Protocol):
 
     def check_tokenizer(self, tokenizer) -> str | None: ...  # the gate's task check (None: none)
 
-    def check_batch(self, batch: Mapping[str, Any], tokenizer) -> str | None: ...  # per probe batch
+    def check_batch(self, batch: Mapping[str, Any], tokenizer, model: nn.Module) -> str | None: ...  # per probe batch
+
+    def check_model(self, peft_model: nn.Module, task_meta: Mapping[str, Any],
+                    training: Mapping[str, Any]) -> str | None: ...  # the built model, before any step
+
+    def check_gradients(self, peft_model: nn.Module, training: Mapping[str, Any]) -> str | None: ...  # first backward
 
     def loss_module(self, peft_model: nn.Module) -> nn.Module: ...
 

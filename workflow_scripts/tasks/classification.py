@@ -9,6 +9,12 @@ order fixes the class ids. A validation/test row whose label is outside the set 
 A variant is ``{input, class_weights}``: ``input`` is a template over the row's fields (``{text}``
 by default); ``class_weights`` maps label -> weight in the loss. A row's ``text_pair`` is the
 tokenizer's second segment unless the template itself refers to ``{text_pair}``.
+
+The gate (sanity) adds three checks: ``classification_model`` (the head, ``score`` / ``classifier`` or
+whatever lies outside the pretrained body, is a trainable ``modules_to_save`` copy that the adapter's
+state dict holds, with ``num_labels`` outputs and ``id2label`` = the label set), ``classification_batch``
+(class ids within the head's classes, naming the rows) and ``classification_gradients`` (the head got a
+finite, non-zero gradient).
 """
 from __future__ import annotations
 
@@ -293,6 +299,158 @@ def prepare_model(model: nn.Module, pad_token_id: int | None, label_names: Seque
     return model
 
 
+# --- the gate's checks (sanity, through ClassificationTask.check_model / check_batch / check_gradients) ---
+def _refuse(check: str, cause: str, fix: str):
+    from workflow_scripts.training.preflight_checks import PreflightError  # lazily: the gate's module imports tasks
+
+    raise PreflightError(check, cause, fix)
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The PEFT model, also when handed the DDP-wrapped loss module."""
+    from workflow_scripts.training.training_setup import unwrap
+
+    return unwrap(model)
+
+
+def _adapter_name(peft_model: nn.Module) -> str:
+    name = getattr(peft_model, "active_adapter", "default")
+    return name if isinstance(name, str) else name[0]
+
+
+def classification_heads(peft_model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of each head module (:func:`head_module_names` of the base model), as PEFT left
+    it: a ``ModulesToSaveWrapper`` when it is in ``modules_to_save``, else the plain module."""
+    model = _inner(peft_model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return [(name, getattr(base, name)) for name in head_module_names(base)]
+
+
+def _trained_copy(module: nn.Module, adapter: str) -> nn.Module | None:
+    """The copy of a head that PEFT trains and saves (``modules_to_save[adapter]``), None if it is not wrapped."""
+    from peft.utils import ModulesToSaveWrapper
+
+    if isinstance(module, ModulesToSaveWrapper) and adapter in module.modules_to_save:
+        return module.modules_to_save[adapter]
+    return None
+
+
+def _output_size(head: nn.Module) -> int | None:
+    """The class count a head produces: its last linear layer's outputs (None if it has no nn.Linear)."""
+    linears = [m for m in head.modules() if isinstance(m, nn.Linear)]
+    return linears[-1].out_features if linears else None
+
+
+def head_classes(peft_model: nn.Module) -> int:
+    """The class count the (last) head module outputs; ``config.num_labels`` for a head without nn.Linear."""
+    model = _inner(peft_model)
+    heads = classification_heads(model)
+    if heads:
+        module = heads[-1][1]
+        copy = _trained_copy(module, _adapter_name(model))
+        size = _output_size(module if copy is None else copy)
+        if size is not None:
+            return size
+    return model.config.num_labels
+
+
+def check_model(peft_model: nn.Module, task_meta: Mapping[str, Any]) -> int:
+    """Refuses a head that will not train or not be saved with the adapter, or is not the label set's;
+    returns the head's class count."""
+    from peft import get_peft_model_state_dict
+
+    labels = task_meta.get("labels")
+    if not labels:
+        _refuse("classification_model", "tokenise_meta.json's task_meta has no label set",
+                "rerun pretokenise on the normalised data (its task_meta.json holds the labels)")
+    model = _inner(peft_model)
+    adapter = _adapter_name(model)
+    heads = classification_heads(model)
+    if not heads:
+        _refuse("classification_model", f"{type(model).__name__} has no module with parameters outside its "
+                "pretrained body: no classification head was found",
+                "load the model with AutoModelForSequenceClassification (the task's auto_model_class)")
+    saved = {tensor.data_ptr() for tensor in get_peft_model_state_dict(
+        model, adapter_name=adapter, save_embedding_layers=False).values()}
+    for name, module in heads:
+        copy = _trained_copy(module, adapter)
+        if copy is None:
+            config = getattr(model, "peft_config", {}).get(adapter)
+            task_type = getattr(getattr(config, "task_type", None), "value", getattr(config, "task_type", None))
+            _refuse("classification_model", f"the classification head '{name}' is not in the adapter's modules_to_save, "
+                    "so it is neither trained nor saved with the adapter (a head new at load stays random, and "
+                    "another is drawn when the adapter is loaded)",
+                    f"list '{name}' in training.lora.modules_to_save" + (
+                        " (LoRA task type SEQ_CLS adds only modules named 'classifier' and 'score')"
+                        if task_type == "SEQ_CLS" else f", or wrap with LoRA task type SEQ_CLS (not {task_type})"))
+        parameters = dict(copy.named_parameters())
+        frozen = sorted(n for n, p in parameters.items() if not p.requires_grad)
+        if frozen:
+            _refuse("classification_model", f"the classification head '{name}' is frozen (requires_grad=False on "
+                    f"{', '.join(f'{name}.{n}' for n in frozen)})",
+                    "never freeze parameters after PEFT wraps the model: it makes the modules_to_save copies trainable")
+        unsaved = sorted(n for n, p in parameters.items() if p.data_ptr() not in saved)
+        if unsaved:
+            _refuse("classification_model", f"the adapter's state dict leaves out the head's "
+                    f"{', '.join(f'{name}.{n}' for n in unsaved)}: the trained head would not be saved",
+                    f"list '{name}' in training.lora.modules_to_save and keep adapter '{adapter}' active")
+    config, size = model.config, head_classes(model)
+    if size != len(labels) or config.num_labels != len(labels):
+        _refuse("classification_model", f"the head '{heads[-1][0]}' outputs {size} classes (config num_labels "
+                f"{config.num_labels}) but the label set has {len(labels)}: {list(labels)}",
+                "load the model with num_labels = the label set's size (classification.model_kwargs, as "
+                "training_setup.build does), or rerun pretokenise so tokenise_meta.json holds this dataset's label set")
+    names = {int(i): name for i, name in (config.id2label or {}).items()}
+    if names != dict(enumerate(labels)) or dict(config.label2id or {}) != {n: i for i, n in enumerate(labels)}:
+        _refuse("classification_model", f"model.config.id2label {names} does not match the label set "
+                f"{list(labels)} (class id = position in the set)",
+                "set id2label/label2id from the label set (the task's prepare_model does) and do not change them after")
+    return len(labels)
+
+
+def check_batch(batch: Mapping[str, Any], num_labels: int) -> str:
+    """Refuses class ids outside ``[0, num_labels)`` (a CUDA cross-entropy would fail with a device-side
+    assert, and -100 would be silently ignored), naming the ids and the rows holding them."""
+    labels = batch["labels"]
+    if labels.dim() != 1 or labels.dtype.is_floating_point:
+        _refuse("classification_batch", f"labels of shape {tuple(labels.shape)} and dtype {labels.dtype}: expected one "
+                "integer class id per row", "build batches with the classification task's collator")
+    values = labels.cpu()
+    outside = (values < 0) | (values >= num_labels)
+    if outside.any():
+        rows = batch.get("row_ids")
+        where = f" in rows {[rows[k] for k in outside.nonzero().squeeze(1).tolist()][:5]}" if rows else ""
+        _refuse("classification_batch", f"class ids {sorted(set(values[outside].tolist()))} are outside the model's "
+                f"{num_labels} classes (0..{num_labels - 1}){where}",
+                "rerun pretokenise so the class ids come from this dataset's label set, and train the model built for it")
+    counts = torch.bincount(values, minlength=num_labels).tolist()
+    return f"{len(values)} rows, class ids within 0..{num_labels - 1} (per class {counts})"
+
+
+def check_gradients(peft_model: nn.Module) -> str:
+    """After the first backward: every head parameter has a finite, non-zero gradient."""
+    model = _inner(peft_model)
+    adapter = _adapter_name(model)
+    norms = []
+    for name, module in classification_heads(model):
+        copy = _trained_copy(module, adapter)
+        if copy is None:  # check_model refuses this first
+            _refuse("classification_gradients", f"the classification head '{name}' is not trained (not in "
+                    "modules_to_save)", f"list '{name}' in training.lora.modules_to_save")
+        for n, parameter in copy.named_parameters():
+            grad = parameter.grad
+            if grad is None or not grad.any():
+                _refuse("classification_gradients", f"the classification head's {name}.{n} got "
+                        f"{'no' if grad is None else 'an all-zero'} gradient after backward",
+                        "the loss must come from the head's logits (the task's loss module) and the head must stay "
+                        "trainable; check nothing detaches or replaces the logits before the loss")
+            if not torch.isfinite(grad).all():
+                _refuse("classification_gradients", f"NaN/Inf gradient in the classification head's {name}.{n}",
+                        "lower training.learning_rate or check the data")
+            norms.append(float(grad.float().pow(2).sum()))
+    return f"the classification head's {len(norms)} tensors have finite, non-zero gradients (norm {math.sqrt(sum(norms)):.4g})"
+
+
 class ClassificationTask:
     name = "classification"
     auto_model_class = "AutoModelForSequenceClassification"
@@ -402,11 +560,22 @@ class ClassificationTask:
     def loss_module(self, peft_model: nn.Module, class_weights: Sequence[float] | None = None) -> ClassificationLoss:
         return ClassificationLoss(peft_model, class_weights)
 
+    # The gate's task-specific checks (sanity calls them beside preflight_checks'): detail string or PreflightError.
     def check_tokenizer(self, tokenizer) -> str | None:
-        return None  # no task-specific gate check: preflight_checks covers classification's batches
+        return None  # train reads no tokenizer: the ids and the pad id come from tokenise_meta.json
 
-    def check_batch(self, batch: Mapping[str, Any], tokenizer) -> str | None:
-        return None
+    def check_model(self, peft_model: nn.Module, task_meta: Mapping[str, Any], training: Mapping[str, Any]) -> str | None:
+        """The head trains, is saved with the adapter, and is sized and named for the label set."""
+        classes = check_model(peft_model, task_meta)
+        return (f"head {', '.join(repr(name) for name, _ in classification_heads(peft_model))} trainable and saved "
+                f"with the adapter; {classes} classes, id2label = the label set {list(task_meta['labels'])}")
+
+    def check_batch(self, batch: Mapping[str, Any], tokenizer, model: nn.Module) -> str | None:
+        """Class ids against the model's head."""
+        return check_batch(batch, head_classes(model))
+
+    def check_gradients(self, peft_model: nn.Module, training: Mapping[str, Any]) -> str | None:
+        return check_gradients(peft_model)
 
     def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device):
         """Argmax class per row; ``evaluation["max_length"]`` must be training's, so texts are cut the same way."""

@@ -75,12 +75,17 @@ class TargetTokenLoss(nn.Module):
         super().__init__()
         self.wrapped = wrapped  # the PEFT model (training_setup.unwrap finds it under this name)
 
+    def model_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """Further inputs of the model's forward taken from the batch (a VLM's pixel values); none here."""
+        return {}
+
     def forward(self, batch: Mapping[str, Any]):
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         target_index, target_ids = batch["target_index"], batch["target_ids"]
         # A packed batch (data/packing.py) carries position_ids restarting per example, and its
         # attention_mask is the 4D block mask; a padded one has none and the model counts from 0.
         positions = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
+        positions.update(self.model_inputs(batch))
         head = self.wrapped.get_base_model().get_output_embeddings()
         if head is None:  # no separate output layer (some remote-code models): slice the full logits
             logits = self.wrapped(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
@@ -283,10 +288,20 @@ class GenerationTask:
     def loss_module(self, peft_model: nn.Module) -> nn.Module:
         return TargetTokenLoss(peft_model)
 
+    def lora_settings(self, model: nn.Module, lora: Mapping[str, Any]) -> dict[str, Any]:
+        """The LoRA settings as the config gives them: a text model needs no rewriting."""
+        return refuse_vision_keys(lora)
+
     def check_tokenizer(self, tokenizer) -> str | None:
         return None  # no task-specific gate check: preflight_checks covers generation's batches
 
-    def check_batch(self, batch: Mapping[str, Any], tokenizer) -> str | None:
+    def check_batch(self, batch: Mapping[str, Any], tokenizer, model: nn.Module) -> str | None:
+        return None
+
+    def check_model(self, peft_model: nn.Module, task_meta: Mapping[str, Any], training: Mapping[str, Any]) -> str | None:
+        return None
+
+    def check_gradients(self, peft_model: nn.Module, training: Mapping[str, Any]) -> str | None:
         return None
 
     def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device) -> EvaluationResult:
@@ -306,6 +321,14 @@ def check_config_variant(name: str, variant: Mapping[str, Any], datasets: Mappin
     from workflow_scripts.core.experiment_config import dataset_fields, gold_fields
 
     key = f"variants.{name}"
+    for ds_name, dataset in datasets.items():
+        if "image" in dataset.get("fields", {}) and dataset["task"] != "vision_language":
+            raise ConfigError(f"datasets.{ds_name}.fields.image", "an image field needs task: vision_language (a "
+                              f"{dataset['task']} model would never see the image); set datasets.{ds_name}.task: "
+                              "vision_language or carry it under extra_fields")
+        if dataset["task"] == "vision_language" and "image" not in dataset.get("fields", {}):
+            raise ConfigError(f"datasets.{ds_name}.fields", "a vision_language dataset needs fields.image: the "
+                              "source field with its image (a path, {bytes, path} or bytes)")
     if variant["extractor"]["type"] == "section" and not variant["extractor"].get("marker"):
         raise ConfigError(f"{key}.extractor.marker", "a section extractor needs the final task's marker")
     fields = {}
@@ -332,6 +355,15 @@ def check_config_variant(name: str, variant: Mapping[str, Any], datasets: Mappin
                     f"{key}.prompt", f"shows field '{field}', which in dataset '{ds_name}' {gold[field]}, so "
                     "evaluation would put the gold answer into every test prompt; remove {" + field + "} from "
                     "the prompt (a field computed from the answer belongs in the target, as MTUP's aux does)")
+
+
+def refuse_vision_keys(lora: Mapping[str, Any]) -> dict[str, Any]:
+    """``train_projector`` / ``train_vision_tower`` mean something only for a VLM: never ignored in silence."""
+    for key in ("train_projector", "train_vision_tower"):
+        if lora.get(key):
+            raise WorkflowError(f"training.lora.{key}: this model has no vision part (it applies to "
+                                "vision_language datasets only); remove it")
+    return dict(lora)
 
 
 def check_rows(rows: Sequence[dict]) -> None:

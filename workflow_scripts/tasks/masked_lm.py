@@ -499,8 +499,14 @@ class MaskedLMTask:
     def check_tokenizer(self, tokenizer) -> str | None:
         return check_tokenizer(tokenizer)
 
-    def check_batch(self, batch: Mapping[str, Any], tokenizer) -> str | None:
+    def check_batch(self, batch: Mapping[str, Any], tokenizer, model: nn.Module) -> str | None:
         return check_batch(batch, tokenizer)
+
+    def check_model(self, peft_model: nn.Module, task_meta: Mapping[str, Any], training: Mapping[str, Any]) -> str | None:
+        return None
+
+    def check_gradients(self, peft_model: nn.Module, training: Mapping[str, Any]) -> str | None:
+        return None
 
 
 TASK = MaskedLMTask()

@@ -63,8 +63,12 @@ def checkpoints(checkpoint_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def save(checkpoint_dir: str | Path, step: int, peft_model, optimizer, scheduler, scaler,
-         rng_states: list[dict], fingerprint: Mapping[str, Any], keep: int = 1) -> Path:
-    """Write the checkpoint for ``step`` atomically (main rank only), then drop all but the newest ``keep``."""
+         rng_states: list[dict], fingerprint: Mapping[str, Any], keep: int = 1,
+         extra: Mapping[str, Any] | None = None) -> Path:
+    """Write the checkpoint for ``step`` atomically (main rank only), then drop all but the newest ``keep``.
+
+    ``extra``: JSON state of the loop itself (validation's best step so far), read back by :func:`extra_state`.
+    """
     final = Path(checkpoint_dir, f"step-{step:08d}")
     with atomic_path(final, directory=True) as directory:
         save_file(trainable_state(peft_model), str(directory / "adapter.safetensors"))
@@ -76,7 +80,8 @@ def save(checkpoint_dir: str | Path, step: int, peft_model, optimizer, scheduler
         }, directory / "training_state.pt")
         # state.json is written last: its presence marks a complete checkpoint even on odd file systems.
         (directory / "state.json").write_text(json.dumps(
-            {"step": step, "world_size": len(rng_states), "fingerprint": dict(fingerprint)}, indent=2, sort_keys=True))
+            {"step": step, "world_size": len(rng_states), "fingerprint": dict(fingerprint), "extra": dict(extra or {})},
+            indent=2, sort_keys=True))
     for _, old in checkpoints(checkpoint_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -141,6 +146,11 @@ def load(path: str | Path, peft_model, optimizer, scheduler, scaler, rank: int, 
         log(f"{path}: written by {len(rng)} processes; rank {rank} keeps its own RNG state "
             "(dropout masks do not depend on it: each micro-batch is seeded from its step and index)")
     return int(state["step"])
+
+
+def extra_state(path: str | Path) -> dict[str, Any]:
+    """The loop state a checkpoint carries beside the tensors (``save(..., extra=)``)."""
+    return json.loads(Path(path, "state.json").read_text()).get("extra", {})
 
 
 def clear(checkpoint_dir: str | Path) -> None:

@@ -64,11 +64,12 @@ class TrainingLog:
                     self._writer.add_scalar(f"train/{key}", value, step)
         line = (f"step {step}/{self.max_steps} loss {record['loss']:.4f} lr {record['learning_rate']:.3g} "
                 f"grad_norm {record['grad_norm']:.3g} tokens/s {record['tokens_per_second']:.0f} "
-                f"padding {record['padding_share']:.1%}")
+                f"padding {record['padding_share']:.1%}"
+                + (f" validation_loss {record['validation_loss']:.4f}" if "validation_loss" in record else ""))
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix_str(line.split(" ", 2)[2])
-        elif step % self.log_every == 0 or step == self.max_steps:
+        elif step % self.log_every == 0 or step == self.max_steps or "validation_loss" in record:
             print(line, flush=True)
 
     def message(self, text: str) -> None:

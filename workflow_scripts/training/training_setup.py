@@ -116,7 +116,10 @@ def build(model_dir, training: Mapping[str, Any], context: DistributedContext,
                                          task.model_kwargs(task_meta))
     task.prepare_model(base, data_meta.get("pad_token_id"), task_meta)
     vocab_size = base.get_input_embeddings().num_embeddings
-    peft_model = model_loading.add_lora(base, training["lora"], training["gradient_checkpointing"], task.peft_task_type)
+    # The task may rewrite the LoRA settings for its model (a VLM: adapters on the language model only).
+    lora_settings = getattr(task, "lora_settings", None)
+    lora = lora_settings(base, training["lora"]) if lora_settings else training["lora"]
+    peft_model = model_loading.add_lora(base, lora, training["gradient_checkpointing"], task.peft_task_type)
     peft_model.train()
     packing = None
     if training.get("packing"):
@@ -247,4 +250,33 @@ def load_training_settings(text: str) -> dict:
 
         raise schema_error(best_match(errors), "training", "--training")
     gradient_accumulation(settings)
+    check_length(settings, "--training")
     return settings
+
+
+def check_length(training: Mapping[str, Any], source: str | None = None, key: str = "training") -> None:
+    """Exactly one of max_steps and epochs says how long training runs."""
+    from workflow_scripts.core.errors import ConfigError
+
+    if training.get("max_steps") is None and training.get("epochs") is None:
+        raise ConfigError(f"{key}.max_steps", "how long to train is not set: give training.max_steps (optimizer "
+                          "steps) or training.epochs (passes over the training split)", source)
+    if training.get("max_steps") is not None and training.get("epochs") is not None:
+        raise ConfigError(f"{key}.epochs", f"both max_steps ({training['max_steps']}) and epochs "
+                          f"({training['epochs']}) are set; keep one", source)
+
+
+def with_length(training: Mapping[str, Any], train_rows: int) -> dict:
+    """The settings with ``max_steps`` resolved from ``epochs`` (whole global batches per epoch, as
+    batching.GlobalBatchPlan draws them), so the schedule, the sampler and the log share one length."""
+    import math
+
+    if training.get("epochs") is None:
+        return dict(training)
+    per_epoch = train_rows // training["effective_batch"]
+    if per_epoch == 0:
+        from workflow_scripts.core.errors import WorkflowError
+
+        raise WorkflowError(f"the training split has {train_rows} rows, fewer than training.effective_batch "
+                            f"({training['effective_batch']}); lower the effective batch or add data")
+    return {**training, "max_steps": max(1, math.ceil(training["epochs"] * per_epoch))}

@@ -1,0 +1,265 @@
+"""Images of a raw record -> checked image file bytes, for the vision_language task's canonical rows.
+
+A raw image field comes in the layouts hubs and users ship:
+
+- a path string relative to the dataset's files (``images/0001.png``), looked up under each base
+  directory in turn (the raw directory, then an ``images/`` folder beside the split files:
+  :func:`default_base_dirs`). A path may not leave the base directory it is looked up in: ``..``
+  that climbs out, or an absolute path elsewhere, is refused (``image_outside_dataset``), so a
+  record can never make normalisation read, and copy into the dataset, a file that is not part of it;
+- the ``datasets`` Image feature's storage ``{"bytes": b"...", "path": "..."}`` (the bytes win; the
+  path is used only when the bytes are null);
+- the encoded file's raw ``bytes``.
+
+The file's bytes are kept exactly as shipped (PNG, JPEG, ...): the normalised Arrow data holds them
+and later stages decode them, so nothing is re-encoded (lossless, and the same bytes on every run).
+Each image is decoded fully once here (:func:`check_image`), so a truncated or corrupt file is
+rejected with a reason at normalisation rather than failing a DataLoader worker mid-training.
+
+Rejections are :class:`~workflow_scripts.data.rows.Rejected` with the reasons in
+:data:`IMAGE_REASONS`, so the normalise report counts and describes them like every other reason.
+"""
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from workflow_scripts.data.rows import Rejected
+
+# Reason code -> description for the normalise report (normalise.REASONS holds the other reasons).
+IMAGE_REASONS = {
+    "missing_image": "an image path names no file under the dataset's files (or the image struct holds neither bytes nor a path)",
+    "image_outside_dataset": "an image path leads outside the dataset's files ('..' or an absolute path elsewhere)",
+    "unreadable_image": "an image cannot be decoded (unknown format, corrupt or truncated data, or above the decompression-bomb pixel limit)",
+    "empty_image": "an image file or its bytes are empty (zero bytes)",
+}
+IMAGES_FOLDER = "images"
+
+
+@dataclass(frozen=True)
+class ImageFacts:
+    """What a full decode of one image showed (PIL's names for format and mode)."""
+
+    width: int
+    height: int
+    format: str
+    mode: str
+
+
+def default_base_dirs(raw_dir: Path) -> tuple[Path, Path]:
+    """Where relative image paths are looked up: the raw directory, then its ``images/`` folder."""
+    return Path(raw_dir), Path(raw_dir) / IMAGES_FOLDER
+
+
+# --- one raw value -> the file's bytes ---
+def resolve_image(value: Any, *, base_dirs: Sequence[Path]) -> bytes:
+    """The encoded image file's bytes for a raw image value; raises ``Rejected`` (field None) if there are none."""
+    return _resolve(value, base_dirs)[0]
+
+
+def _resolve(value: Any, base_dirs: Sequence[Path]) -> tuple[bytes, str]:
+    """(bytes, where they came from: for messages)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value), "the embedded image"
+    if isinstance(value, str):
+        return _read_path(value, base_dirs)
+    if isinstance(value, Mapping):
+        if not {"bytes", "path"} & set(value):
+            raise Rejected("wrong_type", None, f"an object with keys {sorted(value)} is not an image; expected "
+                           "{'bytes': ..., 'path': ...} (the datasets Image layout), a path string or bytes")
+        data, path = value.get("bytes"), value.get("path")
+        if data is not None:  # the datasets Image feature reads the bytes first, the path only without them
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise Rejected("wrong_type", None, f"the image struct's 'bytes' is a {type(data).__name__}, not bytes; "
+                               "re-export the images with their encoded file bytes")
+            return bytes(data), f"the image embedded in the struct (path {path!r})"
+        if path is None:
+            raise Rejected("missing_image", None, "the image struct holds neither bytes nor a path; the record has no image: "
+                           "re-export the dataset with its images embedded")
+        if not isinstance(path, str):
+            raise Rejected("wrong_type", None, f"the image struct's 'path' is a {type(path).__name__}, not a string")
+        return _read_path(path, base_dirs)
+    if type(value).__module__.startswith("PIL."):
+        raise Rejected("wrong_type", None, "is a decoded PIL image, whose original file bytes are lost; read the column "
+                       "undecoded (datasets Image(decode=False)) so the shipped bytes are kept")
+    raise Rejected("wrong_type", None, f"expected an image path, the image file's bytes or {{'bytes', 'path'}}, "
+                   f"got {type(value).__name__} {value!r:.60}")
+
+
+def _read_path(path: str, base_dirs: Sequence[Path]) -> tuple[bytes, str]:
+    if not path.strip():
+        raise Rejected("empty_value", None, "the image path is empty; give the image file's path relative to the dataset")
+    if "://" in path:
+        raise Rejected("missing_image", None, f"image path {path!r} is a URL; images must ship with the dataset: "
+                       f"download them into its {IMAGES_FOLDER}/ folder and give relative paths")
+    if not base_dirs:
+        raise ValueError("resolve_image needs at least one base directory to look image paths up in")
+    tried, escaped = [], []
+    for base in base_dirs:
+        # Lexical containment: a symlinked images folder the user set up is fine; what is refused is a
+        # record's path text reaching out of the dataset ('..' or an absolute path elsewhere).
+        root = os.path.normpath(os.path.abspath(base))
+        candidate = os.path.normpath(os.path.join(root, path))
+        if os.path.commonpath([root, candidate]) != root:
+            escaped.append(str(base))
+            continue
+        tried.append(str(base))
+        if os.path.isfile(candidate):
+            try:
+                return Path(candidate).read_bytes(), f"image file {candidate}"
+            except OSError as error:
+                raise Rejected("unreadable_image", None, f"image file {candidate} cannot be read ({error.strerror or error}); "
+                               "check its permissions") from None
+    if not tried:
+        raise Rejected("image_outside_dataset", None, f"image path {path!r} leads outside the dataset's files "
+                       f"({', '.join(escaped)}); give a path relative to the dataset without '..'")
+    raise Rejected("missing_image", None, f"image file {path!r} not found under {', '.join(tried)}; "
+                   "add the file or fix the path in the record")
+
+
+# --- the bytes -> a fully decoded, checked image ---
+def check_image(data: bytes, *, source: str = "the image") -> ImageFacts:
+    """Decode ``data`` fully once; its facts, or ``Rejected`` (field None) saying why it is not a usable image.
+
+    ``source`` names where the bytes came from in the rejection's detail (an image file, "the embedded image").
+    """
+    from PIL import Image, ImageFile, UnidentifiedImageError
+
+    if len(data) == 0:
+        raise Rejected("empty_image", None, f"{source} is empty (0 bytes); re-export or re-download the image")
+    # A process-wide PIL setting could make truncated files load padded with grey; the check must not.
+    truncated_allowed, ImageFile.LOAD_TRUNCATED_IMAGES = ImageFile.LOAD_TRUNCATED_IMAGES, False
+    try:
+        with warnings.catch_warnings():
+            # PIL warns above MAX_IMAGE_PIXELS and raises above twice that: both reject (a decompression bomb).
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                image.verify()  # the header and, for PNG, every chunk's checksum
+            with Image.open(io.BytesIO(data)) as image:
+                image.load()  # the pixels: a truncated file fails here
+                facts = ImageFacts(image.width, image.height, image.format or "unknown", image.mode)
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as error:
+        raise Rejected("unreadable_image", None, f"{source} is too large to decode safely ({error}); shrink the image "
+                       "or raise PIL.Image.MAX_IMAGE_PIXELS if it is genuine") from None
+    except UnidentifiedImageError:
+        raise Rejected("unreadable_image", None, f"{source} is not an image PIL can identify (unknown format, corrupt "
+                       "header or a zero width/height); re-export it as PNG or JPEG") from None
+    except Exception as error:  # PIL's decoders raise many types (OSError, SyntaxError, ValueError, ...) on bad data
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise Rejected("unreadable_image", None, f"{source} cannot be decoded ({reason}); re-export or re-download "
+                       "the image") from None
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = truncated_allowed
+    if facts.width <= 0 or facts.height <= 0:  # PIL refuses these at open; a plugin that does not is caught here
+        raise Rejected("unreadable_image", None, f"{source} has a zero size ({facts.width}x{facts.height})")
+    return facts
+
+
+# --- what the vision_language record mapper calls ---
+def image_field_bytes(value: Any, *, field: str, base_dirs: Sequence[Path],
+                      stats: ImageStats | None = None) -> list[bytes] | Rejected:
+    """The checked bytes of one image or a list of images (several per example), or the ``Rejected`` for the first bad one.
+
+    Returned rather than raised, so the mapper decides (``rows.py``'s checks raise: ``raise`` the result
+    if it is a ``Rejected``). The rejection's field is ``field`` or ``field[k]`` for the k-th image of a
+    list. ``stats``, if given, counts the images of an accepted value only, so the report describes the
+    images that reach the normalised data.
+    """
+    if value is None:
+        return Rejected("missing_field", field, "is null; every example needs an image")
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return Rejected("empty_value", field, "is an empty list; every example needs at least one image")
+        items = [(f"{field}[{index}]", item) for index, item in enumerate(value)]
+    else:
+        items = [(field, value)]
+    images, facts = [], []
+    for name, item in items:
+        try:
+            data, source = _resolve(item, base_dirs)
+            facts.append(check_image(data, source=source))
+        except Rejected as error:
+            return Rejected(error.reason, name, error.detail)
+        images.append(data)
+    if stats is not None:
+        stats.add_example(facts, [len(data) for data in images])
+    return images
+
+
+# --- sizes and counts for the normalise report ---
+@dataclass
+class ImageStats:
+    """Counts and sizes of the accepted images: ``summary()`` goes into the normalise report."""
+
+    examples: int = 0
+    images: int = 0
+    total_bytes: int = 0
+    max_per_example: int = 0
+    # Sizes as counters (value -> count): datasets repeat a few sizes, so this stays small at any scale.
+    widths: Counter = field(default_factory=Counter)
+    heights: Counter = field(default_factory=Counter)
+    formats: Counter = field(default_factory=Counter)
+    modes: Counter = field(default_factory=Counter)
+
+    def add(self, facts: ImageFacts, size_bytes: int) -> None:
+        """One image (not an example: see :meth:`add_example`)."""
+        self.images += 1
+        self.total_bytes += size_bytes
+        self.widths[facts.width] += 1
+        self.heights[facts.height] += 1
+        self.formats[facts.format] += 1
+        self.modes[facts.mode] += 1
+
+    def add_example(self, facts: Sequence[ImageFacts], sizes: Sequence[int]) -> None:
+        """The images of one accepted example."""
+        self.examples += 1
+        self.max_per_example = max(self.max_per_example, len(facts))
+        for one, size in zip(facts, sizes, strict=True):
+            self.add(one, size)
+
+    def merge(self, other: ImageStats) -> None:
+        """Add another split's (or worker's) counts to these."""
+        self.examples += other.examples
+        self.images += other.images
+        self.total_bytes += other.total_bytes
+        self.max_per_example = max(self.max_per_example, other.max_per_example)
+        for mine, theirs in ((self.widths, other.widths), (self.heights, other.heights),
+                             (self.formats, other.formats), (self.modes, other.modes)):
+            mine.update(theirs)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "examples": self.examples,
+            "images": self.images,
+            "max_images_per_example": self.max_per_example,
+            "total_bytes": self.total_bytes,
+            "width": _spread(self.widths),
+            "height": _spread(self.heights),
+            "formats": dict(sorted(self.formats.items())),
+            "modes": dict(sorted(self.modes.items())),
+        }
+
+
+def _spread(counts: Counter) -> dict[str, float | int | None]:
+    """min / median / max of counted values (all None without values)."""
+    if not counts:
+        return {"min": None, "median": None, "max": None}
+    values = sorted(counts)
+    total = sum(counts.values())
+
+    def at(position: int) -> int:  # the value at a 0-based position of the sorted expansion
+        seen = 0
+        for value in values:
+            seen += counts[value]
+            if position < seen:
+                return value
+        raise IndexError(position)
+
+    middle = (at((total - 1) // 2) + at(total // 2)) / 2
+    return {"min": values[0], "median": int(middle) if middle == int(middle) else middle, "max": values[-1]}
+

@@ -1,0 +1,278 @@
+"""What differs for vision-language models in loading, LoRA and the gate: where the vision tower, the
+projector and the language model live, which modules get adapters, and the checks that the tower
+stays frozen and that every image placeholder meets one image feature.
+
+Seeds: a LoRA target pattern that silently caught the vision tower's ``q_proj``/``v_proj`` too; a
+tower frozen around PEFT that left adapters with ``requires_grad=False`` (shirg-lora-gradient-fix).
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from workflow_scripts.core.errors import WorkflowError
+
+TRAIN_TOWER_KEY = "training.lora.train_vision_tower"  # the schema's key
+TRAIN_PROJECTOR_KEY = "training.lora.train_projector"
+TARGETS_KEY = "training.lora.target_modules"
+PEFT_PREFIX = "base_model.model."
+# transformers 5 class name -> attribute paths inside it. The ForConditionalGeneration classes keep
+# the parts one level down in ``model`` (LlavaModel / Idefics3Model), beside ``lm_head``.
+FAMILIES = {
+    "LlavaForConditionalGeneration": {
+        "vision_tower": "model.vision_tower", "projector": "model.multi_modal_projector",
+        "language_model": "model.language_model",
+    },
+    "Idefics3ForConditionalGeneration": {
+        "vision_tower": "model.vision_model", "projector": "model.connector", "language_model": "model.text_model",
+    },
+    "SmolVLMForConditionalGeneration": {  # SmolVLM2; SmolVLM (v1) checkpoints are Idefics3 classes
+        "vision_tower": "model.vision_model", "projector": "model.connector", "language_model": "model.text_model",
+    },
+}
+# How each family turns one image's patches into image features (see image_features_per_image).
+FEATURE_RULES = {"LlavaForConditionalGeneration": "select_strategy",
+                 "Idefics3ForConditionalGeneration": "pixel_shuffle",
+                 "SmolVLMForConditionalGeneration": "pixel_shuffle"}
+OUTPUT_LAYER = "lm_head"  # outside language_model, but on the language side (text models can adapt it)
+# Characters that make a target_modules entry a regular expression (matched in full against module
+# names), not a module name; a dot alone stays a name separator.
+PATTERN_CHARACTERS = set("*?[]()|^$\\+{}")
+
+
+def base_of(model: nn.Module) -> tuple[nn.Module, str]:
+    """The transformers model inside a PEFT wrapper (and the prefix PEFT puts before its names)."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        return model.get_base_model(), PEFT_PREFIX
+    return model, ""
+
+
+def components(model: nn.Module) -> dict[str, str]:
+    """Module-name prefixes of ``vision_tower``, ``projector``, ``language_model`` and ``output_layer``
+    (as ``model.named_modules()`` spells them, so with ``base_model.model.`` for a PEFT model)."""
+    base, prefix = base_of(model)
+    family = FAMILIES.get(type(base).__name__)
+    if family is None:
+        raise WorkflowError(f"model class {type(base).__name__} is not a supported vision-language model for "
+                            f"task vision_language (supported: {', '.join(FAMILIES)})")
+    modules = dict(base.named_modules())
+    missing = [path for path in family.values() if path not in modules]
+    if missing:  # a transformers release that moved the parts: fail here, not with a tower left unfrozen
+        raise WorkflowError(f"model class {type(base).__name__} has no module {missing[0]} in this transformers "
+                            "version; update vision_language_model.FAMILIES")
+    return {**{part: prefix + path for part, path in family.items()}, "output_layer": prefix + OUTPUT_LAYER}
+
+
+def under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def is_pattern(entry: str) -> bool:
+    return bool(PATTERN_CHARACTERS & set(entry))
+
+
+def matches(entry: str, name: str) -> bool:
+    """PEFT's rule for a list entry (the name, or a dotted suffix of it); regex entries in full."""
+    if is_pattern(entry):
+        return re.fullmatch(entry, name) is not None
+    return name == entry or name.endswith("." + entry)
+
+
+def lora_target_modules(model: nn.Module, target_modules: list[str], *, train_tower: bool) -> list[str]:
+    """Full names of the Linear layers that ``target_modules`` selects on the language side (the
+    language model and the output layer), plus the vision tower's when ``train_tower``.
+
+    Returned as a list of full names rather than one regex: PEFT matches a list entry exactly (or as a
+    dotted suffix), so the adapter config records exactly which layers were adapted, and nothing in
+    the tower can match by accident. Bare names (``q_proj``) select by layer type; a dotted path or a
+    regex names places, so one that reaches into the tower without ``train_tower`` is refused.
+    Typos are reported here rather than by ``model_loading.check_module_names``: its closest names come
+    from every module (the tower's too) and it knows no regex entries.
+    """
+    base, prefix = base_of(model)
+    if prefix:  # PEFT's LoRA layers are no nn.Linear, so a wrapped model's q_proj would match nothing
+        raise TypeError("lora_target_modules takes the model before get_peft_model wraps it")
+    parts = components(base)
+    linear = [name for name, module in base.named_modules() if isinstance(module, nn.Linear)]
+    language = [n for n in linear if under(n, parts["language_model"]) or under(n, parts["output_layer"])]
+    tower = [n for n in linear if under(n, parts["vision_tower"])]
+    projector = [n for n in linear if under(n, parts["projector"])]
+    chosen: list[str] = []
+    for entry in target_modules:
+        if is_pattern(entry):
+            try:
+                re.compile(entry)
+            except re.error as error:
+                raise WorkflowError(f"{TARGETS_KEY}: '{entry}' is not a valid regular expression ({error})") from None
+        hit_language = [n for n in language if matches(entry, n)]
+        hit_tower = [n for n in tower if matches(entry, n)]
+        hit_projector = [n for n in projector if matches(entry, n)]
+        names_a_place = is_pattern(entry) or "." in entry
+        if hit_tower and not train_tower and (names_a_place or not hit_language):
+            raise WorkflowError(
+                f"{TARGETS_KEY}: '{entry}' reaches into the vision tower ({len(hit_tower)} layers, e.g. "
+                f"{hit_tower[0]}) but {TRAIN_TOWER_KEY} is false; set {TRAIN_TOWER_KEY}: true to adapt the tower, "
+                "or name language-model layers only")
+        if hit_projector and (names_a_place or not hit_language):
+            raise WorkflowError(
+                f"{TARGETS_KEY}: '{entry}' names projector layers ({hit_projector[0]}); the projector is trained "
+                f"whole with {TRAIN_PROJECTOR_KEY}: true, not with LoRA")
+        selected = hit_language + (hit_tower if train_tower else [])
+        if not selected:
+            pool = language + (tower if train_tower else [])
+            leaves = sorted({n if names_a_place else n.rsplit(".", 1)[-1] for n in pool})
+            close = difflib.get_close_matches(entry, leaves, n=3)
+            raise WorkflowError(f"{TARGETS_KEY}: '{entry}' matches no Linear layer of the language model "
+                                f"(closest: {close}); fix the name or remove it")
+        chosen.extend(n for n in selected if n not in chosen)
+    return sorted(chosen)
+
+
+def modules_to_save(model: nn.Module, *, train_projector: bool) -> list[str]:
+    """The projector's full module name when it is trained (PEFT then saves it whole with the adapter)."""
+    base, _ = base_of(model)
+    return [components(base)["projector"]] if train_projector else []
+
+
+def tower_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The vision tower's parameters under PEFT-relative names (DDP's and the loss module's wrappers removed)."""
+    from workflow_scripts.training.training_setup import named_parameters, unwrap
+
+    prefix = components(unwrap(model))["vision_tower"]
+    return {name: p for name, p in named_parameters(model).items() if under(name, prefix)}
+
+
+def check_frozen_tower(peft_model: nn.Module, *, train_tower: bool) -> str:
+    """Every LoRA parameter trainable; the tower's own weights frozen, and its adapters only with ``train_tower``."""
+    from workflow_scripts.training.preflight_checks import PreflightError, _names
+    from workflow_scripts.training.training_setup import lora_parameters
+
+    lora = lora_parameters(peft_model)
+    frozen = [n for n, p in lora.items() if not p.requires_grad]
+    if frozen:
+        raise PreflightError(
+            "frozen_tower", f"{len(frozen)} LoRA parameters have requires_grad=False ({_names(frozen)})",
+            "freeze the vision tower before PEFT adds the adapters, never after (requires_grad_(False) on a "
+            "module that already holds adapters freezes them too)")
+    tower = tower_parameters(peft_model)
+    trainable = [n for n, p in tower.items() if p.requires_grad]
+    weights = [n for n in trainable if "lora_" not in n]
+    if weights:
+        raise PreflightError(
+            "frozen_tower",
+            f"{len(weights)} vision-tower weights are trainable, not only adapters ({_names(weights)})",
+            f"leave the tower's own weights frozen; adapt it through {TRAIN_TOWER_KEY}: true instead")
+    if trainable and not train_tower:
+        raise PreflightError(
+            "frozen_tower",
+            f"{len(trainable)} vision-tower adapter parameters are trainable though {TRAIN_TOWER_KEY} is false "
+            f"({_names(trainable)})",
+            f"keep tower layers out of {TARGETS_KEY} (lora_target_modules resolves them), "
+            f"or set {TRAIN_TOWER_KEY}: true")
+    if train_tower:
+        if not trainable:
+            raise PreflightError(
+                "frozen_tower", f"{TRAIN_TOWER_KEY} is true but no vision-tower parameter is trainable",
+                f"name tower layers in {TARGETS_KEY} (e.g. q_proj, v_proj) or set {TRAIN_TOWER_KEY}: false")
+        return f"{len(lora)} LoRA parameters trainable, {len(trainable)} of them in the vision tower"
+    return f"{len(lora)} LoRA parameters trainable; vision tower frozen ({len(tower)} tensors)"
+
+
+def check_tower_gradients(peft_model: nn.Module, *, train_tower: bool) -> str:
+    """After one backward: a frozen tower holds no gradient; an adapted tower's lora_B gradients are non-zero."""
+    from workflow_scripts.training.preflight_checks import PreflightError, _names
+
+    tower = tower_parameters(peft_model)
+    with_grad = [n for n, p in tower.items() if p.grad is not None and p.grad.any()]
+    if not train_tower:
+        if with_grad:
+            raise PreflightError(
+                "tower_gradients", f"{len(with_grad)} vision-tower parameters received gradients though "
+                f"{TRAIN_TOWER_KEY} is false ({_names(with_grad)})",
+                f"freeze the tower before PEFT wraps the model and keep its layers out of {TARGETS_KEY}")
+        return f"vision tower frozen: no gradients in its {len(tower)} tensors"
+    # lora_B starts at zero, so lora_A's first gradient is zero by design (as in check_gradients).
+    adapters = [n for n in tower if "lora_B" in n]
+    silent = [n for n in adapters if n not in with_grad]
+    if silent or not adapters:
+        raise PreflightError(
+            "tower_gradients", f"{len(silent)} of {len(adapters)} vision-tower adapters got no gradient "
+            f"({_names(silent) or 'none adapted'})",
+            "the adapted tower layers must lie on the path to the loss (check the model's vision_feature_layer "
+            "and that pixel_values reach the forward)")
+    return f"{len(adapters)} vision-tower adapters have non-zero gradients"
+
+
+def image_features_per_image(model: nn.Module, height: int, width: int) -> int:
+    """How many features the model's tower + projector make for one image of ``height`` x ``width`` pixels."""
+    from workflow_scripts.training.training_setup import unwrap
+
+    base, _ = base_of(unwrap(model))
+    config = base.config
+    components(base)  # refuses an unsupported family by name
+    patch = config.vision_config.patch_size
+    patches = (height // patch) * (width // patch)
+    if FEATURE_RULES[type(base).__name__] == "select_strategy":
+        # CLIP towers prepend a class token (SigLIP's do not); "default" drops the first position.
+        has_class_token = config.vision_config.model_type == "clip_vision_model"
+        return patches + int(has_class_token) - int(config.vision_feature_select_strategy == "default")
+    return patches // config.scale_factor ** 2  # Idefics3 / SmolVLM: pixel shuffle folds scale^2 patches
+
+
+def count_images(pixel_values: torch.Tensor) -> int:
+    """Images the model will encode: LLaVA takes (images, C, H, W); Idefics3 takes (batch, images, C, H, W)
+    and skips padding images, which it recognises as all-zero pixel tensors."""
+    if pixel_values.dim() == 4:
+        return pixel_values.shape[0]
+    flat = pixel_values.reshape(-1, *pixel_values.shape[-3:])
+    return int((flat != 0).flatten(1).any(dim=1).sum())
+
+
+def check_image_tokens(batch: Mapping[str, Any], model: nn.Module) -> str:
+    """The image-token ids in ``input_ids`` equal the image features the model makes for ``pixel_values``
+    (a truncated prompt that cut an image's tokens fails inside the forward otherwise, far from the cause)."""
+    from workflow_scripts.training.preflight_checks import PreflightError
+    from workflow_scripts.training.training_setup import unwrap
+
+    base, _ = base_of(unwrap(model))
+    image_token_id = base.config.image_token_id
+    pixel_values = batch.get("pixel_values")
+    tokens = int((batch["input_ids"] == image_token_id).sum())
+    if pixel_values is None:
+        if tokens:
+            raise PreflightError("image_tokens", f"the batch has {tokens} image tokens but no pixel_values",
+                                 "collate the processor's pixel_values with the rows that hold image tokens")
+        return "no images in this batch"
+    height, width = pixel_values.shape[-2:]
+    images = count_images(pixel_values)
+    per_image = image_features_per_image(model, height, width)
+    if tokens != images * per_image:
+        raise PreflightError(
+            "image_tokens", f"the batch has {tokens} image tokens (id {image_token_id}) but {images} images of "
+            f"{height}x{width} give {images * per_image} image features ({per_image} each)",
+            "build prompts with the model's processor (it expands each image placeholder) and keep "
+            "pretokenise's max_length long enough that no image's tokens are truncated")
+    return f"{images} images, {per_image} image tokens each"
+
+
+def check_pixel_dtype(batch: Mapping[str, Any], dtype: torch.dtype) -> str:
+    """``pixel_values`` are finite and in the dtype the vision tower computes in."""
+    from workflow_scripts.training.preflight_checks import PreflightError
+
+    pixel_values = batch.get("pixel_values")
+    if pixel_values is None:
+        raise PreflightError("pixel_dtype", "the batch has no pixel_values",
+                             "collate the processor's pixel_values into every vision_language batch")
+    if pixel_values.dtype != dtype:
+        raise PreflightError("pixel_dtype", f"pixel_values are {pixel_values.dtype} but the model runs in {dtype}",
+                             f"cast pixel_values to {dtype} in the collator, as the model's weights are")
+    if not torch.isfinite(pixel_values).all():
+        raise PreflightError("pixel_dtype", "pixel_values hold NaN or Inf",
+                             "check the images decode and the processor's normalisation (image_std must not be 0)")
+    return f"pixel_values {tuple(pixel_values.shape)} {dtype}"

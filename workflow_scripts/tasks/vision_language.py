@@ -1,0 +1,372 @@
+"""The ``vision_language`` task: a VLM learns (image, question) -> answer (ChartQA, InfographicVQA, OCR-VQA).
+
+What differs from ``generation`` lives here: rows carry their images (the encoded files' bytes, in
+the Arrow data, read memory-mapped by every worker); the model's processor expands the image
+placeholder into the model's image tokens when pre-tokenising, so an example whose image tokens and
+prompt leave no room for the target is dropped with its reason (never cut through the image
+tokens); the collator turns the bytes into pixel values in the DataLoader workers (no pixel cache:
+see ``benchmarks/bench_vision_batches.py``); LoRA attaches to the language model only unless the
+config trains the projector or the tower (``model/vision_language_model.py``); evaluation generates
+conditioned on the image. Templates, the target-token loss, greedy decoding and scoring are
+generation's. A variant with ``images: false`` is the text-only control: same model, same
+questions, no image.
+"""
+from __future__ import annotations
+
+import functools
+import io
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.data.batching import PaddingCollator
+from workflow_scripts.data.rows import Rejected, RecordMapper
+from workflow_scripts.tasks import generation, metrics, templates
+from workflow_scripts.tasks.base import EvaluationResult
+
+VARIANT_KEYS = generation.VARIANT_KEYS + ("images",)
+# What the processor adds beside input_ids that the model's forward takes (by family).
+IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes")
+
+
+def check_variant(variant: Any) -> dict[str, Any]:
+    if not isinstance(variant, dict):
+        raise WorkflowError("argument --variant: needs a JSON object with at least 'prompt' and 'target'")
+    images = variant.get("images", True)
+    if not isinstance(images, bool):
+        raise WorkflowError(f"argument --variant: 'images' must be true or false, got {images!r}")
+    text_part = generation.check_variant({k: v for k, v in variant.items() if k != "images"})
+    return {**text_part, "images": images}
+
+
+# --- normalise: generation's mapping plus the image field, decoded once and stored as bytes ---
+class ImageRecordMapper(RecordMapper):
+    """Generation's question/answers mapping, plus ``images``: the bytes of each image of the record.
+
+    ``raw_dir`` is set by normalise (image paths are relative to the dataset's files, or to an
+    ``images/`` folder beside them). Flattened records (OCR-VQA) give every question the same images.
+    """
+
+    raw_dir = None
+
+    def __init__(self, settings: Mapping[str, Any], key: str):
+        super().__init__(settings, key)
+        self.image_field = settings["fields"]["image"]
+        self.stats: dict[str, Any] = {}  # split -> data.images.ImageStats
+
+    def rows(self, record, split: str, row: int):
+        from workflow_scripts.data import images
+
+        results = list(super().rows(record, split, row))
+        if not any(isinstance(result, dict) for result in results):
+            yield from results
+            return
+        value = record.get(self.image_field)
+        if value is None:
+            decoded = Rejected("missing_field", self.image_field,
+                               "is missing" if self.image_field not in record else "is null")
+        else:
+            record_stats = images.ImageStats()  # this record's images, counted once per kept row below
+            decoded = images.image_field_bytes(value, field=self.image_field,
+                                               base_dirs=images.default_base_dirs(self.raw_dir),
+                                               stats=record_stats)
+        split_stats = self.stats.setdefault(split, images.ImageStats())
+        for result in results:
+            if isinstance(result, dict) and not isinstance(decoded, Rejected):
+                split_stats.merge(record_stats)  # each kept row stores its own copy of the images
+                yield {**result, "images": decoded}
+            else:
+                yield decoded if isinstance(result, dict) else result
+
+    def report(self, splits) -> dict[str, Any]:
+        return {**super().report(splits), "images": {split: stats.summary() for split, stats in self.stats.items()}}
+
+
+# --- pre-tokenising: the processor expands the image placeholder ---
+@functools.lru_cache(maxsize=4)
+def _processor(model_dir: str):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+def processor_for(tokenizer):
+    """The model's processor, found from its tokenizer's directory.
+
+    The task interface hands stages a tokenizer; a VLM's processor lives in the same model directory
+    (``prepare_model`` saves both), so it is loaded from there once per process.
+    """
+    return _processor(str(tokenizer.name_or_path))
+
+
+def open_images(blobs: Sequence[bytes]):
+    from PIL import Image
+
+    opened = []
+    for blob in blobs:
+        image = Image.open(io.BytesIO(blob))
+        opened.append(image.convert("RGB"))
+    return opened
+
+
+def render_prompt(tokenizer, variant: Mapping[str, Any], row: Mapping[str, Any]) -> str:
+    """The prompt text with one image placeholder per image of the row (none for the text-only control):
+    before the prompt, or with ``chat_template`` inside the user turn, where the model's chat format puts it."""
+    count = len(row.get("images") or []) if variant["images"] else 0
+    if count == 0:
+        return templates.render_prompt(variant, row, tokenizer)
+    text = templates.render_prompt({**variant, "chat_template": False}, row)
+    if not variant.get("chat_template", False):
+        return processor_for(tokenizer).image_token * count + "\n" + text
+    templates.render_prompt(variant, row, tokenizer)  # its refusal when the tokenizer has no chat template
+    content = [{"type": "image"}] * count + [{"type": "text", "text": text}]
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def encode_prompt(processor, tokenizer, variant, prompt: str, blobs: Sequence[bytes]) -> list[int]:
+    if not variant["images"] or not blobs:
+        return templates.encode_prompts(tokenizer, variant, [prompt])[0]
+    encoded = processor(text=[prompt], images=[open_images(blobs)],
+                        add_special_tokens=not variant.get("chat_template", False))
+    return list(encoded["input_ids"][0])
+
+
+def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: Mapping[str, Any], max_length: int) -> dict[str, list]:
+    processor = processor_for(tokenizer) if variant["images"] else None
+    rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    targets = templates.encode_targets(tokenizer, [templates.render_target(variant, row) for row in rows])
+    out = {name: [] for name in ("id", "input_ids", "labels", "length", "truncated", "dropped", "images")}
+    for row, target in zip(rows, targets):
+        blobs = list(row["images"]) if variant["images"] else []
+        prompt = encode_prompt(processor, tokenizer, variant, render_prompt(tokenizer, variant, row), blobs)
+        full = len(prompt) + len(target)
+        # Image tokens sit in the prompt: a row whose prompt fills max_length is dropped, never cut.
+        out["dropped"].append(len(prompt) >= max_length)
+        out["truncated"].append(full > max_length)
+        out["input_ids"].append((prompt + target)[:max_length])
+        out["labels"].append(([-100] * len(prompt) + target)[:max_length])
+        out["length"].append(min(full, max_length))
+        out["id"].append(row["id"])
+        out["images"].append(blobs)
+    return out
+
+
+# --- batches: text as generation pads it, pixel values made in the worker ---
+class VisionCollator:
+    """Generation's padded batch plus the processor's image inputs for the rows that have images.
+
+    The image processor is rebuilt from the settings stored in ``tokenise_meta.json``, so workers
+    need neither the model directory nor a pickled processor.
+    """
+
+    def __init__(self, meta: Mapping[str, Any], vocab_size: int):
+        self.text = PaddingCollator(meta["pad_token_id"], vocab_size)
+        self.image_processor_settings = meta.get("image_processor")
+        self._image_processor = None
+
+    @property
+    def image_processor(self):
+        if self._image_processor is None:
+            import transformers
+
+            settings = dict(self.image_processor_settings)
+            kind = settings.get("image_processor_type")
+            if not kind or not hasattr(transformers, kind):
+                raise WorkflowError(f"tokenise_meta.json: image_processor_type {kind!r} is not a transformers "
+                                    "image processor; re-run pretokenise with this transformers version")
+            self._image_processor = getattr(transformers, kind).from_dict(settings)
+        return self._image_processor
+
+    def __call__(self, rows: list[dict]) -> dict:
+        batch = self.text(rows)
+        blobs = [blob for row in rows for blob in row.get("images") or []]
+        batch["images_in_batch"] = len(blobs)
+        if blobs:
+            # Idefics3-style processors take a list of images per example; LLaVA-style a flat list.
+            per_row = [open_images(row["images"]) for row in rows if row.get("images")]
+            try:
+                processed = self.image_processor(per_row, return_tensors="pt")
+            except (TypeError, ValueError):
+                processed = self.image_processor([image for images in per_row for image in images], return_tensors="pt")
+            for name in IMAGE_INPUTS:
+                if name in processed:
+                    batch[name] = processed[name]
+        return batch
+
+
+class VisionTargetTokenLoss(generation.TargetTokenLoss):
+    """Generation's summed target-token loss, with the image inputs passed to the model's forward."""
+
+    def forward(self, batch: Mapping[str, Any]):
+        loss = super().forward(batch)
+        if "pixel_values" not in batch and torch.is_grad_enabled():
+            # A micro-batch without images leaves the trainable image path (the projector, tower
+            # adapters) out of the graph: under DDP that rank would never reduce their gradients while
+            # the others do (a collective mismatch). Zero-weighted into the loss, they get zero
+            # gradients and every rank runs the same reductions.
+            loss = loss + 0.0 * sum(p.sum() for p in image_path_parameters(self.wrapped))
+        return loss
+
+    def model_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        inputs = {name: batch[name] for name in IMAGE_INPUTS if name in batch}
+        if "pixel_values" in inputs:  # in the tower's own precision (bf16 weights on GPUs)
+            tower_dtype = next(self.wrapped.parameters()).dtype
+            inputs["pixel_values"] = inputs["pixel_values"].to(tower_dtype)
+        return inputs
+
+
+def image_path_parameters(peft_model: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters that only images reach: the projector's and the vision tower's."""
+    from workflow_scripts.model import vision_language_model as vlm
+
+    parts = vlm.components(peft_model)
+    return [p for name, p in peft_model.named_parameters() if p.requires_grad
+            and (vlm.under(name, parts["projector"]) or vlm.under(name, parts["vision_tower"]))]
+
+
+# --- evaluation: greedy generation conditioned on the image ---
+@torch.no_grad()
+def generate(model, tokenizer, variant, rows, prompts, batch_size: int, max_new_tokens: int, device) -> list[str]:
+    processor = processor_for(tokenizer) if variant["images"] else None
+    stop_ids = generation.stop_token_ids(tokenizer, model)
+    tokenizer.padding_side = "left"
+    config = generation.greedy_generation_config(max_new_tokens, stop_ids, tokenizer.pad_token_id)
+    outputs: list[str | None] = [None] * len(rows)
+    with generation.decoding_with(model, config):
+        for start in range(0, len(rows), batch_size):
+            index = list(range(start, min(start + batch_size, len(rows))))
+            encoded = [encode_prompt(processor, tokenizer, variant, prompts[i], rows[i]["images"] if variant["images"] else [])
+                       for i in index]
+            padded = tokenizer.pad({"input_ids": encoded}, padding=True, return_tensors="pt")
+            inputs = {"input_ids": padded["input_ids"].to(device), "attention_mask": padded["attention_mask"].to(device)}
+            if variant["images"]:
+                processed = processor.image_processor([open_images(rows[i]["images"]) for i in index], return_tensors="pt") \
+                    if _takes_nested(processor) else processor.image_processor(
+                        [image for i in index for image in open_images(rows[i]["images"])], return_tensors="pt")
+                dtype = next(model.parameters()).dtype
+                for name in IMAGE_INPUTS:
+                    if name in processed:
+                        value = processed[name].to(device)
+                        inputs[name] = value.to(dtype) if name == "pixel_values" else value
+            generated = model.generate(**inputs, generation_config=config)
+            width = inputs["input_ids"].shape[1]
+            for row, i in enumerate(index):
+                outputs[i] = tokenizer.decode(generation.cut_at_stop(generated[row, width:].tolist(), stop_ids),
+                                              skip_special_tokens=True)
+            print(f"generated {index[-1] + 1}/{len(rows)}", flush=True)
+    return outputs
+
+
+def _takes_nested(processor) -> bool:
+    """Idefics3-style image processors take one list of images per example."""
+    return type(processor.image_processor).__name__.startswith(("Idefics", "SmolVLM"))
+
+
+class VisionLanguageTask(generation.GenerationTask):
+    name = "vision_language"
+    packs = None  # no packing: image tokens and pixel values would have to be packed together
+    auto_model_class = "AutoModelForImageTextToText"
+    peft_task_type = "CAUSAL_LM"
+    variant_keys = frozenset(VARIANT_KEYS)
+    dropped_reason = "the image tokens and the prompt leave no room for a target token within max_length"
+    all_dropped_hint = " (the prompt includes its image tokens: the processor expands each image into the model's image tokens)"
+
+    @property
+    def rejection_reasons(self) -> dict[str, str]:  # normalise's report describes the image reasons
+        from workflow_scripts.data.images import IMAGE_REASONS
+
+        return IMAGE_REASONS
+
+    def check_variant(self, variant):
+        return check_variant(variant)
+
+    def tokenised_features(self):
+        from datasets import Features, List, Value
+
+        return Features({
+            "id": Value("string"), "input_ids": List(Value("int32")), "labels": List(Value("int32")),
+            "length": Value("int32"), "truncated": Value("bool"), "dropped": Value("bool"),
+            "images": List(Value("binary")),
+        })
+
+    def tokenise_batch(self, batch, *, tokenizer, variant, max_length, task_meta=None):
+        return tokenise_batch(batch, tokenizer=tokenizer, variant=variant, max_length=max_length)
+
+    def check_config_variant(self, name, variant, datasets) -> None:
+        generation.check_config_variant(name, {k: v for k, v in variant.items() if k != "images"}, datasets)
+
+    def record_mapper(self, settings, key):
+        return ImageRecordMapper(settings, key)
+
+    def tokenise_meta(self, variant, task_meta, *, tokenizer=None) -> dict[str, Any]:
+        """The image processor's settings, so the collator can make pixel values without the model directory."""
+        if not variant["images"]:
+            return {"image_processor": None}
+        settings = processor_for(tokenizer).image_processor.to_dict()
+        return {"image_processor": {k: v for k, v in settings.items() if not k.startswith("_")}}
+
+    def collator(self, meta, vocab_size, packing_for=None, *, seed=None):
+        if packing_for:
+            raise WorkflowError("training.packing: vision_language examples are not packed; set training.packing: false")
+        return VisionCollator(meta, vocab_size)
+
+    def loss_module(self, peft_model: nn.Module) -> nn.Module:
+        return VisionTargetTokenLoss(peft_model)
+
+    def lora_settings(self, model: nn.Module, lora: Mapping[str, Any]) -> dict[str, Any]:
+        """LoRA on the language model's modules only (and the projector saved whole when asked)."""
+        from workflow_scripts.model import vision_language_model as vlm
+
+        train_tower = bool(lora.get("train_vision_tower", False))
+        targets = vlm.lora_target_modules(model, list(lora["target_modules"]), train_tower=train_tower)
+        saved = list(lora.get("modules_to_save", [])) + vlm.modules_to_save(
+            model, train_projector=bool(lora.get("train_projector", False)))
+        return {**lora, "target_modules": targets, "modules_to_save": saved}
+
+    def check_model(self, peft_model, task_meta, training) -> str | None:
+        from workflow_scripts.model import vision_language_model as vlm
+
+        return vlm.check_frozen_tower(peft_model, train_tower=_trains_tower(training))
+
+    def check_batch(self, batch, tokenizer, model) -> str | None:
+        """Image tokens against the model's image features, and pixel values in the model's precision."""
+        from workflow_scripts.model import vision_language_model as vlm
+
+        if "pixel_values" not in batch:
+            return f"no image in this batch ({batch['input_ids'].shape[0]} rows, text only)"
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        dtype = next(base.parameters()).dtype
+        fed = {**batch, **VisionTargetTokenLoss(model).model_inputs(batch)}  # what the forward will receive
+        return "; ".join([vlm.check_image_tokens(fed, base), vlm.check_pixel_dtype(fed, dtype)])
+
+    def check_gradients(self, peft_model, training) -> str | None:
+        from workflow_scripts.model import vision_language_model as vlm
+
+        return vlm.check_tower_gradients(peft_model, train_tower=_trains_tower(training))
+
+    def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device) -> EvaluationResult:
+        variant = check_variant(variant)
+        generation.check_rows(rows)
+        if variant["images"]:
+            missing = [row["id"] for row in rows if not row.get("images")]
+            if missing:
+                raise WorkflowError(f"rows {missing[:3]}: no image; is this normalise output of a vision_language dataset?")
+        prompts = [render_prompt(tokenizer, variant, row) for row in rows]
+        outputs = generate(model, tokenizer, variant, rows, prompts, evaluation["batch_size"],
+                           evaluation["max_new_tokens"], device)
+        records, score, unparseable = generation.score_outputs(rows, prompts, outputs, variant, metric)
+        decoding = generation.recorded_decoding(generation.greedy_generation_config(
+            evaluation["max_new_tokens"], generation.stop_token_ids(tokenizer, model), tokenizer.pad_token_id))
+        return EvaluationResult(records, score, unparseable, {"decoding": "greedy", "generation_config": decoding,
+                                                              "images": variant["images"]})
+
+
+def _trains_tower(training: Mapping[str, Any]) -> bool:
+    """What the config asks (the gate then checks the built model against it)."""
+    return bool(training["lora"].get("train_vision_tower", False))
+
+
+TASK = VisionLanguageTask()
