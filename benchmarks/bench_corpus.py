@@ -1,28 +1,34 @@
 """Benchmark: a plain-text corpus of 1M and 10M lines through normalise and pretokenise (task masked_lm).
 
 The corpus is generated at bench time into a temporary directory (never committed): deterministic
-lines of 10-40 words, half Chinese (1-3 character words, ``，`` and ``。``, a few Latin words mixed
-in) and half Latin-script words (made of syllables), both Zipf-distributed, as a stand-in for the
-CNM-BERT seed's 14.7M-line Chinese/English corpus. The 1M-line file is the first million lines of
-the 10M-line one. The tokenizer is a BERT-style WordPiece fast tokenizer (BertNormalizer with
-lower-casing and Chinese-character splitting, BertPreTokenizer, ``[CLS] line [SEP]``) trained
-offline with ``tokenizers`` on the corpus' first lines, saved with a tiny BERT config as a model
-directory (pretokenise only reads the tokenizer).
+lines of 10-40 words (log-normal, median 20), half Chinese (words of 1-3 characters, ``，`` and
+``。``, 5% Latin words mixed in) and half Latin-script words made of syllables, Zipf-distributed, as
+a stand-in for the CNM-BERT seed's 14.7M-line Chinese/English corpus. The 1M-line file is the first
+million lines of the 10M-line one. The tokenizer is a WordPiece fast tokenizer set up as
+bert-base-chinese's (BertNormalizer splitting Chinese characters, case kept; BertPreTokenizer;
+``[CLS] line [SEP]``), trained offline with ``tokenizers`` on the corpus' first lines and saved with
+a tiny BERT config as a model directory (pretokenise reads only the tokenizer).
 
 Measured, each in a fresh process pinned to N cores (``sched_setaffinity`` before any thread pool
-starts, ``RAYON_NUM_THREADS=N``), timed from after its imports, with the process's peak RSS
-(``getrusage(RUSAGE_SELF).ru_maxrss``) and a 0.1 s sampler of RSS / RssAnon over it and its children:
-- the stages as the rules run them: ``normalise.main`` and ``pretokenise.main`` (``--threads 1`` on one
-  core; ``--threads 2`` on two at 1M), on the 1M and the 10M corpus;
-- the tokenizer alone: ``tokenizer(batch)`` over the same lines in batches of pretokenise's batch size
-  (``TOKENIZERS_PARALLELISM=false`` on one core; ``true`` with two Rayon threads on two), the lines
-  read into a list first (not timed);
+starts, ``RAYON_NUM_THREADS=N``), timed from after its imports, with wall and CPU seconds, the
+process's peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) and a 0.1 s sampler of RSS, RssAnon and
+RssFile over it and its children:
+- the stages as the rules run them: ``normalise.main`` (1 core; its ``text_lines.write_normalised``
+  part timed apart) and ``pretokenise.main`` (``--threads 1`` on one core and ``--threads 2`` on two at
+  1M; ``--threads 2`` at 10M; its ``datasets.map`` part timed apart), on the 1M and the 10M corpus;
+- the tokenizer alone: ``tokenizer(batch)`` over the corpus' first lines in batches of pretokenise's
+  batch size (``TOKENIZERS_PARALLELISM=false`` on one core; two Rayon threads on two), the lines read
+  into a list first (not timed), and the Rust encoder alone (``backend_tokenizer.encode_batch``);
 - what a user would write: ``datasets.load_dataset("text", ...)`` then ``.map(tokenize, batched=True,
   num_proc=2)`` with run_mlm.py's ``tokenize_function`` (``return_special_tokens_mask=True``, no
   ``group_texts``), on two cores;
 - PSS (/proc/<pid>/smaps_rollup) of main + W DataLoader workers reading the same batches of the
   tokenised set with the train stage's TokenisedSplit, batch plan and the masked_lm collator, for
   W = 1 and 3, on the 1M and the 10M set: (PSS(3) - PSS(1)) / 2 is what each extra worker adds.
+
+The long part is the 10M-line pretokenise (the tokenizer alone needs ~100 us a line on one core of
+the 2-core development machine); repetitions at 1M come after everything was measured once and are
+dropped when ``run.py``'s deadline is near. ``BENCH_CORPUS_LINES=small,large`` overrides the sizes.
 """
 from __future__ import annotations
 
@@ -483,7 +489,7 @@ def probe_workers(data: Path, workers: int, batches: int, batch_size: int) -> di
     seconds = time.perf_counter() - started
     after = family_pss()  # persistent workers: still alive here
     return {"workers": workers, "rows": rows, "seconds": seconds, "set_rows": len(dataset),
-            "before": before, "after": after}
+            "record_batches": len(dataset.table.data.to_batches()), "before": before, "after": after}
 
 
 PROBES = {"normalise": probe_normalise, "pretokenise": probe_pretokenise, "tokenizer": probe_tokenizer,
@@ -505,6 +511,28 @@ def run_probe(kind: str, cores: int, **arguments) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"corpus probe {kind} ({arguments}) failed: {(done.stderr or done.stdout)[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def available_cores(threads: int = 2, seconds: float = 1.0) -> float:
+    """Cores this process actually gets now: CPU / wall seconds of ``threads`` threads hashing (hashlib
+    releases the GIL) for about ``seconds``. On an idle 2-core machine it is close to 2; other jobs lower it."""
+    import hashlib
+
+    block = b"\0" * (1 << 20)
+    stop = time.perf_counter() + seconds
+
+    def spin() -> None:
+        digest = hashlib.sha256()
+        while time.perf_counter() < stop:
+            digest.update(block)
+
+    workers = [threading.Thread(target=spin) for _ in range(threads)]
+    cpu, started = time.process_time(), time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return (time.process_time() - cpu) / (time.perf_counter() - started)
 
 
 def _sizes(scale: str) -> tuple[int, int]:
@@ -544,6 +572,7 @@ def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: 
             f"{generated:.0f} s; tokenizer: {tokenizer_info['vocab_size']:,} WordPiece tokens")
         runs: dict[str, list[dict]] = {}
         seconds: dict[str, float] = {}
+        cores_free: list[float] = []  # available_cores() before each 2-core measurement
 
         def measure(key: str, kind: str, cores: int, **arguments) -> dict:
             begun = time.monotonic()
@@ -551,8 +580,8 @@ def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: 
             seconds[key] = time.monotonic() - begun
             runs.setdefault(key, []).append(result)
             lines = result.get("lines") or small
-            log(f"  {key} #{len(runs[key])}: {_rate(result, lines):,.0f} lines/s "
-                f"({result['seconds']:.1f} s, {result.get('cpu_seconds', 0):.1f} s CPU)")
+            cpu = f", {result['cpu_seconds']:.1f} s CPU" if "cpu_seconds" in result else ""  # map: children's not counted
+            log(f"  {key} #{len(runs[key])}: {_rate(result, lines):,.0f} lines/s ({result['seconds']:.1f} s{cpu})")
             return result
 
         def normalise(size: int, name: str) -> Path:
@@ -562,6 +591,8 @@ def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: 
             return out
 
         def pretokenise(size: int, data: Path, threads: int, keep: bool = False) -> Path:
+            if threads > 1:
+                two_core_check()
             out = work / f"tokenised-{size}-{threads}"
             shutil.rmtree(out, ignore_errors=True)  # an existing output with the same key would be reused
             measure(f"pretokenise-{size}-{threads}", "pretokenise", threads, model=model, data=data, out=out,
@@ -570,13 +601,19 @@ def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: 
                 shutil.rmtree(out, ignore_errors=True)
             return out
 
+        def two_core_check() -> None:
+            cores_free.append(available_cores(two))
+
         def tokenizer_alone(cores: int) -> None:
+            if cores > 1:
+                two_core_check()
             measure(f"tokenizer-{cores}", "tokenizer", cores, model=model, corpus=raw[small] / "train.txt",
                     limit=settings["tokenizer_lines"], batch_size=BATCH_SIZE)
 
         def user_map() -> None:
             cache = work / "hf-cache"
             shutil.rmtree(cache, ignore_errors=True)
+            two_core_check()
             measure("map", "map", two, model=model, corpus=raw[small] / "train.txt", cache=cache, num_proc=2)
             shutil.rmtree(cache, ignore_errors=True)
 
@@ -616,11 +653,11 @@ def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: 
                 action()
         total_seconds = time.monotonic() - started
     return _record(scale, small, large, two, runs, pss, corpora, tokenizer_info, settings, planned, skipped,
-                   generated, total_seconds, load_start)
+                   generated, total_seconds, load_start, cores_free)
 
 
 def _record(scale, small, large, two, runs, pss, corpora, tokenizer_info, settings, planned, skipped,
-            generated, total_seconds, load_start) -> dict:
+            generated, total_seconds, load_start, cores_free) -> dict:
     def series(key: str, label: str, lines: int, clock: str = "seconds", units: str = "lines/s") -> Series:
         results = runs[key]
         return Series(label, [lines / r[clock] for r in results], units,
@@ -718,34 +755,50 @@ def _record(scale, small, large, two, runs, pss, corpora, tokenizer_info, settin
     tokenizer_us = 1e6 / reference_cpu.median
     encoder_us = 1e6 / encoder_cpu.median
     normalise_us = 1e6 * median(f"normalise-{small}", "cpu_seconds") / small
-    encoder_share = encoder_us / stage_us
+    write_us = 1e6 * median_of(runs[f"normalise-{small}"], lambda r: r["write"]["cpu_seconds"]) / small
+    encoder_share = min(encoder_us / stage_us, 1.0)
     tokenizer_scaling = statistics.median(sample / r["seconds"] for r in runs[f"tokenizer-{two}"]) / reference.median
-    amdahl = 1 / ((1 - encoder_share) + encoder_share / max(tokenizer_scaling, 1e-9))
-    why_one_core = (f"per CPU-second on one core the tokenizer alone takes {tokenizer_us:.0f} us a line (the Rust "
-                    f"encoder {encoder_us:.0f} us of it, the rest building Python lists), the pretokenise stage "
-                    f"{stage_us:.0f} us: {stage_us - encoder_us:.0f} us a line outside the encoder (masked_lm."
-                    "_flat_columns iterating every token in Python generators, the per-block .tolist() lists, "
-                    "datasets.map's Arrow conversion, the select + save_to_disk copy of the kept blocks)")
-    why_scaling = (f"--threads is the tokenizer's Rayon pool inside one process: only the encoder ({encoder_share:.0%} "
-                   f"of the one-core time) runs on both cores, and the tokenizer alone scales "
-                   f"{tokenizer_scaling:.2f}x on {two} threads here, so Amdahl bounds the stage at {amdahl:.2f}x; "
-                   "the Python part (flattening, Arrow writes, saving) stays on one core. Fix (pretokenise.py, not "
-                   "this benchmark's file): a process count, datasets.map(num_proc=N) with TOKENIZERS_PARALLELISM="
-                   "false in each process, which splits all of the work")
+    quiet_bound = 1 / ((1 - encoder_share) + encoder_share / two)  # Amdahl, the encoder alone on `two` cores
+    cores_used = median_of(runs[pre2], lambda r: r["cpu_seconds"] / r["seconds"])
     load_end = os.getloadavg()[0]
+    why_one_core = (f"per CPU-second on one core the tokenizer alone takes {tokenizer_us:.0f} us a line (the Rust "
+                    f"encoder {encoder_us:.0f} us of it, the rest building its Python lists), the pretokenise stage "
+                    f"{stage_us:.0f} us: {stage_us - encoder_us:.0f} us a line outside the encoder (masked_lm."
+                    "_flat_columns iterating every token through Python generators, a .tolist() per block and "
+                    "column, datasets.map converting those lists to Arrow, the select + save_to_disk copy of the "
+                    "kept blocks). Fix (tasks/masked_lm.py, not this benchmark's files): encode with "
+                    "tokenizer.backend_tokenizer.encode_batch, flatten with np.fromiter(itertools.chain."
+                    "from_iterable(e.ids for e in encodings)) (None word ids mapped by dict.get, C-level loops), "
+                    "and return a pyarrow.Table of ListArray.from_arrays(block offsets, flat ids) instead of "
+                    "per-block lists (datasets.map takes a table from a batched function)")
+    free = statistics.median(cores_free) if cores_free else float("nan")
+    contention = (f"In this run the machine's other jobs (load average {load_start:.1f} -> {load_end:.1f} on "
+                  f"{len(os.sched_getaffinity(0))} cores) left about {free:.1f} cores: {two} threads hashing got "
+                  f"{free:.2f} cores (median before each {two}-core measurement), " if free < 0.8 * two else
+                  f"{two} threads hashing got {free:.2f} cores (median before each {two}-core measurement), ")
+    why_scaling = (f"--threads is the tokenizer's Rayon pool inside one process, so only the encoder "
+                   f"({encoder_share:.0%} of the one-core time) can use the second core: even on quiet cores Amdahl "
+                   f"bounds --threads {two} at {quiet_bound:.2f}x. {contention}the --threads {two} runs used "
+                   f"{cores_used:.2f} cores (CPU / wall seconds) and the tokenizer alone ran {tokenizer_scaling:.2f}x "
+                   f"as fast on {two} Rayon threads as on one. Fix (pretokenise.py, not this benchmark's files): a "
+                   "process count, datasets.map(num_proc=N) with TOKENIZERS_PARALLELISM=false in each process, which "
+                   "splits all of the work; the shards must be cut at multiples of the map batch size, as the "
+                   "blocks are grouped per map batch")
     goals = [
         Goal("pretokenise on one core >= 0.9x the tokenizer alone on one core (lines per CPU-second, so time "
              "other jobs took from the core is left out)", ours_cpu.median / reference_cpu.median, 0.9, True,
              why=why_one_core),
         Goal("literal reading: normalise + pretokenise on one core >= 0.9x the tokenizer alone (lines per CPU-second)",
              (1e6 / (stage_us + normalise_us)) / reference_cpu.median, 0.9, True,
-             why=f"normalise adds {normalise_us:.1f} us a line to the stage's {stage_us:.0f}; {why_one_core}"),
+             why=f"normalise adds {normalise_us:.1f} us a line ({write_us:.1f} us in text_lines.write_normalised, "
+                 f"the rest in the contamination check that reads the written set back and hashes every line) "
+                 f"to pretokenise's {stage_us:.0f}; {why_one_core}"),
         Goal(f"pretokenise on {two} cores (--threads {two}) >= 1.8x its own one-core rate (wall lines/s)",
              ours_2.median / ours.median, 1.8, True, why=why_scaling),
         Goal(f"pretokenise on {two} cores beats datasets.map(tokenize, batched=True, num_proc=2) on {two} cores "
              "(tokenising only, wall lines/s)", ours_2.median / map_only.median, 1.0, True,
              why=f"map's two processes each run the whole tokenising on a core, while --threads {two} parallelises "
-                 f"only the encoder ({why_scaling})"),
+                 f"only the encoder; {why_scaling}"),
         Goal("end to end: normalise + pretokenise beats load_dataset('text') + map(num_proc=2) (wall lines/s)",
              ours_total.median / user_total.median, 1.0, True,
              why=f"normalise takes {1e6 / norm_small.median:.1f} us a line against load_dataset's "
@@ -781,11 +834,19 @@ def _record(scale, small, large, two, runs, pss, corpora, tokenizer_info, settin
             goals.append(Goal(f"normalise's own streaming part (text_lines.write_normalised): peak RSS at {large:,} "
                               f"lines <= 1.2x that at {small:,} lines", r["phase_large"] / r["phase_small"], 1.2, False,
                               why=f"{r['phase_small']:,.0f} -> {r['phase_large']:,.0f} MiB"))
+    batches_small = pss[small][max(WORKERS)][0].get("record_batches")
+    batches_large = pss[large][max(WORKERS)][0].get("record_batches")
     goals.append(Goal(f"PSS each extra DataLoader worker adds on the {large:,}-line set <= 1.2x that on the "
                       f"{small:,}-line set (does not grow with the corpus)", worker_large / worker_small, 1.2, False,
-                      why=f"per extra worker {worker_small:.1f} -> {worker_large:.1f} MiB (anonymous "
+                      why=f"per extra worker {worker_small:.1f} -> {worker_large:.1f} MiB: anonymous "
                           f"{split_small['anon']:.1f} -> {split_large['anon']:.1f} MiB, file-backed "
-                          f"{split_small['file']:.1f} -> {split_large['file']:.1f} MiB)"))
+                          f"{split_small['file']:.1f} -> {split_large['file']:.1f} MiB. The anonymous part grows with "
+                          f"the number of Arrow record batches of the set ({batches_small:,} -> {batches_large:,}, "
+                          "1,000 rows each as save_to_disk writes them): the main process opened the memory-mapped "
+                          "table before forking, and a worker reading rows updates the reference counts of each "
+                          "batch's metadata, so those heap pages are copied into it. Fix (pretokenise.py, not this "
+                          "benchmark's files): write the tokenised set in record batches of tens of thousands of "
+                          "rows (e.g. datasets' ArrowWriter(writer_batch_size=...) when streaming the output)"))
     notes = [
         f"Corpus generated at bench time ({generated:.0f} s), never committed: {small:,} and {large:,} lines, "
         f"{corpora[large]['bytes'] / large:.0f} bytes a line on average; the smaller file is the larger one's first "
@@ -798,7 +859,9 @@ def _record(scale, small, large, two, runs, pss, corpora, tokenizer_info, settin
         "pretokenise has no process count: --threads sizes the fast tokenizer's thread pool in one process.",
         f"The 1-core goal compares lines per CPU-second (both sides single-threaded on one core): with a load "
         f"average of {load_start:.1f} at the start and {load_end:.1f} at the end on {len(os.sched_getaffinity(0))} "
-        "cores, wall time includes time other jobs took. The 2-core goals can only use wall time.",
+        "cores, wall time includes time other jobs took. The 2-core goals can only use wall time; before each "
+        f"2-core measurement, {two} threads hashing (GIL released) got "
+        + ", ".join(f"{c:.2f}" for c in cores_free) + " cores (CPU / wall seconds).",
         f"Worker PSS: main + W persistent fork workers reading the same first {settings['worker_batches']} batches of "
         f"{settings['batch_size']} rows (the train stage's TokenisedSplit, batch plan and the masked_lm collator), "
         f"W = {WORKERS[0]} and {WORKERS[-1]}; per extra worker = the PSS difference / {WORKERS[-1] - WORKERS[0]}.",
@@ -816,6 +879,7 @@ def _record(scale, small, large, two, runs, pss, corpora, tokenizer_info, settin
                                                               for r in results] for w, results in by.items()}
                                             for size, by in pss.items()},
                          "generation_seconds": generated, "total_seconds": total_seconds,
+                         "available_cores_before_two_core_runs": cores_free,
                          "load_average": [load_start, load_end]})
 
 
