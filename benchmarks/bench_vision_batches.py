@@ -27,7 +27,7 @@ shuffled micro-batches of the train stage's ``GlobalBatchPlan`` / ``RankBatchSam
   shared memory), and each worker's private dirty memory.
 
     python -m benchmarks.run --only vision_batches
-    BENCH_VISION_EXAMPLES=200 python -m benchmarks.run --only vision_batches --out-dir /tmp/x   # development
+    BENCH_VISION_EXAMPLES=200 python -m benchmarks.run --only vision_batches --out-dir "$(mktemp -d)"   # development
 """
 from __future__ import annotations
 
