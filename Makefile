@@ -1,11 +1,12 @@
 # make test | make demo | make bench | make lint — each installs what it needs into .venv first.
+SHELL := /bin/bash
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 # CPU build of torch: on this kind of machine pip takes it from local disk; pin keeps experiments rebuildable.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench lint clean gpu-wheels gpu-check
 
 install: $(VENV)/.installed
 
@@ -25,6 +26,18 @@ demo: install
 
 bench: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m benchmarks.run
+
+# On a GPU machine (its own python with torch, transformers, peft): every CUDA check in one call.
+gpu-check:
+	GPU_PYTHON="$(or $(GPU_PYTHON),python3)" bash benchmarks/gpu_check.sh $(or $(GPU_CHECK_OUT),benchmarks/gpu_check)
+
+# Where pip reaches a registry: the packages a registry-less GPU machine lacks, as wheels in .whl/.
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(or $(GPU_PYTHON_VERSION),3.12) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	  --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform manylinux1_x86_64 -d .whl -r /dev/stdin < <(grep -v '# build' benchmarks/gpu_requirements.txt)
+	grep '# build' benchmarks/gpu_requirements.txt | sed 's/ *#.*//' | xargs $(PYTHON) -m pip wheel -q --no-deps -w .whl
 
 lint: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --lint

@@ -3,13 +3,16 @@ measured samples, goals checked against them, failures and skips recorded. No ti
 from __future__ import annotations
 
 import json
+import os
 import statistics
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks import bench_gpu, bench_pretokenise, bench_training, records, run as bench_run, synthetic
 
+REPO = Path(__file__).resolve().parent.parent
 RECORD_KEYS = {"name", "title", "status", "message", "units", "ours", "reference", "ratio", "goals", "others",
                "repetitions", "hardware", "packages", "setup", "notes"}
 
@@ -238,3 +241,40 @@ def test_vision_batches_benchmark_runs_at_tiny_size(tmp_path, monkeypatch):
     assert len(rec["goals"]) == 2 and all(isinstance(goal["met"], bool) for goal in rec["goals"])
     assert any(note.startswith("Decision:") for note in rec["notes"])
     assert not list(tmp_path.iterdir())  # the generated images, sets and cache are gone
+
+
+# --- make gpu-check: its harness, checked where there is no GPU ---
+def test_gpu_check_without_cuda_says_so_and_checks_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: make gpu-check runs the checks here")
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(tmp_path / "out")],
+                            env={**os.environ, "GPU_PYTHON": sys.executable}, capture_output=True, text=True)
+    assert result.returncode == 2 and "no CUDA device visible" in result.stderr
+    assert not list((tmp_path / "out").iterdir())  # no half report that looks like a run
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(tmp_path / "out")],
+                            env={**os.environ, "GPU_PYTHON": "/bin/true-python-missing"}, capture_output=True, text=True)
+    assert result.returncode == 2 and "cannot import torch" in result.stderr
+
+
+def test_gpu_wheels_pin_the_versions_the_tests_run_here():
+    """The GPU machine gets the packages it lacks at the versions CI tests with (installed here)."""
+    from importlib import metadata
+
+    pins = {}
+    for line in (REPO / "benchmarks" / "gpu_requirements.txt").read_text().splitlines():
+        requirement = line.split("#")[0].strip()
+        if requirement:
+            name, version = requirement.split("==")
+            pins[name] = version
+    assert {"datasets", "jsonschema", "smatch", "rapidfuzz"} <= set(pins)
+    for name, version in pins.items():
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue  # an optional extra not installed here (then its tests skip here too)
+        assert installed == version, f"benchmarks/gpu_requirements.txt pins {name}=={version}, installed {installed}"

@@ -277,6 +277,7 @@ def test_declared_gpus_lease_a_device_and_refuse_to_fall_back_to_cpu(tmp_path, t
     assert not (tmp_path / "out" / "eval.json").exists()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_declared_gpu_evaluates_on_cuda_in_bf16(tmp_path, tiny_model, adapter, normalised, monkeypatch):
     monkeypatch.setenv("LORA_WORKFLOW_LEASE_DIR", str(tmp_path / "leases"))

@@ -28,7 +28,7 @@ SLURM_ARGS = ["--profile", "profiles/slurm", "--slurm-status-command", "squeue",
               "--slurm-init-seconds-before-status-checks", "1", "--slurm-keep-successful-logs", "--verbose"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # module: test_slurm_nodes.py brings up its own cluster after this one
 def slurm():
     reason = slurm_cluster.why_unavailable()
     if reason and os.environ.get("LORA_WORKFLOW_REQUIRE_SLURM") == "1":
@@ -46,7 +46,7 @@ def slurm():
             running.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def job_env(slurm):
     """What a user's shell would hold: the venv on PATH, one thread per job (reproducible CPU sums)."""
     env = slurm.env()

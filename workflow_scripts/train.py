@@ -12,6 +12,7 @@ import math
 import random
 import shutil
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -173,6 +174,7 @@ def train(args: argparse.Namespace, training: dict) -> int:
             return PREEMPTED_EXIT_CODE
         peak = max(distributed.all_gather_objects(memory_estimate.peak_memory_bytes(context.device), context))
         devices = distributed.all_gather_objects(distributed.device_name(context.device), context)
+        hosts = distributed.all_gather_objects(socket.gethostname(), context)  # rank order: where each ran
         if context.is_main:
             with atomic_path(args.adapter_out, directory=True) as directory:
                 if training["validation"]["keep"] == "best":  # the lowest validation loss, as configured
@@ -182,7 +184,7 @@ def train(args: argparse.Namespace, training: dict) -> int:
                     setup.peft_model.save_pretrained(str(directory), safe_serialization=True)
             log.finish(args.log_out)
             write_json(args.manifest_out, build_manifest(
-                "train", training, seed=args.seed, world_size=context.world_size, devices=devices,
+                "train", training, seed=args.seed, world_size=context.world_size, devices=devices, hosts=hosts,
                 model_dir=str(args.model), model_manifest_sha256=fingerprint["model_manifest_sha256"],
                 data_cache_key=fingerprint["data_cache_key"], memory_estimate=estimate, peak_memory_bytes=peak,
                 # CPU: the process's peak resident set, Python and libraries included; CUDA: allocated bytes.

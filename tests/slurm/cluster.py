@@ -77,6 +77,12 @@ class Cluster:
 
     etc: Path = SYSTEM_CONF_DIR
 
+    controller_address = "127.0.0.1"
+
+    def nodes(self) -> list[tuple[str, str]]:
+        """(NodeName, NodeAddr) of every slurmd: here one, this machine."""
+        return [(self.host, "127.0.0.1")]
+
     @property
     def conf(self) -> Path:
         return self.etc / "slurm.conf"
@@ -89,17 +95,20 @@ class Cluster:
     def write_config(self) -> None:
         etc = self.etc
         dev, state, spool, logs = (self.root / d for d in ("dev", "state", "spool", "log"))
-        for directory in (etc, dev, state, spool, logs):
+        for directory in (etc, dev, state, logs, *(spool / name for name, _ in self.nodes())):
             directory.mkdir(parents=True, exist_ok=True)
         for index in range(self.gpus):
             link = dev / f"nvidia{index}"
             if not link.exists():
                 link.symlink_to("/dev/null")
         socket_path = self.root / "munge" / "munge.socket"
+        gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
+        node_lines = "\n".join(f"NodeName={name} NodeAddr={address} CPUs={self.cpus} RealMemory=128000{gres} State=UNKNOWN"
+                               for name, address in self.nodes())
         (etc / "slurm.conf").write_text(f"""\
 {MARKER}
 ClusterName=loratest
-SlurmctldHost={self.host}(127.0.0.1)
+SlurmctldHost={self.host}({self.controller_address})
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 SlurmUser=root
@@ -108,11 +117,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={socket_path}
 StateSaveLocation={state}
-SlurmdSpoolDir={spool}
+SlurmdSpoolDir={spool}/%n
 SlurmctldPidFile={self.root}/slurmctld.pid
-SlurmdPidFile={self.root}/slurmd.pid
+SlurmdPidFile={self.root}/slurmd.%n.pid
 SlurmctldLogFile={logs}/slurmctld.log
-SlurmdLogFile={logs}/slurmd.log
+SlurmdLogFile={logs}/slurmd.%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 # No cgroups in containers: track processes by ancestry, no task confinement.
@@ -135,12 +144,13 @@ KillWait=15
 ReturnToService=2
 # The node may declare more CPUs than a small CI machine has, so several jobs run at once.
 SlurmdParameters=config_overrides
-NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=128000 Gres=gpu:{self.gpus} State=UNKNOWN
-PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
+{node_lines}
+PartitionName=debug Nodes={",".join(name for name, _ in self.nodes())} Default=YES MaxTime=INFINITE State=UP
 """)
         (etc / "gres.conf").write_text(
             f"{MARKER}\nAutoDetect=off\n"
-            + (f"NodeName={self.host} Name=gpu File={dev}/nvidia[0-{self.gpus - 1}]\n" if self.gpus else "")
+            + "".join(f"NodeName={name} Name=gpu File={dev}/nvidia[0-{self.gpus - 1}]\n"
+                      for name, _ in self.nodes() if self.gpus)
         )
 
     # -- daemons ---------------------------------------------------------------------------
@@ -207,8 +217,15 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         self._start("slurmctld")
         self._wait(lambda: subprocess.run(["scontrol", "ping"], capture_output=True, env=self.env()).returncode == 0,
                    30, "slurmctld did not answer")
+        self.start_slurmds()
+        self._wait(self.all_nodes_up, 60, "the nodes did not become idle")
+
+    def start_slurmds(self) -> None:
         self._start("slurmd")
-        self._wait(lambda: self.node_state() in ("idle", "mixed", "allocated"), 60, "the node did not become idle")
+
+    def all_nodes_up(self) -> bool:
+        states = self.node_state().split()
+        return len(states) == len(self.nodes()) and all(s in ("idle", "mixed", "allocated") for s in states)
 
     def stop(self) -> None:
         """Stop the daemons by PID, newest first; kill what does not stop in time."""

@@ -1,0 +1,140 @@
+"""What only a CUDA GPU shows (``make gpu-check``): every test here is skipped, with the reason, without one.
+
+CI has no GPU, so these run when a GPU machine is lent (see README, "Checking a GPU machine"). Each
+test asserts what must hold on CUDA as on CPU (the loss falls, the gate passes, the stage outputs are
+the same kind) and records what it measured as one JSON line in the file named by $GPU_CHECK_REPORT
+(peak memory against the gate's estimate, step times, repeatability), which ``make gpu-check``
+summarises for benchmarks/RESULTS.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_training_settings
+from test_train import adapter, log_rows, train_argv
+from workflow_scripts import sanity, train
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run make gpu-check on a GPU machine"),
+]
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture
+def record(request):
+    """A dict the test fills with measurements; written as one JSON line to $GPU_CHECK_REPORT."""
+    measured: dict = {}
+    yield measured
+    path = os.environ.get("GPU_CHECK_REPORT")
+    if path and measured:
+        with open(path, "a") as report:
+            report.write(json.dumps({"test": request.node.name, "device": torch.cuda.get_device_name(0),
+                                     **measured}) + "\n")
+
+
+@pytest.fixture(autouse=True)
+def _private_leases(tmp_path, monkeypatch):
+    # GPU stages take a lease on their device (launch/device_leases.py); keep the tests' leases apart.
+    monkeypatch.setenv("LORA_WORKFLOW_LEASE_DIR", str(tmp_path / "leases"))
+
+
+def run_summary(out: Path) -> dict:
+    rows = log_rows(out)
+    manifest = json.loads((out / "run_manifest.json").read_text())
+    step_seconds = [b["elapsed_seconds"] - a["elapsed_seconds"] for a, b in zip(rows, rows[1:])]
+    return {
+        "steps": len(rows),
+        "first_loss": rows[0]["loss"],
+        "last_loss": statistics.mean(r["loss"] for r in rows[-5:]),
+        "median_step_seconds": statistics.median(step_seconds) if step_seconds else None,
+        "peak_memory_bytes": manifest["peak_memory_bytes"],
+        "peak_memory_kind": manifest["peak_memory_kind"],
+        "estimated_bytes": manifest["memory_estimate"]["total"],
+        "devices": manifest["devices"],
+        "skipped_updates": manifest["skipped_updates"],
+    }
+
+
+def assert_trained_on_cuda(summary: dict) -> None:
+    assert summary["peak_memory_kind"] == "cuda_max_allocated", summary
+    assert all("cpu" not in str(device) for device in summary["devices"]), summary
+    assert summary["last_loss"] < summary["first_loss"] - 0.1, summary
+    # The gate refuses configs whose estimate exceeds the device; it must not under-estimate what ran.
+    assert summary["estimated_bytes"] >= summary["peak_memory_bytes"], summary
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_generation_gate_and_training_on_cuda(precision, tmp_path, tiny_model_dir, tiny_tokenised_dir, record):
+    """bf16 autocast over bf16 frozen weights, and fp16 with fp32 master weights and the GradScaler
+    (the classification seed's AMP path); the gate first, then training, as the rules run them."""
+    settings = tiny_training_settings(max_steps=30, learning_rate=3e-2, gpus=1, precision=precision,
+                                      checkpoint_every=100, lora={"target_modules": ALL_LINEAR})
+    common = ["--model", str(tiny_model_dir), "--data", str(tiny_tokenised_dir), "--training", json.dumps(settings),
+              "--seed", "1"]
+    assert sanity.main([*common, "--out", str(tmp_path / "sanity.json")]) == 0
+    gate = json.loads((tmp_path / "sanity.json").read_text())
+    assert gate["passed"], gate
+    assert train.main(train_argv(tmp_path, tiny_model_dir, tiny_tokenised_dir, settings)) == 0
+    summary = run_summary(tmp_path)
+    record.update(precision=precision, gate_checks=len(gate["checks"]), **summary)
+    assert_trained_on_cuda(summary)
+    if precision == "fp16":
+        assert summary["skipped_updates"] <= 3, summary  # a few at the start while the scale settles
+
+
+def test_the_same_seed_gives_the_same_adapter_on_cuda(tmp_path, tiny_model_dir, tiny_tokenised_dir, record):
+    """Reproducibility on the GPU: two runs of one config and seed; the difference is measured (cuBLAS
+    may pick other kernels between runs) and must stay far below what one step changes."""
+    settings = tiny_training_settings(max_steps=12, learning_rate=1e-2, gpus=1, precision="bf16", checkpoint_every=100)
+    adapters = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        assert train.main(train_argv(out, tiny_model_dir, tiny_tokenised_dir, settings)) == 0
+        adapters.append(adapter(out))
+    first, second = adapters
+    difference = max(float((first[name].float() - second[name].float()).abs().max()) for name in first)
+    scale = max(float(first[name].float().abs().max()) for name in first if "lora_B" in name)
+    identical = all(torch.equal(first[name], second[name]) for name in first)
+    record.update(bit_identical=identical, max_abs_difference=difference, largest_lora_b=scale)
+    assert difference <= 1e-2 * scale, (difference, scale)
+
+
+def test_vision_language_trains_in_bf16_on_cuda(tmp_path, record):
+    """Issue 12: one VLM family trains in bf16 on CUDA: the frozen tower in bf16, pixel values in the
+    training precision, the projector trained whole; then evaluation generates on the GPU."""
+    import test_vision_language_chain as vlm
+    from workflow_scripts import make_demo_images
+    from workflow_scripts.core.experiment_config import validate_section
+    from data_helpers import run_download, run_normalise
+
+    assert make_demo_images.main(["--out", str(tmp_path / "shapes"), "--train", "96", "--validation", "16",
+                                  "--test", "32"]) == 0
+    settings = validate_section({**vlm.SHAPES_SETTINGS, "source": {"type": "local", "path": str(tmp_path / "shapes")}},
+                                "datasets", "datasets.shapes")
+    data, _ = run_normalise("shapes", settings, run_download("shapes", settings, tmp_path), tmp_path)
+    model_dir = vlm.build_model(tmp_path, "llava", data)
+    tokenised = vlm.run_pretokenise(model_dir, data, vlm.VISION, tmp_path / "tokenised")
+    training = tiny_training_settings(max_steps=40, learning_rate=3e-3, effective_batch=16, micro_batch=8,
+                                      max_length=vlm.MAX_LENGTH, warmup_steps=5, checkpoint_every=100, gpus=1,
+                                      precision="bf16", lora={"rank": 8, "alpha": 16,
+                                                             "target_modules": [*ALL_LINEAR, "lm_head"],
+                                                             "train_projector": True})
+    common = ["--model", str(model_dir), "--data", str(tokenised), "--training", json.dumps(training), "--seed", "1"]
+    assert sanity.main([*common, "--out", str(tmp_path / "sanity.json")]) == 0
+    gate = json.loads((tmp_path / "sanity.json").read_text())
+    assert gate["passed"], gate
+    out = tmp_path / "run"
+    assert train.main(train_argv(out, model_dir, tokenised, training)) == 0
+    summary = run_summary(out)
+    result = vlm.run_evaluate(tmp_path, model_dir, data, vlm.VISION, "vision", "1", out / "adapter",
+                              evaluation={**vlm.EVALUATION, "gpus": 1})
+    record.update(family="llava", score=result["score"], eval_device=result.get("device"), **summary)
+    assert_trained_on_cuda(summary)
+    assert result["n_examples"] == 32 and str(result.get("device", "cuda")).startswith("cuda")
