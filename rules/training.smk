@@ -52,6 +52,7 @@ rule train:
         training=training_json,
         checkpoints="results/{model}/{dataset}/{variant}/seed{seed}/checkpoints",
         tensorboard="results/{model}/{dataset}/{variant}/seed{seed}/tensorboard",
+        tracking=tracking_json,
         trust_remote_code=trust_remote_code,
     resources:
         gpu=training_gpu_total,
@@ -71,4 +72,4 @@ rule train:
         " --training {params.training:q} --seed {wildcards.seed} {params.trust_remote_code}"
         " --checkpoint-dir {params.checkpoints:q} --adapter-out {output.adapter:q}"
         " --log-out {output.train_log:q} --manifest-out {output.manifest:q}"
-        " --tensorboard-dir {params.tensorboard:q} > {log:q} 2>&1"
+        " --tensorboard-dir {params.tensorboard:q} --tracking {params.tracking:q} > {log:q} 2>&1"

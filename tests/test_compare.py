@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+import yaml
 
 from workflow_scripts import compare
 from workflow_scripts.analysis import fairness, paired_bootstrap
@@ -226,7 +227,8 @@ def test_fairness_guard_refuses_other_decoding_settings(tmp_path, results):
 
 def test_runtime_only_keys_never_count(tmp_path, results):
     runtime = {"gpus": 8, "cpu_processes": 4, "nodes": 2, "dataloader_workers": 0, "checkpoint_every": 5,
-               "log_every": 1, "runtime_minutes": 60, "mem_mb": 1000, "sanity_batches": 1, "memory_headroom": 0.5}
+               "log_every": 1, "runtime_minutes": 60, "mem_mb": 1000, "sanity_batches": 1, "memory_headroom": 0.5,
+               "strategy": "fsdp"}
     assert set(runtime) == fairness.RUNTIME_ONLY_TRAINING_KEYS
     write_experiment(results, "chart", "mtup", 1, correct(16), training={**TRAINING, **runtime})
     rows, _ = run(tmp_path, results)
@@ -333,13 +335,14 @@ def test_rules_call_evaluate_and_compare_with_arguments_they_accept(tmp_path):
             stage = evaluate if module == "evaluate" else compare
             parsed[module].append(stage.parse_args(words[3:words.index(">")]))
     # 12 model x dataset x variant triples (tiny-llama: 3 x 2 generation, 1 x 2 classification; tiny-bert:
-    # 1 x 2 masked_lm; tiny-llava: 1 x 2 vision_language), 2 seeds + base each.
-    assert len(parsed["evaluate"]) == 24 + 12 and len(parsed["compare"]) == 1
+    # 1 x 2 masked_lm; tiny-llava: 1 x 2 vision_language), each seed of the demo config + base each.
+    seeds = len(yaml.safe_load((root / "config" / "config.yaml").read_text())["seeds"])
+    assert len(parsed["evaluate"]) == 12 * seeds + 12 and len(parsed["compare"]) == 1
     assert sorted(str(args.seed) for args in parsed["evaluate"]).count("base") == 12
     assert {args.model_name for args in parsed["evaluate"]} == {"tiny-llama", "tiny-bert", "tiny-llava"}
     (arguments,) = parsed["compare"]
     assert arguments.with_base and arguments.plots_dir == "results/plots"
-    assert len(json.loads(arguments.experiments)) == 24
+    assert len(json.loads(arguments.experiments)) == 12 * seeds
     assert "results/plots/scores_tiny-llama_amr_demo.png" in result.stdout and "results/plots/loss_tiny-llama_ocrvqa_demo.png" in result.stdout
     assert "results/plots/scores_tiny-llava_shapes_demo.png" in result.stdout
 

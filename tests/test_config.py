@@ -260,7 +260,7 @@ def test_yaml_syntax_errors_are_one_line_with_line_and_column(tmp_path, text, me
     ("model.name", None, "config key 'model.name': required, but missing (model has keys ['source', 'tiny', 'training', 'trust_remote_code'])"),
     ("model", None, "config key 'model': required, but missing: give the base model under model: (one) or models: "
                     "(several, by name) (the config has keys "
-                    "['comparison', 'datasets', 'evaluation', 'seeds', 'training', 'variants'])"),
+                    "['comparison', 'datasets', 'evaluation', 'seeds', 'tracking', 'training', 'variants'])"),
     # a value under a key that looks like a secret is never echoed, nor one inside a value that is echoed
     ("datasets.chartqa_demo.extra_fields", {"api_key": 8675309}, "config key 'datasets.chartqa_demo.extra_fields.api_key': "
                                                                  "<redacted> is not of type 'string'"),

@@ -26,7 +26,7 @@ from workflow_scripts.analysis import fairness, paired_bootstrap, plots
 from workflow_scripts.tasks import metrics
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
-from workflow_scripts.core.stage_arguments import json_setting
+from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
 
 MIN_RESAMPLES = 1000
 COLUMNS = (
@@ -50,7 +50,7 @@ class Run:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = StageArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results-dir", required=True, help="root of results/{model}/{dataset}/{variant}/seed{seed}/")
     parser.add_argument("--experiments", required=True, help="JSON list of [model, dataset, variant, seed]")
     parser.add_argument("--comparison", required=True, help="the config's comparison settings as JSON")

@@ -14,7 +14,6 @@ judges them). A checksum mismatch or an interrupted transfer leaves no output an
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import http.client
 import json
@@ -33,7 +32,7 @@ from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.experiment_config import validate_section
 from workflow_scripts.core.run_manifest import build_manifest
-from workflow_scripts.core.stage_arguments import json_setting
+from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
 
 CHUNK_BYTES = 1 << 20
 IMAGES_DIR = "images"  # beside the split files: what image paths in the records refer to
@@ -228,7 +227,7 @@ def file_hashes(directory: Path) -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Download one dataset's raw records and write a manifest.")
+    parser = StageArgumentParser(description="Download one dataset's raw records and write a manifest.")
     parser.add_argument("--name", required=True, help="Dataset name (the key under datasets in the config).")
     parser.add_argument("--dataset", required=True, help="The dataset's settings as JSON.")
     parser.add_argument("--out", required=True, type=Path, help="Raw data directory to create.")

@@ -24,13 +24,17 @@ from workflow_scripts.model import model_loading
 from workflow_scripts.core.atomic_output import write_json, write_jsonl
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.run_manifest import build_manifest
-from workflow_scripts.core.stage_arguments import json_setting
+from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
+from workflow_scripts.tasks.templates import template_fields, template_row
 
 EVALUATION_KEYS = ("split", "max_new_tokens", "batch_size", "max_examples", "gpus")
+# The variant keys that are templates filled from each evaluated row (generation and vision_language:
+# prompt; classification: input). The target template is not rendered at evaluation.
+ROW_TEMPLATE_KEYS = ("prompt", "input")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = StageArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="base model directory (prepare_model output)")
     parser.add_argument("--adapter", help="PEFT adapter directory; omit to evaluate the untrained base model")
     parser.add_argument("--data", required=True, help="normalised DatasetDict directory")
@@ -100,6 +104,23 @@ def load_test_rows(data_dir: str, split: str, max_examples: int | None) -> list[
     return rows
 
 
+def check_templates(variant: Mapping[str, Any], rows: Sequence[dict], data_dir: str, split: str) -> None:
+    """Every field the variant's row templates name must be in every row, checked before the model loads;
+    the message names the data, split and row as pretokenise's does."""
+    for key in ROW_TEMPLATE_KEYS:
+        template = variant.get(key)
+        if not isinstance(template, str):
+            continue
+        names = template_fields(template)  # the task's check_variant already refused bad syntax
+        for index, row in enumerate(rows):
+            fields = template_row(row)
+            missing = [name for name in names if name not in fields]
+            if missing:
+                raise WorkflowError(
+                    f"{data_dir} split '{split}' row {index}: row id {row.get('id', '?')!r}: the {key} template "
+                    f"refers to field {missing[0]!r}, which the row does not have (it has {sorted(fields)})")
+
+
 @contextlib.contextmanager
 def evaluation_device(gpus: int, label: str) -> Iterator[torch.device]:
     """cuda:0 of a GPU leased for this job when the rule declares GPUs, else the CPU.
@@ -135,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     seed = parse_seed(args.seed)
 
     rows = load_test_rows(args.data, evaluation["split"], evaluation["max_examples"])
+    check_templates(variant, rows, args.data, evaluation["split"])
+    model_loading.check_model_directory(args.model)
     task_meta = read_task_meta(args.data, args.task)
     torch.manual_seed(0)  # greedy decoding draws nothing, but keep any stray randomness fixed
     label = f"evaluate {args.model_name or Path(args.model).name}/{args.dataset_name}/{args.variant_name}/{seed}"

@@ -10,7 +10,6 @@ staying below the 5% rejection threshold.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Sequence
 
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import run_main
+from workflow_scripts.core.stage_arguments import StageArgumentParser
 
 SPLIT_SIZES = {"train": 300, "validation": 60, "test": 60}
 KEYWORDS = {
@@ -74,7 +74,7 @@ def write(out_dir: Path, seed: int = 0) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = StageArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="Directory to write train/validation/test.jsonl into.")
     parser.add_argument("--seed", type=int, default=0, help="Random seed (the demo uses 0).")
     args = parser.parse_args(argv)

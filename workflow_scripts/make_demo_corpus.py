@@ -12,13 +12,13 @@ token and whole-word masking differ.
 """
 from __future__ import annotations
 
-import argparse
 import random
 from pathlib import Path
 from typing import Callable, Sequence
 
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import run_main
+from workflow_scripts.core.stage_arguments import StageArgumentParser
 
 SPLIT_SIZES = {"train": 4000, "validation": 400, "test": 400}
 # singular -> (plural, verb with it, verb with they, food, place)
@@ -123,7 +123,7 @@ def write(out_dir: Path, seed: int = 0) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = StageArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="Directory to write train/validation/test.txt into.")
     parser.add_argument("--seed", type=int, default=0, help="Random seed (the demo uses 0).")
     args = parser.parse_args(argv)

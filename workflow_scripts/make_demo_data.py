@@ -10,7 +10,6 @@ below the 5% rejection threshold of config/config.yaml.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any, Callable, Sequence
 from workflow_scripts import make_demo_classification, make_demo_corpus
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import run_main
+from workflow_scripts.core.stage_arguments import StageArgumentParser
 
 SPLIT_SIZES = {"train": 520, "validation": 60, "test": 72}
 
@@ -210,7 +210,7 @@ def write(out_dir: Path, seed: int = 0) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = StageArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="Directory to write <dataset>/<split>.jsonl into.")
     parser.add_argument("--seed", type=int, default=0, help="Random seed (the committed demo uses 0).")
     args = parser.parse_args(argv)

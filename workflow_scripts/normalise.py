@@ -35,7 +35,7 @@ from workflow_scripts.data.rows import Rejected
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.experiment_config import validate_section
-from workflow_scripts.core.stage_arguments import json_setting
+from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
 from workflow_scripts.tasks import task_named
 
 CANONICAL_SPLITS = ("train", "validation", "test")  # train first: later splits may be checked against it
@@ -208,7 +208,7 @@ def print_contamination(name: str, results, settings: Mapping[str, Any]) -> None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Map one dataset's raw records onto the canonical schema.")
+    parser = StageArgumentParser(description="Map one dataset's raw records onto the canonical schema.")
     parser.add_argument("--name", required=True, help="Dataset name (the key under datasets in the config).")
     parser.add_argument("--dataset", required=True, help="The dataset's settings as JSON.")
     parser.add_argument("--raw", required=True, type=Path, help="Raw data directory written by download.")

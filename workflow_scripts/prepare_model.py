@@ -8,7 +8,6 @@ validated and copied). Every model directory gets ``model_manifest.json``.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
@@ -19,7 +18,7 @@ from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
 from workflow_scripts.core.experiment_config import validate_section
 from workflow_scripts.core.run_manifest import build_manifest
-from workflow_scripts.core.stage_arguments import json_setting
+from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
 
 MANIFEST_NAME = "model_manifest.json"
 # model.tiny.architecture -> the module whose build() makes it (others: tiny_model's causal LMs)
@@ -109,7 +108,7 @@ def prepare(model: Mapping[str, Any], corpus: Sequence[str], out: Path) -> dict[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Prepare the base model directory (offline afterwards).")
+    parser = StageArgumentParser(description="Prepare the base model directory (offline afterwards).")
     parser.add_argument("--model", required=True, help="The config's model section as JSON.")
     parser.add_argument("--out", required=True, type=Path, help="Model directory to create.")
     parser.add_argument("--corpus", nargs="*", default=[], help="Normalised datasets for the tiny model's tokenizer.")

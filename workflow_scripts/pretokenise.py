@@ -12,7 +12,6 @@ re-tokenises (seen elsewhere: axolotl reusing a stale cache after the tokenizer 
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import gc
@@ -28,7 +27,7 @@ from workflow_scripts.tasks import task_named
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
 from workflow_scripts.core.experiment_config import config_hash
-from workflow_scripts.core.stage_arguments import json_setting
+from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
 
 TRAINING_SPLITS = ("train", "validation")
 META_NAME = "tokenise_meta.json"
@@ -152,7 +151,7 @@ def load_inputs(data_dir: Path, model_dir: Path):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Pre-tokenise one dataset for one prompt variant.")
+    parser = StageArgumentParser(description="Pre-tokenise one dataset for one prompt variant.")
     parser.add_argument("--model", required=True, type=Path, help="Prepared model directory (its tokenizer is used).")
     parser.add_argument("--data", required=True, type=Path, help="Normalised DatasetDict directory.")
     parser.add_argument("--task", required=True, help="The dataset's task type (tasks.TASK_MODULES).")

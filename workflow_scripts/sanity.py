@@ -17,10 +17,11 @@ import torch
 from workflow_scripts.data import batching
 from workflow_scripts.training import distributed, preflight_checks as checks, training_setup, validation
 from workflow_scripts.launch import launcher
-from workflow_scripts.model import memory_estimate
+from workflow_scripts.model import memory_estimate, model_loading
 from workflow_scripts.core.atomic_output import write_json
 from workflow_scripts.core.errors import run_main
 from workflow_scripts.core.experiment_config import world_size as configured_world_size
+from workflow_scripts.core.stage_arguments import StageArgumentParser
 from workflow_scripts.training.preflight_checks import PreflightError
 from workflow_scripts.train import add_common_arguments, seed_everything
 
@@ -29,7 +30,7 @@ MAX_FP16_OVERFLOW_STEPS = 20
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m workflow_scripts.sanity", description=__doc__)
+    parser = StageArgumentParser(prog="python -m workflow_scripts.sanity", description=__doc__)
     add_common_arguments(parser)
     parser.add_argument("--out", required=True, help="sanity.json report")
     return parser.parse_args(argv)
@@ -65,6 +66,7 @@ def run_gate(args: argparse.Namespace, training: dict) -> int:
             training["precision"], context.device, torch.amp.GradScaler(context.device.type)
             if training["precision"] == "fp16" else None, training_setup.bf16_supported))
         meta = batching.read_meta(args.data)
+        model_loading.check_tokenised_for_model(args.data, meta, args.model)
         dataset = batching.TokenisedSplit(args.data, "train", batching.stored_columns(meta))
         training = training_setup.with_length(training, len(dataset))
         held_out = validation.open_split(args.data, training["validation"], batching.stored_columns(meta))

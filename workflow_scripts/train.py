@@ -22,14 +22,16 @@ import numpy as np
 import torch
 
 from workflow_scripts.data import batching
-from workflow_scripts.training import checkpointing, distributed, preflight_checks, training_setup, validation
+from workflow_scripts.training import checkpointing, distributed, fsdp, preflight_checks, training_setup, validation
 from workflow_scripts.analysis import fairness
 from workflow_scripts.launch import launcher
-from workflow_scripts.model import memory_estimate
+from workflow_scripts.model import memory_estimate, model_loading
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
 from workflow_scripts.core.experiment_config import world_size as configured_world_size
 from workflow_scripts.core.run_manifest import build_manifest
+from workflow_scripts.core.stage_arguments import StageArgumentParser
+from workflow_scripts.training import trackers
 from workflow_scripts.training.training_log import TrainingLog
 
 # Exit code after a checkpoint on SIGTERM/SIGUSR1 (EX_TEMPFAIL): "requeue me", not "I failed".
@@ -41,13 +43,15 @@ class NonFiniteError(WorkflowError):
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m workflow_scripts.train", description=__doc__)
+    parser = StageArgumentParser(prog="python -m workflow_scripts.train", description=__doc__)
     add_common_arguments(parser)
     parser.add_argument("--checkpoint-dir", required=True, help="resumable state; kept across failed jobs")
     parser.add_argument("--adapter-out", required=True, help="PEFT adapter directory (safetensors)")
     parser.add_argument("--log-out", required=True, help="train_log.jsonl")
     parser.add_argument("--manifest-out", required=True, help="run_manifest.json")
     parser.add_argument("--tensorboard-dir", default=None, help="TensorBoard event directory (optional)")
+    parser.add_argument("--tracking", default=None, help="experiment trackers as JSON (config tracking:); runtime "
+                        "only: not part of the resume fingerprint or the comparison")
     return parser.parse_args(argv)
 
 
@@ -130,9 +134,11 @@ def train(args: argparse.Namespace, training: dict) -> int:
     stop.install()
     seed_everything(args.seed)
     context = distributed.setup(use_cuda=training["gpus"] > 0)
-    log = None
+    log, tracker = None, None
     try:
+        tracking = trackers.load_tracking_settings(args.tracking)
         meta = batching.read_meta(args.data)
+        model_loading.check_tokenised_for_model(args.data, meta, args.model)
         dataset = batching.TokenisedSplit(args.data, "train", batching.stored_columns(meta))
         training = training_setup.with_length(training, len(dataset))  # epochs -> steps, for the schedule too
         held_out = validation.open_split(args.data, training["validation"], batching.stored_columns(meta))
@@ -161,8 +167,10 @@ def train(args: argparse.Namespace, training: dict) -> int:
             messages(f"resumed from {resume_from} at step {start_step}")
         if context.is_main:
             validation.prune(args.checkpoint_dir, selection, resumed_step=start_step)
+        tracker = trackers.open_tracker(tracking, args.checkpoint_dir, start_step, training, args.seed, args.model,
+                                        enabled=context.is_main)
         log = TrainingLog(Path(args.checkpoint_dir, "train_log.running.jsonl"), start_step, training["max_steps"],
-                          training["log_every"], args.tensorboard_dir, enabled=context.is_main)
+                          training["log_every"], args.tensorboard_dir, enabled=context.is_main, tracker=tracker)
         log.message(
             f"training {training['max_steps']} steps on {context.world_size} process(es), device {context.device}, "
             f"{setup.accumulation} micro-batches of {training['micro_batch']} per process per step, "
@@ -175,13 +183,14 @@ def train(args: argparse.Namespace, training: dict) -> int:
         peak = max(distributed.all_gather_objects(memory_estimate.peak_memory_bytes(context.device), context))
         devices = distributed.all_gather_objects(distributed.device_name(context.device), context)
         hosts = distributed.all_gather_objects(socket.gethostname(), context)  # rank order: where each ran
+        adapter_state = fsdp.gather_adapter(setup.peft_model)  # every rank: FSDP gathers the shards; None under DDP
         if context.is_main:
             with atomic_path(args.adapter_out, directory=True) as directory:
                 if training["validation"]["keep"] == "best":  # the lowest validation loss, as configured
                     shutil.copytree(validation.best_adapter(args.checkpoint_dir, selection), directory,
                                     dirs_exist_ok=True)
                 else:
-                    setup.peft_model.save_pretrained(str(directory), safe_serialization=True)
+                    setup.peft_model.save_pretrained(str(directory), safe_serialization=True, state_dict=adapter_state)
             log.finish(args.log_out)
             write_json(args.manifest_out, build_manifest(
                 "train", training, seed=args.seed, world_size=context.world_size, devices=devices, hosts=hosts,
@@ -193,7 +202,10 @@ def train(args: argparse.Namespace, training: dict) -> int:
                 final_loss=log.records[-1]["loss"] if log.records else None,
                 skipped_updates=sum(bool(r.get("update_skipped")) for r in log.records),
                 validation=validation.summary(selection, training["validation"], stopped_early_at),
+                tracking=tracker.manifest_entry() if tracker is not None else None,
             ))
+            if tracker is not None:
+                tracker.log_outputs(args.manifest_out, args.log_out, args.adapter_out)
             checkpointing.clear(args.checkpoint_dir)
             validation.clear(args.checkpoint_dir)
         distributed.barrier(context)
@@ -201,6 +213,8 @@ def train(args: argparse.Namespace, training: dict) -> int:
     finally:
         if log is not None:
             log.close()
+        if tracker is not None:  # no-op after log_outputs; KILLED: a preempted run is continued on requeue
+            tracker.close("FAILED" if sys.exc_info()[0] is not None else "KILLED")
         distributed.teardown(context)
 
 
@@ -299,11 +313,13 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
 def save_checkpoint(setup, args, step: int, fingerprint: dict, selection: validation.Selection | None = None):
     context = setup.context
     rng_states = distributed.all_gather_objects(checkpointing.rng_state(context.device), context)
+    state = checkpointing.gather_state(setup.peft_model, setup.optimizer, context.is_main)  # collective under FSDP
     path = None
     if context.is_main:
         selection = selection if selection is not None else validation.Selection()
         path = checkpointing.save(args.checkpoint_dir, step, setup.peft_model, setup.optimizer, setup.scheduler,
-                                  setup.scaler, rng_states, fingerprint, extra={"validation": selection.as_dict()})
+                                  setup.scaler, rng_states, fingerprint, extra={"validation": selection.as_dict()},
+                                  state=state, strategy=fsdp.strategy(setup.training))
         validation.prune(args.checkpoint_dir, selection)
     distributed.barrier(context)
     return path

@@ -204,9 +204,73 @@ def check_workflow_config(configfiles: Iterable[str | Path], config: dict) -> No
     fault as a multi-line dump of the whole config; this re-reads each file strictly and validates
     ``config`` with one-line messages that never echo a secret (defaults filled the same way).
     """
+    from_files: dict = {}
     for path in configfiles:
-        read_config_file(path)
+        from_files = deep_merge(from_files, read_config_file(path))  # in order, as Snakemake merges them
+    retype_command_line_values(config, from_files)
     validate_schema(config, "config")
+
+
+def retype_command_line_values(config: dict, from_files: Mapping[str, Any]) -> None:
+    """Give ``--config`` values inside a list or mapping the types YAML would give them, where the schema
+    asks for that type (in place, before validation).
+
+    Snakemake reads ``--config seeds=[1,2]`` or ``--config 'training={max_steps: 10}'`` with YAML's
+    BaseLoader, so every number inside arrives as text ('1', '10') and the schema would refuse it.
+    Only values that differ from the config files are touched, and only where the schema refuses the
+    text and accepts the number, boolean or null it spells; other text stays text.
+    """
+    from jsonschema import Draft202012Validator
+
+    texts = dict(_command_line_texts(config, from_files, ()))
+    if not texts:
+        return
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    for _ in range(len(texts)):  # each pass fixes at least one value, or stops
+        fixed = False
+        for error in _validator_with_defaults()(schema).iter_errors(copy.deepcopy(config)):
+            path = tuple(error.absolute_path)
+            if error.validator != "type" or path not in texts:
+                continue
+            value = _yaml_scalar(texts.pop(path))
+            wanted = error.validator_value if isinstance(error.validator_value, list) else [error.validator_value]
+            if any(Draft202012Validator(schema).is_type(value, kind) for kind in wanted):
+                parent = config
+                for part in path[:-1]:
+                    parent = parent[part]
+                parent[path[-1]] = value
+                fixed = True
+        if not fixed:
+            return
+
+
+def _command_line_texts(value: Any, in_files: Any, path: tuple) -> Iterator[tuple[tuple, str]]:
+    """(path, text) of the strings inside ``value`` that the config files do not give (so --config did)."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            inner = in_files.get(key) if isinstance(in_files, Mapping) else None
+            yield from _command_line_texts(item, inner, path + (key,))
+    elif value == in_files:
+        return
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _command_line_texts(item, None, path + (index,))
+    elif isinstance(value, str) and len(path) > 1:  # a top-level value Snakemake has typed already
+        yield path, value
+
+
+def _yaml_scalar(text: str) -> Any:
+    """What YAML makes of ``text`` (``1e-4`` too, which YAML 1.1 keeps as text), else the text."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return text
+    return value
 
 
 def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> dict:

@@ -1,8 +1,10 @@
-"""Parsing the JSON settings that rules pass to stages as one argument (e.g. ``--dataset '{...}'``)."""
+"""Stage command lines: the parser every stage uses, and the JSON settings that rules pass to stages as
+one argument (e.g. ``--dataset '{...}'``)."""
 from __future__ import annotations
 
+import argparse
 import json
-from typing import Any
+from typing import Any, NoReturn
 
 from workflow_scripts.core.errors import WorkflowError
 
@@ -13,3 +15,12 @@ def json_setting(text: str, flag: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as error:
         raise WorkflowError(f"argument {flag}: not valid JSON at character {error.pos}: {error.msg}") from None
+
+
+class StageArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error (a missing flag, ``--seed one``) is a WorkflowError like any other bad
+    input: run_main prints it as its one ``error: ...`` line and exits 2, instead of argparse's usage
+    block and SystemExit (which a caller of ``main`` cannot tell from a deliberate exit)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise WorkflowError(message)

@@ -5,7 +5,8 @@ GPU has to happen earlier. The model is built on the meta device (shapes, no sto
 second for 70B), then parameters are priced per strategy:
   ddp   every GPU holds all base weights, the adapters, their gradients and AdamW state;
   fsdp  all of that is sharded over the world size, plus the units gathered for compute;
-  qlora ddp with the base Linear weights in 4-bit nf4 (bitsandbytes through transformers).
+  qlora ddp with the base Linear weights in 4-bit nf4 (bitsandbytes through transformers) and the
+        rest in fp32, as the workflow's QLoRA holds them (model/quantization.py, PEFT's k-bit preparation).
 ``python -m workflow_scripts.model.config_memory_estimate --config-json PATH --gpus 8 --gpu-memory 80GiB``
 prints the table and one line saying whether it fits and what else would; exit status 1 if not.
 """
@@ -126,6 +127,8 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
         raise ConfigError("world_size", f"{world_size} must be at least 1")
     if strategy == "qlora":
         quantization = quantization or QLORA_DEFAULT
+    if quantization is not None:  # prepare_model_for_kbit_training upcasts every unquantised weight to fp32
+        quantization = {"fp32_unquantized": True, **quantization}
     if quantization is not None and quantization.get("bits") not in (4, 8):
         raise ConfigError("quantization.bits", f"{quantization.get('bits')} must be 4 or 8")
     if quantization is not None and lora is None:
@@ -165,6 +168,17 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+def training_arguments(training: Mapping[str, Any]) -> dict[str, Any]:
+    """estimate_from_config's settings from resolved ``training`` settings (training.quantization included)."""
+    quantization = training.get("quantization")
+    return {
+        "lora": training["lora"], "precision": training["precision"], "micro_batch": training["micro_batch"],
+        "max_length": training["max_length"], "gradient_checkpointing": training["gradient_checkpointing"],
+        "quantization": None if quantization is None else {
+            "bits": quantization.get("bits", 4), "double_quant": quantization.get("double_quant", True)},
+    }
 
 
 def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[str, Any]:

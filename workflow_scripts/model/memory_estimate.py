@@ -63,7 +63,11 @@ def vision_activation_bytes(vision, images: int, dtype_bytes: int, trains: bool)
 
 def estimate(peft_model: nn.Module, training: Mapping[str, Any], device: torch.device) -> dict[str, int]:
     """Bytes per process by component; ``total`` includes the CUDA runtime overhead on GPUs."""
+    from workflow_scripts.model.quantization import quant_state_bytes
+
+    # A bitsandbytes weight counts as stored (a Params4bit holds n/2 uint8), plus its absmax/scales.
     frozen = sum(p.numel() * p.element_size() for p in peft_model.parameters() if not p.requires_grad)
+    frozen += quant_state_bytes(peft_model)
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     adapters = sum(p.numel() * p.element_size() for p in trainable)
     gradients = adapters
@@ -115,9 +119,12 @@ def knob_advice(parts: Mapping[str, int], training: Mapping[str, Any], device: t
             advice.insert(0, "set training.gradient_checkpointing: true")
         return ", ".join(advice)
     if largest == "weights":
+        qlora = "" if training.get("quantization") else ", or set training.quantization: {bits: 4} (QLoRA)"
         if device.type == "cuda" and training["precision"] != "bf16":
-            return "set training.precision: bf16 (frozen weights are then stored in bf16), or use a GPU with more memory"
-        return "use a device with more memory or a smaller model; the frozen weights alone need " + human(parts["weights"])
+            return ("set training.precision: bf16 (frozen weights are then stored in bf16), or use a GPU with more "
+                    "memory" + qlora)
+        return ("use a device with more memory or a smaller model" + qlora + "; the frozen weights alone need "
+                + human(parts["weights"]))
     return f"lower training.lora.rank (now {training['lora']['rank']}) or the number of training.lora.target_modules"
 
 

@@ -5,6 +5,8 @@ model is materialised on exactly one device per process. No ``device_map`` is ev
 """
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -13,6 +15,9 @@ import torch
 from workflow_scripts.core.errors import WorkflowError
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# A tokenizer needs at least one of these (the rest, e.g. tokenizer_config.json, only configure it).
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+REPREPARE = "run the prepare_model rule again (snakemake --forcerun prepare_model)"
 
 
 def weights_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -25,15 +30,78 @@ def weights_dtype(precision: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def check_model_directory(model_dir: str | Path) -> None:
+    """A prepared model directory: a config.json that parses as a JSON object, and safetensors weights.
+
+    Checked before transformers reads it, whose errors are multi-line tracebacks that do not say which
+    file is wrong (or, for bad JSON, where).
+    """
+    directory = Path(model_dir)
+    config = directory / "config.json"
+    if not config.is_file():
+        raise WorkflowError(f"{model_dir}: no config.json; run the prepare_model rule first")
+    try:
+        fields = json.loads(config.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise WorkflowError(f"{config}: not UTF-8 text (byte offset {error.start}); {REPREPARE}") from None
+    except json.JSONDecodeError as error:
+        raise WorkflowError(f"{config}: not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}; "
+                            f"{REPREPARE}") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise WorkflowError(f"{config}: not a transformers model config (a JSON object with 'model_type'); {REPREPARE}")
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():  # sharded weights: every shard the index names must be there
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise WorkflowError(f"{index}: not a safetensors index (JSON with a 'weight_map'); {REPREPARE}") from None
+        missing = [shard for shard in shards if not (directory / shard).is_file()]
+        if missing:
+            raise WorkflowError(f"{model_dir}: weight shards {missing} named in {index.name} are missing; {REPREPARE}")
+    elif not any(directory.glob("*.safetensors")):
+        raise WorkflowError(f"{model_dir}: no model weights (no *.safetensors file); {REPREPARE}")
+
+
 def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    directory = Path(model_dir)
+    if not any((directory / name).is_file() for name in VOCABULARY_FILES):
+        raise WorkflowError(f"{model_dir}: no tokenizer files ({', '.join(VOCABULARY_FILES[:-1])} or "
+                            f"{VOCABULARY_FILES[-1]}); {REPREPARE}, from a source that ships its tokenizer")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as error:  # transformers' multi-line reasons, cut to their first line
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise WorkflowError(f"{model_dir}: the tokenizer cannot be loaded ({type(error).__name__}: {first_line}); "
+                            f"{REPREPARE}") from None
     if not getattr(tokenizer, "is_fast", False):
         raise WorkflowError(f"{model_dir}: the tokenizer is not a fast tokenizer; batched pre-tokenisation needs one")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def check_tokenised_for_model(data_dir: str | Path, meta: Mapping[str, Any], model_dir: str | Path) -> None:
+    """Pre-tokenised data must come from this model's tokenizer (sanity and train call this).
+
+    The ids of another tokenizer below the model's vocabulary size pass every range check and train on
+    the wrong tokens, so the fingerprint pretokenise recorded is compared with the model's tokenizer
+    files, computed the same way. A model directory without tokenizer files cannot be compared (nothing
+    could have been tokenised with it); there the vocabulary-size checks still apply.
+    """
+    from workflow_scripts.pretokenise import TOKENIZER_FILES, tokenizer_fingerprint  # its key, its one definition
+
+    check_model_directory(model_dir)
+    recorded = meta.get("tokenizer_fingerprint")
+    if recorded is None or not any(Path(model_dir, name).is_file() for name in TOKENIZER_FILES):
+        return
+    current = tokenizer_fingerprint(Path(model_dir))
+    if recorded != current:
+        raise WorkflowError(
+            f"{Path(data_dir, 'tokenise_meta.json')}: tokenised with tokenizer fingerprint {recorded[:12]}, but the "
+            f"tokenizer of {model_dir} has fingerprint {current[:12]}; the data was tokenised for another model: "
+            "re-run the pretokenise rule for this model (snakemake --forcerun pretokenise)")
 
 
 def load_base_model(
@@ -51,8 +119,7 @@ def load_base_model(
     """
     import transformers
 
-    if not Path(model_dir, "config.json").exists():
-        raise WorkflowError(f"{model_dir}: no config.json; run the prepare_model rule first")
+    check_model_directory(model_dir)
     model = getattr(transformers, auto_class).from_pretrained(
         str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code, low_cpu_mem_usage=False,
         **dict(model_kwargs or {}),
@@ -127,9 +194,66 @@ def load_with_adapter(model_dir: str | Path, adapter_dir: str | Path | None, dev
     """Base model plus a trained adapter (or the bare base model when ``adapter_dir`` is None), in eval mode."""
     model = load_base_model(model_dir, device, dtype, trust_remote_code, auto_class, model_kwargs)
     if adapter_dir is not None:
-        from peft import PeftModel
-
-        if not Path(adapter_dir, "adapter_config.json").exists():
-            raise WorkflowError(f"{adapter_dir}: no adapter_config.json; is this a PEFT adapter directory?")
-        model = PeftModel.from_pretrained(model, str(adapter_dir))
+        model = load_adapter(model, model_dir, adapter_dir)
     return model.eval()
+
+
+def load_adapter(model, model_dir: str | Path, adapter_dir: str | Path):
+    """``model`` with the PEFT adapter of ``adapter_dir``, refused unless every adapter tensor fits it.
+
+    PEFT loads the tensors whose names exist in the wrapped model and silently ignores the rest, so an
+    adapter trained on another base model (more layers, other module names) would be evaluated as a
+    partly untrained one. Every stored tensor must land, and every adapter tensor of the model must be
+    stored; a shape mismatch (another hidden size) is PEFT's own refusal, reworded.
+    """
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+
+    config_file = Path(adapter_dir, "adapter_config.json")
+    if not config_file.exists():
+        raise WorkflowError(f"{adapter_dir}: no adapter_config.json; is this a PEFT adapter directory?")
+    weights = Path(adapter_dir, "adapter_model.safetensors")
+    if not weights.is_file():
+        raise WorkflowError(f"{adapter_dir}: no adapter_model.safetensors; train the adapter again")
+    trained_on = _adapter_base_model(config_file)
+    advice = (f"evaluate it with the base model it was trained on{trained_on}, or train an adapter for "
+              f"{model_dir}")
+    try:
+        peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
+    except (RuntimeError, ValueError) as error:  # PEFT's "size mismatch" / "target modules not found"
+        raise WorkflowError(f"{adapter_dir}: made for another base model: {_first_mismatch(error)}; {advice}") from None
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as handle:
+        stored = set(handle.keys())
+    # False: "auto" may look the base model up on the Hub; whole embedding matrices PEFT saves beside the
+    # adapter carry the model's own parameter names, so they count as fitting when the model has them.
+    expected = set(get_peft_model_state_dict(peft_model, save_embedding_layers=False))
+    own = set(peft_model.state_dict())
+    unused, untrained = sorted(stored - expected - own), sorted(expected - stored)
+    if unused or untrained:
+        what = (f"{len(unused)} of its {len(stored)} tensors fit no module of {model_dir} (e.g. {unused[0]})"
+                if unused else f"it has no tensor for {len(untrained)} adapter weights of {model_dir} "
+                               f"(e.g. {untrained[0]})")
+        raise WorkflowError(f"{adapter_dir}: made for another base model: {what}; {advice}")
+    return peft_model
+
+
+def _adapter_base_model(config_file: Path) -> str:
+    """`` ('<base_model_name_or_path>')`` from adapter_config.json, for the message; empty if not recorded."""
+    try:
+        name = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    except (ValueError, AttributeError):
+        raise WorkflowError(f"{config_file}: not a valid adapter config (JSON object); train the adapter again") from None
+    return f" ({name!r}, per adapter_config.json)" if name else ""
+
+
+def _first_mismatch(error: Exception) -> str:
+    """The first reason in PEFT's / torch's multi-line loading error, as one line."""
+    text = str(error)
+    found = re.search(r"size mismatch for ([^:]+): copying a param with shape (torch\.Size\(\[[^\]]*\]\)) from "
+                      r"checkpoint, the shape in current model is (torch\.Size\(\[[^\]]*\]\))", text)
+    if found:
+        name, stored, current = found.groups()
+        return f"tensor {name} has shape {stored} in the adapter but {current} in the model"
+    return " ".join(text.split())[:300]

@@ -5,6 +5,10 @@ while writing leaves the previous checkpoint intact. The data position is the st
 batches are a function of (seed, effective batch, step) (see batching.py). A checkpoint written by a
 run that learned something else (other settings, data, model or seed) is not resumed and not deleted:
 the job stops and names the difference (runtime-only settings such as wall time are not part of it).
+
+The files are the same under DDP and FSDP (full adapter tensors, the optimizer's numbered state_dict;
+training/fsdp.py gathers and scatters the shards), so a checkpoint resumes under either
+``training.strategy`` and any process count.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.training import fsdp
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -49,6 +54,14 @@ def trainable_state(peft_model) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu", copy=True).contiguous() for n, p in peft_model.named_parameters() if p.requires_grad}
 
 
+def gather_state(peft_model, optimizer, is_main: bool) -> tuple[dict, dict] | None:
+    """(adapter tensors, optimizer state_dict) to save; every rank calls it, as FSDP gathers the shards
+    to rank 0 collectively. None on the other ranks of an unsharded model."""
+    if fsdp.is_sharded(peft_model):
+        return fsdp.gather_adapter(peft_model), fsdp.gather_optimizer(peft_model, optimizer)
+    return (trainable_state(peft_model), optimizer.state_dict()) if is_main else None
+
+
 def checkpoints(checkpoint_dir: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints, oldest first."""
     root = Path(checkpoint_dir)
@@ -64,15 +77,20 @@ def checkpoints(checkpoint_dir: str | Path) -> list[tuple[int, Path]]:
 
 def save(checkpoint_dir: str | Path, step: int, peft_model, optimizer, scheduler, scaler,
          rng_states: list[dict], fingerprint: Mapping[str, Any], keep: int = 1,
-         extra: Mapping[str, Any] | None = None) -> Path:
+         extra: Mapping[str, Any] | None = None, state: tuple[dict, dict] | None = None,
+         strategy: str = "ddp") -> Path:
     """Write the checkpoint for ``step`` atomically (main rank only), then drop all but the newest ``keep``.
 
     ``extra``: JSON state of the loop itself (validation's best step so far), read back by :func:`extra_state`.
+    ``state``: :func:`gather_state`'s result (required for a sharded model); read from the objects when None.
     """
+    if state is None:
+        state = gather_state(peft_model, optimizer, is_main=True)
+    adapter, optimizer_state = state
     final = Path(checkpoint_dir, f"step-{step:08d}")
     with atomic_path(final, directory=True) as directory:
-        save_file(trainable_state(peft_model), str(directory / "adapter.safetensors"))
-        torch.save(optimizer.state_dict(), directory / "optimizer.pt")
+        save_file(adapter, str(directory / "adapter.safetensors"))
+        torch.save(optimizer_state, directory / "optimizer.pt")
         torch.save({
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else None,
@@ -80,7 +98,8 @@ def save(checkpoint_dir: str | Path, step: int, peft_model, optimizer, scheduler
         }, directory / "training_state.pt")
         # state.json is written last: its presence marks a complete checkpoint even on odd file systems.
         (directory / "state.json").write_text(json.dumps(
-            {"step": step, "world_size": len(rng_states), "fingerprint": dict(fingerprint), "extra": dict(extra or {})},
+            {"step": step, "world_size": len(rng_states), "fingerprint": dict(fingerprint), "extra": dict(extra or {}),
+             "strategy": strategy},  # for the reader only: any strategy resumes it
             indent=2, sort_keys=True))
     for _, old in checkpoints(checkpoint_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -123,7 +142,10 @@ def differing_keys(ours: Mapping[str, Any], theirs: Mapping[str, Any], prefix: s
 
 def load(path: str | Path, peft_model, optimizer, scheduler, scaler, rank: int, device: torch.device,
          log=print) -> int:
-    """Restore a checkpoint into the built objects; returns the number of completed steps."""
+    """Restore a checkpoint into the built objects; returns the number of completed steps.
+
+    Every rank calls it; a sharded (FSDP) model takes its shards of the full tensors collectively.
+    """
     path = Path(path)
     state = json.loads((path / "state.json").read_text())
     adapter = load_file(str(path / "adapter.safetensors"))
@@ -131,10 +153,14 @@ def load(path: str | Path, peft_model, optimizer, scheduler, scaler, rank: int, 
     if set(adapter) != set(params):
         raise WorkflowError(f"{path}: its adapter tensors do not match the model's trainable parameters; "
                             "delete the checkpoint directory to start afresh")
-    with torch.no_grad():
-        for name, tensor in adapter.items():
-            params[name].copy_(tensor)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    if fsdp.is_sharded(peft_model):
+        fsdp.restore(peft_model, optimizer, adapter, optimizer_state)
+    else:
+        with torch.no_grad():
+            for name, tensor in adapter.items():
+                params[name].copy_(tensor)
+        optimizer.load_state_dict(optimizer_state)
     training_state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=True)
     scheduler.load_state_dict(training_state["scheduler"])
     if scaler is not None and training_state["scaler"] is not None:

@@ -61,9 +61,26 @@ def setup(use_cuda: bool, timeout_minutes: int = 30) -> DistributedContext:
     return DistributedContext(rank, local_rank, world_size, local_world_size, device, backend)
 
 
+# A world-of-one process group started by ensure_process_group (FSDP needs one even for one process).
+_SOLO_GROUP = {"started": False}
+
+
+def ensure_process_group(context: DistributedContext) -> None:
+    """Start a process group of this one process when none runs (a world of one never starts one)."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if context.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            **({"device_id": context.device} if context.device.type == "cuda" else {}))
+    _SOLO_GROUP["started"] = True
+
+
 def teardown(context: DistributedContext | None) -> None:
-    if context is not None and context.is_distributed and dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    if (context is not None and context.is_distributed) or _SOLO_GROUP["started"]:
         dist.destroy_process_group()
+        _SOLO_GROUP["started"] = False
 
 
 def all_reduce_sum(tensor: torch.Tensor, context: DistributedContext) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Per-step training records: a JSONL file (resumable), TensorBoard when installed, and console lines.
+"""Per-step training records: a JSONL file (resumable), TensorBoard when installed, an experiment tracker
+when configured (trackers.py: MLflow), and console lines.
 
 A progress bar only on a terminal; batch logs (Snakemake, SLURM) get one plain line every
 ``log_every`` steps instead of carriage-return noise.
@@ -15,8 +16,9 @@ from workflow_scripts.core.atomic_output import write_jsonl
 
 class TrainingLog:
     def __init__(self, running_path: str | Path, resume_step: int, max_steps: int, log_every: int,
-                 tensorboard_dir: str | Path | None = None, enabled: bool = True):
+                 tensorboard_dir: str | Path | None = None, enabled: bool = True, tracker=None):
         self.enabled = enabled
+        self._tracker = tracker
         self.running_path = Path(running_path)
         self.log_every = log_every
         self.max_steps = max_steps
@@ -35,6 +37,8 @@ class TrainingLog:
             for record in self.records:
                 handle.write(json.dumps(record, sort_keys=True) + "\n")
         self._handle = open(self.running_path, "a")
+        if tracker is not None:  # steps the resumed checkpoint covers that the tracker may have missed
+            tracker.catch_up(self.records)
         self._writer = None
         if tensorboard_dir is not None:
             if resume_step == 0 and Path(tensorboard_dir).is_dir():
@@ -62,6 +66,8 @@ class TrainingLog:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._writer.add_scalar(f"train/{key}", value, step)
+        if self._tracker is not None:
+            self._tracker.log_step(record)
         line = (f"step {step}/{self.max_steps} loss {record['loss']:.4f} lr {record['learning_rate']:.3g} "
                 f"grad_norm {record['grad_norm']:.3g} tokens/s {record['tokens_per_second']:.0f} "
                 f"padding {record['padding_share']:.1%}"

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from workflow_scripts.model import model_loading
+from workflow_scripts.training import fsdp
 from workflow_scripts.training.distributed import DistributedContext
 from workflow_scripts.core.experiment_config import gradient_accumulation
 
@@ -40,7 +41,10 @@ class TrainingSetup:
         return torch.autocast(self.context.device.type, dtype=self.autocast_dtype)
 
     def no_sync(self, last_micro_step: bool):
-        """Skip DDP's gradient all-reduce on all but the last micro-step of an accumulation."""
+        """Skip DDP's gradient all-reduce (FSDP's reduce-scatter) on all but the last micro-step of an accumulation."""
+        if fsdp.is_sharded(self.peft_model):  # FSDP2: a flag on the root, not a context manager
+            self.peft_model.set_requires_gradient_sync(last_micro_step)
+            return contextlib.nullcontext()
         if last_micro_step or not hasattr(self.model, "no_sync"):
             return contextlib.nullcontext()
         return self.model.no_sync()
@@ -112,13 +116,17 @@ def build(model_dir, training: Mapping[str, Any], context: DistributedContext,
     task_meta = data_meta.get("task_meta", {})
     device = context.device
     dtype = model_loading.weights_dtype(training["precision"], device)
+    from workflow_scripts.model import quantization  # QLoRA: bitsandbytes weights when training.quantization is set
+
+    model_kwargs = {**task.model_kwargs(task_meta), **quantization.from_pretrained_kwargs(training, device)}
     base = model_loading.load_base_model(model_dir, device, dtype, trust_remote_code, task.auto_model_class,
-                                         task.model_kwargs(task_meta))
+                                         model_kwargs)
     task.prepare_model(base, data_meta.get("pad_token_id"), task_meta)
     vocab_size = base.get_input_embeddings().num_embeddings
     # The task may rewrite the LoRA settings for its model (a VLM: adapters on the language model only).
     lora_settings = getattr(task, "lora_settings", None)
     lora = lora_settings(base, training["lora"]) if lora_settings else training["lora"]
+    base = quantization.prepare(base, training, lora, task.peft_task_type)  # no-op when off
     peft_model = model_loading.add_lora(base, lora, training["gradient_checkpointing"], task.peft_task_type)
     peft_model.train()
     packing = None
@@ -133,7 +141,9 @@ def build(model_dir, training: Mapping[str, Any], context: DistributedContext,
             raise WorkflowError(f"training.packing: {reason}. Fix: set training.packing: false")
         packing = (training["max_length"], base.config._attn_implementation)
     model: nn.Module = task.loss_module(peft_model)
-    if context.is_distributed:
+    if fsdp.strategy(training) == "fsdp":  # sharded in place, before the optimizer takes the parameters
+        fsdp.shard(peft_model, training, context, task.name)
+    elif context.is_distributed:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
         )
@@ -202,7 +212,8 @@ def unscale_and_clip(setup: TrainingSetup, inspect: Callable[[], None] | None = 
         setup.scaler.unscale_(setup.optimizer)
     if inspect is not None:
         inspect()
-    return torch.nn.utils.clip_grad_norm_(setup.trainable_parameters(), setup.training["max_grad_norm"])
+    norm = torch.nn.utils.clip_grad_norm_(setup.trainable_parameters(), setup.training["max_grad_norm"])
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards' norms
 
 
 def apply_update(setup: TrainingSetup) -> bool:

@@ -1,0 +1,160 @@
+"""FSDP2 (``training.strategy: fsdp``): the frozen base and the adapters sharded over the processes.
+
+``torch.distributed.fsdp.fully_shard`` turns each decoder layer, then the PEFT model as the root, into
+per-parameter DTensors sharded over the world: a process holds 1/N of the base weights and gathers one
+layer at a time for compute. FSDP2 shards each parameter on its own, so the frozen base and the
+trainable LoRA tensors share a layer's unit; only the trainable ones get gradients (reduce-scattered,
+averaged over ranks as DDP averages them, so the loop's loss scaling is the same).
+
+State leaves this module as full tensors under the PEFT model's own parameter names, gathered to rank 0
+(``get_model_state_dict(..., full_state_dict=True, cpu_offload=True)``): the adapter then goes through
+PEFT's ``save_pretrained``, and a checkpoint holds exactly what an unsharded run's holds (adapter
+tensors, the optimizer's ``state_dict`` numbered as ``torch.optim`` numbers it). The trainable state of
+LoRA is small (adapters and two Adam moments, no base weights), so gathering it costs little, and a
+checkpoint resumes under either strategy and any process count.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.training import distributed
+from workflow_scripts.training.distributed import DistributedContext
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+def strategy(training: Mapping[str, Any]) -> str:
+    return training.get("strategy", "ddp")
+
+
+def refusal(reason: str, fix: str) -> WorkflowError:
+    return WorkflowError(f"training.strategy: fsdp {reason}. Fix: {fix}, or set training.strategy: ddp")
+
+
+def check_settings(training: Mapping[str, Any], task_name: str) -> None:
+    """What FSDP2 cannot run here, refused before anything is sharded."""
+    if training["precision"] == "fp16":
+        # torch.amp.GradScaler checks each rank's shard for overflow on its own: ranks could disagree on
+        # skipping a step. bf16 needs no scaler.
+        raise refusal("does not support precision fp16 (the gradient scaler would decide on each shard "
+                      "alone)", "set training.precision: bf16 or fp32")
+    if training.get("quantization"):
+        raise refusal("cannot shard quantised base weights (bitsandbytes 4/8-bit tensors are not DTensors)",
+                      "set training.quantization: null")
+    if (training.get("validation") or {}).get("every_steps"):
+        # validation.held_out_loss gives ranks unequal numbers of batches; each FSDP forward is collective.
+        raise refusal("does not support training.validation yet (ranks evaluate unequal numbers of "
+                      "batches, and every sharded forward needs all ranks)", "remove training.validation.every_steps")
+    if task_name == "vision_language":
+        raise refusal("does not support the vision_language task (its loss reads the image path's parameters "
+                      "outside the model's forward, where they are still sharded)", "train it with DDP")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: modules in a ``ModuleList`` whose class is one of the model's
+    ``_no_split_modules`` (what transformers and accelerate treat as indivisible blocks)."""
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [child for module in model.modules() if isinstance(module, nn.ModuleList)
+              for child in module if type(child).__name__ in block_names]
+    if not layers:
+        raise refusal(f"cannot find the decoder layers of {type(model).__name__} (no module listed in its "
+                      f"_no_split_modules {sorted(block_names)} sits in a layer list)", "use a transformers "
+                      "model that declares its decoder layer class")
+    return layers
+
+
+def mixed_precision(precision: str):
+    """Compute in bf16 with the fp32 master weights kept sharded; gradients reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard(peft_model: nn.Module, training: Mapping[str, Any], context: DistributedContext, task_name: str) -> None:
+    """Shard each decoder layer, then the PEFT model (the root: embeddings, final norm, head), in place.
+
+    Done before the optimizer is built: it must hold the sharded parameters. A world of one still gets
+    a process group (FSDP needs one), started here and ended by distributed.teardown.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    check_settings(training, task_name)
+    layers = decoder_layers(peft_model.get_base_model())
+    distributed.ensure_process_group(context)
+    mesh = init_device_mesh(context.device.type, (context.world_size,))
+    policy = mixed_precision(training["precision"])
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(peft_model, mesh=mesh, mp_policy=policy)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _full_options(**overrides):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # The frozen base is never saved: it is read again from the model directory.
+    return StateDictOptions(full_state_dict=True, ignore_frozen_params=True, **overrides)
+
+
+def gather_adapter(peft_model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Every rank calls it (collective): the full trainable tensors on CPU, on rank 0 (``{}`` elsewhere).
+
+    None for an unsharded model, whose own tensors PEFT reads directly.
+    """
+    if not is_sharded(peft_model):
+        return None
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(peft_model, options=_full_options(cpu_offload=True))
+    return {name: tensor.contiguous() for name, tensor in state.items()}
+
+
+def _parameter_names(peft_model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The optimizer's parameters by name, in the order ``optimizer.state_dict()`` numbers them."""
+    names = {id(p): n for n, p in peft_model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def gather_optimizer(peft_model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: the full optimizer state on rank 0, numbered as an unsharded ``optimizer.state_dict()``."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(peft_model, optimizer, options=_full_options(cpu_offload=True))
+    if not state:  # ranks other than 0
+        return {}
+    index = {name: i for i, name in enumerate(_parameter_names(peft_model, optimizer))}
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                         for group in state["param_groups"]],
+    }
+
+
+def restore(peft_model: nn.Module, optimizer: torch.optim.Optimizer, adapter: Mapping[str, torch.Tensor],
+            optimizer_state: Mapping[str, Any]) -> None:
+    """Collective: full adapter tensors and a numbered optimizer state (every rank holds them, read from
+    the checkpoint) scattered into this rank's shards."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    result = set_model_state_dict(peft_model, dict(adapter), options=_full_options(strict=False))
+    if result.unexpected_keys:
+        raise WorkflowError(f"the checkpoint holds tensors the model lacks: {sorted(result.unexpected_keys)[:4]}")
+    names = _parameter_names(peft_model, optimizer)
+    named = {
+        "state": {names[int(i)]: value for i, value in optimizer_state["state"].items()},
+        "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
+                         for group in optimizer_state["param_groups"]],
+    }
+    set_optimizer_state_dict(peft_model, optimizer, named, options=_full_options())
