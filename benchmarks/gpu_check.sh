@@ -18,8 +18,10 @@ if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   exit 2
 fi
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu-check-site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/gpu-check-site${PYTHONPATH:+:$PYTHONPATH}"
+  site="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-site.XXXXXX")"  # removed at exit
+  trap 'rm -rf "$site"' EXIT
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1 GPU_CHECK_REPORT="$PWD/$out/measurements.jsonl"
 rm -f "$GPU_CHECK_REPORT"

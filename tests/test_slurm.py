@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "slurm"))
 import cluster as slurm_cluster  # noqa: E402
-from workspace import ROOT, make_workspace, reduced_config, run_snakemake  # noqa: E402
+from workspace import ROOT, make_workspace, reduced_config, run_snakemake, train_reference  # noqa: E402
 
 FAKE_GPUS = 4
 # No slurmdbd here: sacct cannot answer, so job states come from squeue (MinJobAge=600 in cluster.py).
@@ -243,22 +243,13 @@ def test_demo_through_slurm_with_a_training_job_signalled_mid_run(slurm, job_env
     assert steps == list(range(1, config["training"]["max_steps"] + 1))
 
     # Same adapter as an uninterrupted run of the same experiment on the same inputs.
-    reference = tmp_path / "reference"
+    from safetensors.torch import load_file
     from workflow_scripts.core.experiment_config import resolved_training
 
-    uninterrupted = subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.train", "--model", str(workflow_dir / "resources/models" / next(iter(config["models"]))),
-         "--data", str(workflow_dir / f"results/data/{dataset}/tokenised/{next(iter(config['models']))}/baseline"),
-         "--training", json.dumps(_validated_training(workflow_dir, resolved_training)), "--seed", str(seed),
-         "--checkpoint-dir", str(reference / "checkpoints"), "--adapter-out", str(reference / "adapter"),
-         "--log-out", str(reference / "train_log.jsonl"), "--manifest-out", str(reference / "run_manifest.json")],
-        cwd=ROOT, env={**job_env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600,
-    )
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
-    from safetensors.torch import load_file
-
+    reference_weights = train_reference(workflow_dir, next(iter(config["models"])), dataset, "baseline",
+                                        _validated_training(workflow_dir, resolved_training), seed,
+                                        tmp_path / "reference", job_env)
     resumed_weights = load_file(run_dir / "adapter" / "adapter_model.safetensors")
-    reference_weights = load_file(reference / "adapter" / "adapter_model.safetensors")
     assert resumed_weights.keys() == reference_weights.keys()
     for name, tensor in reference_weights.items():
         assert (resumed_weights[name] == tensor).all(), f"{name} differs after resume"

@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "slurm"))
 import cluster as slurm_cluster  # noqa: E402
 import namespaced  # noqa: E402
-from workspace import ROOT, make_workspace, reduced_config, run_snakemake  # noqa: E402
+from workspace import make_workspace, reduced_config, run_snakemake, train_reference  # noqa: E402
 
 SLURM_ARGS = ["--profile", "profiles/slurm", "--slurm-status-command", "squeue",
               "--slurm-init-seconds-before-status-checks", "1", "--slurm-keep-successful-logs", "--verbose"]
@@ -84,20 +84,10 @@ def test_two_nodes_train_through_slurm_and_match_one_node(two_nodes, tmp_path):
 
     settings = {**resolved_training(load_config(workflow / "config" / "config.yaml"), "baseline", model),
                 "nodes": 1, "cpu_processes": 2}
-    reference = tmp_path / "one_node"
-    single = subprocess.run(
-        [sys.executable, "-m", "workflow_scripts.train", "--model", str(workflow / "resources/models" / model),
-         "--data", str(workflow / f"results/data/{dataset}/tokenised/{model}/baseline"),
-         "--training", json.dumps(settings), "--seed", str(config["seeds"][0]),
-         "--checkpoint-dir", str(reference / "checkpoints"), "--adapter-out", str(reference / "adapter"),
-         "--log-out", str(reference / "train_log.jsonl"), "--manifest-out", str(reference / "run_manifest.json")],
-        cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600,
-    )
-    assert single.returncode == 0, single.stderr[-3000:]
     from safetensors.torch import load_file
 
+    one = train_reference(workflow, model, dataset, "baseline", settings, config["seeds"][0], tmp_path / "one_node", env)
     two = load_file(run / "adapter" / "adapter_model.safetensors")
-    one = load_file(reference / "adapter" / "adapter_model.safetensors")
     assert two.keys() == one.keys()
     for name, tensor in one.items():
         assert (two[name] == tensor).all(), f"{name}: two nodes and one node trained different adapters"

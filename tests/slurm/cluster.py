@@ -263,7 +263,11 @@ PartitionName=debug Nodes={",".join(name for name, _ in self.nodes())} Default=Y
 
 
 def start_cluster(gpus: int = 4, cpus: int = 8, root: Path | None = None) -> Cluster:
-    cluster = Cluster(root=Path(root or tempfile.mkdtemp(prefix="lora-slurm-")), gpus=gpus, cpus=cpus)
+    return started(Cluster(root=Path(root or tempfile.mkdtemp(prefix="lora-slurm-")), gpus=gpus, cpus=cpus))
+
+
+def started(cluster: Cluster) -> Cluster:
+    """Start ``cluster``; on any failure stop what did start (and give the machine back) first."""
     try:
         cluster.start()
     except BaseException:

@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster import Cluster, _sbin
+from cluster import Cluster, _sbin, started
 
 BRIDGE = "lorabr0"
 SUBNET = "10.231.0"
@@ -116,10 +116,4 @@ class NamespacedCluster(Cluster):
 
 
 def start_namespaced_cluster(cpus: int, root: Path, nodes: int = 2) -> NamespacedCluster:
-    cluster = NamespacedCluster(root=root, gpus=0, cpus=cpus, node_count=nodes)
-    try:
-        cluster.start()
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+    return started(NamespacedCluster(root=root, gpus=0, cpus=cpus, node_count=nodes))

@@ -1,6 +1,7 @@
 """A throwaway copy of the workflow with a reduced config, and a guarded Snakemake call."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -63,3 +64,20 @@ def run_snakemake(workdir: Path, args: list[str], env: dict[str, str], timeout: 
         output, _ = process.communicate()
         raise AssertionError(f"snakemake {' '.join(args)} ran past {timeout} s and was killed:\n{output[-6000:]}")
     return subprocess.CompletedProcess(command, process.returncode, output, "")
+
+
+def train_reference(workflow: Path, model: str, dataset: str, variant: str, settings: dict, seed: int, out: Path,
+                    env: dict[str, str]) -> dict:
+    """The train stage run directly (no scheduler) on a workflow copy's inputs; returns its adapter tensors."""
+    from safetensors.torch import load_file
+
+    done = subprocess.run(
+        [sys.executable, "-m", "workflow_scripts.train", "--model", str(workflow / "resources/models" / model),
+         "--data", str(workflow / f"results/data/{dataset}/tokenised/{model}/{variant}"),
+         "--training", json.dumps(settings), "--seed", str(seed),
+         "--checkpoint-dir", str(out / "checkpoints"), "--adapter-out", str(out / "adapter"),
+         "--log-out", str(out / "train_log.jsonl"), "--manifest-out", str(out / "run_manifest.json")],
+        cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return load_file(out / "adapter" / "adapter_model.safetensors")
