@@ -10,6 +10,9 @@ min_version("9.0")
 # A --configfile replaces the demo config rather than merging into it (otherwise the demo's
 # datasets would silently join a real experiment); --config key=value still overrides the demo.
 if not workflow.overwrite_configfiles:
+    # Snakemake's own reading names neither file nor line of a YAML syntax error: read it strictly first.
+    # (A --configfile is read by Snakemake before this file runs, so its syntax errors stay Snakemake's.)
+    experiment_config.read_config_file("config/config.yaml")
 
     configfile: "config/config.yaml"
 
@@ -24,9 +27,12 @@ include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/training.smk"
 include: "rules/evaluation.smk"
+include: "rules/submission_common.smk"
+include: "rules/submission.smk"
 
 
 rule all:
     default_target: True
     input:
         final_outputs(),
+        submission_outputs(),

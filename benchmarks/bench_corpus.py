@@ -11,11 +11,12 @@ a tiny BERT config as a model directory (pretokenise reads only the tokenizer).
 
 Measured, each in a fresh process pinned to N cores (``sched_setaffinity`` before any thread pool
 starts, ``RAYON_NUM_THREADS=N``), timed from after its imports, with wall and CPU seconds, the
-process's peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``) and a 0.1 s sampler of RSS, RssAnon and
-RssFile over it and its children:
+peak RSS of its largest process (``ru_maxrss`` of RUSAGE_SELF and RUSAGE_CHILDREN: pretokenise
+``--threads 2`` forks two tokenising processes) and a 0.1 s sampler of RSS, RssAnon and RssFile
+summed over it and its children:
 - the stages as the rules run them: ``normalise.main`` (1 core; its ``text_lines.write_normalised``
   part timed apart) and ``pretokenise.main`` (``--threads 1`` on one core and ``--threads 2`` on two at
-  1M; ``--threads 2`` at 10M; its ``datasets.map`` part timed apart), on the 1M and the 10M corpus;
+  1M; ``--threads 2`` at 10M; its ``tokenise_split`` part timed apart), on the 1M and the 10M corpus;
 - the tokenizer alone: ``tokenizer(batch)`` over the corpus' first lines in batches of pretokenise's
   batch size (``TOKENIZERS_PARALLELISM=false`` on one core; two Rayon threads on two), the lines read
   into a list first (not timed), and the Rust encoder alone (``backend_tokenizer.encode_batch``);
@@ -352,8 +353,8 @@ def _phase(module, name: str, into: dict):
 
 
 def probe_pretokenise(model: Path, data: Path, out: Path, threads: int) -> dict:
-    """The pretokenise stage; its datasets.map part (pretokenise.tokenise_split) is timed apart from the
-    rest (loading, the report's statistics, select + save_to_disk of the kept blocks)."""
+    """The pretokenise stage; its tokenising part (pretokenise.tokenise_split: reading, tokenising and
+    writing each split, in N processes with --threads N) is timed apart from the rest (loading, the key)."""
     from workflow_scripts import pretokenise
 
     report = out.parent / f"{out.name}.report.json"
@@ -376,6 +377,8 @@ def probe_pretokenise(model: Path, data: Path, out: Path, threads: int) -> dict:
     result["lines"] = len(load_from_disk(str(data))["train"])
     result["report"] = json.loads(report.read_text())["splits"]["train"]
     result["map"] = mapped
+    result["processes"] = pretokenise.process_count(threads, [result["lines"]])
+    result["process_min_rows"] = pretokenise.PROCESS_MIN_ROWS
     return result
 
 
@@ -670,8 +673,8 @@ def _record(scale, small, large, two, runs, pss, corpora, tokenizer_info, settin
     def median_of(results: list[dict], value) -> float:
         return statistics.median(value(r) for r in results)
 
-    def peak(key: str) -> float:  # MiB
-        return median(key, "peak_rss") / MiB
+    def peak(key: str) -> float:  # MiB: the stage's largest process (itself or one it forked)
+        return statistics.median(max(r["peak_rss"], r.get("peak_rss_children", 0)) for r in runs[key]) / MiB
 
     def sampled(key: str, part: str) -> float:
         return statistics.median(r["sampled_peak"][part] for r in runs[key]) / MiB
@@ -707,7 +710,7 @@ def _record(scale, small, large, two, runs, pss, corpora, tokenizer_info, settin
     others += [map_only, user_total, ours_total, norm_small, norm_large, pre_large]
 
     rss = {}
-    phases = {"normalise": ("write", "text_lines.write_normalised"), "pretokenise": ("map", "datasets.map")}
+    phases = {"normalise": ("write", "text_lines.write_normalised"), "pretokenise": ("map", "pretokenise.tokenise_split")}
     for stage, key_small, key_large in (("normalise", f"normalise-{small}", f"normalise-{large}"),
                                         ("pretokenise", pre2, f"pretokenise-{large}-{two}")):
         phase = phases[stage][0]
@@ -722,8 +725,13 @@ def _record(scale, small, large, two, runs, pss, corpora, tokenizer_info, settin
                       "phase_file_large": median_of(runs[key_large], lambda r: r[phase]["sampled_peak"]["file"]) / MiB,
                       "phase_seconds_large": median_of(runs[key_large], lambda r: r[phase]["seconds"]),
                       "seconds_large": median(key_large, "seconds")}
-        others.append(Series(f"{stage}: peak RSS (ru_maxrss), {small:,} lines", [r["peak_rss"] / MiB for r in runs[key_small]], "MiB"))
-        others.append(Series(f"{stage}: peak RSS (ru_maxrss), {large:,} lines", [r["peak_rss"] / MiB for r in runs[key_large]], "MiB"))
+        for size, key in ((small, key_small), (large, key_large)):
+            others.append(Series(f"{stage}: peak RSS of its largest process (ru_maxrss of the stage or of a process "
+                                 f"it forked), {size:,} lines",
+                                 [max(r["peak_rss"], r.get("peak_rss_children", 0)) / MiB for r in runs[key]], "MiB",
+                                 {"stage_process": [r["peak_rss"] / MiB for r in runs[key]],
+                                  "forked_processes": [r.get("peak_rss_children", 0) / MiB for r in runs[key]],
+                                  "sampled_sum_of_processes": [r["sampled_peak"]["rss"] / MiB for r in runs[key]]}))
     others.append(Series(f"normalise's text_lines.write_normalised part: lines/s, {large:,} lines",
                          [large / r["write"]["seconds"] for r in runs[f"normalise-{large}"]], "lines/s",
                          {"cpu_seconds": [r["write"]["cpu_seconds"] for r in runs[f"normalise-{large}"]]}))
@@ -763,27 +771,20 @@ def _record(scale, small, large, two, runs, pss, corpora, tokenizer_info, settin
     load_end = os.getloadavg()[0]
     why_one_core = (f"per CPU-second on one core the tokenizer alone takes {tokenizer_us:.0f} us a line (the Rust "
                     f"encoder {encoder_us:.0f} us of it, the rest building its Python lists), the pretokenise stage "
-                    f"{stage_us:.0f} us: {stage_us - encoder_us:.0f} us a line outside the encoder (masked_lm."
-                    "_flat_columns iterating every token through Python generators, a .tolist() per block and "
-                    "column, datasets.map converting those lists to Arrow, the select + save_to_disk copy of the "
-                    "kept blocks). Fix (tasks/masked_lm.py, not this benchmark's files): encode with "
-                    "tokenizer.backend_tokenizer.encode_batch, flatten with np.fromiter(itertools.chain."
-                    "from_iterable(e.ids for e in encodings)) (None word ids mapped by dict.get, C-level loops), "
-                    "and return a pyarrow.Table of ListArray.from_arrays(block offsets, flat ids) instead of "
-                    "per-block lists (datasets.map takes a table from a batched function)")
+                    f"{stage_us:.0f} us: {stage_us - encoder_us:.0f} us a line outside the encoder (the task's "
+                    "flattening and blocking in tasks/masked_lm.py, the lists converted to Arrow, the write)")
     free = statistics.median(cores_free) if cores_free else float("nan")
     contention = (f"In this run the machine's other jobs (load average {load_start:.1f} -> {load_end:.1f} on "
                   f"{len(os.sched_getaffinity(0))} cores) left about {free:.1f} cores: {two} threads hashing got "
                   f"{free:.2f} cores (median before each {two}-core measurement), " if free < 0.8 * two else
                   f"{two} threads hashing got {free:.2f} cores (median before each {two}-core measurement), ")
-    why_scaling = (f"--threads is the tokenizer's Rayon pool inside one process, so only the encoder "
-                   f"({encoder_share:.0%} of the one-core time) can use the second core: even on quiet cores Amdahl "
-                   f"bounds --threads {two} at {quiet_bound:.2f}x. {contention}the --threads {two} runs used "
-                   f"{cores_used:.2f} cores (CPU / wall seconds) and the tokenizer alone ran {tokenizer_scaling:.2f}x "
-                   f"as fast on {two} Rayon threads as on one. Fix (pretokenise.py, not this benchmark's files): a "
-                   "process count, datasets.map(num_proc=N) with TOKENIZERS_PARALLELISM=false in each process, which "
-                   "splits all of the work; the shards must be cut at multiples of the map batch size, as the "
-                   "blocks are grouped per map batch")
+    processes = runs[pre2][0].get("processes")
+    why_scaling = (f"--threads {two} forks {two} tokenising processes for a split of at least "
+                   f"{runs[pre2][0].get('process_min_rows', 0):,} rows (one tokenizer thread each), each on a "
+                   f"contiguous range of the corpus, and appends their pieces in order afterwards. {contention}the "
+                   f"--threads {two} runs used {cores_used:.2f} cores (CPU / wall seconds; the stage and its "
+                   f"processes{'' if processes is None else f', {processes} of them'}) and the tokenizer alone ran "
+                   f"{tokenizer_scaling:.2f}x as fast on {two} Rayon threads as on one")
     goals = [
         Goal("pretokenise on one core >= 0.9x the tokenizer alone on one core (lines per CPU-second, so time "
              "other jobs took from the core is left out)", ours_cpu.median / reference_cpu.median, 0.9, True,
@@ -791,34 +792,24 @@ def _record(scale, small, large, two, runs, pss, corpora, tokenizer_info, settin
         Goal("literal reading: normalise + pretokenise on one core >= 0.9x the tokenizer alone (lines per CPU-second)",
              (1e6 / (stage_us + normalise_us)) / reference_cpu.median, 0.9, True,
              why=f"normalise adds {normalise_us:.1f} us a line ({write_us:.1f} us in text_lines.write_normalised, "
-                 f"the rest in the contamination check that reads the written set back and hashes every line) "
-                 f"to pretokenise's {stage_us:.0f}; {why_one_core}"),
+                 f"the rest in the contamination check that reads the written train split back and hashes every "
+                 f"line) to pretokenise's {stage_us:.0f}; {why_one_core}"),
         Goal(f"pretokenise on {two} cores (--threads {two}) >= 1.8x its own one-core rate (wall lines/s)",
              ours_2.median / ours.median, 1.8, True, why=why_scaling),
         Goal(f"pretokenise on {two} cores beats datasets.map(tokenize, batched=True, num_proc=2) on {two} cores "
              "(tokenising only, wall lines/s)", ours_2.median / map_only.median, 1.0, True,
-             why=f"map's two processes each run the whole tokenising on a core, while --threads {two} parallelises "
-                 f"only the encoder; {why_scaling}"),
+             why=f"both run two processes of the whole tokenising; {why_scaling}"),
         Goal("end to end: normalise + pretokenise beats load_dataset('text') + map(num_proc=2) (wall lines/s)",
              ours_total.median / user_total.median, 1.0, True,
              why=f"normalise takes {1e6 / norm_small.median:.1f} us a line against load_dataset's "
                  f"{1e6 * statistics.median(r['load']['seconds'] for r in runs['map']) / small:.1f}; {why_scaling}"),
     ]
     causes = {
-        "normalise": ("after writing, the stage's contamination check (workflow_scripts/data/contamination.py, "
-                      "called by normalise.py) reads the whole train split back through its memory map (file-backed "
-                      "pages counted in RSS) and holds an 8-byte key per line in numpy arrays, concatenated and "
-                      "sorted (anonymous memory in proportion to the corpus); text_lines.write_normalised alone "
-                      "stays flat (the next goal). Fix (contamination.py / normalise.py, not this benchmark's "
-                      "files): read the Arrow files with pyarrow.ipc.open_stream(pyarrow.OSFile(path)) batch by "
-                      "batch instead of the memory map, or key the lines while write_normalised streams them"),
-        "pretokenise": ("datasets.map reads the normalised set through its memory map, and select(kept) + "
-                        "save_to_disk re-read the whole map output through another memory map; both leave the "
-                        "pages they touched mapped (file-backed, clean, reclaimable, but counted by ru_maxrss). "
-                        "Fix (pretokenise.py, not this benchmark's files): stream the input's record batches with "
-                        "pyarrow.ipc.open_stream(pyarrow.OSFile(path)) and write the kept rows straight to the "
-                        "output with datasets' ArrowWriter, as text_lines.write_normalised now does, instead of "
-                        "map + select + save_to_disk over memory maps"),
+        "normalise": ("the contamination check (data/contamination.py) holds the checked splits' keys and streams "
+                      "the train split past them, read with read() from its Arrow files (no memory map)"),
+        "pretokenise": ("the input is read chunk by chunk from its Arrow files (no memory map) and the kept blocks "
+                        "are written straight to the output (data/arrow_split.SplitWriter); with --threads 2 each "
+                        "forked process does the same for its range, then the stage appends the pieces"),
     }
     for stage in ("normalise", "pretokenise"):
         r = rss[stage]
@@ -840,13 +831,9 @@ def _record(scale, small, large, two, runs, pss, corpora, tokenizer_info, settin
                       f"{small:,}-line set (does not grow with the corpus)", worker_large / worker_small, 1.2, False,
                       why=f"per extra worker {worker_small:.1f} -> {worker_large:.1f} MiB: anonymous "
                           f"{split_small['anon']:.1f} -> {split_large['anon']:.1f} MiB, file-backed "
-                          f"{split_small['file']:.1f} -> {split_large['file']:.1f} MiB. The anonymous part grows with "
-                          f"the number of Arrow record batches of the set ({batches_small:,} -> {batches_large:,}, "
-                          "1,000 rows each as save_to_disk writes them): the main process opened the memory-mapped "
-                          "table before forking, and a worker reading rows updates the reference counts of each "
-                          "batch's metadata, so those heap pages are copied into it. Fix (pretokenise.py, not this "
-                          "benchmark's files): write the tokenised set in record batches of tens of thousands of "
-                          "rows (e.g. datasets' ArrowWriter(writer_batch_size=...) when streaming the output)"))
+                          f"{split_small['file']:.1f} -> {split_large['file']:.1f} MiB; the sets have "
+                          f"{batches_small:,} -> {batches_large:,} Arrow record batches (pretokenise writes up to "
+                          "32,768 rows each: a forked worker copies the heap pages of the batch metadata it touches)"))
     notes = [
         f"Corpus generated at bench time ({generated:.0f} s), never committed: {small:,} and {large:,} lines, "
         f"{corpora[large]['bytes'] / large:.0f} bytes a line on average; the smaller file is the larger one's first "
@@ -854,9 +841,11 @@ def _record(scale, small, large, two, runs, pss, corpora, tokenizer_info, settin
         f"first {tokenizer_info['trained_on_lines']:,} lines; variant {VARIANT}, max length {MAX_LENGTH}.",
         "Pinning: each measurement is a fresh process; sched_setaffinity to its first N usable cores before any "
         "thread pool starts, RAYON_NUM_THREADS=N; one core: TOKENIZERS_PARALLELISM=false; two cores: "
-        "pretokenise --threads 2 (the tokenizer's Rayon pool, one process), the tokenizer alone with 2 Rayon "
+        "pretokenise --threads 2 (two tokenising processes), the tokenizer alone with 2 Rayon "
         "threads, map with num_proc=2 and TOKENIZERS_PARALLELISM=false in each process.",
-        "pretokenise has no process count: --threads sizes the fast tokenizer's thread pool in one process.",
+        "pretokenise --threads N: N forked tokenising processes (one tokenizer thread each) for a split of at least "
+        "pretokenise.PROCESS_MIN_ROWS rows; peak RSS is that of the stage's largest process (ru_maxrss of the stage, "
+        "or RUSAGE_CHILDREN's for the processes it forked), the sampled sum over them is in results.json.",
         f"The 1-core goal compares lines per CPU-second (both sides single-threaded on one core): with a load "
         f"average of {load_start:.1f} at the start and {load_end:.1f} at the end on {len(os.sched_getaffinity(0))} "
         "cores, wall time includes time other jobs took. The 2-core goals can only use wall time; before each "

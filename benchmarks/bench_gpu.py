@@ -91,7 +91,7 @@ def measure(settings: dict, config, device_name: str, work: Path, log=print) -> 
     rows = settings["epoch_steps"] * settings["effective_batch"]  # two epochs; the second is timed
     lengths = synthetic.long_tailed_lengths(rows, length["low"], length["high"], length["median"], length["sigma"], seed=31)
     table = synthetic.tokenised_table(lengths, config.vocab_size, seed=32)
-    data_dir = synthetic.save_tokenised(table, work / "data", config.vocab_size, length["high"])
+    data_dir = synthetic.save_tokenised(table, work / "data", config.vocab_size, length["high"], model_dir)
     labels = table.column("labels").combine_chunks().values.to_numpy()
     target_share = float((labels != -100).mean())
     per_token = flops_per_token(config, lengths, target_share)

@@ -229,7 +229,7 @@ def build_inputs(work: Path, settings: dict) -> tuple[Path, Path, np.ndarray]:
     length = settings["length"]
     lengths = synthetic.long_tailed_lengths(rows, length["low"], length["high"], length["median"], length["sigma"], seed=11)
     table = synthetic.tokenised_table(lengths, m["vocab_size"], seed=12)
-    data_dir = synthetic.save_tokenised(table, work / "data", m["vocab_size"], length["high"])
+    data_dir = synthetic.save_tokenised(table, work / "data", m["vocab_size"], length["high"], model_dir)
     return model_dir, data_dir, lengths
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from benchmarks import (bench_gpu, bench_packing, bench_pretokenise, bench_training, bench_worker_memory,
                         bench_workflow_overhead, records, report)
-from benchmarks import bench_corpus, bench_vision_batches
+from benchmarks import bench_corpus, bench_strategies, bench_vision_batches
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 
 BENCHMARKS = {
@@ -31,6 +31,8 @@ BENCHMARKS = {
     for module in (bench_training, bench_packing, bench_pretokenise, bench_workflow_overhead, bench_worker_memory, bench_gpu)
 }
 BENCHMARKS[bench_vision_batches.NAME] = bench_vision_batches  # VLM batches: workers, memory, pixel cache
+# Past one process's memory: DDP vs FSDP vs QLoRA through the train stage, two gloo processes.
+BENCHMARKS[bench_strategies.NAME] = bench_strategies
 # Text corpus (masked LM): normalise + pretokenise of 1M and 10M generated lines, the longest benchmark.
 BENCHMARKS[bench_corpus.NAME] = bench_corpus
 HERE = Path(__file__).resolve().parent

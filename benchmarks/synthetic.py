@@ -56,13 +56,17 @@ def tokenised_table(lengths: np.ndarray, vocab_size: int, seed: int, prompt_shar
     })
 
 
-def save_tokenised(table, out: Path, vocab_size: int, max_length: int) -> Path:
-    """Save ``table`` as the train split of a pre-tokenised set (save_to_disk) with its meta file."""
+def save_tokenised(table, out: Path, vocab_size: int, max_length: int, model_dir: Path | None = None) -> Path:
+    """Save ``table`` as the train split of a pre-tokenised set (save_to_disk) with its meta file; with
+    ``model_dir``, recorded as tokenised by that model's tokenizer (sanity and train check the fingerprint)."""
     from datasets import Dataset, DatasetDict
+
+    from workflow_scripts.pretokenise import tokenizer_fingerprint
 
     out = Path(out)
     DatasetDict({"train": Dataset(table)}).save_to_disk(str(out))
-    meta = {"cache_key": "benchmark", "task": "generation", "tokenizer_fingerprint": "benchmark", "templates": {},
+    fingerprint = tokenizer_fingerprint(Path(model_dir)) if model_dir is not None else "benchmark"
+    meta = {"cache_key": "benchmark", "task": "generation", "tokenizer_fingerprint": fingerprint, "templates": {},
             "max_length": max_length, "input_fingerprint": "benchmark", "vocab_size": vocab_size,
             "pad_token_id": PAD_ID, "eos_token_id": EOS_ID}
     (out / "tokenise_meta.json").write_text(json.dumps(meta, indent=2))

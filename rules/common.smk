@@ -9,23 +9,33 @@ sys.path.insert(0, workflow.basedir)
 shell.prefix(f"export PYTHONPATH={shlex.quote(workflow.basedir)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; ")
 
 from workflow_scripts.core import experiment_config as xc
-from workflow_scripts.data import source_files
+from workflow_scripts.data import source_files, split_names
 from workflow_scripts.core.errors import ConfigError
 from workflow_scripts.training import trackers
 
 try:
     xc.check_config(config, "config")
     trackers.check_workflow_tracking(config["tracking"])
+    split_names.check_local_splits(config["datasets"], "config")
+    # Each (model, variant) whose model config is here, against the memory its config declares (a few
+    # seconds of torch/transformers imports: once, not again in each job that re-reads the Snakefile).
+    if workflow.is_main_process:
+        from workflow_scripts.model.config_memory_estimate import check_declared_memory
+        check_declared_memory(config)
 except ConfigError as error:
     raise WorkflowError(str(error)) from None
 
 
 MODELS = xc.models(config)
+MIXTURES = xc.mixtures(config)
+# What a run trains on: a dataset or a mixture (results/{model}/{dataset}/... and tokenised data alike).
+ENTRIES = [*config["datasets"], *MIXTURES]
 
 
 wildcard_constraints:
     model="|".join(MODELS),
-    dataset="|".join(config["datasets"]),
+    dataset="|".join(ENTRIES),
+    trained="|".join(ENTRIES),
     variant="|".join(config["variants"]),
     seed=r"\d+",
 
@@ -49,6 +59,28 @@ def variant_templates(wildcards):
 
 def dataset_task(wildcards):
     return config["datasets"][wildcards.dataset]["task"]
+
+
+def evaluation_json(wildcards):
+    """evaluate's --evaluation: the evaluation section with this dataset's split, and training's max_length
+    (inputs are cut at evaluation as in training: a classifier's texts)."""
+    return as_json({**config["evaluation"], "split": xc.evaluation_split(config, wildcards.dataset),
+                    "max_length": training_settings(wildcards)["max_length"]})
+
+
+def mixture_json(wildcards):
+    return as_json(MIXTURES[wildcards.dataset])
+
+
+def mixture_components(wildcards):
+    """The components' tokenised data, in the mixture's order, for the mix rule."""
+    return {name: f"results/data/{name}/tokenised/{wildcards.model}/{wildcards.variant}"
+            for name in MIXTURES[wildcards.dataset]["datasets"]}
+
+
+def component_arguments(wildcards, input):
+    arguments = [shlex.quote(f"{name}={path}") for name, path in input.items()]
+    return " ".join(f"--component {argument}" for argument in arguments)
 
 
 def training_settings(wildcards):
@@ -92,6 +124,30 @@ def training_gpu_total(wildcards):
     return training["gpus"] * training["nodes"]
 
 
+def check_gpu_requests():
+    """Snakemake silently lowers a job's gpu resource to what --resources gpu=N allows, while the job
+    still starts training.gpus processes: refuse such a request when the workflow is parsed instead."""
+    limit = workflow.global_resources.get("gpu").value
+    if limit is None:  # no --resources gpu (a cluster counts GPUs itself)
+        return
+    for model, variant in dict.fromkeys((m, v) for m, _, v, _ in xc.experiments(config)):
+        training = xc.resolved_training(config, variant, model)
+        total = training["gpus"] * training["nodes"]
+        if total > limit:
+            raise WorkflowError(
+                f"variant '{variant}' on model '{model}' asks for {total} GPUs (training.gpus {training['gpus']} x "
+                f"training.nodes {training['nodes']}) but --resources gpu={limit}: Snakemake would silently count "
+                f"the job as {limit} GPUs while it starts {total} processes; lower training.gpus (accumulation "
+                "grows, the effective batch stays) or raise --resources gpu")
+    if config["evaluation"]["gpus"] > limit:
+        raise WorkflowError(
+            f"evaluation.gpus is {config['evaluation']['gpus']} but --resources gpu={limit}: Snakemake would "
+            f"silently count each evaluation as {limit} GPUs; lower evaluation.gpus or raise --resources gpu")
+
+
+check_gpu_requests()
+
+
 def training_nodes(wildcards):
     return training_settings(wildcards)["nodes"]
 
@@ -132,13 +188,18 @@ def tiny_model_corpus(wildcards):
     """A tiny model's tokenizer is trained on the normalised datasets it runs on (never on templates)."""
     if MODELS[wildcards.model]["source"] != "tiny":
         return []
-    datasets = [d for d in config["datasets"] if wildcards.model in xc.dataset_models(config, d)]
-    return expand("results/data/{dataset}/normalised", dataset=datasets)
+    return expand("results/data/{dataset}/normalised", dataset=xc.trained_datasets(config, wildcards.model))
 
 
 def experiment_outputs(file_name):
-    """One path per experiment: results/{model}/{dataset}/{variant}/seed{seed}/<file_name>."""
+    """One path per training run: results/{model}/{dataset or mixture}/{variant}/seed{seed}/<file_name>."""
     return [f"results/{m}/{d}/{v}/seed{s}/{file_name}" for m, d, v, s in xc.experiments(config)]
+
+
+def evaluation_outputs(file_name):
+    """One path per evaluation: the run's own directory, or its on_<dataset>/ for another dataset."""
+    return [os.path.join(f"results/{m}/{t}/{v}/seed{s}", xc.evaluation_subdirectory(t, d), file_name)
+            for m, t, v, s, d in xc.evaluations(config)]
 
 
 def base_eval_outputs(file_name):
@@ -148,9 +209,14 @@ def base_eval_outputs(file_name):
     return [f"results/{m}/{d}/{v}/base/{file_name}" for m, d, v in xc.model_dataset_variants(config)]
 
 
-def model_datasets():
-    """(model, dataset) pairs of the matrix, one plot each."""
-    return list(dict.fromkeys((m, d) for m, d, _ in xc.model_dataset_variants(config)))
+def score_plots():
+    """One score plot per (model, trained on, evaluated dataset)."""
+    return list(dict.fromkeys(xc.plot_names(m, t, d)[0] for m, t, _, _, d in xc.evaluations(config)))
+
+
+def loss_plots():
+    """One loss plot per (model, trained on)."""
+    return list(dict.fromkeys(xc.plot_names(m, t, t)[1] for m, t, _, _ in xc.experiments(config)))
 
 
 def final_outputs():
@@ -158,3 +224,36 @@ def final_outputs():
         "results/comparison.md",
         "results/comparison.csv",
     ]
+
+
+# The task's metric during training (training.validation.metric_examples) ---------------------------
+def validation_metric_datasets(wildcards):
+    """The datasets train scores the metric on (a mixture's components), none when the metric is off."""
+    validation = training_settings(wildcards).get("validation") or {}
+    if validation.get("metric_examples") is None:
+        return []
+    entry = wildcards.dataset
+    return list(MIXTURES[entry]["datasets"]) if entry in MIXTURES else [entry]
+
+
+def validation_metric_data(wildcards):
+    """train's extra inputs: each scored dataset's normalised data ([] when off: existing runs keep theirs)."""
+    return [f"results/data/{name}/normalised" for name in validation_metric_datasets(wildcards)]
+
+
+def validation_metric_argument(wildcards):
+    """train's --validation-metric; when off, an empty argument Snakemake does not record, so turning the
+    feature on elsewhere reruns nothing that does not use it."""
+    names = validation_metric_datasets(wildcards)
+    if not names:
+        return RuntimeOnly("")
+    evaluation = config["evaluation"]
+    spec = {
+        "task": xc.entry_task(config, wildcards.dataset),
+        "variant": xc.variant_settings(config["variants"][wildcards.variant]),
+        "evaluation": {"max_new_tokens": evaluation["max_new_tokens"], "batch_size": evaluation["batch_size"],
+                       "max_length": training_settings(wildcards)["max_length"]},
+        "datasets": [{"name": name, "data": f"results/data/{name}/normalised",
+                      "metric": config["datasets"][name]["metric"]} for name in names],
+    }
+    return f"--validation-metric {shlex.quote(as_json(spec))}"

@@ -71,6 +71,8 @@ rule prepare_model:
 
 
 rule pretokenise:
+    wildcard_constraints:
+        dataset="|".join(config["datasets"]),  # a mixture's tokenised data come from the mix rule
     input:
         data="results/data/{dataset}/normalised",
         model=MODEL_DIR,
@@ -92,3 +94,28 @@ rule pretokenise:
         "python -m workflow_scripts.pretokenise --model {input.model:q} --data {input.data:q}"
         " --task {params.task} --variant {params.variant:q} --max-length {params.max_length} --threads {threads}"
         " --out {output.data:q} --report {output.report:q} > {log:q} 2>&1"
+
+
+# A mixture's training data: its components' tokenised train (and validation) rows, drawn in the
+# mixture's proportions (workflow_scripts/data/mixture.py).
+rule mix:
+    wildcard_constraints:
+        dataset="|".join(MIXTURES) or "(?!)",  # no mixtures: the rule matches nothing
+    input:
+        unpack(mixture_components),
+    output:
+        data=directory("results/data/{dataset}/tokenised/{model}/{variant}"),
+        report="results/data/{dataset}/tokenised/{model}/{variant}_report.json",
+    params:
+        mixture=mixture_json,
+        components=component_arguments,
+    log:
+        "logs/mix/{dataset}/{model}/{variant}.log",
+    benchmark:
+        "results/benchmarks/mix/{dataset}/{model}/{variant}.tsv"
+    conda:
+        "../envs/data.yaml"
+    threads: 1
+    shell:
+        "python -m workflow_scripts.mix --mixture {wildcards.dataset:q} --settings {params.mixture:q}"
+        " {params.components} --out {output.data:q} --report {output.report:q} > {log:q} 2>&1"

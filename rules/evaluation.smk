@@ -13,8 +13,7 @@ rule evaluate:
         task=dataset_task,
         variant=variant_templates,
         metric=lambda wildcards: config["datasets"][wildcards.dataset]["metric"],
-        # max_length: inputs are cut at evaluation as in training (a classifier's texts).
-        evaluation=lambda wildcards: as_json({**config["evaluation"], "max_length": training_settings(wildcards)["max_length"]}),
+        evaluation=evaluation_json,
         trust_remote_code=trust_remote_code,
         adapter=lambda wildcards, input: f"--adapter {shlex.quote(input.adapter)}",
         seed=lambda wildcards: wildcards.seed,
@@ -47,8 +46,7 @@ use rule evaluate as evaluate_base with:
         task=dataset_task,
         variant=variant_templates,
         metric=lambda wildcards: config["datasets"][wildcards.dataset]["metric"],
-        # max_length: inputs are cut at evaluation as in training (a classifier's texts).
-        evaluation=lambda wildcards: as_json({**config["evaluation"], "max_length": training_settings(wildcards)["max_length"]}),
+        evaluation=evaluation_json,
         trust_remote_code=trust_remote_code,
         adapter="",
         seed="base",
@@ -58,10 +56,26 @@ use rule evaluate as evaluate_base with:
         "results/benchmarks/{model}/{dataset}/{variant}/base/evaluate.tsv"
 
 
+# An adapter scored on another dataset than the one it trained on: a mixture's components and the
+# evaluation-only datasets of its task, under on_<dataset>/ of the training run.
+use rule evaluate as evaluate_on with:
+    input:
+        data="results/data/{dataset}/normalised",
+        model=MODEL_DIR,
+        adapter="results/{model}/{trained}/{variant}/seed{seed}/adapter",
+    output:
+        predictions="results/{model}/{trained}/{variant}/seed{seed}/on_{dataset}/predictions.jsonl",
+        summary="results/{model}/{trained}/{variant}/seed{seed}/on_{dataset}/eval.json",
+    log:
+        "logs/{model}/{trained}/{variant}/seed{seed}/on_{dataset}/evaluate.log",
+    benchmark:
+        "results/benchmarks/{model}/{trained}/{variant}/seed{seed}/on_{dataset}/evaluate.tsv"
+
+
 rule compare:
     input:
-        summaries=experiment_outputs("eval.json"),
-        predictions=experiment_outputs("predictions.jsonl"),
+        summaries=evaluation_outputs("eval.json"),
+        predictions=evaluation_outputs("predictions.jsonl"),
         manifests=experiment_outputs("run_manifest.json"),
         train_logs=experiment_outputs("train_log.jsonl"),
         base_summaries=base_eval_outputs("eval.json"),
@@ -71,15 +85,15 @@ rule compare:
         markdown=report("results/comparison.md", caption="../report/comparison.rst", category="Comparison"),
         score_plots=[
             report(path, caption="../report/score_plot.rst", category="Comparison", subcategory="Scores")
-            for path in [f"results/plots/scores_{m}_{d}.png" for m, d in model_datasets()]
+            for path in [f"results/plots/{name}" for name in score_plots()]
         ],
         loss_plots=[
             report(path, caption="../report/loss_plot.rst", category="Comparison", subcategory="Training loss")
-            for path in [f"results/plots/loss_{m}_{d}.png" for m, d in model_datasets()]
+            for path in [f"results/plots/{name}" for name in loss_plots()]
         ],
     params:
         comparison=as_json(config["comparison"]),
-        experiments=as_json([list(e) for e in xc.experiments(config)]),
+        experiments=as_json([list(e) for e in xc.evaluations(config)]),
         with_base="--with-base" if config["evaluation"]["evaluate_base_model"] else "",
     log:
         "logs/compare.log",

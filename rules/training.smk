@@ -44,6 +44,8 @@ rule train:
         data="results/data/{dataset}/tokenised/{model}/{variant}",
         model=MODEL_DIR,
         sanity="results/{model}/{dataset}/{variant}/seed{seed}/sanity.json",
+        # training.validation.metric_examples: the normalised data the task's metric is scored on
+        validation_metric=validation_metric_data,
     output:
         adapter=directory("results/{model}/{dataset}/{variant}/seed{seed}/adapter"),
         train_log="results/{model}/{dataset}/{variant}/seed{seed}/train_log.jsonl",
@@ -54,6 +56,7 @@ rule train:
         tensorboard="results/{model}/{dataset}/{variant}/seed{seed}/tensorboard",
         tracking=tracking_json,
         trust_remote_code=trust_remote_code,
+        validation_metric=validation_metric_argument,
     resources:
         gpu=training_gpu_total,
         nodes=training_nodes,
@@ -72,4 +75,5 @@ rule train:
         " --training {params.training:q} --seed {wildcards.seed} {params.trust_remote_code}"
         " --checkpoint-dir {params.checkpoints:q} --adapter-out {output.adapter:q}"
         " --log-out {output.train_log:q} --manifest-out {output.manifest:q}"
-        " --tensorboard-dir {params.tensorboard:q} --tracking {params.tracking:q} > {log:q} 2>&1"
+        " --tensorboard-dir {params.tensorboard:q} --tracking {params.tracking:q} {params.validation_metric}"
+        " > {log:q} 2>&1"

@@ -62,7 +62,8 @@ def edit(path, value):
     ("model", {"name": "m", "source": "gguf"}, "model.gguf", "required"),
     ("model.name", "bad name!", "model.name", "does not match"),
     ("datasets.amr_demo.derived.aux.transform", "no_such_transform", "datasets.amr_demo.derived.aux.transform", "unknown transform"),
-    ("datasets.chartqa_demo.splits", {"train": "train"}, "datasets.chartqa_demo.splits.test", "required, but missing (datasets.chartqa_demo.splits has keys ['train'])"),
+    ("datasets.chartqa_demo.splits", {"train": "train"}, "evaluation.split", "'test' is not a split of dataset 'chartqa_demo' (its splits: ['train']); set datasets.chartqa_demo.evaluation_split to one of them"),
+    ("datasets.chartqa_demo.splits", {}, "datasets.chartqa_demo.splits", "should be non-empty"),
     ("datasets.chartqa_demo.fields", {"question": "query", "answer": "label"}, "datasets.chartqa_demo.fields", ""),
     ("datasets.chartqa_demo.max_rejected_fraction", 1.5, "datasets.chartqa_demo.max_rejected_fraction", "greater than the maximum"),
     ("datasets.chartqa_demo.derived", None, "variants.mtup.target", "refers to ['aux'], which dataset 'chartqa_demo' does not provide"),
@@ -260,7 +261,7 @@ def test_yaml_syntax_errors_are_one_line_with_line_and_column(tmp_path, text, me
     ("model.name", None, "config key 'model.name': required, but missing (model has keys ['source', 'tiny', 'training', 'trust_remote_code'])"),
     ("model", None, "config key 'model': required, but missing: give the base model under model: (one) or models: "
                     "(several, by name) (the config has keys "
-                    "['comparison', 'datasets', 'evaluation', 'seeds', 'tracking', 'training', 'variants'])"),
+                    "['comparison', 'datasets', 'evaluation', 'mixtures', 'seeds', 'tracking', 'training', 'variants'])"),
     # a value under a key that looks like a secret is never echoed, nor one inside a value that is echoed
     ("datasets.chartqa_demo.extra_fields", {"api_key": 8675309}, "config key 'datasets.chartqa_demo.extra_fields.api_key': "
                                                                  "<redacted> is not of type 'string'"),

@@ -158,3 +158,94 @@ def test_cli_prints_the_table_and_exits_1_when_it_does_not_fit(capsys):
     assert cme.parse_size("80GB") == 80 * 10**9 and cme.parse_size("81920MiB") == 80 * GiB
     with pytest.raises(ConfigError, match="gpu-memory"):
         cme.parse_size("lots")
+
+
+# --- before any job: every (model, variant) whose config is here, against the memory the config declares ---
+DEMO = Path(__file__).parent.parent / "config" / "config.yaml"
+
+
+def demo_config(**training):
+    from workflow_scripts.core import experiment_config as xc
+
+    return xc.load_config(DEMO, {"training": training} if training else None)
+
+
+def test_demo_config_is_estimated_for_its_tiny_causal_lm_and_fits(tmp_path):
+    checked = cme.check_declared_memory(demo_config(), root=tmp_path)
+    config = demo_config()
+    # tiny-llama is built from model.tiny on the meta device; tiny-bert and tiny-llava (not causal LMs,
+    # and not prepared here) are left to the gate.
+    assert {c["model"] for c in checked} == {"tiny-llama"}
+    assert {c["variant"] for c in checked} == set(config["variants"])
+    first = checked[0]
+    assert first["declared"] == config["training"]["mem_mb"] * 2**20 and first["processes"] == 1
+    # CPU: fp32 weights, no CUDA runtime; the demo's model: vocab 1024, hidden 64, 2 layers.
+    h, i, v = 64, 128, 1024
+    weights = 2 * v * h + 2 * (4 * h * h + 3 * h * i + 2 * h) + h
+    assert first["estimate"]["weights"] == 4 * weights and first["estimate"]["runtime_overhead"] == 0
+
+
+def test_declared_cpu_memory_too_small_is_refused_naming_model_variant_and_knob(tmp_path):
+    with pytest.raises(ConfigError, match=r"config key 'training.mem_mb': model 'tiny-llama', variant '\w+': "
+                                          r"1 training process\(es\) .* Fix: raise training.mem_mb"):
+        cme.check_declared_memory(demo_config(mem_mb=1), root=tmp_path)
+
+
+def test_gpu_jobs_declare_no_device_memory_and_are_left_to_the_gate(tmp_path):
+    assert cme.check_declared_memory(demo_config(mem_mb=1, gpus=1), root=tmp_path) == []
+
+
+def test_fsdp_processes_share_the_node_but_each_holds_a_shard(tmp_path):
+    ddp = cme.check_declared_memory(demo_config(cpu_processes=2, effective_batch=32), root=tmp_path)[0]
+    fsdp = cme.check_declared_memory(demo_config(cpu_processes=2, effective_batch=32, strategy="fsdp"), root=tmp_path)[0]
+    assert ddp["processes"] == fsdp["processes"] == 2
+    assert fsdp["estimate"]["weights"] * 2 == ddp["estimate"]["weights"]
+    assert fsdp["estimate"]["optimizer"] * 2 == ddp["estimate"]["optimizer"]
+
+
+def test_a_hub_model_is_estimated_only_once_prepared_here(tmp_path):
+    from data_helpers import single_model_config
+
+    from workflow_scripts.core import experiment_config as xc
+
+    raw = single_model_config()
+    raw["model"] = {"name": "qwen", "source": "hub", "hub_id": "Qwen/Qwen2.5-0.5B", "revision": "0" * 40}
+    raw["training"].update(mem_mb=2000, lora={"target_modules": ["q_proj", "v_proj"]})
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(json.dumps(raw))  # JSON is YAML
+    config = xc.load_config(config_path)
+    assert cme.check_declared_memory(config, root=tmp_path) == []  # not downloaded: nothing to read
+    prepared = tmp_path / "resources" / "models" / "qwen"
+    prepared.mkdir(parents=True)
+    (prepared / "config.json").write_text((CONFIGS / "Qwen2.5-0.5B.json").read_text())
+    # 494M parameters in fp32 on CPU: 1.8 GiB of weights alone, over 90% of 2000 MB.
+    with pytest.raises(ConfigError, match=r"model 'qwen', variant .* Fix: raise training.mem_mb, or use a device "
+                                          r"with more memory or a smaller model, or set training.quantization"):
+        cme.check_declared_memory(config, root=tmp_path)
+    (prepared / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"models.qwen.*config.json cannot be read"):
+        cme.check_declared_memory(config, root=tmp_path)
+
+
+def test_snakemake_dry_run_refuses_before_any_job(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    from data_helpers import ROOT
+
+    config = yaml.safe_load(DEMO.read_text())
+    for dataset in config["datasets"].values():
+        dataset["source"]["path"] = str(ROOT / dataset["source"]["path"])
+    config["training"]["mem_mb"] = 1
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "-n",
+         "--configfile", str(tmp_path / "config.yaml"), "--replace-workflow-config", "--cores", "1"],
+        capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "config key 'training.mem_mb': model 'tiny-llama', variant" in output
+    assert "Job stats" not in output and "Traceback" not in output
+    assert not (tmp_path / "results").exists() and not (tmp_path / "resources").exists()

@@ -279,15 +279,33 @@ def batches(ids: list[str], keys: list[int], size: int = 7):
         yield ids[start:start + size], np.array(keys[start:start + size], dtype=np.uint64), None
 
 
-def test_train_keys_hold_eight_bytes_a_distinct_row_and_stream_in_batches():
+def test_checked_keys_hold_eight_bytes_a_distinct_checked_row_and_train_streams_past():
     train_ids, train_keys = [f"r{i}" for i in range(1000)], [i * 2 for i in range(1000)]
-    train = contamination.TrainKeys().add_all(batches(train_ids + ["again"], train_keys + [0]))
-    assert train.rows == 1001 and train.keys.nbytes == 8 * 1000 and train.pairs.size == 0
-    result = contamination.overlap("test", train, batches([f"t{i}" for i in range(100)], list(range(100))))
-    assert (result.checked, result.overlapping, result.pairs_overlapping) == (100, 50, None)
+    test_ids, test_keys = [f"t{i}" for i in range(100)] + ["t-again"], list(range(100)) + [0]
+    checked = contamination.CheckedKeys({"test": batches(test_ids, test_keys)})
+    assert checked.keys.nbytes == 8 * 100 and checked.pairs.size == 0
+    checked.add_train(batches(train_ids + ["again"], train_keys + [0]))
+    # train passed by in batches of 7 and left nothing behind but the flags
+    assert checked.train_rows == 1001 and checked.keys.nbytes == 8 * 100 and checked.in_train.sum() == 50
+    result = contamination.overlap("test", checked, lambda: batches(test_ids, test_keys))
+    assert (result.checked, result.overlapping, result.pairs_overlapping) == (101, 51, None)
     assert [test_id for test_id, _ in result.first] == ["t0", "t2", "t4", "t6", "t8"]
     contamination.name_train_ids([result], batches(train_ids, train_keys))
     assert result.examples(2) == [{"id": "t0", "train_id": "r0"}, {"id": "t2", "train_id": "r1"}]
+
+
+def test_a_saved_split_is_read_from_its_files_not_its_memory_map(tmp_path, monkeypatch):
+    from datasets import Dataset, load_from_disk
+
+    rows = [{"id": f"x{i}", "text": f"Line {i % 50}"} for i in range(2500)]
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "set"))
+    saved = load_from_disk(str(tmp_path / "set"))
+    monkeypatch.setattr(type(saved), "with_format", lambda *a, **k: pytest.fail("read through the memory map"))
+    streamed = list(contamination.keyed_batches(saved, batch_size=1000))
+    assert [len(keys) for _, keys, _ in streamed] == [1000, 1000, 500]
+    assert np.array_equal(np.concatenate([keys for _, keys, _ in streamed]),
+                          contamination.line_keys([row["text"] for row in rows]))
+    assert streamed[2][0][499].as_py() == "x2499"
 
 
 def test_keyed_rows_and_keyed_batches_agree_on_the_same_rows():

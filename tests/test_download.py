@@ -108,7 +108,7 @@ def test_local_source_is_copied_byte_for_byte_with_a_manifest(tmp_path):
 
 def test_local_source_missing_a_split_file_names_it(tmp_path):
     settings = local_dataset(tmp_path / "src", {"train": TRAIN})
-    with pytest.raises(WorkflowError, match=r"test\.jsonl: missing; split 'test'"):
+    with pytest.raises(WorkflowError, match=r"split 'test': .*test\.jsonl is missing \(the directory holds \['train\.jsonl'\]\); add test\.jsonl$"):
         download.main(main_args(settings, tmp_path))
     assert leftovers(tmp_path / "out") == []
 

@@ -135,8 +135,8 @@ def test_the_gate_runs_the_task_checks_and_refuses_an_unmasked_batch(chain):
         task_named("masked_lm").check_batch(batch, tokenizer, None)
 
 
-def test_full_training_is_refused_by_name():
-    with pytest.raises(WorkflowError, match="out of scope"):
+def test_full_training_in_a_variant_points_to_the_training_setting():
+    with pytest.raises(WorkflowError, match="variant key 'finetune'.*training.finetune: full"):
         task_named("masked_lm").check_variant({"finetune": "full"})
 
 

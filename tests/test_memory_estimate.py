@@ -51,3 +51,44 @@ def test_gate_names_the_knob_for_the_largest_part():
     with pytest.raises(preflight_checks.PreflightError, match="precision: bf16"):
         preflight_checks.check_memory(weight_heavy, 500, 0.9, settings, cuda)
     assert "allowed" in preflight_checks.check_memory(act_heavy, 10_000, 0.9, settings, cuda)
+
+
+def test_fsdp_shards_weights_adapters_gradients_and_optimizer_by_the_world_size(tiny_model_dir):
+    """Two gloo processes: FSDP2 shards every parameter (each decoder layer and the root), so each rank holds
+    half of weights, adapters, gradients and AdamW state, plus the root and two decoder layers gathered;
+    DDP holds everything, and its reducer a second copy of the gradients."""
+    from conftest import TINY_VOCAB
+
+    torch.set_num_threads(1)
+    ddp = tiny_training_settings(cpu_processes=2)
+    fsdp = tiny_training_settings(cpu_processes=2, strategy="fsdp")
+    setup = training_setup.build(tiny_model_dir, ddp, DistributedContext(0, 0, 1, 1, torch.device("cpu"), None))
+    on_ddp = memory_estimate.estimate(setup.peft_model, ddp, torch.device("cpu"))
+    on_fsdp = memory_estimate.estimate(setup.peft_model, fsdp, torch.device("cpu"))
+    # Every dim 0 of the tiny model (vocab, 32, 64, rank 4) is even: the halves are exact.
+    assert on_fsdp["weights"] * 2 == on_ddp["weights"]
+    assert on_fsdp["adapters"] * 2 == on_ddp["adapters"] and on_fsdp["optimizer"] * 2 == on_ddp["optimizer"]
+    assert on_fsdp["gradients"] * 4 == on_ddp["gradients"] == 2 * on_ddp["adapters"]
+    assert on_ddp["gathered_weights"] == 0 and on_ddp["activations"] == on_fsdp["activations"]
+    # Gathered (fp32 run): embeddings + lm_head + final norm, and two decoder layers with their LoRA
+    # (q, k, v, o 32x32; gate, up, down 32x64; two norms; rank-4 adapters on q, v and down).
+    layer = 4 * 32 * 32 + 3 * 32 * 64 + 2 * 32 + 4 * (32 + 32) * 2 + 4 * (64 + 32)
+    assert on_fsdp["gathered_weights"] == 4 * (2 * TINY_VOCAB * 32 + 32) + 2 * 4 * layer
+    assert on_fsdp["total"] == sum(v for k, v in on_fsdp.items() if k != "total")
+    # A rank's share of an uneven dim 0 is the larger chunk, as torch.chunk cuts it (rank 0's).
+    assert memory_estimate._largest_shard(torch.empty(5, 3), 2) == 9
+    one_process = memory_estimate.estimate(setup.peft_model, tiny_training_settings(strategy="fsdp"), torch.device("cpu"))
+    assert one_process["weights"] == on_ddp["weights"] and one_process["gathered_weights"] == 0
+
+
+def test_advice_under_full_fine_tuning_names_lora_not_its_rank():
+    import torch
+
+    from workflow_scripts.model import memory_estimate
+
+    parts = {"weights": 0, "activations": 10, "optimizer": 800, "adapters": 400}
+    training = {"finetune": "full", "lora": {"rank": 16}, "micro_batch": 1, "max_length": 64,
+                "gradient_checkpointing": False, "precision": "fp32"}
+    advice = memory_estimate.knob_advice(parts, training, torch.device("cpu"))
+    assert advice.startswith("train LoRA adapters instead (training.finetune: lora)") and "1.2 KiB" in advice
+    assert "lora.rank" in memory_estimate.knob_advice(parts, {**training, "finetune": "lora"}, torch.device("cpu"))

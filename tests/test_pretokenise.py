@@ -141,11 +141,57 @@ def test_a_changed_tokenizer_retokenises(inputs, tmp_path):
     assert after["tokenizer_fingerprint"] != before["tokenizer_fingerprint"] and after["cache_key"] != before["cache_key"]
 
 
-def test_parallel_tokenisation_gives_the_same_rows(inputs, tmp_path):
+def files_of(directory):
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_tokenising_processes_write_byte_identical_output(inputs, tmp_path, monkeypatch, threads):
+    """--threads N shares a split out between N forked processes (chunks of BATCH_SIZE rows, cut at chunk
+    boundaries, the last range shorter); the files equal one process's, byte for byte."""
     data_dir, model = inputs
-    one, _ = tokenise(data_dir, model, tmp_path / "one", MTUP, threads=1)
-    two, _ = tokenise(data_dir, model, tmp_path / "two", MTUP, threads=2)
-    assert one["train"].to_dict() == two["train"].to_dict()
+    monkeypatch.setattr(pretokenise, "BATCH_SIZE", 7)
+    monkeypatch.setattr(pretokenise, "PROCESS_MIN_ROWS", 60)  # validation's 59 rows stay in this process
+    rows = len(load_from_disk(str(data_dir))["train"])
+    assert pretokenise.process_count(threads, [rows]) == threads and rows % 7 and rows > 3 * 7 * threads
+    monkeypatch.setattr("workflow_scripts.data.arrow_split.BATCH_ROWS", 50)  # several record batches
+    forked = []
+    real = pretokenise.tokenise_in_processes
+    monkeypatch.setattr(pretokenise, "tokenise_in_processes", lambda *a, **k: forked.append(a[3]) or real(*a, **k))
+    one, one_report = tokenise(data_dir, model, tmp_path / "one", MTUP, threads=1)
+    assert forked == []
+    many, many_report = tokenise(data_dir, model, tmp_path / "many", MTUP, threads=threads)
+    assert forked == [threads]  # train only: validation is below PROCESS_MIN_ROWS
+    assert files_of(tmp_path / "one") == files_of(tmp_path / "many") and one_report == many_report
+    # record batches of whole chunks, closed at the first chunk reaching 50 rows: 8 chunks of 7
+    assert {batch.num_rows for batch in one["train"].data.to_batches()[:-1]} == {56}
+    assert one["train"]["id"] == load_from_disk(str(data_dir))["train"]["id"]
+
+
+def test_chunk_ranges_cover_the_rows_at_chunk_boundaries(monkeypatch):
+    monkeypatch.setattr(pretokenise, "BATCH_SIZE", 10)
+    assert pretokenise.chunk_ranges(95, 2) == [(0, 50), (50, 95)]
+    assert pretokenise.chunk_ranges(95, 3) == [(0, 40), (40, 80), (80, 95)]
+    assert pretokenise.chunk_ranges(15, 4) == [(0, 10), (10, 15)]  # no empty range
+    assert pretokenise.process_count(2, [10**9]) == 2 and pretokenise.process_count(1, [10**9]) == 1
+    assert pretokenise.process_count(4, [pretokenise.PROCESS_MIN_ROWS - 1]) == 1
+
+
+def test_an_error_in_a_tokenising_process_stops_the_stage_with_its_message(inputs, tmp_path, monkeypatch):
+    data_dir, model = inputs
+    monkeypatch.setattr(pretokenise, "BATCH_SIZE", 7)
+    monkeypatch.setattr(pretokenise, "PROCESS_MIN_ROWS", 20)
+    real = pretokenise.Tokeniser.chunk
+
+    def failing(self, table):  # fails in the first forked process, on its fourth chunk
+        if table.column("id")[0].as_py() == load_from_disk(str(data_dir))["train"][21]["id"]:
+            raise WorkflowError("row 'x': planted failure")
+        return real(self, table)
+
+    monkeypatch.setattr(pretokenise.Tokeniser, "chunk", failing)
+    with pytest.raises(WorkflowError, match="^row 'x': planted failure$"):
+        tokenise(data_dir, model, tmp_path / "out" / "tok", MTUP, threads=2)
+    assert leftovers(tmp_path / "out") == []
 
 
 def test_chat_template_variant_uses_the_tokenizers_template(inputs, tmp_path):

@@ -275,12 +275,22 @@ def test_layout_settings_get_their_defaults():
     assert layout_settings("infographicvqa", Path("/nowhere"))["format"] == "jsonl"
     assert layout_settings("ocrvqa", Path("/nowhere"))["splits"] == {"train": "train", "validation": "validation",
                                                                      "test": "test"}
-    # Every dataset is evaluated on evaluation.split: one without a test split is refused by name.
-    unlabelled_test_left_out = yaml.safe_load(LAYOUT_YAML["infographicvqa"])
-    unlabelled_test_left_out["splits"] = {"train": "train", "validation": "validation"}
-    unlabelled_test_left_out["source"] = {"type": "local", "path": "/nowhere"}
-    with pytest.raises(ConfigError, match="datasets.infographicvqa.splits.test"):
-        validate_section(unlabelled_test_left_out, "datasets", "datasets.infographicvqa")
+    # Every dataset is evaluated on evaluation.split unless it names its own evaluation_split: one without
+    # a test split is refused by name, and runs once it names validation.
+    from data_helpers import default_config
+    from workflow_scripts.core.experiment_config import check_config, validate_schema
+
+    test_left_out = yaml.safe_load(LAYOUT_YAML["infographicvqa"])
+    test_left_out.update(splits={"train": "train", "validation": "validation"}, models=["tiny-llava"],
+                         source={"type": "local", "path": "/nowhere"})
+    config = default_config()
+    config["datasets"]["infographicvqa"] = test_left_out
+    validate_schema(config)
+    with pytest.raises(ConfigError, match="'evaluation.split': 'test' is not a split of dataset 'infographicvqa'.*"
+                                          "set datasets.infographicvqa.evaluation_split to one of them"):
+        check_config(config)
+    test_left_out["evaluation_split"] = "validation"
+    check_config(config)
 
 
 def test_chartqa_parquet_rejects_the_empty_query_and_the_truncated_image(layouts):

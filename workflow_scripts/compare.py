@@ -25,12 +25,13 @@ import numpy as np
 from workflow_scripts.analysis import fairness, paired_bootstrap, plots
 from workflow_scripts.tasks import metrics
 from workflow_scripts.core.atomic_output import atomic_path
+from workflow_scripts.core.experiment_config import evaluation_subdirectory, plot_names
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
 
 MIN_RESAMPLES = 1000
 COLUMNS = (
-    "model", "dataset", "metric", "variant", "n_seeds", "seeds", "seed_scores", "mean", "std", "ci_low", "ci_high",
+    "model", "dataset", "trained_on", "metric", "variant", "n_seeds", "seeds", "seed_scores", "mean", "std", "ci_low", "ci_high",
     "base_score", "gain_over_base", "gain_ci_low", "gain_ci_high", "reference", "difference", "difference_ci_low", "difference_ci_high",
     "p_value", "n_examples", "unparseable_share", "bootstrap",
 )
@@ -38,7 +39,8 @@ COLUMNS = (
 
 @dataclass
 class Run:
-    """One experiment's outputs: eval summary, per-example values keyed by id, train manifest and log."""
+    """One experiment's evaluation on one dataset: eval summary, per-example values keyed by id, and the
+    training run's manifest and log (``run_directory``; ``directory`` holds the evaluation)."""
     model: str
     dataset: str
     variant: str
@@ -47,12 +49,19 @@ class Run:
     summary: dict
     values: dict[str, Any] = field(repr=False)
     manifest: dict = field(repr=False)
+    trained: str = ""  # the dataset or mixture the adapter was trained on ("" : ``dataset``)
+    run_directory: Path | None = None
+
+    def __post_init__(self):
+        self.trained = self.trained or self.dataset
+        self.run_directory = self.run_directory or self.directory
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = StageArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results-dir", required=True, help="root of results/{model}/{dataset}/{variant}/seed{seed}/")
-    parser.add_argument("--experiments", required=True, help="JSON list of [model, dataset, variant, seed]")
+    parser.add_argument("--experiments", required=True, help="JSON list of [model, dataset, variant, seed] or "
+                        "[model, trained on, variant, seed, evaluated dataset] (a mixture, or an evaluation-only dataset)")
     parser.add_argument("--comparison", required=True, help="the config's comparison settings as JSON")
     parser.add_argument("--with-base", action="store_true", help="read the untrained model's results/{model}/{dataset}/{variant}/base/ eval.json and predictions")
     parser.add_argument("--out-csv", required=True)
@@ -61,18 +70,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def parse_experiments(text: str) -> list[tuple[str, str, str, int]]:
+def parse_experiments(text: str) -> list[tuple[str, str, str, int, str]]:
+    """(model, trained on, variant, seed, evaluated dataset) per item; a 4-item entry is scored on its own dataset."""
     value = json_setting(text, "--experiments")
     if not isinstance(value, list) or not value:
         raise WorkflowError("argument --experiments: expected a non-empty JSON list of [model, dataset, variant, seed]")
     experiments = []
     for index, item in enumerate(value):
-        if (not isinstance(item, list) or len(item) != 4 or not all(isinstance(name, str) for name in item[:3])
-                or not isinstance(item[3], int) or isinstance(item[3], bool)):
-            raise WorkflowError(f"argument --experiments item {index}: expected [model, dataset, variant, seed], got {item!r}")
-        if tuple(item) in experiments:
+        if (not isinstance(item, list) or len(item) not in (4, 5) or not all(isinstance(name, str) for name in item[:3])
+                or not isinstance(item[3], int) or isinstance(item[3], bool)
+                or (len(item) == 5 and not isinstance(item[4], str))):
+            raise WorkflowError(f"argument --experiments item {index}: expected [model, dataset, variant, seed] or "
+                                f"[model, trained on, variant, seed, evaluated dataset], got {item!r}")
+        experiment = (item[0], item[1], item[2], item[3], item[4] if len(item) == 5 else item[1])
+        if experiment in experiments:
             raise WorkflowError(f"argument --experiments item {index}: {item!r} is listed twice")
-        experiments.append((item[0], item[1], item[2], item[3]))
+        experiments.append(experiment)
     return experiments
 
 
@@ -94,12 +107,13 @@ def parse_comparison(text: str) -> dict:
     return comparison
 
 
-def bootstrap_mode(comparison: Mapping[str, Any], experiments: Sequence[tuple[str, str, str, int]]) -> str:
+def bootstrap_mode(comparison: Mapping[str, Any], experiments: Sequence[tuple]) -> str:
     """The bootstrap used for the whole table: ``comparison.bootstrap``, with ``auto`` resolved over every
-    compared (model, dataset, variant)'s seed count, so all rows use one mode."""
-    counts: dict[tuple[str, str, str], int] = {}
-    for model, dataset, variant, _ in experiments:
-        counts[model, dataset, variant] = counts.get((model, dataset, variant), 0) + 1
+    compared (model, trained on, dataset, variant)'s seed count, so all rows use one mode."""
+    counts: dict[tuple, int] = {}
+    for model, trained, variant, _, *evaluated in experiments:
+        key = (model, trained, variant, *evaluated)
+        counts[key] = counts.get(key, 0) + 1
     return paired_bootstrap.resolve_mode(comparison.get("bootstrap", "auto"), counts.values())
 
 
@@ -168,10 +182,14 @@ def read_predictions(path: Path, metric: str) -> dict[str, Any]:
     return values
 
 
-def read_loss_curve(path: Path) -> tuple[list[int], list[float], list[int], list[float]]:
-    """Training loss per step, and the validation loss at the steps where training computed it."""
+def read_loss_curve(path: Path) -> tuple[list[int], list[float], list[int], list[float], dict]:
+    """Training loss per step, the validation loss at the steps where training computed it, and the task's
+    validation metric there (training.validation.metric_examples; empty when off)."""
+    from workflow_scripts.training.training_log import validation_metric_curves
+
     steps, losses, validation_steps, validation_losses = [], [], [], []
-    for number, row in read_jsonl(path):
+    rows = read_jsonl(path)
+    for number, row in rows:
         if not isinstance(row.get("step"), int) or not _is_number(row.get("loss")):
             raise WorkflowError(f"{path} line {number}: fields 'step' (integer) and 'loss' (finite number) are required")
         steps.append(row["step"])
@@ -181,7 +199,7 @@ def read_loss_curve(path: Path) -> tuple[list[int], list[float], list[int], list
                 raise WorkflowError(f"{path} line {number}: field 'validation_loss' is not a finite number")
             validation_steps.append(row["step"])
             validation_losses.append(float(row["validation_loss"]))
-    return steps, losses, validation_steps, validation_losses
+    return steps, losses, validation_steps, validation_losses, validation_metric_curves([row for _, row in rows])
 
 
 def check_summary(summary: Mapping[str, Any], path: Path, model: str, dataset: str, variant: str, seed: int | str) -> None:
@@ -198,10 +216,14 @@ def check_summary(summary: Mapping[str, Any], path: Path, model: str, dataset: s
                             f"{', '.join(metrics.COMPARABLE_METRICS)}")
 
 
-def load_run(results_dir: Path, model: str, dataset: str, variant: str, seed: int) -> Run:
-    directory = results_dir / model / dataset / variant / f"seed{seed}"
+def load_run(results_dir: Path, model: str, trained: str, variant: str, seed: int, dataset: str | None = None) -> Run:
+    """An adapter trained on ``trained`` scored on ``dataset`` (its own, or under on_<dataset>/)."""
+    dataset = dataset or trained
+    run_directory = results_dir / model / trained / variant / f"seed{seed}"
+    directory = run_directory / evaluation_subdirectory(trained, dataset)
     summary, values = read_evaluation(directory, model, dataset, variant, seed)
-    return Run(model, dataset, variant, seed, directory, summary, values, read_json(directory / "run_manifest.json"))
+    return Run(model, dataset, variant, seed, directory, summary, values, read_json(run_directory / "run_manifest.json"),
+               trained, run_directory)
 
 
 def read_evaluation(directory: Path, model: str, dataset: str, variant: str, seed: int | str) -> tuple[dict, dict]:
@@ -237,16 +259,18 @@ def aligned_ids(runs: Sequence[Run]) -> list[str]:
 
 
 def check_fairness(runs: Sequence[Run], intended: Sequence[str]) -> None:
-    for model, dataset, seed in sorted({(run.model, run.dataset, run.seed) for run in runs}):
-        same = [run for run in runs if run.model == model and run.dataset == dataset and run.seed == seed]
+    for model, trained, dataset, seed in sorted({(run.model, run.trained, run.dataset, run.seed) for run in runs}):
+        same = [run for run in runs
+                if (run.model, run.trained, run.dataset, run.seed) == (model, trained, dataset, seed)]
         settings, sources = {}, {}
         for run in same:
             try:
                 settings[run.variant] = fairness.comparable_settings(run.manifest, run.summary)
             except WorkflowError as error:
-                raise WorkflowError(f"{run.directory / 'run_manifest.json'}: {error}") from None
-            sources[run.variant] = str(run.directory / "run_manifest.json")
-        fairness.check_fair(f"model '{model}', dataset '{dataset}'", seed, settings, sources, intended)
+                raise WorkflowError(f"{run.run_directory / 'run_manifest.json'}: {error}") from None
+            sources[run.variant] = str(run.run_directory / "run_manifest.json")
+        where = dataset if trained == dataset else f"{trained}, scored on {dataset}"
+        fairness.check_fair(f"model '{model}', dataset '{where}'", seed, settings, sources, intended)
 
 
 def _round(value: float | None) -> float | None:
@@ -292,7 +316,7 @@ def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, compariso
         interval = paired_bootstrap.score_interval(metric, arrays(variant), resamples, bootstrap_seed, mode)
         base_score = None if base is None else base[variant].score
         row = {
-            "model": model, "dataset": dataset, "metric": metric, "variant": variant, "n_seeds": len(seeds),
+            "model": model, "dataset": dataset, "trained_on": runs[0].trained, "metric": metric, "variant": variant, "n_seeds": len(seeds),
             "seeds": " ".join(map(str, seeds)), "seed_scores": seed_scores,
             "mean": interval.score, "std": float(np.std(seed_scores, ddof=1)) if len(seeds) > 1 else None,
             "ci_low": interval.low, "ci_high": interval.high,
@@ -387,12 +411,15 @@ def reference_for(comparison: Mapping[str, Any], task: str) -> str:
 
 def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any]) -> str:
     reference = " / ".join(dict.fromkeys(row["reference"] for row in rows))
+    # A "trained on" column only where some adapter is scored on another dataset than it trained on
+    # (a mixture's components, evaluation-only datasets).
+    crossed = any(row["trained_on"] != row["dataset"] for row in rows)
     lines = [
         "# Comparison of prompt variants",
         "",
-        f"| model | dataset | metric | variant | seeds | mean ± std | 95% CI | untrained | gain over untrained [95% CI] "
-        f"| Δ vs {reference} [95% CI] | p |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| model | {'trained on | ' if crossed else ''}dataset | metric | variant | seeds | mean ± std | 95% CI | untrained "
+        f"| gain over untrained [95% CI] | Δ vs {reference} [95% CI] | p |",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if crossed else ""),
     ]
     for row in rows:
         delta = "—" if row["difference"] is None else (
@@ -400,7 +427,7 @@ def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any]) -
         gain = "n/a" if row["gain_over_base"] is None else (
             f"{row['gain_over_base']:+.4f} [{row['gain_ci_low']:+.4f}, {row['gain_ci_high']:+.4f}]")
         lines.append(
-            f"| {row['model']} | {row['dataset']} | {row['metric']} | {row['variant']} | {row['n_seeds']} | "
+            f"| {row['model']} | {row['trained_on'] + ' | ' if crossed else ''}{row['dataset']} | {row['metric']} | {row['variant']} | {row['n_seeds']} | "
             f"{_cell(row['mean'])} ± {_cell(row['std'])} | [{_cell(row['ci_low'])}, {_cell(row['ci_high'])}] | "
             f"{_cell(row['base_score'])} | {gain} | {delta} | {'—' if row['p_value'] is None else _cell(row['p_value'])} |"
         )
@@ -443,23 +470,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = bootstrap_mode(comparison, experiments)
 
     rows, loss_curves = [], {}
-    groups = list(dict.fromkeys((model, dataset) for model, dataset, _, _ in experiments))
-    for model, dataset in groups:
-        group_runs = [run for run in runs if run.model == model and run.dataset == dataset]
+    groups = list(dict.fromkeys((model, trained, dataset) for model, trained, _, _, dataset in experiments))
+    for model, trained, dataset in groups:
+        group_runs = [run for run in runs if (run.model, run.trained, run.dataset) == (model, trained, dataset)]
         metric = group_runs[0].summary["metric"]
         variants = list(dict.fromkeys(run.variant for run in group_runs))
         base = read_base_runs(results_dir, model, dataset, variants, metric) if args.with_base else None
         reference = reference_for(comparison, group_runs[0].summary.get("task", "generation"))
         rows.extend(compare_dataset(dataset, group_runs, reference, comparison, base, mode))
-        loss_curves[model, dataset] = {(run.variant, run.seed): read_loss_curve(run.directory / "train_log.jsonl")
-                                       for run in group_runs}
+        loss_curves.setdefault((model, trained), {}).update(
+            {(run.variant, run.seed): read_loss_curve(run.run_directory / "train_log.jsonl") for run in group_runs})
 
     plots_dir = Path(args.plots_dir)
-    for model, dataset in groups:
-        group_rows = [row for row in rows if row["model"] == model and row["dataset"] == dataset]
-        title = f"{dataset} ({model})"
-        plots.score_plot(plots_dir / f"scores_{model}_{dataset}.png", title, group_rows[0]["metric"], group_rows)
-        plots.loss_plot(plots_dir / f"loss_{model}_{dataset}.png", title, loss_curves[model, dataset])
+    for model, trained, dataset in groups:
+        group_rows = [row for row in rows if (row["model"], row["trained_on"], row["dataset"]) == (model, trained, dataset)]
+        scores, loss = plot_names(model, trained, dataset)
+        title = f"{dataset} ({model})" if trained == dataset else f"{dataset}, trained on {trained} ({model})"
+        plots.score_plot(plots_dir / scores, title, group_rows[0]["metric"], group_rows)
+    for (model, trained), curves in loss_curves.items():
+        plots.loss_plot(plots_dir / plot_names(model, trained, trained)[1], f"{trained} ({model})", curves)
     write_csv(args.out_csv, rows)
     text = markdown(rows, comparison)
     with atomic_path(args.out_markdown) as temporary:

@@ -27,7 +27,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from workflow_scripts.data import raw_records, text_lines
+from workflow_scripts.data import raw_records, split_names, text_lines
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.experiment_config import validate_section
@@ -156,11 +156,11 @@ def copy_local(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
     directory, fmt = Path(settings["source"]["path"]), settings["format"]
     if not directory.is_dir():
         raise WorkflowError(f"{directory}: source.path is not a directory (it must hold one <split>.{fmt} file per split)")
+    problem = split_names.local_split_problem(directory, settings)
+    if problem is not None:
+        raise WorkflowError(f"split '{problem[0]}': {problem[1]}")
     for split in source_splits(settings):
         path = local_split_file(directory, split, fmt)
-        if not path.is_file():
-            present = sorted(p.name for p in directory.iterdir())
-            raise WorkflowError(f"{path}: missing; split '{split}' needs this file (the directory holds {present})")
         shutil.copyfile(path, out / path.name)
     if "image" in settings.get("fields", {}) and (directory / IMAGES_DIR).is_dir():
         copy_images(directory / IMAGES_DIR, out / IMAGES_DIR)
@@ -199,7 +199,8 @@ def download_hub(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
         raise WorkflowError(f"hub dataset {source['id']}: expected splits, got a {type(data).__name__}")
     missing = [split for split in source_splits(settings) if split not in data]
     if missing:
-        raise WorkflowError(f"hub dataset {source['id']}: no split {missing} (it has {sorted(data)})")
+        fix = split_names.missing_split_fix(missing[0], settings["splits"], list(data))
+        raise WorkflowError(f"hub dataset {source['id']}: no split {missing} (it has {sorted(data)}); {fix}")
     data.save_to_disk(str(out))
     return {"id": source["id"], "config_name": source.get("config_name"), "revision": source["revision"]}
 

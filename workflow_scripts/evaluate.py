@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -144,6 +145,36 @@ def file_sha256(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    device_name: str
+
+
+@contextlib.contextmanager
+def loaded_model(args: argparse.Namespace, task, task_meta: Mapping[str, Any], gpus: int,
+                 label: str) -> Iterator[LoadedModel]:
+    """The model (with ``args.adapter`` when given) on the evaluation device, as evaluate and predict load it."""
+    torch.manual_seed(0)  # greedy decoding draws nothing, but keep any stray randomness fixed
+    with evaluation_device(gpus, label) as device:
+        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+        tokenizer = model_loading.load_tokenizer(args.model, args.trust_remote_code)
+        model = model_loading.load_with_adapter(args.model, args.adapter, device, dtype, args.trust_remote_code,
+                                                task.auto_model_class, task.model_kwargs(task_meta))
+        task.prepare_model(model, tokenizer.pad_token_id, task_meta)
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        yield LoadedModel(model, tokenizer, device, dtype, device_name)
+
+
+def refuse_unlabelled(task_meta: Mapping[str, Any], data_dir: str, split: str) -> None:
+    if split in task_meta.get("unlabelled", []):
+        raise ConfigError("evaluation_split", f"split '{split}' of {data_dir} is unlabelled (no gold to score): it is "
+                          "predicted by the predict rule, never evaluated; evaluate this dataset on validation")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     task = task_named(args.task, "argument --task")
@@ -159,16 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_templates(variant, rows, args.data, evaluation["split"])
     model_loading.check_model_directory(args.model)
     task_meta = read_task_meta(args.data, args.task)
-    torch.manual_seed(0)  # greedy decoding draws nothing, but keep any stray randomness fixed
+    refuse_unlabelled(task_meta, args.data, evaluation["split"])
     label = f"evaluate {args.model_name or Path(args.model).name}/{args.dataset_name}/{args.variant_name}/{seed}"
-    with evaluation_device(evaluation["gpus"], label) as device:
-        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-        tokenizer = model_loading.load_tokenizer(args.model, args.trust_remote_code)
-        model = model_loading.load_with_adapter(args.model, args.adapter, device, dtype, args.trust_remote_code,
-                                                task.auto_model_class, task.model_kwargs(task_meta))
-        task.prepare_model(model, tokenizer.pad_token_id, task_meta)
-        result = task.evaluate(model, tokenizer, variant, rows, args.metric, evaluation, device)
-        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    with loaded_model(args, task, task_meta, evaluation["gpus"], label) as loaded:
+        result = task.evaluate(loaded.model, loaded.tokenizer, variant, rows, args.metric, evaluation, loaded.device)
+    device, dtype, device_name = loaded.device, loaded.dtype, loaded.device_name
     records, score, unparseable = result.records, result.score, result.unparseable
 
     summary = {

@@ -18,6 +18,13 @@ masked LM's line); the report's ``contamination`` section counts the overlap per
 
 Counting: a row is one record, or one question/answer pair of a flattened record; a flattened
 record that cannot be split into pairs (not lists, or lists of different lengths) counts as one.
+
+Unlabelled splits (``unlabelled: [test]``, a leaderboard's test set whose answers are withheld): the
+gold field is not read and is written as None; the gold must be absent or null in every record of the
+split (a few records with gold is an error naming the first; gold in every record is reported as
+``gold_ignored`` and left out). The report and ``task_meta.json`` record ``unlabelled``; the
+contamination check compares their inputs as for any split. Answers given as one bare string where
+other rows give lists are taken as one answer each and counted (``answers_as_bare_string``).
 """
 from __future__ import annotations
 
@@ -63,6 +70,10 @@ class SplitTally:
     present: Counter = field(default_factory=Counter)  # source field -> rows that have it
     first: dict = field(default_factory=dict)  # reason -> the split's first example of it
     seen_keys: set = field(default_factory=set)
+    unlabelled: bool = False
+    records: int = 0       # raw records with fields (for an unlabelled split's gold check)
+    gold_records: int = 0  # of them, records whose gold field holds a value
+    first_gold: raw_records.Place | None = None
 
     @property
     def rejected(self) -> int:
@@ -92,14 +103,23 @@ def describe(example: Mapping[str, Any]) -> str:
 def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_split: str,
                     rejections: Rejections, key: str) -> tuple[list[dict], SplitTally]:
     location = raw_records.split_location(raw_dir, source_split, fmt)
-    tally = SplitTally(source_split=source_split, file=str(location))
+    unlabelled = canonical in getattr(mapper, "unlabelled", ())
+    tally = SplitTally(source_split=source_split, file=str(location), unlabelled=unlabelled)
     kept, ids = [], set()
     source_fields = mapper.source_fields()
+    gold = mapper.gold_source if unlabelled else None
+    if gold is not None:  # an unlabelled split may lack its gold field in every row
+        source_fields = {key: name for key, name in source_fields.items() if name != gold}
     for place, record in raw_records.iter_placed_records(raw_dir, source_split, fmt):
         row = place.index
         if isinstance(record, Mapping):
             tally.seen_keys.update(record)
             tally.present.update(name for name in set(source_fields.values()) if name in record)
+            if gold is not None:
+                tally.records += 1
+                if record.get(gold) is not None:
+                    tally.gold_records += 1
+                    tally.first_gold = tally.first_gold or place
         for result in mapper.rows(record, canonical, row):
             tally.examined += 1
             if isinstance(result, dict) and result["id"] in ids:
@@ -118,6 +138,12 @@ def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_spli
                 f"{location}: field '{source}' ({key}.{config_key}) is absent from every row of split "
                 f"'{source_split}'; the rows have fields {sorted(tally.seen_keys)}"
             )
+    if 0 < tally.gold_records < tally.records:
+        raise WorkflowError(
+            f"{location} {tally.first_gold}: field '{gold}' holds a gold answer, but split '{canonical}' is declared "
+            f"unlabelled ({key}.unlabelled) and {tally.records - tally.gold_records} of its {tally.records} rows have "
+            f"none; a split is labelled in every row or in none: remove '{canonical}' from {key}.unlabelled and "
+            "complete its answers, or clear the stray ones")
     return kept, tally
 
 
@@ -159,11 +185,18 @@ def check_record_contamination(mapper, splits: Mapping[str, list[dict]], setting
     return section, message, results
 
 
-def to_dataset(rows: list[dict], location: str):
+def to_dataset(rows: list[dict], location: str, like=None):
+    """The kept rows as one table; ``like`` (the train split) gives the types of columns that hold only
+    None here (an unlabelled split's gold), so every split of the data has the same columns and types."""
     from datasets import Dataset
 
     try:
-        return Dataset.from_list(rows)
+        data = Dataset.from_list(rows)
+        if like is not None:
+            for name, feature in data.features.items():
+                if getattr(feature, "dtype", None) == "null" and name in like.features:
+                    data = data.cast_column(name, like.features[name])
+        return data
     except Exception as error:  # Arrow cannot hold a carried field's values in one column
         raise WorkflowError(f"{location}: the kept rows cannot be stored as one table: {error}") from None
 
@@ -223,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     task = task_named(settings["task"])
     own_normalisation = getattr(task, "normalise_source", None)
     if own_normalisation is not None:  # the task reads its raw files itself (e.g. plain text, line by line)
+        if settings.get("unlabelled"):
+            raise ConfigError(f"{key}.unlabelled", f"task '{settings['task']}' has no unlabelled splits; remove the key")
         return normalise_by_task(own_normalisation, args, settings)
     descriptions = {**REASONS, **getattr(task, "rejection_reasons", {})}  # a task's own reasons (images...)
     mapper = task.record_mapper(settings, key)
@@ -246,9 +281,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "source_split": t.source_split, "file": t.file, "examined": t.examined, "kept": t.kept,
                 "rejected": t.rejected, "rejected_fraction": t.rejected / t.examined if t.examined else None,
                 "reasons": dict(t.reasons),
+                **({"unlabelled": True, "gold_ignored": t.gold_records} if t.unlabelled else {}),
+                **mapper.split_report(canonical, splits[canonical]),
             }
             for canonical, t in tallies.items()
         },
+        "unlabelled": [canonical for canonical, t in tallies.items() if t.unlabelled],
         "reasons": {
             reason: {"count": count, "description": descriptions[reason], "examples": rejections.examples[reason]}
             for reason, count in sorted(rejections.counts.items())
@@ -270,15 +308,33 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from datasets import DatasetDict
 
-    data = DatasetDict({canonical: to_dataset(rows, tallies[canonical].file) for canonical, rows in splits.items()})
+    data = DatasetDict()
+    for canonical in sorted(splits, key=lambda name: tallies[name].unlabelled):  # labelled splits give the types
+        labelled = next((data[name] for name in data if not tallies[name].unlabelled), None)
+        data[canonical] = to_dataset(splits[canonical], tallies[canonical].file, like=labelled)
+    data = DatasetDict({canonical: data[canonical] for canonical in splits})  # in canonical order
+    unlabelled = {"unlabelled": report["unlabelled"]} if report["unlabelled"] else {}
     with atomic_path(args.out, directory=True) as out:
         data.save_to_disk(str(out))
-        write_json(out / TASK_META, {"task": settings["task"], **mapper.task_meta()})
+        write_json(out / TASK_META, {"task": settings["task"], **mapper.task_meta(), **unlabelled})
     write_json(args.report, report)
     for canonical, tally in tallies.items():
         print(f"{args.name}/{canonical}: kept {tally.kept} of {tally.examined} rows; rejected {dict(tally.reasons)}")
+        print_split_notes(args.name, canonical, tally, report["splits"][canonical], mapper)
     print_contamination(args.name, overlaps, settings)
     return 0
+
+
+def print_split_notes(name: str, canonical: str, tally: SplitTally, entry: Mapping[str, Any], mapper) -> None:
+    """What the log must say beside the counts: an unlabelled split, answers taken from a bare string."""
+    if tally.unlabelled:
+        print(f"{name}/{canonical}: unlabelled: no gold; predicted in the submission format, never scored")
+        if tally.gold_records:
+            print(f"{name}/{canonical}: warning: declared unlabelled, but all {tally.gold_records} rows hold "
+                  f"'{mapper.gold_source}'; it is left out (remove '{canonical}' from unlabelled to score this split)")
+    if entry.get("answers_as_bare_string"):
+        print(f"{name}/{canonical}: {entry['answers_as_bare_string']} rows give their answers as one bare string "
+              "where other rows give lists; each is taken as that row's one answer")
 
 
 if __name__ == "__main__":

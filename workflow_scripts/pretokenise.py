@@ -1,10 +1,18 @@
 """Stage ``pretokenise``: the dataset's task tokenises the normalised rows for one variant, in
-batches with the model's fast tokenizer, and the token ids are saved with ``save_to_disk``.
+chunks of ``BATCH_SIZE`` rows with the model's fast tokenizer, and the token ids are written in
+``save_to_disk``'s layout.
 
 What is tokenised and how (prompt/target with masked labels, text + label, lines for masked LM) is
 the task's (``tasks/``); this stage runs it over each split, counts truncated and dropped rows, and
 keeps the output fresh. Training opens the result with ``load_from_disk`` (memory-mapped Arrow), so
 data-loader workers share pages instead of receiving pickled copies (seed: 1.5 GB pickled per rank).
+
+Streaming (``data/arrow_split``): the input is read chunk by chunk from its Arrow files (not through a
+memory map) and the kept rows go straight to the output's record batches of up to 32,768 rows, so
+memory does not grow with the corpus. ``--threads N``: a split of at least ``PROCESS_MIN_ROWS`` rows
+is cut into N contiguous ranges at chunk boundaries, tokenised by N forked processes (one tokenizer
+thread each) into piece files that are then appended in order: the output is byte-identical to one
+process's. Smaller splits use the tokenizer's N threads in this process.
 
 ``tokenise_meta.json`` holds a cache key over the task, the tokenizer files, the variant, the max length
 and the input data files: an existing output with the same key is reused, anything else
@@ -13,30 +21,33 @@ re-tokenises (seen elsewhere: axolotl reusing a stale cache after the tokenizer 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import hashlib
 import json
 import os
-import tempfile
+import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from workflow_scripts.data import arrow_split
 from workflow_scripts.data.normalised_data import read_task_meta
 from workflow_scripts.tasks import task_named
-from workflow_scripts.core.atomic_output import atomic_path, write_json
+from workflow_scripts.core.atomic_output import atomic_path, scratch_directory, stop_signals_exit, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
 from workflow_scripts.core.experiment_config import config_hash
 from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
 
 TRAINING_SPLITS = ("train", "validation")
 META_NAME = "tokenise_meta.json"
-FORMAT_VERSION = 1  # bump when the stored layout or the masking rule changes
+FORMAT_VERSION = 2  # bump when the stored layout or the masking rule changes (2: large record batches)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    # a VLM's processor expands image placeholders and normalises pixels: part of the key too
                    "processor_config.json", "preprocessor_config.json")
-BATCH_SIZE = 2000  # rows per tokenizer call: large enough to keep the tokenizer's thread pool busy
+BATCH_SIZE = 2000  # rows per tokenizer call (a chunk): large enough to keep the tokenizer's thread pool busy
+PROCESS_MIN_ROWS = 10 * BATCH_SIZE  # a split this large is shared out between --threads processes
+REPORT_COLUMNS = ("truncated", "dropped")  # counted for the report, not stored
 
 
 def files_fingerprint(directory: Path, names: Sequence[str] | None = None, pattern: str | None = None) -> str:
@@ -76,14 +87,20 @@ def cache_key(tokenizer_fp: str, variant: Mapping[str, Any], max_length: int, in
 
 
 def use_tokenizer_threads(threads: int) -> None:
-    """Parallelism is the fast tokenizer's own Rust thread pool, in this one process.
+    """Threads of the fast tokenizer's own Rust pool in this process (1 where processes share the work).
 
-    Measured (benchmarks/bench_pretokenise.py): ``datasets.map(num_proc=2)`` was slower than one
-    process (fork, pickling the tokenizer, merging shards), while batched calls on the tokenizer's
-    pool scale. The pool reads these variables when it first starts, so set them before any encoding.
+    The pool reads these variables when it first starts, so set them before any encoding.
     """
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+
+
+def process_count(threads: int, split_rows: Sequence[int]) -> int:
+    """``--threads`` processes when a split is large enough to share out, else one (with ``threads``
+    tokenizer threads). Processes split all of the work: the tokenizer's threads parallelise only its
+    Rust encoder, 85% of a masked LM's time, so two of them reached 1.05x on two cores
+    (benchmarks/RESULTS.md); forked processes each run everything on their own core."""
+    return threads if threads > 1 and max(split_rows, default=0) >= PROCESS_MIN_ROWS else 1
 
 
 @contextlib.contextmanager
@@ -100,54 +117,205 @@ def cyclic_gc_paused():
             gc.enable()
 
 
-def tokenise_split(task, dataset, tokenizer, variant: Mapping[str, Any], max_length: int, work: Path, split: str,
-                   task_meta: Mapping[str, Any]):
-    """The task's batched tokenising over one split, written to ``work`` (never beside the input data)."""
-    return dataset.map(
-        functools.partial(task.tokenise_batch, tokenizer=tokenizer, variant=dict(variant), max_length=max_length,
-                          task_meta=task_meta),
-        batched=True,
-        batch_size=BATCH_SIZE,
-        remove_columns=dataset.column_names,
-        features=task.tokenised_features(),
-        cache_file_name=str(work / f"{split}.arrow"),  # never beside the input data
-        desc=f"tokenising {split}",
-    )
+@dataclass
+class SplitStats:
+    """The report's counts for one split, summed chunk by chunk (in any order)."""
+
+    rows: int = 0
+    dropped: int = 0
+    truncated: int = 0
+    max_length_seen: int = 0
+    length_sum: int = 0
+
+    def add(self, other: "SplitStats") -> None:
+        self.rows += other.rows
+        self.dropped += other.dropped
+        self.truncated += other.truncated
+        self.max_length_seen = max(self.max_length_seen, other.max_length_seen)
+        self.length_sum += other.length_sum
+
+    def report(self) -> dict[str, Any]:
+        return {"rows": self.rows, "kept": self.rows - self.dropped, "dropped": self.dropped,
+                "truncated": self.truncated, "max_length_seen": self.max_length_seen,
+                "mean_length": self.length_sum / self.rows if self.rows else 0.0}
 
 
-def split_statistics(full) -> tuple[dict[str, Any], Any]:
-    """The report's counts for one tokenised split, and the indices of the rows to keep (None: all).
+@dataclass
+class Tokeniser:
+    """The task's batched tokenising of input chunks into the stored columns (dropped rows removed)."""
 
-    Read as Arrow columns: iterating ``full["length"]`` row by row in Python took a quarter of the stage.
-    """
-    import numpy as np
-    import pyarrow.compute as pc
+    task: Any
+    tokenizer: Any
+    variant: Mapping[str, Any]
+    max_length: int
+    task_meta: Mapping[str, Any]
+    input_features: Any
 
-    table = full.with_format("arrow")
-    lengths = table["length"]
-    lost = table["dropped"].to_numpy(zero_copy_only=False)
-    rows = len(full)
-    kept = np.flatnonzero(~lost) if lost.any() else None
-    stats = {
-        "rows": rows,
-        "kept": rows if kept is None else len(kept),
-        "dropped": 0 if kept is None else rows - len(kept),
-        "truncated": int(table["truncated"].to_numpy(zero_copy_only=False).sum()),
-        "max_length_seen": pc.max(lengths).as_py() if rows else 0,
-        "mean_length": pc.sum(lengths).as_py() / rows if rows else 0.0,
-    }
-    return stats, kept
+    def __post_init__(self):
+        from datasets.formatting import PythonFormatter
+
+        self.features = self.task.tokenised_features()
+        self.stored = type(self.features)({k: v for k, v in self.features.items() if k not in REPORT_COLUMNS})
+        # As datasets.map hands a batch to the function: lazily decoded by the input's features.
+        self.formatter = PythonFormatter(features=self.input_features, lazy=True)
+
+    def chunk(self, table) -> tuple[Any, SplitStats]:
+        """One input chunk -> (its kept rows as an Arrow table, its counts)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        output = self.task.tokenise_batch(self.formatter.format_batch(table), tokenizer=self.tokenizer,
+                                          variant=dict(self.variant), max_length=self.max_length,
+                                          task_meta=self.task_meta)
+        if not isinstance(output, pa.Table):
+            if set(output) != set(self.features):
+                raise WorkflowError(f"task {self.task.name}: tokenise_batch returned columns {sorted(output)}, but "
+                                    f"tokenised_features declares {sorted(self.features)}")
+            output = pa.Table.from_pydict(dict(output), schema=self.features.arrow_schema)  # as map's ArrowWriter
+        lengths, dropped = output["length"], output["dropped"]
+        rows = output.num_rows
+        stats = SplitStats(rows=rows, dropped=int(pc.sum(dropped).as_py() or 0),
+                           truncated=int(pc.sum(output["truncated"]).as_py() or 0),
+                           max_length_seen=int(pc.max(lengths).as_py() or 0) if rows else 0,
+                           length_sum=int(pc.sum(lengths).as_py() or 0))
+        kept = output.filter(pc.invert(dropped)) if stats.dropped else output
+        return kept.drop_columns(list(REPORT_COLUMNS)), stats
+
+    def chunks(self, files: Sequence[Path], start: int = 0, stop: int | None = None):
+        """(kept table, counts) of each ``BATCH_SIZE``-row chunk of rows ``[start, stop)``, read as a stream."""
+        for table in arrow_split.row_chunks(arrow_split.read_batches(files), BATCH_SIZE, start, stop):
+            yield self.chunk(table)
 
 
-def load_inputs(data_dir: Path, model_dir: Path):
-    from workflow_scripts.model.model_loading import load_tokenizer
+def chunk_ranges(rows: int, processes: int) -> list[tuple[int, int]]:
+    """Contiguous row ranges, one per process, cut at multiples of ``BATCH_SIZE``: blocks are grouped per
+    chunk, so the chunks (and the result) are those of one process reading the whole split."""
+    chunks = -(-rows // BATCH_SIZE)
+    per = -(-chunks // max(processes, 1))
+    return [(k * per * BATCH_SIZE, min((k + 1) * per * BATCH_SIZE, rows)) for k in range(processes)
+            if k * per * BATCH_SIZE < rows]
+
+
+def _die_with_parent(parent: int) -> None:
+    """A process that tokenises for a killed stage must not outlive it (Linux's PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before the call above
+        os._exit(1)
+
+
+def _tokenise_piece(connection, parent: int, tokeniser: Tokeniser, files, start: int, stop: int, piece: Path) -> None:
+    """In a forked process: rows ``[start, stop)`` -> ``piece`` (one stream, any batching), then
+    ``("ok", counts, [(rows, nbytes) per non-empty chunk])`` or ``("error", message)`` on ``connection``."""
+    import pyarrow as pa
+
+    _die_with_parent(parent)
+    try:
+        stats, units = SplitStats(), []
+        with cyclic_gc_paused(), pa.OSFile(str(piece), "wb") as sink, \
+                pa.ipc.new_stream(sink, tokeniser.stored.arrow_schema) as writer:
+            for kept, chunk_stats in tokeniser.chunks(files, start, stop):
+                stats.add(chunk_stats)
+                if kept.num_rows:
+                    units.append((kept.num_rows, kept.nbytes))
+                    writer.write_table(kept)
+        connection.send(("ok", stats, units))
+    except WorkflowError as error:
+        connection.send(("error", str(error)))
+
+
+def _piece_units(piece: Path, units: Sequence[tuple[int, int]]):
+    """The units a process wrote, read back as (table, nbytes as it measured them)."""
+    import pyarrow as pa
+
+    batches = arrow_split.read_batches([piece])
+    for rows, nbytes in units:
+        parts, got = [], 0
+        while got < rows:
+            parts.append(next(batches))
+            got += parts[-1].num_rows
+        yield pa.Table.from_batches(parts), nbytes
+
+
+def tokenise_in_processes(tokeniser: Tokeniser, files, rows: int, processes: int, work: Path, split: str,
+                          writer: arrow_split.SplitWriter) -> SplitStats:
+    """Each process tokenises a contiguous range into a piece file; the pieces are then appended in
+    order, so the written split is byte-identical to one process's."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    context = multiprocessing.get_context("fork")  # the tokenizer and the task are inherited, not pickled
+    ranges = chunk_ranges(rows, processes)
+    pieces = [work / f"{split}-{k}.arrow" for k in range(len(ranges))]
+    children, receivers = [], {}
+    results: list = [None] * len(ranges)
+    try:
+        for k, ((start, stop), piece) in enumerate(zip(ranges, pieces)):
+            receiver, sender = context.Pipe(duplex=False)
+            child = context.Process(target=_tokenise_piece, daemon=True, name=f"pretokenise-{split}-{k}",
+                                    args=(sender, os.getpid(), tokeniser, files, start, stop, piece))
+            child.start()
+            sender.close()
+            children.append(child)
+            receivers[receiver] = k
+        while receivers:
+            for receiver in wait(list(receivers)):
+                k = receivers.pop(receiver)
+                try:
+                    results[k] = receiver.recv()
+                except EOFError:
+                    children[k].join()
+                    raise WorkflowError(
+                        f"split '{split}' rows {ranges[k][0]}-{ranges[k][1] - 1}: the tokenising process ended with "
+                        f"exit code {children[k].exitcode} and no result (killed, or out of memory?); rerun with "
+                        "--threads 1 to see its error") from None
+                if results[k][0] == "error":
+                    raise WorkflowError(results[k][1])
+    finally:
+        for child in children:
+            if child.is_alive():
+                child.terminate()
+        for child in children:
+            child.join()
+    stats = SplitStats()
+    for (_, piece_stats, units), piece in zip(results, pieces):
+        stats.add(piece_stats)
+        for table, nbytes in _piece_units(piece, units):
+            writer.write(table, nbytes)
+        piece.unlink()
+    return stats
+
+
+def tokenise_split(tokeniser: Tokeniser, files, rows: int, processes: int, work: Path, split: str,
+                   writer: arrow_split.SplitWriter) -> SplitStats:
+    """Tokenise one split into ``writer``, streaming: no more than a chunk and a record batch in memory."""
+    if processes > 1 and rows >= PROCESS_MIN_ROWS:
+        return tokenise_in_processes(tokeniser, files, rows, processes, work, split, writer)
+    stats = SplitStats()
+    with cyclic_gc_paused():
+        for kept, chunk_stats in tokeniser.chunks(files):
+            stats.add(chunk_stats)
+            writer.write(kept)
+    return stats
+
+
+def open_inputs(data_dir: Path, model_dir: Path):
+    """The normalised data (memory-mapped: only its row counts, features and files are read here)."""
     from workflow_scripts.data.normalised_data import open_normalised
 
     if not (model_dir / "config.json").is_file():
         raise WorkflowError(f"{model_dir}: not a model directory (no config.json); run prepare_model first")
-    data = open_normalised(data_dir)
-    tokenizer = load_tokenizer(model_dir)
-    return data, tokenizer
+    return open_normalised(data_dir), model_dir
+
+
+def load_tokenizer_for(model_dir: Path):
+    from workflow_scripts.model.model_loading import load_tokenizer
+
+    return load_tokenizer(model_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,7 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--task", required=True, help="The dataset's task type (tasks.TASK_MODULES).")
     parser.add_argument("--variant", required=True, help="The variant as JSON (its keys depend on the task).")
     parser.add_argument("--max-length", required=True, type=int, help="Tokens per example, prompt and target together.")
-    parser.add_argument("--threads", type=int, default=1, help="Threads of the fast tokenizer's pool (one process).")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="Cores: processes for a split of at least PROCESS_MIN_ROWS rows, else tokenizer threads.")
     parser.add_argument("--out", required=True, type=Path, help="Tokenised DatasetDict directory to create.")
     parser.add_argument("--report", required=True, type=Path, help="Tokenise report JSON to write.")
     args = parser.parse_args(argv)
@@ -168,8 +337,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads < 1:
         raise WorkflowError(f"argument --threads: {args.threads} must be at least 1")
 
-    use_tokenizer_threads(args.threads)
-    data, tokenizer = load_inputs(args.data, args.model)
+    with stop_signals_exit():  # a stopped stage removes its temporary files on the way out
+        return tokenise_all(args, task, variant)
+
+
+def tokenise_all(args, task, variant) -> int:
+    data, tokenizer_dir = open_inputs(args.data, args.model)
+    splits = [split for split in TRAINING_SPLITS if split in data]
+    processes = process_count(args.threads, [len(data[split]) for split in splits])
+    use_tokenizer_threads(1 if processes > 1 else args.threads)
+    tokenizer = load_tokenizer_for(tokenizer_dir)
     task_meta = read_task_meta(args.data, args.task)
     try:  # a template naming a field the data lacks fails here, once, naming the data
         task.tokenise_batch(data["train"][:1], tokenizer=tokenizer, variant=variant, max_length=args.max_length,
@@ -199,33 +376,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{args.out}: up to date (cache key {meta['cache_key'][:12]}); not re-tokenised")
             return 0
 
-    from datasets import DatasetDict
-
     report = {"data": str(args.data), "model": str(args.model), "task": args.task, "templates": variant,
               "max_length": args.max_length, "cache_key": meta["cache_key"], "splits": {}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{args.out.name}.work.", dir=args.out.parent) as work:
-        tokenised = {}
-        for split in TRAINING_SPLITS:
-            if split not in data:
-                continue
-            with cyclic_gc_paused():
-                full = tokenise_split(task, data[split], tokenizer, variant, args.max_length, Path(work), split,
-                                      task_meta)
-            stats, kept_rows = split_statistics(full)
-            kept = full if kept_rows is None else full.select(kept_rows)
-            report["splits"][split] = stats
-            if len(kept) == 0:
+    with scratch_directory(args.out) as work, atomic_path(args.out, directory=True) as out:
+        for split in splits:
+            tokeniser = Tokeniser(task, tokenizer, variant, args.max_length, task_meta, data[split].features)
+            fingerprint = hashlib.sha256(f"{meta['cache_key']}/{split}".encode()).hexdigest()[:16]
+            writer = arrow_split.SplitWriter(out / split, tokeniser.stored, split, fingerprint)
+            try:
+                stats = tokenise_split(tokeniser, [Path(f["filename"]) for f in data[split].cache_files],
+                                       len(data[split]), processes, work, split, writer)
+            except BaseException:
+                writer.abort()
+                raise
+            report["splits"][split] = stats.report()
+            if stats.rows == stats.dropped:
+                writer.abort()
                 raise WorkflowError(
                     f"{args.data} split '{split}': every prompt is at least --max-length {args.max_length} tokens, "
                     f"so no row keeps a target token{getattr(task, 'all_dropped_hint', '')}; raise training.max_length "
                     "or shorten the prompt template"
                 )
-            tokenised[split] = kept.remove_columns(["truncated", "dropped"])
+            writer.close()
+        arrow_split.write_dataset_dict(out, splits)
         meta["report"] = report
-        with atomic_path(args.out, directory=True) as out:
-            DatasetDict(tokenised).save_to_disk(str(out))
-            (out / META_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        (out / META_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     write_json(args.report, report)
     for split, stats in report["splits"].items():
         print(f"{split}: {stats}")

@@ -73,7 +73,7 @@ def run_gate(args: argparse.Namespace, training: dict) -> int:
         if held_out is not None:
             report.record("validation_split", f"{len(held_out)} rows for the held-out loss every "
                                               f"{training['validation']['every_steps']} steps")
-        setup = training_setup.build(args.model, training, context, args.trust_remote_code, meta)
+        setup = training_setup.build(args.model, training, context, args.trust_remote_code, meta, seed=args.seed)
         # Re-checked on the built objects: the scaler is the one training will use.
         checks.check_precision(training["precision"], context.device, setup.scaler, training_setup.bf16_supported)
         report.record("trainable_parameters", checks.check_trainable(setup.model))

@@ -1,4 +1,5 @@
-"""The ``train`` stage: LoRA fine-tuning, one process per GPU (or gloo processes on CPU), resumable.
+"""The ``train`` stage: LoRA (or, with ``training.finetune: full``, whole-model) fine-tuning, one process per
+GPU (or gloo processes on CPU), resumable.
 
 One readable loop: each optimizer step takes this rank's micro-batches of the step's global batch,
 normalises the loss by the target tokens of the whole global batch (so 1 and N processes agree),
@@ -23,6 +24,7 @@ import torch
 
 from workflow_scripts.data import batching
 from workflow_scripts.training import checkpointing, distributed, fsdp, preflight_checks, training_setup, validation
+from workflow_scripts.training import validation_metric
 from workflow_scripts.analysis import fairness
 from workflow_scripts.launch import launcher
 from workflow_scripts.model import memory_estimate, model_loading
@@ -46,12 +48,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = StageArgumentParser(prog="python -m workflow_scripts.train", description=__doc__)
     add_common_arguments(parser)
     parser.add_argument("--checkpoint-dir", required=True, help="resumable state; kept across failed jobs")
-    parser.add_argument("--adapter-out", required=True, help="PEFT adapter directory (safetensors)")
+    parser.add_argument("--adapter-out", required=True, help="PEFT adapter directory (safetensors); under "
+                        "training.finetune: full the whole model (save_pretrained layout) and full_model.json")
     parser.add_argument("--log-out", required=True, help="train_log.jsonl")
     parser.add_argument("--manifest-out", required=True, help="run_manifest.json")
     parser.add_argument("--tensorboard-dir", default=None, help="TensorBoard event directory (optional)")
     parser.add_argument("--tracking", default=None, help="experiment trackers as JSON (config tracking:); runtime "
                         "only: not part of the resume fingerprint or the comparison")
+    parser.add_argument("--validation-metric", default=None, help="with training.validation.metric_examples: JSON "
+                        "{task, variant, evaluation {max_new_tokens, batch_size, max_length}, datasets [{name, data "
+                        "(normalised directory), metric}]}, the task's metric scored at each validation point")
     return parser.parse_args(argv)
 
 
@@ -142,7 +148,9 @@ def train(args: argparse.Namespace, training: dict) -> int:
         dataset = batching.TokenisedSplit(args.data, "train", batching.stored_columns(meta))
         training = training_setup.with_length(training, len(dataset))  # epochs -> steps, for the schedule too
         held_out = validation.open_split(args.data, training["validation"], batching.stored_columns(meta))
-        setup = training_setup.build(args.model, training, context, args.trust_remote_code, meta)
+        scorer = validation_metric.open_metric(args.validation_metric, training["validation"], args.model,
+                                               args.trust_remote_code)
+        setup = training_setup.build(args.model, training, context, args.trust_remote_code, meta, seed=args.seed)
         estimate = start_up_checks(setup, training)
         if meta.get("vocab_size") is not None and meta["vocab_size"] > setup.vocab_size:
             raise WorkflowError(f"{args.data}/tokenise_meta.json: vocab_size {meta['vocab_size']} exceeds the "
@@ -177,7 +185,7 @@ def train(args: argparse.Namespace, training: dict) -> int:
             f"estimated peak {memory_estimate.human(estimate['total'])}"
         )
         outcome, stopped_early_at = run_steps(setup, dataset, meta, training, args, start_step, stop, log,
-                                              fingerprint, held_out, selection)
+                                              fingerprint, held_out, selection, scorer)
         if outcome == "preempted":
             return PREEMPTED_EXIT_CODE
         peak = max(distributed.all_gather_objects(memory_estimate.peak_memory_bytes(context.device), context))
@@ -186,9 +194,11 @@ def train(args: argparse.Namespace, training: dict) -> int:
         adapter_state = fsdp.gather_adapter(setup.peft_model)  # every rank: FSDP gathers the shards; None under DDP
         if context.is_main:
             with atomic_path(args.adapter_out, directory=True) as directory:
-                if training["validation"]["keep"] == "best":  # the lowest validation loss, as configured
+                if training["validation"]["keep"] == "best":  # the best step by the configured criterion
                     shutil.copytree(validation.best_adapter(args.checkpoint_dir, selection), directory,
                                     dirs_exist_ok=True)
+                elif training_setup.is_full(training):
+                    model_loading.save_full_model(setup.peft_model, directory)
                 else:
                     setup.peft_model.save_pretrained(str(directory), safe_serialization=True, state_dict=adapter_state)
             log.finish(args.log_out)
@@ -219,7 +229,7 @@ def train(args: argparse.Namespace, training: dict) -> int:
 
 
 def run_steps(setup, dataset, meta, training, args, start_step, stop, log, fingerprint, held_out=None,
-              selection=None) -> tuple[str, int | None]:
+              selection=None, scorer=None) -> tuple[str, int | None]:
     """The optimizer steps; returns ("done" | "preempted", the step training stopped early at, or None)."""
     selection = selection if selection is not None else validation.Selection()
     checks = training["validation"]
@@ -282,7 +292,10 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
         if held_out is not None and validation.due(checks, completed, training["max_steps"]):
             record["validation_loss"] = validation.finite(
                 validation.held_out_loss(setup, held_out, collator, checks), completed)
-            if selection.update(completed, record["validation_loss"]):
+            metrics = validation_metric.score(setup, scorer) if scorer is not None else {}
+            record.update(metrics)
+            if selection.update(completed, record["validation_loss"], metrics, checks.get("criterion", "loss"),
+                                scorer is not None and scorer.lower_is_better):
                 validation.save_best(setup, args.checkpoint_dir, completed)
         log.write({**record,
             "step": completed,
@@ -304,8 +317,10 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
             return "preempted", None
         patience = checks.get("early_stopping_patience")
         if patience and "validation_loss" in record and selection.since_best >= patience:
-            log.message(f"step {completed}: the validation loss has not improved for {patience} evaluations "
-                        f"(best {selection.best_loss:.4f} at step {selection.best_step}); stopping early")
+            by_metric = checks.get("criterion", "loss") == "metric"
+            best = selection.best_metric if by_metric else selection.best_loss
+            log.message(f"step {completed}: the validation {'metric' if by_metric else 'loss'} has not improved for "
+                        f"{patience} evaluations (best {best:.4f} at step {selection.best_step}); stopping early")
             return "done", completed
     return "done", None
 

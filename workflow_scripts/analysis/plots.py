@@ -45,9 +45,12 @@ def score_plot(path: str | Path, dataset: str, metric: str, rows: Sequence[Mappi
 
 def loss_plot(path: str | Path, dataset: str, curves: Mapping[tuple[str, int], Sequence[Sequence]]) -> None:
     """Training loss against optimizer step, one line per (variant, seed), colour by variant; the held-out
-    validation loss (when training computed it) as markers joined by a thin line in the same colour.
+    validation loss (when training computed it) as markers joined by a thin line in the same colour; the
+    task's validation metric (training.validation.metric_examples) as square markers on a second axis.
 
-    ``curves``: (variant, seed) -> (steps, losses) or (steps, losses, validation steps, validation losses).
+    ``curves``: (variant, seed) -> (steps, losses), (steps, losses, validation steps, validation losses), or
+    that and a mapping train_log field -> (steps, values) of the validation metric
+    (``training_log.validation_metric_curves``).
     """
     figure, axes = plt.subplots(figsize=(6, 3.6))
     variants = sorted({variant for variant, _ in curves})
@@ -55,6 +58,7 @@ def loss_plot(path: str | Path, dataset: str, curves: Mapping[tuple[str, int], S
     styles = ["-", "--", ":", "-."]
     seeds = sorted({seed for _, seed in curves})
     validated = False
+    metric_axes = None
     for (variant, seed), curve in sorted(curves.items()):
         steps, losses = curve[0], curve[1]
         style = styles[seeds.index(seed) % len(styles)]
@@ -63,8 +67,19 @@ def loss_plot(path: str | Path, dataset: str, curves: Mapping[tuple[str, int], S
             validated = True
             axes.plot(curve[2], curve[3], color=colours[variant], linestyle=style, linewidth=0.8, marker="o",
                       markersize=3, label=f"{variant}, seed {seed} (validation)")
+        for name, (metric_steps, values) in sorted((curve[4] if len(curve) > 4 else {}).items()):
+            if metric_axes is None:
+                metric_axes = axes.twinx()
+            metric_axes.plot(metric_steps, values, color=colours[variant], linestyle=style, linewidth=0.8, marker="s",
+                             markersize=3, alpha=0.7, label=f"{variant}, seed {seed} ({name})")
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("loss per target token")
-    axes.set_title(f"{dataset}: training" + (" and validation" if validated else "") + " loss")
-    axes.legend(fontsize=7)
+    axes.set_title(f"{dataset}: training" + (" and validation" if validated else "") + " loss"
+                   + (", validation metric" if metric_axes is not None else ""))
+    handles, labels = axes.get_legend_handles_labels()
+    if metric_axes is not None:
+        metric_axes.set_ylabel("validation metric (squares)")
+        more = metric_axes.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    axes.legend(handles, labels, fontsize=7)
     _save(figure, path)

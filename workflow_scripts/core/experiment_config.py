@@ -22,6 +22,7 @@ from workflow_scripts.core.errors import ConfigError
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 CANONICAL_FIELDS = ("id", "question", "answers", "answer")
 TRAINING_SHAPE_KEYS = ("effective_batch", "micro_batch")
+BATCH_SHAPE_KEYS = ("effective_batch", "micro_batch", "gpus", "nodes", "cpu_processes")
 
 
 def _validator_with_defaults():
@@ -208,7 +209,28 @@ def check_workflow_config(configfiles: Iterable[str | Path], config: dict) -> No
     for path in configfiles:
         from_files = deep_merge(from_files, read_config_file(path))  # in order, as Snakemake merges them
     retype_command_line_values(config, from_files)
+    _refuse_misplaced_command_line_keys(config, from_files)
     validate_schema(config, "config")
+
+
+def _refuse_misplaced_command_line_keys(config: Mapping[str, Any], from_files: Mapping[str, Any]) -> None:
+    """A ``--config`` key that is no top-level setting but a key of a section (``max_steps=10``) names
+    the form that works: Snakemake takes no dotted keys (``training.max_steps=10`` stops in its own
+    command-line parsing, before the workflow is read), only a section with a mapping."""
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    sections = {}
+    for section, spec in schema["properties"].items():
+        if "$ref" in spec:
+            spec = schema["$defs"][spec["$ref"].rsplit("/", 1)[-1]]
+        sections[section] = spec.get("properties", {})
+    for key, value in config.items():
+        owners = [section for section, keys in sections.items() if key in keys]
+        if key in sections or key in from_files or not owners:
+            continue
+        shown = value if isinstance(value, str) else json.dumps(value)  # as YAML reads it back
+        forms = " or ".join(f"--config '{section}={{{key}: {shown}}}'" for section in owners)
+        raise ConfigError(key, f"is not a top-level setting but a key of {' or '.join(owners)}; set it with "
+                               f"{forms} (Snakemake takes no dotted keys)", "--config")
 
 
 def retype_command_line_values(config: dict, from_files: Mapping[str, Any]) -> None:
@@ -326,8 +348,41 @@ def model_settings(config: Mapping[str, Any], model: str | None = None) -> dict:
 
 
 def dataset_models(config: Mapping[str, Any], dataset: str) -> list[str]:
-    """The models a dataset runs on: its ``models:`` list, or every model."""
-    return list(config["datasets"][dataset].get("models") or models(config))
+    """The models a dataset (or a mixture) runs on: its ``models:`` list, or every model."""
+    entry = config["datasets"].get(dataset) or mixtures(config)[dataset]
+    return list(entry.get("models") or models(config))
+
+
+def mixtures(config: Mapping[str, Any]) -> dict[str, dict]:
+    return dict(config.get("mixtures") or {})
+
+
+def entry_task(config: Mapping[str, Any], entry: str) -> str:
+    """The task of a dataset, or of a mixture (its components' task)."""
+    if entry in config["datasets"]:
+        return config["datasets"][entry]["task"]
+    return config["datasets"][mixtures(config)[entry]["datasets"][0]]["task"]
+
+
+def trains_alone(dataset: Mapping[str, Any]) -> bool:
+    """A dataset trains on its own unless it is evaluation-only (no train split) or ``train_alone: false``."""
+    return "train" in dataset["splits"] and dataset.get("train_alone", True)
+
+
+def training_entries(config: Mapping[str, Any]) -> list[str]:
+    """What a run trains on: each dataset that trains alone, then each mixture."""
+    return [name for name, dataset in config["datasets"].items() if trains_alone(dataset)] + list(mixtures(config))
+
+
+def evaluated_datasets(config: Mapping[str, Any], entry: str, model: str) -> list[str]:
+    """The datasets a model trained on ``entry`` is scored on: the dataset itself (or the mixture's
+    components), then every evaluation-only dataset of the same task that runs on ``model``."""
+    own = mixtures(config)[entry]["datasets"] if entry in mixtures(config) else [entry]
+    task = entry_task(config, entry)
+    evaluation_only = [name for name, dataset in config["datasets"].items()
+                       if "train" not in dataset["splits"] and dataset["task"] == task
+                       and model in dataset_models(config, name)]
+    return list(own) + evaluation_only
 
 
 def world_size(training: Mapping[str, Any]) -> int:
@@ -352,25 +407,53 @@ def gradient_accumulation(training: Mapping[str, Any], key: str = "training", so
 
 
 def experiments(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str, int]]:
-    """The experiment matrix: every (model, dataset, variant of the dataset's task, seed)."""
-    for model, dataset, variant in model_dataset_variants(config):
+    """The training matrix: every (model, entry, variant of the entry's task, seed); an entry is a dataset
+    that trains alone or a mixture."""
+    for model, entry, variant in model_entry_variants(config):
         for seed in config["seeds"]:
-            yield model, dataset, variant, seed
+            yield model, entry, variant, seed
+
+
+def evaluations(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str, int, str]]:
+    """Every (model, entry, variant, seed, evaluated dataset): each experiment on each dataset it is scored on."""
+    for model, entry, variant, seed in experiments(config):
+        for dataset in evaluated_datasets(config, entry, model):
+            yield model, entry, variant, seed, dataset
+
+
+def model_entry_variants(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str]]:
+    """Every (model, entry, variant) with the variant of the entry's task and the model among the entry's."""
+    for entry in training_entries(config):
+        for variant, variant_config in config["variants"].items():
+            if variant_config.get("task", "generation") == entry_task(config, entry):
+                for model in dataset_models(config, entry):
+                    yield model, entry, variant
 
 
 def model_dataset_variants(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str]]:
-    """Every (model, dataset, variant) with the variant of the dataset's task and the model among the dataset's."""
-    for dataset, variant in dataset_variants(config):
-        for model in dataset_models(config, dataset):
-            yield model, dataset, variant
+    """Every (model, evaluated dataset, variant) of the matrix: where the untrained model is scored too."""
+    seen = dict.fromkeys((model, dataset, variant) for model, _, variant, _, dataset in evaluations(config))
+    yield from seen
 
 
-def dataset_variants(config: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
-    """Every (dataset, variant) pair of the same task."""
-    for dataset, dataset_config in config["datasets"].items():
-        for variant, variant_config in config["variants"].items():
-            if variant_config.get("task", "generation") == dataset_config.get("task", "generation"):
-                yield dataset, variant
+def trained_datasets(config: Mapping[str, Any], model: str) -> list[str]:
+    """The datasets whose train splits ``model`` trains on, alone or in a mixture (a tiny model's tokenizer
+    learns from these: never from an evaluation-only dataset)."""
+    names = []
+    for entry in dict.fromkeys(entry for m, entry, _ in model_entry_variants(config) if m == model):
+        names += mixtures(config)[entry]["datasets"] if entry in mixtures(config) else [entry]
+    return list(dict.fromkeys(names))
+
+
+def evaluation_subdirectory(trained: str, dataset: str) -> str:
+    """Where an experiment's evaluation on ``dataset`` lies inside its run directory."""
+    return "" if trained == dataset else f"on_{dataset}"
+
+
+def plot_names(model: str, trained: str, dataset: str) -> tuple[str, str]:
+    """The score plot of one (model, trained on, dataset) group and the loss plot of its training runs."""
+    scores = f"scores_{model}_{dataset}.png" if trained == dataset else f"scores_{model}_{trained}_on_{dataset}.png"
+    return scores, f"loss_{model}_{trained}.png"
 
 
 def template_fields(template: str) -> set[str]:
@@ -431,7 +514,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
         if unknown:
             raise ConfigError(f"models.{name}.training", f"unknown training keys {sorted(unknown)}", source)
     for name, dataset in config["datasets"].items():
-        _check_dataset(name, dataset, source)
+        _check_dataset(name, dataset, source, evaluation_split(config, name))
         for model in dataset.get("models", []):
             if model not in models(config):
                 raise ConfigError(f"datasets.{name}.models", f"'{model}' is not a model of this config "
@@ -452,15 +535,27 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
             raise ConfigError(key, str(error), source) from None
         for model in models(config):
             settings = resolved_training(config, name, model)
+            model_key = "model" if "model" in config else f"models.{model}"
             where = f"{key}.training" if variant.get("training") else "training"
-            gradient_accumulation(settings, where, source)
+            # the batch shape is named where the user set it: the variant's, the model's, else training
+            layers = ((f"{key}.training", variant.get("training", {})),
+                      (f"{model_key}.training", models(config)[model].get("training", {})))
+            batch_key = next((k for k, layer in layers if set(BATCH_SHAPE_KEYS) & set(layer)), "training")
+            gradient_accumulation(settings, batch_key, source)
             _check_length(settings, where, source)
-    for model, dataset, variant in model_dataset_variants(config):
+    _check_mixtures(config, source)
+    _check_evaluated(config, source)
+    for model, entry, variant in model_entry_variants(config):
+        _check_finetune(resolved_training(config, variant, model), models(config)[model], entry_task(config, entry),
+                        f"variants.{variant}.training" if config["variants"][variant].get("training") else "training",
+                        "model" if "model" in config else f"models.{model}", source)
         validation = resolved_training(config, variant, model).get("validation") or {}
-        if validation.get("every_steps") and "validation" not in config["datasets"][dataset]["splits"]:
-            raise ConfigError("training.validation.every_steps", f"dataset '{dataset}' has no validation split "
-                              f"(datasets.{dataset}.splits), so there is no held-out loss to compute; add one or "
-                              "switch validation off for it with a variant's training override", source)
+        for dataset in mixtures(config)[entry]["datasets"] if entry in mixtures(config) else [entry]:
+            if validation.get("every_steps") and "validation" not in config["datasets"][dataset]["splits"]:
+                raise ConfigError("training.validation.every_steps", f"dataset '{dataset}' has no validation split "
+                                  f"(datasets.{dataset}.splits), so there is no held-out loss to compute; add one or "
+                                  "switch validation off for it with a variant's training override", source)
+        _check_validation_metric(config, entry, validation, source)
     tasks_in_use = {dataset["task"] for dataset in config["datasets"].values()}
     for task_name in sorted(tasks_in_use):
         if not any(variant["task"] == task_name for variant in config["variants"].values()):
@@ -474,6 +569,81 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
                               "several tasks give a mapping, e.g. {generation: baseline, classification: plain}", source)
         for model in models(config):
             _check_fair_training(config, task_name, reference, source, model)
+
+
+def _check_validation_metric(config: Mapping[str, Any], entry: str, validation: Mapping[str, Any],
+                             source: str | None) -> None:
+    """The validation metric needs validation points; selecting by it needs it, and one metric to average."""
+    key = "training.validation"
+    if validation.get("metric_examples") is not None and not validation.get("every_steps"):
+        raise ConfigError(f"{key}.metric_examples", "is set but every_steps is not, so the metric would never be "
+                          "computed; set training.validation.every_steps", source)
+    if validation.get("criterion") != "metric":
+        return
+    if validation.get("metric_examples") is None:
+        raise ConfigError(f"{key}.criterion", "is 'metric' but metric_examples is not set; set "
+                          "training.validation.metric_examples or use criterion: loss", source)
+    if entry in mixtures(config):
+        used = {config["datasets"][name]["metric"] for name in mixtures(config)[entry]["datasets"]}
+        if len(used) > 1:
+            raise ConfigError(f"{key}.criterion", f"is 'metric' but mixture '{entry}' mixes metrics {sorted(used)}, "
+                              "which have no common scale to average; use criterion: loss for it", source)
+
+
+def _check_mixtures(config: Mapping[str, Any], source: str | None) -> None:
+    """A mixture names datasets of one task that have train splits, and one way to weigh them."""
+    for name, mixture in mixtures(config).items():
+        key = f"mixtures.{name}"
+        if name in config["datasets"]:
+            raise ConfigError(key, f"'{name}' is also a dataset name; results/{{model}}/{name}/ would hold both: "
+                              "rename the mixture", source)
+        for dataset in mixture["datasets"]:
+            if dataset not in config["datasets"]:
+                raise ConfigError(f"{key}.datasets", f"'{dataset}' is not a dataset of this config "
+                                  f"(datasets: {sorted(config['datasets'])})", source)
+            if "train" not in config["datasets"][dataset]["splits"]:
+                raise ConfigError(f"{key}.datasets", f"'{dataset}' has no train split (datasets.{dataset}.splits), "
+                                  "so it cannot be mixed into training; list it as an evaluation-only dataset instead",
+                                  source)
+        tasks = {dataset: config["datasets"][dataset]["task"] for dataset in mixture["datasets"]}
+        if len(set(tasks.values())) > 1:
+            raise ConfigError(f"{key}.datasets", f"components of different tasks {tasks}; one run trains one task: "
+                              "mix datasets of one task", source)
+        weights = mixture.get("weights")
+        if weights is not None and mixture.get("temperature") is not None:
+            raise ConfigError(key, "give weights or temperature, not both", source)
+        if weights is not None and set(weights) != set(mixture["datasets"]):
+            raise ConfigError(f"{key}.weights", f"needs one weight per component {sorted(mixture['datasets'])}, "
+                              f"got {sorted(weights)}", source)
+        for model in mixture.get("models", []):
+            if model not in models(config):
+                raise ConfigError(f"{key}.models", f"'{model}' is not a model of this config "
+                                  f"(models: {sorted(models(config))})", source)
+    mixed = {dataset for mixture in mixtures(config).values() for dataset in mixture["datasets"]}
+    for name, dataset in config["datasets"].items():
+        if "train" in dataset["splits"] and not dataset.get("train_alone", True) and name not in mixed:
+            raise ConfigError(f"datasets.{name}.train_alone", "false, but no mixture holds this dataset, so it "
+                              "would never train; add it to a mixture or drop train_alone: false", source)
+
+
+def evaluation_split(config: Mapping[str, Any], dataset: str) -> str:
+    """The split evaluate scores for ``dataset``: its own ``evaluation_split``, else the evaluation section's."""
+    return config["datasets"][dataset].get("evaluation_split") or config["evaluation"]["split"]
+
+
+def _check_evaluated(config: Mapping[str, Any], source: str | None) -> None:
+    """Each dataset's evaluation split exists; an evaluation-only dataset is scored by some trained model."""
+    scored = {dataset for _, dataset, _ in model_dataset_variants(config)}
+    for name, dataset in config["datasets"].items():
+        split = evaluation_split(config, name)
+        if split not in dataset["splits"]:
+            where = f"datasets.{name}.evaluation_split" if dataset.get("evaluation_split") else "evaluation.split"
+            raise ConfigError(where, f"'{split}' is not a split of dataset '{name}' (its splits: "
+                              f"{sorted(dataset['splits'])}); set datasets.{name}.evaluation_split to one of them", source)
+        if name not in scored:
+            raise ConfigError(f"datasets.{name}", f"no model trained on a dataset or mixture of task "
+                              f"'{dataset['task']}' runs on its models ({sorted(dataset_models(config, name))}), so it "
+                              "would never be scored; add a training dataset of that task or list the model", source)
 
 
 def variant_settings(variant: Mapping[str, Any]) -> dict[str, Any]:
@@ -525,6 +695,18 @@ def _check_length(training: Mapping[str, Any], key: str, source: str | None) -> 
     check_length(training, source, key)
 
 
+def _check_finetune(training: Mapping[str, Any], model: Mapping[str, Any], task: str, where: str,
+                    model_key: str, source: str | None) -> None:
+    """training.finetune against model.initialise, quantization, strategy and the task (training_setup's rule)."""
+    from workflow_scripts.training.training_setup import finetune_problem
+
+    problem = finetune_problem(training, model.get("initialise", "pretrained"), task)
+    if problem is not None:
+        key, message = problem
+        raise ConfigError(key.replace("model", model_key, 1) if key.startswith("model.")
+                          else where + key.removeprefix("training"), message, source)
+
+
 def _require(mapping: Mapping[str, Any], keys: tuple[str, ...], prefix: str, why: str, source: str | None) -> None:
     for key in keys:
         if not mapping.get(key):
@@ -547,7 +729,11 @@ def _check_model(model: Mapping[str, Any], source: str | None, key: str = "model
         _check_pinned(model["revision"], f"{key}.revision", source)
 
 
-def _check_dataset(name: str, dataset: Mapping[str, Any], source: str | None) -> None:
+def _check_dataset(name: str, dataset: Mapping[str, Any], source: str | None,
+                   evaluated_split: str | None = None) -> None:
+    """``evaluated_split``: the split evaluate scores for this dataset (its own, else the evaluation
+    section's), when the whole config is known; alone, the dataset's own ``evaluation_split`` if set."""
+    _check_unlabelled(name, dataset, source, evaluated_split or dataset.get("evaluation_split"))
     src = dataset["source"]
     needs = {"hub": ("id", "revision"), "url": ("url", "sha256"), "local": ("path",)}[src["type"]]
     _require(src, needs, f"datasets.{name}.source", f"when source.type is '{src['type']}'", source)
@@ -562,6 +748,30 @@ def _check_dataset(name: str, dataset: Mapping[str, Any], source: str | None) ->
                 f"unknown transform '{spec['transform']}'; known: {sorted(TRANSFORMS)}",
                 source,
             )
+
+
+def _check_unlabelled(name: str, dataset: Mapping[str, Any], source: str | None, evaluated_split: str | None) -> None:
+    """An unlabelled split (no gold: predicted for a leaderboard, never scored) is a test split of this
+    dataset, of a task that can predict without gold, and not the split evaluate scores."""
+    unlabelled = dataset.get("unlabelled") or []
+    key = f"datasets.{name}.unlabelled"
+    for split in unlabelled:
+        if split not in dataset["splits"]:
+            raise ConfigError(key, f"'{split}' is not a split of the dataset (datasets.{name}.splits: "
+                              f"{sorted(dataset['splits'])}); list only its own splits", source)
+        if split != "test":
+            raise ConfigError(key, f"'{split}' cannot be unlabelled: training and its held-out loss read the gold of "
+                              "train and validation; only test may be unlabelled", source)
+    if not unlabelled:
+        return
+    from workflow_scripts.tasks import task_named
+
+    if not hasattr(task_named(dataset["task"]), "predict"):
+        raise ConfigError(key, f"task '{dataset['task']}' cannot predict an unlabelled split (generation, "
+                          "vision_language and classification can); remove the key", source)
+    if evaluated_split in unlabelled:
+        raise ConfigError(f"datasets.{name}.evaluation_split", f"the dataset is evaluated on '{evaluated_split}', which "
+                          f"is unlabelled (nothing to score); set datasets.{name}.evaluation_split: validation", source)
 
 
 def validate_section(value: Any, section: str, key: str, source: str | None = None) -> dict:

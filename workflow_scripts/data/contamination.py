@@ -19,11 +19,13 @@ The key is data-driven, from the canonical field names of the rows (no task is n
   and trimmed; bytes (image files) by their sha256, so the same question on another image is not an
   overlap; lists element by element (answers as a set); mappings key by key.
 
-Memory: the train split is held as one sorted array of 64-bit key hashes (8 bytes a distinct row,
-plus as much for the pairs), never as rows, so the check is flat in the corpus size; the few train ids
-named in a message are found by a second pass that stops as soon as they are found. A false match
-of two different 64-bit hashes is about 1 in 10**6 for ten million train rows against a million
-test rows.
+Memory: flat in the size of train. The checked splits' keys are held as sorted 64-bit hashes (8 bytes
+a distinct row, plus as much for the pairs), and train is streamed past them once, batch by batch,
+marking which of them it holds; a saved split is read from its Arrow files with ``read()``, not
+through a memory map, whose touched pages would stay in the process (1.9 GB at 10M lines). The few
+ids named in a message are found by a second pass over the checked split and over train that stops
+as soon as they are found. A false match of two different 64-bit hashes is about 1 in 10**6 for ten
+million train rows against a million test rows.
 """
 from __future__ import annotations
 
@@ -148,12 +150,25 @@ def line_keys(texts: Sequence[str]) -> "np.ndarray":
     return np.fromiter((_digest("text\x1f" + normalise_text(text)) for text in texts), dtype=np.uint64, count=len(texts))
 
 
+def _arrow_tables(dataset, batch_size: int):
+    """``batch_size``-row Arrow tables of a ``datasets.Dataset``: read from its files when it is a saved
+    set as it was loaded (no selection, no column change), else through its own (memory-mapped) table."""
+    from workflow_scripts.data.arrow_split import read_batches, row_chunks
+
+    files = [entry["filename"] for entry in dataset.cache_files]
+    replays = getattr(dataset.data, "replays", None) or []  # load_from_disk's own: the schema metadata
+    if files and dataset._indices is None and all(step[0] == "replace_schema_metadata" for step in replays):
+        yield from row_chunks(read_batches(files, dataset.column_names), batch_size)
+    else:
+        yield from dataset.with_format("arrow").iter(batch_size=batch_size)
+
+
 def keyed_batches(dataset, skip: Iterable[str] = (), batch_size: int = 10_000) -> Iterator[KeyBatch]:
-    """Key batches of a (memory-mapped) ``datasets.Dataset``, read ``batch_size`` rows at a time: memory
-    stays flat (a masked LM's corpus is never held whole)."""
+    """Key batches of a saved ``datasets.Dataset``, read ``batch_size`` rows at a time: memory stays
+    flat (a masked LM's corpus is never held whole, nor mapped into memory)."""
     skip = tuple(skip)
     lines = sorted(dataset.column_names) == [ID_FIELD, "text"] and "text" not in skip  # a plain-text corpus
-    for batch in dataset.with_format("arrow").iter(batch_size=batch_size):
+    for batch in _arrow_tables(dataset, batch_size):
         if lines:  # one line a row: the fast path, the same keys as row_keys gives
             yield batch.column(ID_FIELD), line_keys(batch.column("text").to_pylist()), None
             continue
@@ -165,35 +180,65 @@ def _row_id(ids, index: int) -> str:
     return value.as_py() if hasattr(value, "as_py") else value  # an Arrow scalar, or a str
 
 
-def _member(sorted_keys: "np.ndarray", values: "np.ndarray") -> "np.ndarray":
+def _positions(sorted_keys: "np.ndarray", values: "np.ndarray") -> tuple["np.ndarray", "np.ndarray"]:
+    """(index of each value in ``sorted_keys``, whether it is there)."""
     import numpy as np
 
     if not len(sorted_keys):
-        return np.zeros(len(values), bool)
+        return np.zeros(len(values), np.intp), np.zeros(len(values), bool)
     found = np.searchsorted(sorted_keys, values).clip(max=len(sorted_keys) - 1)
-    return sorted_keys[found] == values
+    return found, sorted_keys[found] == values
 
 
-class TrainKeys:
-    """The train split's key hashes, as sorted unique uint64 arrays (8 bytes a distinct row)."""
+def _member(sorted_keys: "np.ndarray", values: "np.ndarray") -> "np.ndarray":
+    return _positions(sorted_keys, values)[1]
 
-    def __init__(self) -> None:
-        self.rows = 0
-        self.keys = self.pairs = None
 
-    def add_all(self, keyed: Keyed) -> "TrainKeys":
+def _concat(arrays: list) -> "np.ndarray":
+    import numpy as np
+
+    return np.concatenate(arrays) if arrays else np.zeros(0, np.uint64)
+
+
+class CheckedKeys:
+    """The checked splits' keys, and which of them train holds.
+
+    Per split: the input (and pair) key of every row in row order; together: the sorted distinct keys
+    (8 bytes each) with a flag per key set while train streams past (:meth:`add_train`). Nothing here
+    grows with train."""
+
+    def __init__(self, splits: Mapping[str, Keyed]):
         import numpy as np
 
-        keys, pairs = [], []
-        for _, batch_keys, batch_pairs in keyed:
-            self.rows += len(batch_keys)
-            keys.append(np.unique(batch_keys))  # unique per batch first: repeated lines take no room
-            if batch_pairs is not None:
-                pairs.append(np.unique(batch_pairs))
-        empty = np.zeros(0, np.uint64)
-        self.keys = np.unique(np.concatenate(keys)) if keys else empty
-        self.pairs = np.unique(np.concatenate(pairs)) if pairs else empty
+        self.rows: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}
+        for name, keyed in splits.items():
+            keys, pairs = [], []
+            for _, batch_keys, batch_pairs in keyed:
+                keys.append(batch_keys)
+                if batch_pairs is not None:
+                    pairs.append(batch_pairs)
+            self.rows[name] = (_concat(keys), _concat(pairs) if pairs else None)
+        self.keys = np.unique(_concat([keys for keys, _ in self.rows.values()]))
+        self.pairs = np.unique(_concat([pairs for _, pairs in self.rows.values() if pairs is not None]))
+        self.in_train = np.zeros(len(self.keys), bool)
+        self.pair_in_train = np.zeros(len(self.pairs), bool)
+        self.train_rows = 0
+
+    def add_train(self, keyed: Keyed) -> "CheckedKeys":
+        for _, keys, pairs in keyed:
+            self.train_rows += len(keys)
+            where, hit = _positions(self.keys, keys)
+            self.in_train[where[hit]] = True
+            if pairs is not None:
+                where, hit = _positions(self.pairs, pairs)
+                self.pair_in_train[where[hit]] = True
         return self
+
+    def found(self, keys: "np.ndarray", pairs: bool = False) -> "np.ndarray":
+        """Per row: does train hold its key (its pair key with ``pairs``)?"""
+        sorted_keys, flags = (self.pairs, self.pair_in_train) if pairs else (self.keys, self.in_train)
+        where, hit = _positions(sorted_keys, keys)
+        return hit & flags[where] if len(flags) else hit
 
 
 @dataclass
@@ -215,19 +260,25 @@ class SplitOverlap:
         return [{"id": test_id, "train_id": self.train_ids.get(key)} for test_id, key in self.first[:limit]]
 
 
-def overlap(split: str, train: TrainKeys, keyed: Keyed) -> SplitOverlap:
-    """Count the rows of ``keyed`` whose key (and whose pair key) occurs in ``train``, batch by batch."""
+def overlap(split: str, checked: CheckedKeys, keyed: Callable[[], Keyed]) -> SplitOverlap:
+    """Count the rows of ``split`` whose key (and whose pair key) train holds; ``keyed`` gives the
+    split's key batches again, read only when something overlaps, for the ids of the first rows."""
     import numpy as np
 
-    result = SplitOverlap(split)
-    for ids, keys, pairs in keyed:
-        found = _member(train.keys, keys)
-        result.checked += len(keys)
-        result.overlapping += int(found.sum())
-        for index in np.flatnonzero(found)[:REPORT_EXAMPLES - len(result.first)]:
-            result.first.append((_row_id(ids, index), int(keys[index])))
-        if pairs is not None:
-            result.pairs_overlapping = (result.pairs_overlapping or 0) + int(_member(train.pairs, pairs).sum())
+    keys, pairs = checked.rows[split]
+    found = checked.found(keys)
+    result = SplitOverlap(split, checked=len(keys), overlapping=int(found.sum()))
+    if pairs is not None:
+        result.pairs_overlapping = int(checked.found(pairs, pairs=True).sum())
+    wanted = np.flatnonzero(found)[:REPORT_EXAMPLES]
+    if len(wanted):
+        offset = 0
+        for ids, batch_keys, _ in keyed():
+            for index in wanted[(wanted >= offset) & (wanted < offset + len(batch_keys))]:
+                result.first.append((_row_id(ids, index - offset), int(keys[index])))
+            offset += len(batch_keys)
+            if offset > wanted[-1]:
+                break
     return result
 
 
@@ -273,10 +324,11 @@ def report(results: Sequence[SplitOverlap], settings: Mapping[str, Any], fields:
 
 
 def check(train: Callable[[], Keyed], splits: Mapping[str, Callable[[], Keyed]]) -> list[SplitOverlap]:
-    """Each of ``splits`` against ``train``; each value is a callable giving a fresh stream of key batches
-    (train is read twice when something overlaps: once for its keys, once to name the ids)."""
-    reference = TrainKeys().add_all(train())
-    results = [overlap(name, reference, keyed()) for name, keyed in splits.items()]
+    """Each of ``splits`` against ``train``; each value is a callable giving a fresh stream of key batches.
+    Train is read once for the overlap and, when something overlaps, once more (stopping early) to
+    name the train ids; a checked split is read once more for the ids of its first overlapping rows."""
+    checked = CheckedKeys({name: keyed() for name, keyed in splits.items()}).add_train(train())
+    results = [overlap(name, checked, keyed) for name, keyed in splits.items()]
     if any(result.overlapping for result in results):
         name_train_ids(results, train())
     return results

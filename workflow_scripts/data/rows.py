@@ -6,6 +6,12 @@ A mapper turns a raw record into canonical rows (or ``Rejected`` reasons) for on
 ``split_done`` tells a mapper a split is complete (train first), so a later split can be checked
 against it (a classification label set); ``task_meta`` is what the mapper learned, written beside
 the normalised data for the stages after it.
+
+A split named in the dataset's ``unlabelled`` list has no gold: its rows are mapped without reading
+the gold field (``gold_source``) and carry the gold column as None (a field derived from the gold
+too); normalise checks that the split holds no gold, or holds it in every row (then it is ignored and
+reported). Generation's mapper also counts, per split, the rows that give their answers as one bare
+string where other rows give lists (``answers_as_bare_string`` in the report).
 """
 from __future__ import annotations
 
@@ -38,9 +44,14 @@ def present(record: Mapping[str, Any], name: str) -> Any:
     return record[name]
 
 
-def text(value: Any, name: str) -> str:
+# A list where one question is expected: the record holds several Q&A pairs (OCR-VQA's layout).
+FLATTEN_HINT = "; a record holding several questions, with a parallel list of answers, needs the dataset's flatten: true"
+
+
+def text(value: Any, name: str, list_hint: str = "") -> str:
     if not isinstance(value, str):
-        raise Rejected("wrong_type", name, f"expected a string, got {type(value).__name__} {value!r:.60}")
+        hint = list_hint if isinstance(value, list) else ""
+        raise Rejected("wrong_type", name, f"expected a string, got {type(value).__name__} {value!r:.60}{hint}")
     if not value.strip():
         raise Rejected("empty_value", name, "is empty")
     return value.strip()
@@ -81,6 +92,10 @@ class RecordMapper:
         self.extra = settings["extra_fields"]
         self.derived = settings["derived"]
         self.extra_kinds: dict[str, str] = {}
+        self.unlabelled = frozenset(settings.get("unlabelled", ()))
+        self.gold_source = self.fields["answers"]  # the source field an unlabelled split must not hold
+        self.bare_string_ids: dict[str, set[str]] = {}  # split -> ids of rows whose answers were one string
+        self.list_answers_seen = False
         available = {"id", "question", "answer"} | set(self.extra)
         for name, spec in self.derived.items():
             if spec["field"] not in available:
@@ -102,14 +117,16 @@ class RecordMapper:
         if problem is not None:
             yield problem
             return
+        labelled = split not in self.unlabelled  # an unlabelled split's gold is never read
         try:
             id_field = self.fields.get("id")
             record_id = _record_id(present(record, id_field), id_field) if id_field else f"{split}-{row}"
             extras = {name: self._extra(record, name, source) for name, source in self.extra.items()}
             if self.flatten:
-                pairs = self._pairs(record)
+                pairs = self._pairs(record, labelled)
             else:
-                pairs = [(present(record, self.fields["question"]), present(record, self.fields["answers"]), None)]
+                answers = present(record, self.fields["answers"]) if labelled else None
+                pairs = [(present(record, self.fields["question"]), answers, None)]
         except Rejected as error:
             yield error
             return
@@ -118,13 +135,24 @@ class RecordMapper:
             try:
                 canonical = {
                     "id": record_id if index is None else f"{record_id}-q{index}",
-                    "question": text(question, self.fields["question"] + suffix),
-                    "answers": _answers(answers, self.fields["answers"] + suffix),
+                    "question": text(question, self.fields["question"] + suffix, "" if self.flatten else FLATTEN_HINT),
+                    "answers": _answers(answers, self.fields["answers"] + suffix) if labelled else None,
                     **extras,
                 }
-                yield self._derive(canonical)
+                canonical = self._derive(canonical)
             except Rejected as error:
                 yield error
+                continue
+            if labelled:
+                self._count_answer_form(split, canonical["id"], answers)
+            yield canonical
+
+    def _count_answer_form(self, split: str, row_id: str, answers: Any) -> None:
+        bare = self.bare_string_ids.setdefault(split, set())
+        if isinstance(answers, str):
+            bare.add(row_id)
+        else:
+            self.list_answers_seen = True
 
     def _extra(self, record: Mapping[str, Any], name: str, source: str) -> Any:
         value = present(record, source)
@@ -135,8 +163,14 @@ class RecordMapper:
             raise Rejected("wrong_type", source, f"is a {_kind(value)} where earlier rows hold a {kind}")
         return value
 
-    def _pairs(self, record: Mapping[str, Any]) -> list[tuple[Any, Any, int]]:
+    def _pairs(self, record: Mapping[str, Any], labelled: bool = True) -> list[tuple[Any, Any, int]]:
         questions = present(record, self.fields["question"])
+        if not labelled:  # every question of the record, without gold
+            if not isinstance(questions, list):
+                raise Rejected("wrong_type", self.fields["question"], f"flatten needs a list, got {type(questions).__name__}")
+            if not questions:
+                raise Rejected("empty_value", self.fields["question"], "is an empty list")
+            return [(q, None, k) for k, q in enumerate(questions)]
         answers = present(record, self.fields["answers"])
         for name, value in ((self.fields["question"], questions), (self.fields["answers"], answers)):
             if not isinstance(value, list):
@@ -151,8 +185,11 @@ class RecordMapper:
         return [(q, a, k) for k, (q, a) in enumerate(zip(questions, answers))]
 
     def _derive(self, row: dict[str, Any]) -> dict[str, Any]:
-        fields = {**row, "answer": row["answers"][0]}
+        fields = {**row, "answer": row["answers"][0] if row["answers"] is not None else None}
         for name, spec in self.derived.items():
+            if fields[spec["field"]] is None:  # derived from the gold of an unlabelled row: no gold, no value
+                row[name] = fields[name] = None
+                continue
             try:
                 value = TRANSFORMS[spec["transform"]](fields[spec["field"]])
             except (ValueError, TypeError) as error:
@@ -170,6 +207,14 @@ class RecordMapper:
 
     def report(self, rows_by_split: Mapping[str, list[dict]]) -> dict[str, Any]:
         return {}
+
+    def split_report(self, split: str, rows: list[dict]) -> dict[str, Any]:
+        """The split's entry in the report gets ``answers_as_bare_string``: kept rows whose answers were one
+        string, when other rows give lists (each such string is taken as the row's one answer)."""
+        if not self.list_answers_seen or split in self.unlabelled:
+            return {}
+        bare = self.bare_string_ids.get(split, set())
+        return {"answers_as_bare_string": sum(row["id"] in bare for row in rows)}
 
     # Normalise's train/test overlap check (data/contamination.py): the key is the row's input fields
     # (question, extra fields, images), never a field derived from them or the gold.
@@ -192,6 +237,10 @@ class FieldsMapper:
         self.task, self.settings, self.key = task, settings, key
         self.fields = settings["fields"]
         self.state = task.normalise_state(settings) if hasattr(task, "normalise_state") else None
+        self.unlabelled = frozenset(settings.get("unlabelled", ()))
+        # The source field of the gold (a classifier's label); None for a task whose gold sits inside its input.
+        gold = getattr(task, "gold_field", None)
+        self.gold_source = self.fields.get(gold) if gold else None
 
     def source_fields(self) -> dict[str, str]:
         return {f"fields.{name}": source for name, source in self.fields.items()}
@@ -202,7 +251,10 @@ class FieldsMapper:
             yield problem
             return
         try:
-            canonical = self.task.normalise_fields(record, self.settings)
+            if split in self.unlabelled:  # the gold is never read: the row's gold field is None
+                canonical = self.task.normalise_fields(record, self.settings, labelled=False)
+            else:
+                canonical = self.task.normalise_fields(record, self.settings)
             canonical.setdefault("id", f"{split}-{row}")
             if self.state is not None:
                 self.state.check(canonical, split)
@@ -219,6 +271,9 @@ class FieldsMapper:
 
     def report(self, rows_by_split: Mapping[str, list[dict]]) -> dict[str, Any]:
         return self.state.report(rows_by_split) if self.state is not None else {}
+
+    def split_report(self, split: str, rows: list[dict]) -> dict[str, Any]:
+        return {}
 
     # Normalise's train/test overlap check (data/contamination.py): every field but the id and the gold.
     def contamination_fields(self, row: Mapping[str, Any]) -> list[str]:

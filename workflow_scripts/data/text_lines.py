@@ -133,44 +133,30 @@ def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = N
 
 def _write_split(split: str, files: list[str], directory: Path, writer_batch_size: int) -> LineCounts:
     """Stream one split's lines into ``directory`` laid out as ``Dataset.save_to_disk`` lays it out
-    (``data-NNNNN-of-NNNNN.arrow`` shards of at most ``datasets.config.MAX_SHARD_SIZE``, ``state.json``,
+    (``data/arrow_split.SplitWriter``: shards of at most ``datasets.config.MAX_SHARD_SIZE``, ``state.json``,
     ``dataset_info.json``), so ``load_from_disk`` memory-maps it like any saved set.
 
-    Written once, by ``datasets``' own ArrowWriter, ``writer_batch_size`` rows per record batch, and
-    never read back: the earlier ``Dataset.from_generator`` + ``save_to_disk`` wrote every row twice,
-    encoded it example by example (three quarters of the stage's time), and read the first copy back
-    through a memory map, so the process's RSS grew by the whole corpus (file-backed pages).
+    Written once, ``writer_batch_size`` rows per record batch, and never read back: the earlier
+    ``Dataset.from_generator`` + ``save_to_disk`` wrote every row twice, encoded it example by example
+    (three quarters of the stage's time), and read the first copy back through a memory map, so the
+    process's RSS grew by the whole corpus (file-backed pages).
     """
     import pyarrow as pa
-    from datasets import DatasetInfo, SplitDict, SplitInfo, config
-    from datasets.arrow_writer import ArrowWriter
     from datasets.fingerprint import generate_random_fingerprint
-    from datasets.utils.py_utils import convert_file_size_to_int
 
-    directory.mkdir()
-    shard_bytes = convert_file_size_to_int(config.MAX_SHARD_SIZE)
+    from workflow_scripts.data.arrow_split import SplitWriter
+
+    writer = SplitWriter(directory, _features(), split, generate_random_fingerprint(), batch_rows=writer_batch_size)
     counts = LineCounts()
     stems = {path: file_stem(path) for path in files}  # per file, not per line (Path() costs microseconds)
-    parts: list[Path] = []
-    writer, written, total_bytes, rows = None, 0, 0, 0
     ids: list[str] = []
     texts: list[str] = []
 
     def flush() -> None:
-        nonlocal writer, written, total_bytes, rows
-        if writer is None:
-            parts.append(directory / f"part-{len(parts)}.arrow")
-            writer, written = ArrowWriter(features=_features(), path=str(parts[-1])), 0
-        table = pa.table({"id": pa.array(ids, pa.string()), "text": pa.array(texts, pa.string())})
-        writer.write_table(table)
-        written += table.nbytes
-        total_bytes += table.nbytes
-        rows += len(ids)
+        writer.write(pa.table({"id": pa.array(ids, pa.string()), "text": pa.array(texts, pa.string())},
+                              schema=writer.schema))
         ids.clear()
         texts.clear()
-        if written >= shard_bytes:  # the next batch starts a new shard file, as save_to_disk shards
-            writer.finalize()
-            writer = None
 
     try:
         for path, number, text in iter_lines(files, counts):
@@ -178,21 +164,11 @@ def _write_split(split: str, files: list[str], directory: Path, writer_batch_siz
             texts.append(text)
             if len(texts) >= writer_batch_size:
                 flush()
-        if texts or not parts:
-            flush()
-    finally:
-        if writer is not None:
-            writer.finalize()
-    names = [f"data-{k:05d}-of-{len(parts):05d}.arrow" for k in range(len(parts))]
-    for part, name in zip(parts, names):
-        part.rename(directory / name)
-    info = DatasetInfo(features=_features(), splits=SplitDict(), dataset_size=total_bytes)
-    info.splits.add(SplitInfo(name=split, num_bytes=total_bytes, num_examples=rows))
-    info.write_to_directory(str(directory), pretty_print=True)
-    state = {"_data_files": [{"filename": name} for name in names], "_fingerprint": generate_random_fingerprint(),
-             "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False,
-             "_split": split}
-    (directory / config.DATASET_STATE_JSON_FILENAME).write_text(json.dumps(state, indent=2, sort_keys=True))
+        flush()
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
     return counts
 
 

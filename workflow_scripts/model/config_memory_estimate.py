@@ -118,9 +118,11 @@ def base_weight_bytes(model: nn.Module, dtype_bytes: int, quantization: Mapping[
 def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
                          lora: Mapping[str, Any] | None = None, precision: str = "bf16",
                          quantization: Mapping[str, Any] | None = None, micro_batch: int = 1,
-                         max_length: int = 512, gradient_checkpointing: bool = True) -> dict[str, int]:
-    """Bytes per GPU by part, and ``total``. ``lora=None`` is a full fine-tune; ``source`` may also be a
-    meta model from :func:`meta_model`, so that several estimates build it once."""
+                         max_length: int = 512, gradient_checkpointing: bool = True,
+                         device: str = "cuda") -> dict[str, int]:
+    """Bytes per GPU (per process with ``device="cpu"``) by part, and ``total``. ``lora=None`` is a full
+    fine-tune; ``source`` may also be a meta model from :func:`meta_model`, so that several estimates
+    build it once."""
     if strategy not in STRATEGIES:
         raise ConfigError("strategy", f"'{strategy}' is not one of {', '.join(STRATEGIES)}")
     if world_size < 1:
@@ -136,7 +138,7 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
     model = meta_model(source)
     shards = world_size if strategy == "fsdp" else 1
     # The project stores frozen weights as model_loading does: bf16 on GPUs for bf16 runs, else fp32.
-    dtype_bytes = torch.empty((), dtype=weights_dtype(precision, torch.device("cuda"))).element_size()
+    dtype_bytes = torch.empty((), dtype=weights_dtype(precision, torch.device(device))).element_size()
     compute_bytes = 2 if precision in ("bf16", "fp16") else FP32
     total_base, root, largest_unit = base_weight_bytes(model, dtype_bytes, quantization)
     if lora is None:
@@ -164,7 +166,7 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
         "activations": memory_estimate.activation_bytes(
             model.config, micro_batch, max_length, compute_bytes, gradient_checkpointing,
             rank, adapted // max(1, model.config.num_hidden_layers) if adapted else 0),
-        "runtime_overhead": memory_estimate.CUDA_RUNTIME_OVERHEAD,
+        "runtime_overhead": memory_estimate.CUDA_RUNTIME_OVERHEAD if device == "cuda" else 0,
     }
     parts["total"] = sum(parts.values())
     return parts
@@ -174,7 +176,7 @@ def training_arguments(training: Mapping[str, Any]) -> dict[str, Any]:
     """estimate_from_config's settings from resolved ``training`` settings (training.quantization included)."""
     quantization = training.get("quantization")
     return {
-        "lora": training["lora"], "precision": training["precision"], "micro_batch": training["micro_batch"],
+        "lora": None if training.get("finetune", "lora") == "full" else training["lora"], "precision": training["precision"], "micro_batch": training["micro_batch"],
         "max_length": training["max_length"], "gradient_checkpointing": training["gradient_checkpointing"],
         "quantization": None if quantization is None else {
             "bits": quantization.get("bits", 4), "double_quant": quantization.get("double_quant", True)},
@@ -219,6 +221,92 @@ def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[
         line = (f"does not fit: {head}; no single change tried fits (fsdp, qlora, checkpointing, micro-batch): "
                 "use fsdp over more GPUs, a shorter --max-length or a smaller model")
     return {"fits": False, "estimate": parts, "alternatives": alternatives, "line": line}
+
+
+# Declared memory ---------------------------------------------------------------------------------
+# Tiny architectures whose config this module can build from model.tiny alone (the causal LMs).
+TINY_CAUSAL = ("llama", "qwen2")
+
+
+def local_model_config(name: str, spec: Mapping[str, Any], root: Path) -> dict | None:
+    """The model's config without downloading anything: its prepared ``resources/models/<name>/config.json``,
+    a local model's own directory, or for a tiny causal LM one built from ``model.tiny``; None otherwise
+    (a hub or GGUF model not yet prepared: the gate estimates it once it exists)."""
+    for path in (root / "resources" / "models" / name / "config.json",
+                 root / spec["path"] / "config.json" if spec["source"] == "local" else None):
+        if path is not None and path.is_file():
+            try:
+                fields = json.loads(path.read_text())
+            except (OSError, ValueError) as error:
+                raise ConfigError(f"models.{name}", f"{path} cannot be read as a model config ({error}); "
+                                  "prepare the model again") from None
+            return fields if isinstance(fields, dict) else {}
+    tiny = spec.get("tiny") or {}
+    if spec["source"] == "tiny" and tiny.get("architecture", "llama") in TINY_CAUSAL:
+        # model.tiny.vocab_size bounds the trained tokenizer's size, so the estimate cannot fall short.
+        return {"model_type": tiny.get("architecture", "llama"), "vocab_size": tiny.get("vocab_size", 1024),
+                "hidden_size": tiny.get("hidden_size", 64), "intermediate_size": tiny.get("intermediate_size", 128),
+                "num_hidden_layers": tiny.get("num_layers", 2), "num_attention_heads": tiny.get("num_heads", 4),
+                "num_key_value_heads": tiny.get("num_heads", 4), "tie_word_embeddings": False}
+    return None
+
+
+def _is_causal_lm(fields: Mapping[str, Any]) -> bool:
+    """Only causal LMs are built here (meta_model); others (VLMs, encoders) are left to the gate."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return fields.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def declared_memory(training: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(bytes, processes sharing them) that the config declares for one node of a training job, or None.
+
+    A CPU job's processes share the node memory it asks of the scheduler, ``training.mem_mb``. Nothing in
+    the config declares a GPU's memory, so GPU jobs are left to the gate, which reads the device.
+    """
+    if training["gpus"] > 0:
+        return None
+    return training["mem_mb"] * 2**20, training["cpu_processes"]
+
+
+def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> list[dict[str, Any]]:
+    """Estimate every (model, variant) whose model config is here, before any job runs, and raise a
+    ConfigError naming the model, the variant and the knob when one exceeds the memory its config declares.
+
+    Returns what was checked: ``[{model, variant, estimate, declared, processes}]``.
+    """
+    from workflow_scripts.core import experiment_config as xc
+
+    root = Path(root)
+    checked = []
+    for name, spec in xc.models(config).items():
+        declared_by = {variant: declared_memory(xc.resolved_training(config, variant, name))
+                       for variant in config["variants"]}
+        source = local_model_config(name, spec, root)
+        if source is None or not any(declared_by.values()) or not _is_causal_lm(source):
+            continue  # nothing to read without a download, or nothing declared to compare with
+        model = meta_model(source)
+        for variant, declared in declared_by.items():
+            if declared is None:
+                continue
+            training = xc.resolved_training(config, variant, name)
+            capacity, processes = declared
+            parts = estimate_from_config(
+                model, strategy=training.get("strategy", "ddp"), world_size=xc.world_size(training),
+                device="cpu", **training_arguments(training))
+            checked.append({"model": name, "variant": variant, "estimate": parts, "declared": capacity,
+                            "processes": processes})
+            budget = int(capacity * training["memory_headroom"])
+            if parts["total"] * processes > budget:
+                h = memory_estimate.human
+                advice = memory_estimate.knob_advice(parts, training, torch.device("cpu"))
+                raise ConfigError(
+                    "training.mem_mb",
+                    f"model '{name}', variant '{variant}': {processes} training process(es) on a node are "
+                    f"estimated at {h(parts['total'])} each ({h(parts['total'] * processes)} together), over "
+                    f"{training['memory_headroom']:.0%} of the declared mem_mb {training['mem_mb']} "
+                    f"({h(budget)}). Fix: raise training.mem_mb, or {advice}")
+    return checked
 
 
 def parse_size(text: str) -> int:

@@ -61,19 +61,58 @@ def vision_activation_bytes(vision, images: int, dtype_bytes: int, trains: bool)
     return tokens * per_layer * (layers if trains else 1) * dtype_bytes
 
 
+def _largest_shard(param: torch.Tensor, shards: int) -> int:
+    """Elements of the largest dim-0 chunk FSDP2 gives a rank (rank 0's: ceil(rows / shards) rows)."""
+    if shards == 1 or param.dim() == 0:
+        return param.numel()
+    rows = param.shape[0]
+    return -(-rows // shards) * (param.numel() // max(1, rows))
+
+
+def _bytes(params, shards: int = 1) -> int:
+    return sum(_largest_shard(p, shards) * p.element_size() for p in params)
+
+
+def gathered_bytes(peft_model: nn.Module, precision: str) -> int:
+    """What FSDP2 holds unsharded at once: the root unit (embeddings, final norm, head) from forward to
+    backward, and one decoder layer computing while the next is prefetched, in the compute dtype."""
+    def unsharded(params) -> int:  # MixedPrecisionPolicy(param_dtype=bf16) gathers bf16 copies
+        return sum(p.numel() * (2 if precision == "bf16" else p.element_size()) for p in params)
+
+    base = peft_model.get_base_model()
+    blocks = set(getattr(base, "_no_split_modules", None) or ())
+    # fsdp.shard's units: the decoder layers. Once sharded, a layer's class is FSDP<Layer>, a subclass.
+    layers = [child for module in base.modules() if isinstance(module, nn.ModuleList) for child in module
+              if any(cls.__name__ in blocks for cls in type(child).__mro__)]
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = unsharded(p for p in peft_model.parameters() if id(p) not in in_layers)
+    return root + 2 * max((unsharded(layer.parameters()) for layer in layers), default=0)
+
+
 def estimate(peft_model: nn.Module, training: Mapping[str, Any], device: torch.device) -> dict[str, int]:
-    """Bytes per process by component; ``total`` includes the CUDA runtime overhead on GPUs."""
+    """Bytes per process by component; ``total`` includes the CUDA runtime overhead on GPUs.
+
+    Under ``training.strategy: fsdp`` every parameter is sharded over the world size (``fsdp.shard``
+    wraps each decoder layer and the root), so weights, adapters, gradients and AdamW state count one
+    rank's share, plus the units gathered for compute. The model may be sharded already or not: sizes
+    are read from the parameters' full shapes either way (a DTensor reports its global shape).
+    """
+    from workflow_scripts.core.experiment_config import world_size
     from workflow_scripts.model.quantization import quant_state_bytes
 
+    sharded = training.get("strategy", "ddp") == "fsdp"
+    shards = world_size(training) if sharded else 1
     # A bitsandbytes weight counts as stored (a Params4bit holds n/2 uint8), plus its absmax/scales.
-    frozen = sum(p.numel() * p.element_size() for p in peft_model.parameters() if not p.requires_grad)
-    frozen += quant_state_bytes(peft_model)
+    frozen = _bytes((p for p in peft_model.parameters() if not p.requires_grad), shards)
+    frozen += quant_state_bytes(peft_model)  # FSDP refuses quantised weights: never sharded
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
-    adapters = sum(p.numel() * p.element_size() for p in trainable)
+    adapters = _bytes(trainable, shards)
     gradients = adapters
-    optimizer = sum(p.numel() for p in trainable) * FP32 * 2  # AdamW: two fp32 moments
+    if not sharded and world_size(training) > 1:
+        gradients *= 2  # DDP's reducer buckets hold a second copy (gradient_as_bucket_view=False)
+    optimizer = sum(_largest_shard(p, shards) for p in trainable) * FP32 * 2  # AdamW: two fp32 moments
     activation_dtype_bytes = 2 if training["precision"] in ("bf16", "fp16") else FP32
-    config = peft_model.get_base_model().config
+    config = getattr(peft_model, "get_base_model", lambda: peft_model)().config  # no PEFT wrap when finetune: full
     # A VLM: the language model's sequence holds the image tokens (max_length counts them), and the
     # vision tower runs on each image; its activations are kept only when it trains.
     language = getattr(config, "text_config", None) or config
@@ -89,7 +128,8 @@ def estimate(peft_model: nn.Module, training: Mapping[str, Any], device: torch.d
                                                bool(training["lora"].get("train_vision_tower")))
     overhead = CUDA_RUNTIME_OVERHEAD if device.type == "cuda" else 0
     parts = {
-        "weights": frozen, "adapters": adapters, "gradients": gradients,
+        "weights": frozen, "gathered_weights": gathered_bytes(peft_model, training["precision"]) if shards > 1 else 0,
+        "adapters": adapters, "gradients": gradients,
         "optimizer": optimizer, "activations": activations, "runtime_overhead": overhead,
     }
     parts["total"] = sum(parts.values())
@@ -125,6 +165,10 @@ def knob_advice(parts: Mapping[str, int], training: Mapping[str, Any], device: t
                     "memory" + qlora)
         return ("use a device with more memory or a smaller model" + qlora + "; the frozen weights alone need "
                 + human(parts["weights"]))
+    if training.get("finetune", "lora") == "full":  # every weight trains: its gradients and AdamW state dominate
+        return ("train LoRA adapters instead (training.finetune: lora), use a smaller model, or use a device with "
+                "more memory; full fine-tuning holds " + human(parts["adapters"] + parts["optimizer"])
+                + " of trainable weights and optimizer state")
     return f"lower training.lora.rank (now {training['lora']['rank']}) or the number of training.lora.target_modules"
 
 

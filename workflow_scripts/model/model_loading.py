@@ -2,6 +2,11 @@
 
 Placement rule (seeds: meta tensors with CPU offload, ``device_map="auto"`` under DDP): the whole
 model is materialised on exactly one device per process. No ``device_map`` is ever passed.
+
+``training.finetune: full`` trains every parameter without PEFT (:func:`prepare_full`); its output
+directory holds the whole model (``save_pretrained`` safetensors) and :data:`FULL_MODEL_MARKER`, and
+:func:`load_adapter` loads either kind. ``model.initialise: random`` (recorded by prepare_model in
+``model_manifest.json``) builds the model from its config with fresh seeded weights instead of loading them.
 """
 from __future__ import annotations
 
@@ -18,6 +23,9 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 # A tokenizer needs at least one of these (the rest, e.g. tokenizer_config.json, only configure it).
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 REPREPARE = "run the prepare_model rule again (snakemake --forcerun prepare_model)"
+MANIFEST_NAME = "model_manifest.json"  # prepare_model's; its settings hold model.initialise
+# Beside a fully fine-tuned model's weights: what evaluate reads to load it whole instead of as a LoRA adapter.
+FULL_MODEL_MARKER = "full_model.json"
 
 
 def weights_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -104,6 +112,28 @@ def check_tokenised_for_model(data_dir: str | Path, meta: Mapping[str, Any], mod
             "re-run the pretokenise rule for this model (snakemake --forcerun pretokenise)")
 
 
+def _prepared_settings(model_dir: str | Path) -> dict:
+    """The model settings prepare_model recorded in ``model_manifest.json`` ({} without a manifest)."""
+    manifest = Path(model_dir, MANIFEST_NAME)
+    if not manifest.is_file():
+        return {}
+    try:
+        settings = json.loads(manifest.read_text(encoding="utf-8")).get("settings") or {}
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        raise WorkflowError(f"{manifest}: not a JSON object with 'settings'; {REPREPARE}") from None
+    return settings if isinstance(settings, dict) else {}
+
+
+def initialisation(model_dir: str | Path) -> str:
+    """``model.initialise`` as prepare_model recorded it: ``random`` (fresh weights from the config,
+    pretraining from scratch) or ``pretrained`` (when absent, or for a directory without a manifest)."""
+    initialise = _prepared_settings(model_dir).get("initialise", "pretrained")
+    if initialise not in ("pretrained", "random"):
+        raise WorkflowError(f"{Path(model_dir, MANIFEST_NAME)}: settings.initialise is {initialise!r}, not pretrained "
+                            f"or random; {REPREPARE}")
+    return initialise
+
+
 def load_base_model(
     model_dir: str | Path,
     device: torch.device,
@@ -111,20 +141,53 @@ def load_base_model(
     trust_remote_code: bool = False,
     auto_class: str = "AutoModelForCausalLM",
     model_kwargs: Mapping[str, Any] | None = None,
+    seed: int = 0,
 ):
     """Load the model fully onto ``device`` (never a device map, never offload).
 
     ``auto_class`` is the task's transformers Auto class (``tasks.base.Task.auto_model_class``);
-    ``model_kwargs`` the task's extra ``from_pretrained`` arguments (a classifier's labels).
+    ``model_kwargs`` the task's extra ``from_pretrained`` arguments (a classifier's labels). With
+    ``model.initialise: random`` the weights are drawn from ``seed`` (the experiment seed in training;
+    0 for evaluate's untrained baseline), on the CPU, so every process and device draws the same.
     """
     import transformers
 
     check_model_directory(model_dir)
-    model = getattr(transformers, auto_class).from_pretrained(
+    auto = getattr(transformers, auto_class)
+    # A tiny model (source tiny) is random already, drawn from model.tiny.seed: used as built.
+    if initialisation(model_dir) == "random" and _prepared_settings(model_dir).get("source") != "tiny":
+        config = transformers.AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code,
+                                                         **dict(model_kwargs or {}))
+        with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is left as it was
+            torch.manual_seed(seed)
+            model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        return model.to(device)
+    model = auto.from_pretrained(
         str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code, low_cpu_mem_usage=False,
         **dict(model_kwargs or {}),
     )
     return model.to(device)
+
+
+def enable_gradient_checkpointing(model, input_gradients: bool) -> None:
+    """Non-reentrant checkpointing (gradients reach parameters the recomputed segments use); input
+    gradients only when the embeddings are frozen (LoRA), so the checkpointed segments see a grad input."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if input_gradients:
+        model.enable_input_require_grads()
+
+
+def prepare_full(model, gradient_checkpointing: bool):
+    """``training.finetune: full``: no PEFT wrap, every parameter trainable and held in fp32 (master
+    weights; autocast still computes in bf16/fp16)."""
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model, input_gradients=False)
+    model.requires_grad_(True)
+    keep_trainable_in_fp32(model)
+    return model
 
 
 def add_lora(model, lora: Mapping[str, Any], gradient_checkpointing: bool, task_type: str | None = "CAUSAL_LM"):
@@ -137,11 +200,7 @@ def add_lora(model, lora: Mapping[str, Any], gradient_checkpointing: bool, task_
     from peft import LoraConfig, get_peft_model
 
     if gradient_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+        enable_gradient_checkpointing(model, input_gradients=True)
     check_module_names(model, "modules_to_save", lora.get("modules_to_save", []))
     check_module_names(model, "target_modules", lora["target_modules"])
     config = LoraConfig(
@@ -198,9 +257,83 @@ def load_with_adapter(model_dir: str | Path, adapter_dir: str | Path | None, dev
     return model.eval()
 
 
-def load_adapter(model, model_dir: str | Path, adapter_dir: str | Path):
-    """``model`` with the PEFT adapter of ``adapter_dir``, refused unless every adapter tensor fits it.
+def adapter_kind(adapter_dir: str | Path) -> str:
+    """``full`` (a whole model beside :data:`FULL_MODEL_MARKER`) or ``lora`` (a PEFT adapter directory)."""
+    directory = Path(adapter_dir)
+    full, lora = (directory / FULL_MODEL_MARKER).is_file(), (directory / "adapter_config.json").is_file()
+    if full and lora:
+        raise WorkflowError(f"{adapter_dir}: holds both {FULL_MODEL_MARKER} and adapter_config.json, so it is "
+                            "neither a whole model nor an adapter; train it again into an empty directory")
+    if full:
+        return "full"
+    if lora:
+        return "lora"
+    if (directory / "config.json").is_file():
+        raise WorkflowError(f"{adapter_dir}: a model directory without {FULL_MODEL_MARKER}, not the output of "
+                            "training (neither a PEFT adapter nor a fully fine-tuned model); train it again")
+    raise WorkflowError(f"{adapter_dir}: no adapter_config.json; is this a PEFT adapter directory?")
 
+
+def save_full_model(model, directory: str | Path) -> None:
+    """The whole trained model in ``save_pretrained``'s safetensors layout, then the marker that
+    makes :func:`load_adapter` load it whole (written last: its presence marks a complete save)."""
+    model.save_pretrained(str(directory))
+    if not any(Path(directory).glob("*.safetensors")):
+        raise WorkflowError(f"{directory}: save_pretrained wrote no safetensors weights")
+    Path(directory, FULL_MODEL_MARKER).write_text(json.dumps(
+        {"finetune": "full", "base_model": model.name_or_path, "model_class": type(model).__name__},
+        indent=2, sort_keys=True))
+
+
+def load_full_model(model, model_dir: str | Path, full_dir: str | Path):
+    """``model`` (the base, as built for this task) with every weight replaced by ``full_dir``'s.
+
+    Refused unless the two fit exactly: every stored tensor names a tensor of the model with its shape,
+    and every tensor of the model is stored (or tied to one that is: save_pretrained writes a tied
+    output layer once). Loaded in place, so ``model`` keeps the caller's device and dtype.
+    """
+    from safetensors.torch import load_file
+
+    if hasattr(model, "peft_config"):
+        raise WorkflowError(f"{full_dir}: a fully fine-tuned model, not a LoRA adapter; load it on the base "
+                            "model alone (model_loading.load_adapter), not on a PEFT model")
+    directory = Path(full_dir)
+    index = directory / "model.safetensors.index.json"
+    try:
+        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+                 else [p.name for p in sorted(directory.glob("*.safetensors"))])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise WorkflowError(f"{index}: not a safetensors index (JSON with a 'weight_map'); train the model again") from None
+    if not files or not all((directory / name).is_file() for name in files):
+        raise WorkflowError(f"{full_dir}: weight files {files or '*.safetensors'} are missing; train the model again")
+    stored: dict[str, torch.Tensor] = {}
+    for name in files:
+        stored.update(load_file(str(directory / name)))
+    own = model.state_dict()
+    advice = f"evaluate it with the base model it was trained from, or train a model for {model_dir}"
+    unused = sorted(set(stored) - set(own))
+    if unused:
+        raise WorkflowError(f"{full_dir}: made for another base model: {len(unused)} of its {len(stored)} tensors "
+                            f"fit no tensor of {model_dir} (e.g. {unused[0]}); {advice}")
+    wrong = sorted(n for n in stored if tuple(stored[n].shape) != tuple(own[n].shape))
+    if wrong:
+        raise WorkflowError(f"{full_dir}: made for another base model: tensor {wrong[0]} has shape "
+                            f"{tuple(stored[wrong[0]].shape)} there but {tuple(own[wrong[0]].shape)} in {model_dir}; {advice}")
+    loaded = {own[n].data_ptr() for n in stored}
+    untrained = sorted(n for n in set(own) - set(stored) if own[n].data_ptr() not in loaded)  # not tied to a stored one
+    if untrained:
+        raise WorkflowError(f"{full_dir}: has no tensor for {len(untrained)} weights of {model_dir} "
+                            f"(e.g. {untrained[0]}); {advice}")
+    model.load_state_dict(stored, strict=False)
+    return model
+
+
+def load_adapter(model, model_dir: str | Path, adapter_dir: str | Path, finetune: str | None = None):
+    """``model`` with the trained weights of ``adapter_dir``: a whole fully fine-tuned model
+    (:func:`load_full_model`) or a PEFT adapter. ``finetune`` (optional: ``lora`` / ``full``) is what
+    the caller expects; a directory of the other kind is refused.
+
+    For an adapter: refused unless every adapter tensor fits the model.
     PEFT loads the tensors whose names exist in the wrapped model and silently ignores the rest, so an
     adapter trained on another base model (more layers, other module names) would be evaluated as a
     partly untrained one. Every stored tensor must land, and every adapter tensor of the model must be
@@ -209,9 +342,14 @@ def load_adapter(model, model_dir: str | Path, adapter_dir: str | Path):
     from peft import PeftModel
     from peft.utils import get_peft_model_state_dict
 
+    kind = adapter_kind(adapter_dir)
+    if finetune is not None and kind != finetune:
+        what = {"full": "a fully fine-tuned model", "lora": "a LoRA adapter"}
+        raise WorkflowError(f"{adapter_dir}: holds {what[kind]}, but training.finetune is {finetune}; "
+                            f"use the output of a {finetune} run, or set training.finetune: {kind}")
+    if kind == "full":
+        return load_full_model(model, model_dir, adapter_dir)
     config_file = Path(adapter_dir, "adapter_config.json")
-    if not config_file.exists():
-        raise WorkflowError(f"{adapter_dir}: no adapter_config.json; is this a PEFT adapter directory?")
     weights = Path(adapter_dir, "adapter_model.safetensors")
     if not weights.is_file():
         raise WorkflowError(f"{adapter_dir}: no adapter_model.safetensors; train the adapter again")

@@ -44,6 +44,9 @@ The contract, stage by stage (batches are dicts of tensors plus plain fields):
   :class:`EvaluationResult`: per-example prediction records (each with ``id`` and ``score``; ``counts``
   where the corpus score is a ratio of sums, as smatch's), the corpus score, the number of outputs that
   could not be parsed, and what ``eval.json`` should record about how predictions were made.
+  ``predict(...)`` (optional: generation, vision_language, classification) returns :class:`Predictions`,
+  the same predictions without reading any gold: the ``predict`` stage writes them for an unlabelled split
+  (a leaderboard's test set) in its submission format; evaluate scores the same records.
 - configuration: ``variant_keys`` are the keys a variant of this task may set (what the fairness
   guard lets differ between variants); ``metrics`` the metric names a dataset of this task may use.
 """
@@ -65,6 +68,18 @@ class EvaluationResult:
 
     def __iter__(self):  # records, score, unparseable = task.evaluate(...)
         return iter((self.records, self.score, self.unparseable))
+
+
+@dataclass
+class Predictions:
+    """A task's predictions without scores (``predict``): what ``evaluate`` scores and ``predict`` submits."""
+    records: list[dict]  # one per row, each with ``id`` and ``parsed``
+    answer_field: str    # the record field holding the answer (None where the output could not be parsed)
+    details: dict = field(default_factory=dict)  # how predictions were made (decoding), for eval.json / manifests
+
+    @property
+    def unparseable(self) -> int:
+        return sum(not record["parsed"] for record in self.records)
 
 
 class Task(Protocol):
@@ -110,3 +125,6 @@ class Task(Protocol):
 
     def evaluate(self, model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict], metric: str,
                  evaluation: Mapping[str, Any], device: torch.device) -> EvaluationResult: ...
+
+    # Optional: tasks that can predict a split without gold (the ``predict`` stage, unlabelled splits) set it.
+    # def predict(self, model, tokenizer, variant, rows, metric, evaluation, device) -> Predictions: ...

@@ -31,7 +31,7 @@ from torch import nn
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.data.rows import FieldsMapper, Rejected, present as _present, text as _text
 from workflow_scripts.tasks import templates
-from workflow_scripts.tasks.base import EvaluationResult
+from workflow_scripts.tasks.base import EvaluationResult, Predictions
 
 DEFAULT_INPUT = "{text}"
 GOLD_FIELDS = ("label",)  # a template that shows the label would leak the answer
@@ -370,10 +370,11 @@ def check_model(peft_model: nn.Module, task_meta: Mapping[str, Any]) -> int:
         _refuse("classification_model", f"{type(model).__name__} has no module with parameters outside its "
                 "pretrained body: no classification head was found",
                 "load the model with AutoModelForSequenceClassification (the task's auto_model_class)")
-    saved = {tensor.data_ptr() for tensor in get_peft_model_state_dict(
-        model, adapter_name=adapter, save_embedding_layers=False).values()}
+    full = not hasattr(model, "peft_config")  # training.finetune: full: the whole model, head included, trains and is saved
+    saved = ({p.data_ptr() for p in model.parameters()} if full else {tensor.data_ptr() for tensor in
+             get_peft_model_state_dict(model, adapter_name=adapter, save_embedding_layers=False).values()})
     for name, module in heads:
-        copy = _trained_copy(module, adapter)
+        copy = module if full else _trained_copy(module, adapter)
         if copy is None:
             config = getattr(model, "peft_config", {}).get(adapter)
             task_type = getattr(getattr(config, "task_type", None), "value", getattr(config, "task_type", None))
@@ -433,7 +434,7 @@ def check_gradients(peft_model: nn.Module) -> str:
     adapter = _adapter_name(model)
     norms = []
     for name, module in classification_heads(model):
-        copy = _trained_copy(module, adapter)
+        copy = module if not hasattr(model, "peft_config") else _trained_copy(module, adapter)  # full: the head itself
         if copy is None:  # check_model refuses this first
             _refuse("classification_gradients", f"the classification head '{name}' is not trained (not in "
                     "modules_to_save)", f"list '{name}' in training.lora.modules_to_save")
@@ -481,8 +482,12 @@ class ClassificationTask:
         # Keys as strings, as labels are (YAML reads ``0: 2.0`` with an int key; the JSON argument would not).
         return {"input": template, "class_weights": {str(k): w for k, w in weights.items()} if weights is not None else None}
 
-    def normalise_fields(self, record: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
-        """The canonical row (``id`` only when mapped; the stage numbers the others); raises ``Rejected``."""
+    gold_field = "label"  # an unlabelled split's rows carry label None (normalise checks the source holds none)
+
+    def normalise_fields(self, record: Mapping[str, Any], settings: Mapping[str, Any],
+                         labelled: bool = True) -> dict[str, Any]:
+        """The canonical row (``id`` only when mapped; the stage numbers the others); raises ``Rejected``.
+        ``labelled=False`` (an unlabelled split): the label is not read and is None."""
         fields = settings["fields"]
         row = {}
         if fields.get("id"):
@@ -491,6 +496,9 @@ class ClassificationTask:
         row["text"] = _text(_present(record, fields["text"]), fields["text"])
         if fields.get("text_pair"):
             row["text_pair"] = _text(_present(record, fields["text_pair"]), fields["text_pair"])
+        if not labelled:
+            row["label"] = None
+            return row
         row["label"] = _name(_present(record, fields["label"]), fields["label"])
         if settings.get("labels") is not None:  # declared: every split, train included, must keep to it
             check_label(row["label"], settings["labels"], fields["label"])
@@ -577,8 +585,9 @@ class ClassificationTask:
     def check_gradients(self, peft_model: nn.Module, training: Mapping[str, Any]) -> str | None:
         return check_gradients(peft_model)
 
-    def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device):
-        """Argmax class per row; ``evaluation["max_length"]`` must be training's, so texts are cut the same way."""
+    def predict(self, model, tokenizer, variant, rows, metric, evaluation, device) -> Predictions:
+        """Argmax class per row, no label read; ``evaluation["max_length"]`` must be training's, so texts are
+        cut the same way."""
         if metric not in self.metrics:
             raise WorkflowError(f"metric {metric!r} is not a classification metric (known: {list(self.metrics)})")
         if evaluation.get("max_length") is None:
@@ -587,9 +596,6 @@ class ClassificationTask:
         names = [model.config.id2label[i] for i in range(model.config.num_labels)]
         if not rows:
             raise WorkflowError("no rows to evaluate")
-        for row in rows:
-            if row["label"] not in names:
-                raise WorkflowError(f"row id {row['id']!r}: label {row['label']!r} is not one of the model's classes {names}")
         collate = ClassificationCollator(tokenizer.pad_token_id, model.get_input_embeddings().num_embeddings, len(names))
         predicted = []
         model.eval()
@@ -597,14 +603,27 @@ class ClassificationTask:
             for start in range(0, len(rows), evaluation["batch_size"]):
                 chunk = rows[start:start + evaluation["batch_size"]]
                 encoded = encode(tokenizer, variant, chunk, evaluation["max_length"])
-                batch = collate([{**e, "id": r["id"], "label": names.index(r["label"])} for e, r in zip(encoded, chunk)])
+                batch = collate([{**e, "id": r["id"], "label": 0} for e, r in zip(encoded, chunk)])  # label unused
                 tensors = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
                 predicted += [names[i] for i in _forward(model, tensors).float().argmax(-1).tolist()]
         records = []
         for row, pred in zip(rows, predicted):  # text: the rendered input, as the model saw it
             pair = {"text_pair": row["text_pair"]} if row.get("text_pair") is not None else {}
             records.append({"id": row["id"], "text": templates._render(variant["input"], row, "input"), **pair,
-                            "predicted": pred, "gold": row["label"], "score": int(pred == row["label"]), "parsed": True})
+                            "predicted": pred, "parsed": True})
+        return Predictions(records, "predicted", {"labels": names})
+
+    def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device):
+        """The predictions (:meth:`predict`) scored against each row's label."""
+        names = [model.config.id2label[i] for i in range(model.config.num_labels)]
+        for row in rows:
+            if row["label"] not in names:
+                raise WorkflowError(f"row id {row['id']!r}: label {row['label']!r} is not one of the model's classes {names}")
+        result = self.predict(model, tokenizer, variant, rows, metric, evaluation, device)
+        records = [{**{k: v for k, v in record.items() if k != "parsed"}, "gold": row["label"],
+                    "score": int(record["predicted"] == row["label"]), "parsed": True}
+                   for row, record in zip(rows, result.records, strict=True)]
+        predicted = [record["predicted"] for record in records]
         golds = [row["label"] for row in rows]
         scores = {"accuracy": accuracy(golds, predicted), "macro_f1": macro_f1(golds, predicted, names)}
         return EvaluationResult(records, scores[metric], 0, {
@@ -618,9 +637,10 @@ class LabelSetState:
         self.declared = settings.get("labels")
         self.source = settings["fields"]["label"]
         self.labels: list[str] | None = list(self.declared) if self.declared is not None else None
+        self.unlabelled = frozenset(settings.get("unlabelled", ()))
 
     def check(self, row: Mapping[str, Any], split: str) -> None:
-        if split != "train" and self.labels is not None:
+        if split != "train" and self.labels is not None and row["label"] is not None:  # None: an unlabelled split
             check_label(row["label"], self.labels, self.source)
 
     def split_done(self, split: str, rows: list[dict]) -> None:
@@ -632,7 +652,8 @@ class LabelSetState:
 
     def report(self, rows_by_split: Mapping[str, list[dict]]) -> dict[str, Any]:
         return {"labels": self.labels,
-                "class_balance": {split: class_balance([r["label"] for r in rows]) for split, rows in rows_by_split.items()}}
+                "class_balance": {split: class_balance([r["label"] for r in rows]) for split, rows in rows_by_split.items()
+                                  if split not in self.unlabelled}}
 
 
 TASK = ClassificationTask()

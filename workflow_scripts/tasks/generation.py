@@ -17,7 +17,7 @@ from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.data.batching import PaddingCollator
 from workflow_scripts.data.rows import RecordMapper
 from workflow_scripts.tasks import metrics, templates
-from workflow_scripts.tasks.base import EvaluationResult
+from workflow_scripts.tasks.base import EvaluationResult, Predictions
 
 VARIANT_KEYS = ("prompt", "target", "extractor", "chat_template")
 
@@ -86,7 +86,8 @@ class TargetTokenLoss(nn.Module):
         # attention_mask is the 4D block mask; a padded one has none and the model counts from 0.
         positions = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
         positions.update(self.model_inputs(batch))
-        head = self.wrapped.get_base_model().get_output_embeddings()
+        # A PEFT model's base, or the model itself under training.finetune: full (no PEFT wrap).
+        head = getattr(self.wrapped, "get_base_model", lambda: self.wrapped)().get_output_embeddings()
         if head is None:  # no separate output layer (some remote-code models): slice the full logits
             logits = self.wrapped(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                   **positions).logits
@@ -214,24 +215,36 @@ def is_parsed(metric: str, extracted: str | None) -> bool:
     return metric != "smatch" or metrics.graph_triples(extracted) is not None
 
 
-def score_outputs(rows: Sequence[dict], prompts: Sequence[str], outputs: Sequence[str],
-                  variant: Mapping[str, Any], metric: str) -> tuple[list[dict], float, int]:
-    """Per-example prediction records, the corpus score and the number of unparseable outputs."""
-    records, scores = [], []
+def prediction_records(rows: Sequence[dict], prompts: Sequence[str], outputs: Sequence[str],
+                       variant: Mapping[str, Any], metric: str) -> list[dict]:
+    """Per-example predictions, unscored: ``{id, prompt, raw_output, extracted, auxiliary, parsed}``."""
+    records = []
     for row, prompt, output in zip(rows, prompts, outputs, strict=True):
         extracted, auxiliary = templates.extract_answer(variant, output)
-        example = metrics.score_example(metric, extracted, row["answers"])
+        records.append({"id": row["id"], "prompt": prompt, "raw_output": output, "extracted": extracted,
+                        "auxiliary": auxiliary, "parsed": is_parsed(metric, extracted)})
+    return records
+
+
+def score_records(rows: Sequence[dict], predicted: Sequence[dict], metric: str) -> tuple[list[dict], float, int]:
+    """Prediction records with their gold and score, the corpus score and the number of unparseable outputs."""
+    records, scores = [], []
+    for row, prediction in zip(rows, predicted, strict=True):
+        example = metrics.score_example(metric, prediction["extracted"], row["answers"])
         scores.append(example)
-        record = {
-            "id": row["id"], "prompt": prompt, "raw_output": output, "extracted": extracted,
-            "auxiliary": auxiliary, "gold": list(row["answers"]), "score": example.score,
-            "parsed": is_parsed(metric, extracted),
-        }
+        record = {key: prediction[key] for key in ("id", "prompt", "raw_output", "extracted", "auxiliary")}
+        record.update({"gold": list(row["answers"]), "score": example.score, "parsed": prediction["parsed"]})
         if example.counts is not None:
             record["counts"] = list(example.counts)
         records.append(record)
     unparseable = sum(not record["parsed"] for record in records)
     return records, metrics.corpus_score(metric, scores), unparseable
+
+
+def score_outputs(rows: Sequence[dict], prompts: Sequence[str], outputs: Sequence[str],
+                  variant: Mapping[str, Any], metric: str) -> tuple[list[dict], float, int]:
+    """Per-example prediction records, the corpus score and the number of unparseable outputs."""
+    return score_records(rows, prediction_records(rows, prompts, outputs, variant, metric), metric)
 
 
 
@@ -304,15 +317,21 @@ class GenerationTask:
     def check_gradients(self, peft_model: nn.Module, training: Mapping[str, Any]) -> str | None:
         return None
 
-    def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device) -> EvaluationResult:
-        check_rows(rows)
+    def predict(self, model, tokenizer, variant, rows, metric, evaluation, device) -> Predictions:
+        """Greedy outputs and extracted answers, no gold read (evaluate scores them; predict submits them)."""
         prompts = [templates.render_prompt(variant, row, tokenizer) for row in rows]
         outputs = generate(model, tokenizer, variant, prompts, evaluation["batch_size"],
                            evaluation["max_new_tokens"], device)
-        records, score, unparseable = score_outputs(rows, prompts, outputs, variant, metric)
         decoding = recorded_decoding(greedy_generation_config(
             evaluation["max_new_tokens"], stop_token_ids(tokenizer, model), tokenizer.pad_token_id))
-        return EvaluationResult(records, score, unparseable, {"decoding": "greedy", "generation_config": decoding})
+        return Predictions(prediction_records(rows, prompts, outputs, variant, metric), "extracted",
+                           {"decoding": "greedy", "generation_config": decoding})
+
+    def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device) -> EvaluationResult:
+        check_rows(rows)
+        predicted = self.predict(model, tokenizer, variant, rows, metric, evaluation, device)
+        records, score, unparseable = score_records(rows, predicted.records, metric)
+        return EvaluationResult(records, score, unparseable, predicted.details)
 
 
 def check_config_variant(name: str, variant: Mapping[str, Any], datasets: Mapping[str, Mapping[str, Any]]) -> None:

@@ -31,9 +31,9 @@ encoding's ``special_tokens_mask`` OR any id in ``all_special_ids`` (a literal "
 is not in the encoding's mask; [UNK] is thereby never a target either, as in the HF collator's
 fallback ``get_special_tokens_mask``: predicting it teaches nothing).
 
-Model: ``AutoModelForMaskedLM``, trained with LoRA only: continued pretraining of a pretrained
-masked LM. Full fine-tuning and pretraining from scratch are out of scope (the workflow trains
-adapters), and a variant asking for them is refused by name. The PEFT task type is None: PEFT has no
+Model: ``AutoModelForMaskedLM``, trained with LoRA (continued pretraining of a pretrained masked LM) or,
+with ``training.finetune: full``, whole (pretraining from scratch with ``model.initialise: random``); a
+variant naming those keys is pointed to the training settings. The PEFT task type is None: PEFT has no
 masked-LM task type, and TOKEN_CLS would wrap a token-classification forward and mark a
 ``classifier`` to save. A plain ``PeftModel`` forwards to the model unchanged; the MLM head is
 pretrained (its decoder tied to the input embeddings), so it is not in ``modules_to_save`` unless
@@ -71,18 +71,18 @@ EVAL_MASK_RATE = 0.15
 EVAL_MASK_SEED = 1515
 
 
-# Keys that ask for training the whole model: named in the refusal, as the workflow trains LoRA only.
+# Keys that ask how the model trains: training settings, not variant keys (named in the refusal).
 FULL_TRAINING_KEYS = ("finetune", "full_finetune", "from_scratch", "pretrain_from_scratch")
 
 
 def check_variant(variant: Any) -> dict[str, Any]:
     if not isinstance(variant, Mapping):
         raise WorkflowError(f"argument --variant: needs a JSON object with keys among {sorted(VARIANT_DEFAULTS)}")
-    asked = [key for key in FULL_TRAINING_KEYS if key in variant and variant[key] not in ("lora", False, None)]
-    if asked:
-        raise WorkflowError(f"variant key '{asked[0]}': masked_lm trains LoRA adapters on a pretrained masked LM "
-                            "only; full fine-tuning and pretraining from scratch are out of scope")
-    variant = {k: v for k, v in variant.items() if k not in FULL_TRAINING_KEYS}  # 'lora' / false: what happens anyway
+    asked = [key for key in FULL_TRAINING_KEYS if key in variant]
+    if asked:  # any value: a variant's 'lora' here would be ignored while training.finetune decides
+        raise WorkflowError(f"variant key '{asked[0]}': how the model trains is a training setting, not a variant "
+                            "key; set training.finetune: full (and model.initialise: random to pretrain from "
+                            "scratch) under training:, or under the variant's training: block")
     unknown = set(variant) - set(VARIANT_DEFAULTS)
     if unknown:
         raise WorkflowError(f"argument --variant: unknown keys {sorted(unknown)} (known: {sorted(VARIANT_DEFAULTS)})")

@@ -23,8 +23,8 @@ from torch import nn
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.data.batching import PaddingCollator
 from workflow_scripts.data.rows import Rejected, RecordMapper
-from workflow_scripts.tasks import generation, metrics, templates
-from workflow_scripts.tasks.base import EvaluationResult
+from workflow_scripts.tasks import generation, templates
+from workflow_scripts.tasks.base import Predictions
 
 VARIANT_KEYS = generation.VARIANT_KEYS + ("images",)
 # What the processor adds beside input_ids that the model's forward takes (by family).
@@ -347,9 +347,9 @@ class VisionLanguageTask(generation.GenerationTask):
 
         return vlm.check_tower_gradients(peft_model, train_tower=_trains_tower(training))
 
-    def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device) -> EvaluationResult:
+    def predict(self, model, tokenizer, variant, rows, metric, evaluation, device) -> Predictions:
+        """Generation's predictions, conditioned on each row's images (none for the text-only control)."""
         variant = check_variant(variant)
-        generation.check_rows(rows)
         if variant["images"]:
             missing = [row["id"] for row in rows if not row.get("images")]
             if missing:
@@ -357,11 +357,12 @@ class VisionLanguageTask(generation.GenerationTask):
         prompts = [render_prompt(tokenizer, variant, row) for row in rows]
         outputs = generate(model, tokenizer, variant, rows, prompts, evaluation["batch_size"],
                            evaluation["max_new_tokens"], device)
-        records, score, unparseable = generation.score_outputs(rows, prompts, outputs, variant, metric)
         decoding = generation.recorded_decoding(generation.greedy_generation_config(
             evaluation["max_new_tokens"], generation.stop_token_ids(tokenizer, model), tokenizer.pad_token_id))
-        return EvaluationResult(records, score, unparseable, {"decoding": "greedy", "generation_config": decoding,
-                                                              "images": variant["images"]})
+        return Predictions(generation.prediction_records(rows, prompts, outputs, variant, metric), "extracted",
+                           {"decoding": "greedy", "generation_config": decoding, "images": variant["images"]})
+
+    # evaluate: generation's (check the rows, self.predict, score the records).
 
 
 def _trains_tower(training: Mapping[str, Any]) -> bool:

@@ -8,7 +8,9 @@ the job stops and names the difference (runtime-only settings such as wall time 
 
 The files are the same under DDP and FSDP (full adapter tensors, the optimizer's numbered state_dict;
 training/fsdp.py gathers and scatters the shards), so a checkpoint resumes under either
-``training.strategy`` and any process count.
+``training.strategy`` and any process count. Under ``training.finetune: full`` (a model without PEFT)
+the tensors are the whole model's, every parameter and persistent buffer, in ``model.safetensors``
+instead of ``adapter.safetensors``; everything else is the same, and so are the resume guarantees.
 """
 from __future__ import annotations
 
@@ -50,8 +52,30 @@ def restore_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+ADAPTER_FILE, FULL_MODEL_FILE = "adapter.safetensors", "model.safetensors"
+
+
+def is_full_model(model) -> bool:
+    """Fully fine-tuned (training.finetune: full): the model is not PEFT-wrapped."""
+    return not hasattr(model, "peft_config")
+
+
+def weights_file(model) -> str:
+    return FULL_MODEL_FILE if is_full_model(model) else ADAPTER_FILE
+
+
+def _saved_tensors(model) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds: the trainable parameters (LoRA); every parameter (tied ones once) and
+    persistent buffer (full)."""
+    tensors = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if is_full_model(model):
+        persistent = set(model.state_dict())
+        tensors.update({n: b for n, b in model.named_buffers() if n in persistent})
+    return tensors
+
+
 def trainable_state(peft_model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().to("cpu", copy=True).contiguous() for n, p in peft_model.named_parameters() if p.requires_grad}
+    return {n: t.detach().to("cpu", copy=True).contiguous() for n, t in _saved_tensors(peft_model).items()}
 
 
 def gather_state(peft_model, optimizer, is_main: bool) -> tuple[dict, dict] | None:
@@ -89,7 +113,7 @@ def save(checkpoint_dir: str | Path, step: int, peft_model, optimizer, scheduler
     adapter, optimizer_state = state
     final = Path(checkpoint_dir, f"step-{step:08d}")
     with atomic_path(final, directory=True) as directory:
-        save_file(adapter, str(directory / "adapter.safetensors"))
+        save_file(adapter, str(directory / weights_file(peft_model)))
         torch.save(optimizer_state, directory / "optimizer.pt")
         torch.save({
             "scheduler": scheduler.state_dict(),
@@ -148,10 +172,15 @@ def load(path: str | Path, peft_model, optimizer, scheduler, scaler, rank: int, 
     """
     path = Path(path)
     state = json.loads((path / "state.json").read_text())
-    adapter = load_file(str(path / "adapter.safetensors"))
-    params = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    name = weights_file(peft_model)
+    if not (path / name).is_file():
+        other = {ADAPTER_FILE: "a LoRA run's adapter", FULL_MODEL_FILE: "a fully fine-tuned run's model"}
+        raise WorkflowError(f"{path}: holds {other[ADAPTER_FILE if name == FULL_MODEL_FILE else FULL_MODEL_FILE]}, "
+                            f"not {name} as training.finetune now needs; move or delete {path.parent} to train afresh")
+    adapter = load_file(str(path / name))
+    params = _saved_tensors(peft_model)
     if set(adapter) != set(params):
-        raise WorkflowError(f"{path}: its adapter tensors do not match the model's trainable parameters; "
+        raise WorkflowError(f"{path}: its {name} tensors do not match the model's trainable parameters; "
                             "delete the checkpoint directory to start afresh")
     optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     if fsdp.is_sharded(peft_model):

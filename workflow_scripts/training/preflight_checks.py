@@ -29,10 +29,24 @@ def _names(names, limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def is_full(model: nn.Module) -> bool:
+    """training.finetune: full: the model under the loss module (and DDP) is not PEFT-wrapped."""
+    return not hasattr(unwrap(model), "peft_config")
+
+
 # 1. trainable parameters ---------------------------------------------------------------------------
 def check_trainable(model: nn.Module) -> str:
     params = named_parameters(model)
     trainable = [n for n, p in params.items() if p.requires_grad]
+    if is_full(model):
+        frozen = [n for n, p in params.items() if not p.requires_grad]
+        if frozen:
+            raise PreflightError(
+                "trainable_parameters", f"training.finetune is full but {len(frozen)} of {len(params)} parameters "
+                f"have requires_grad=False ({_names(frozen)})",
+                "freeze nothing under full fine-tuning (every weight must train), or use training.finetune: lora")
+        count = sum(p.numel() for p in params.values())
+        return f"all {len(params)} parameter tensors trainable ({count} parameters, full fine-tuning)"
     if not trainable:
         raise PreflightError("trainable_parameters", "the model has no trainable parameters",
                              "check training.lora.target_modules match the model's linear layers and that "
@@ -54,7 +68,32 @@ def check_trainable(model: nn.Module) -> str:
 
 
 # 2. gradients after one backward -------------------------------------------------------------------
+def check_full_gradients(model: nn.Module) -> str:
+    """training.finetune: full: EVERY parameter got a finite gradient that is not all zero."""
+    params = named_parameters(model)
+    missing = [n for n, p in params.items() if p.grad is None]
+    if missing:
+        raise PreflightError(
+            "gradients", f"{len(missing)} of {len(params)} parameters got no gradient after backward ({_names(missing)})",
+            "every weight must lie on the path to the loss and stay trainable under full fine-tuning: do not freeze "
+            "or detach them (use training.finetune: lora to train part of a model)")
+    non_finite = [n for n, p in params.items() if not torch.isfinite(p.grad).all()]
+    if non_finite:
+        raise PreflightError("gradients", f"NaN/Inf gradients in {_names(non_finite)}",
+                             "lower training.learning_rate, check the data for corrupt rows, or use bf16 instead of fp16")
+    zero = [n for n, p in params.items() if not p.grad.any()]
+    if zero:
+        raise PreflightError(
+            "gradients", f"{len(zero)} of {len(params)} parameters have all-zero gradients ({_names(zero)})",
+            "check that those weights lie on the path to the loss (an unused module trains nothing) and that the "
+            "targets are not all masked")
+    norm = math.sqrt(sum(float(p.grad.float().pow(2).sum()) for p in params.values()))
+    return f"all {len(params)} parameter tensors have finite, non-zero gradients (norm {norm:.4g})"
+
+
 def check_gradients(model: nn.Module) -> str:
+    if is_full(model):
+        return check_full_gradients(model)
     lora = lora_parameters(model)
     missing = [n for n, p in lora.items() if p.grad is None]
     if missing:
@@ -108,13 +147,14 @@ def check_placement(model: nn.Module, device: torch.device) -> str:
 # 4. name lookups with and without DDP --------------------------------------------------------------
 def check_name_lookup(model: nn.Module) -> str:
     inner = unwrap(model)
-    expected = {n for n, _ in inner.named_parameters() if "lora_" in n}
-    found = lora_parameters(model)
+    full = is_full(model)  # full fine-tuning: every parameter is looked up by name (checkpoints, the gate)
+    expected = {n for n, _ in inner.named_parameters() if full or "lora_" in n}
+    found = named_parameters(model) if full else lora_parameters(model)
     if set(found) != expected:
         raise PreflightError(
             "name_lookup",
             f"looking parameters up by name on the {type(model).__name__} finds {len(set(found) & expected)} of "
-            f"{len(expected)} LoRA parameters (names seen: {_names(found)})",
+            f"{len(expected)} {'' if full else 'LoRA '}parameters (names seen: {_names(found)})",
             "strip DDP's 'module.' prefix before matching names (training_setup.named_parameters does)",
         )
     by_name = dict(inner.named_parameters())
@@ -122,7 +162,7 @@ def check_name_lookup(model: nn.Module) -> str:
     if wrong:
         raise PreflightError("name_lookup", f"names resolve to different tensors: {_names(wrong)}",
                              "look parameters up on the unwrapped PEFT model")
-    return f"{len(found)} LoRA parameters found by name through {type(model).__name__}"
+    return f"{len(found)} {'' if full else 'LoRA '}parameters found by name through {type(model).__name__}"
 
 
 # 5. precision --------------------------------------------------------------------------------------

@@ -71,7 +71,9 @@ class TrainingLog:
         line = (f"step {step}/{self.max_steps} loss {record['loss']:.4f} lr {record['learning_rate']:.3g} "
                 f"grad_norm {record['grad_norm']:.3g} tokens/s {record['tokens_per_second']:.0f} "
                 f"padding {record['padding_share']:.1%}"
-                + (f" validation_loss {record['validation_loss']:.4f}" if "validation_loss" in record else ""))
+                + (f" validation_loss {record['validation_loss']:.4f}" if "validation_loss" in record else "")
+                + "".join(f" {key} {value:.4f}" for key, value in sorted(record.items())
+                          if key.startswith("validation_metric")))
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix_str(line.split(" ", 2)[2])
@@ -96,3 +98,16 @@ class TrainingLog:
             self._writer.close()
         if self._bar is not None:
             self._bar.close()
+
+
+def validation_metric_curves(records) -> dict[str, tuple[list[int], list[float]]]:
+    """train_log field (``validation_metric``, ``validation_metric/<dataset>``) -> (steps, values): the task's
+    metric at each validation point, for the loss plot's second axis."""
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    for record in records:
+        for key, value in record.items():
+            if key.startswith("validation_metric") and isinstance(value, (int, float)):
+                steps, values = curves.setdefault(key, ([], []))
+                steps.append(record["step"])
+                values.append(float(value))
+    return curves

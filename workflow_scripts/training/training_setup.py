@@ -24,7 +24,7 @@ WRAPPER_PREFIXES = ("module.", "wrapped.")  # DDP's prefix, then the task loss m
 class TrainingSetup:
     context: DistributedContext
     training: Mapping[str, Any]
-    peft_model: nn.Module
+    peft_model: nn.Module  # the PEFT model; under training.finetune: full the plain model, every parameter trainable
     model: nn.Module  # what the loop calls: the task's loss module, DDP-wrapped when world > 1
     optimizer: torch.optim.Optimizer
     scheduler: Any
@@ -102,12 +102,52 @@ def build_optimizer_and_scheduler(parameters, training: Mapping[str, Any], devic
     return optimizer, scheduler
 
 
+def is_full(training: Mapping[str, Any]) -> bool:
+    """``training.finetune: full``: every parameter trains, no LoRA (schema default ``lora``)."""
+    return training.get("finetune", "lora") == "full"
+
+
+# Task types whose full fine-tuning is sound; vision_language's gate and loss assume a frozen, LoRA-wrapped tower.
+FULL_TASKS = ("generation", "conversation", "classification", "masked_lm")
+
+
+def finetune_problem(training: Mapping[str, Any], initialise: str, task_name: str | None = None) -> tuple[str, str] | None:
+    """(key, one-line problem) when ``training.finetune`` cannot run with these settings, else None.
+
+    Shared by the config check (experiment_config) and :func:`build`, so both refuse alike."""
+    if not is_full(training):
+        if initialise == "random":
+            return ("model.initialise", "random (pretraining from scratch) trains every weight, which needs "
+                    "training.finetune: full; set it, or use initialise: pretrained for LoRA")
+        return None
+    if training.get("quantization"):
+        return ("training.quantization", "full fine-tuning trains every weight, and quantised (bitsandbytes) "
+                "weights cannot train; set training.quantization: null, or training.finetune: lora (QLoRA)")
+    if training.get("strategy", "ddp") == "fsdp":
+        return ("training.strategy", "fsdp shards LoRA training only; with training.finetune: full use "
+                "strategy: ddp (every process holds the whole model)")
+    if task_name is not None and task_name not in FULL_TASKS:
+        return ("training.finetune", f"full fine-tuning is not supported for task '{task_name}' (its gate and loss "
+                "assume a frozen vision tower under LoRA); set training.finetune: lora")
+    return None
+
+
+def check_finetune(training: Mapping[str, Any], initialise: str, task_name: str | None = None) -> None:
+    problem = finetune_problem(training, initialise, task_name)
+    if problem is not None:
+        from workflow_scripts.core.errors import WorkflowError
+
+        raise WorkflowError(f"{problem[0]}: {problem[1]}")
+
+
 def build(model_dir, training: Mapping[str, Any], context: DistributedContext,
-          trust_remote_code: bool = False, data_meta: Mapping[str, Any] | None = None) -> TrainingSetup:
-    """Load the task's model onto this rank's device, add LoRA, wrap the task's loss for DDP; optimizer, precision.
+          trust_remote_code: bool = False, data_meta: Mapping[str, Any] | None = None, seed: int = 0) -> TrainingSetup:
+    """Load the task's model onto this rank's device, add LoRA (or, with ``training.finetune: full``, make
+    every parameter trainable), wrap the task's loss for DDP; optimizer, precision.
 
     ``data_meta`` is the pre-tokenised data's ``tokenise_meta.json``: its task chooses model class, LoRA
-    task type and loss (generation when None, as in tests that build a model without data).
+    task type and loss (generation when None, as in tests that build a model without data). ``seed``
+    draws the weights of a ``model.initialise: random`` model (the experiment seed).
     """
     from workflow_scripts.tasks import task_named
 
@@ -115,19 +155,25 @@ def build(model_dir, training: Mapping[str, Any], context: DistributedContext,
     task = task_named(data_meta["task"])
     task_meta = data_meta.get("task_meta", {})
     device = context.device
-    dtype = model_loading.weights_dtype(training["precision"], device)
+    full = is_full(training)
+    check_finetune(training, model_loading.initialisation(model_dir), task.name)
+    # Full: fp32 master weights from the start (a bf16 load would round pretrained fp32 weights first).
+    dtype = torch.float32 if full else model_loading.weights_dtype(training["precision"], device)
     from workflow_scripts.model import quantization  # QLoRA: bitsandbytes weights when training.quantization is set
 
     model_kwargs = {**task.model_kwargs(task_meta), **quantization.from_pretrained_kwargs(training, device)}
     base = model_loading.load_base_model(model_dir, device, dtype, trust_remote_code, task.auto_model_class,
-                                         model_kwargs)
+                                         model_kwargs, seed=seed)
     task.prepare_model(base, data_meta.get("pad_token_id"), task_meta)
     vocab_size = base.get_input_embeddings().num_embeddings
-    # The task may rewrite the LoRA settings for its model (a VLM: adapters on the language model only).
-    lora_settings = getattr(task, "lora_settings", None)
-    lora = lora_settings(base, training["lora"]) if lora_settings else training["lora"]
-    base = quantization.prepare(base, training, lora, task.peft_task_type)  # no-op when off
-    peft_model = model_loading.add_lora(base, lora, training["gradient_checkpointing"], task.peft_task_type)
+    if full:
+        peft_model = model_loading.prepare_full(base, training["gradient_checkpointing"])
+    else:
+        # The task may rewrite the LoRA settings for its model (a VLM: adapters on the language model only).
+        lora_settings = getattr(task, "lora_settings", None)
+        lora = lora_settings(base, training["lora"]) if lora_settings else training["lora"]
+        base = quantization.prepare(base, training, lora, task.peft_task_type)  # no-op when off
+        peft_model = model_loading.add_lora(base, lora, training["gradient_checkpointing"], task.peft_task_type)
     peft_model.train()
     packing = None
     if training.get("packing"):

@@ -9,6 +9,9 @@ the training that follows is the same whether or not validation ran.
 Which adapter is "best" travels in every checkpoint (:class:`Selection`), and the best adapters are
 kept as ``best-step-XXXXXXXX/`` beside the checkpoints until a checkpoint no longer needs them, so a
 resumed run selects exactly what an uninterrupted one would.
+
+With ``metric_examples`` the task's metric is computed at the same points (``validation_metric.py``) and
+``criterion: metric`` selects the best adapter by it.
 """
 from __future__ import annotations
 
@@ -23,24 +26,41 @@ import torch
 
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.model import model_loading
 from workflow_scripts.training import distributed, training_setup
 
 BEST_DIR = re.compile(r"^best-step-(\d{8})$")
+METRIC_KEY = "validation_metric"  # the train_log field of the criterion's metric (a mixture: the mean)
 
 
 @dataclass
 class Selection:
-    """What validation has seen so far: the best step and loss, and evaluations since it improved."""
+    """What validation has seen so far: the best step (by the criterion) with its loss and metric, and
+    evaluations since it improved."""
     best_step: int | None = None
     best_loss: float | None = None
     since_best: int = 0
     history: list[list[float]] = field(default_factory=list)  # [step, loss] of every evaluation
+    best_metric: float | None = None
+    metric_history: list[list] = field(default_factory=list)  # [step, {train_log field: value}]
 
-    def update(self, step: int, loss: float) -> bool:
-        """Record an evaluation; True when it is a new best (strictly lower loss)."""
+    def update(self, step: int, loss: float, metrics: Mapping[str, float] | None = None,
+               criterion: str = "loss", lower_is_better: bool = True) -> bool:
+        """Record an evaluation; True when it is a new best (strictly better by ``criterion``)."""
         self.history.append([step, loss])
-        if self.best_loss is None or loss < self.best_loss:
-            self.best_step, self.best_loss, self.since_best = step, loss, 0
+        metric = None
+        if metrics:
+            self.metric_history.append([step, dict(metrics)])
+            metric = metrics.get(METRIC_KEY)
+        if criterion == "metric":
+            if metric is None:
+                raise WorkflowError(f"step {step}: training.validation.criterion is 'metric' but no validation "
+                                    "metric was computed; set training.validation.metric_examples")
+            value, best, lower = metric, self.best_metric, lower_is_better
+        else:
+            value, best, lower = loss, self.best_loss, True
+        if best is None or (value < best if lower else value > best):
+            self.best_step, self.best_loss, self.best_metric, self.since_best = step, loss, metric, 0
             return True
         self.since_best += 1
         return False
@@ -106,7 +126,10 @@ def save_best(setup: training_setup.TrainingSetup, checkpoint_dir: str | Path, s
     """The adapter of a new best step, in the PEFT format (main process)."""
     if setup.context.is_main:
         with atomic_path(Path(checkpoint_dir, f"best-step-{step:08d}"), directory=True) as directory:
-            setup.peft_model.save_pretrained(str(directory), safe_serialization=True)
+            if training_setup.is_full(setup.training):  # the whole model, as train's output holds it
+                model_loading.save_full_model(setup.peft_model, directory)
+            else:
+                setup.peft_model.save_pretrained(str(directory), safe_serialization=True)
 
 
 def prune(checkpoint_dir: str | Path, selection: Selection, resumed_step: int | None = None) -> None:
@@ -130,7 +153,7 @@ def best_adapter(checkpoint_dir: str | Path, selection: Selection) -> Path:
         raise WorkflowError("training.validation.keep is 'best' but no validation loss was computed; "
                             "set training.validation.every_steps")
     path = Path(checkpoint_dir, f"best-step-{selection.best_step:08d}")
-    if not (path / "adapter_config.json").is_file():
+    if not any((path / name).is_file() for name in ("adapter_config.json", model_loading.FULL_MODEL_MARKER)):
         raise WorkflowError(f"{path}: the best adapter (step {selection.best_step}) is missing; delete "
                             f"{checkpoint_dir} and train again")
     return path
@@ -138,13 +161,17 @@ def best_adapter(checkpoint_dir: str | Path, selection: Selection) -> Path:
 
 def summary(selection: Selection, settings: Mapping[str, Any], stopped_early_at: int | None) -> dict[str, Any]:
     """What the run manifest records about validation and the adapter it kept."""
-    return {
+    recorded = {
         "adapter_kept": settings.get("keep", "final"),
         "best_step": selection.best_step,
         "best_validation_loss": selection.best_loss,
         "validation_losses": selection.history,
         "stopped_early_at_step": stopped_early_at,
     }
+    if settings.get("metric_examples") is not None:
+        recorded.update(criterion=settings.get("criterion", "loss"), metric_examples=settings["metric_examples"],
+                        best_validation_metric=selection.best_metric, validation_metrics=selection.metric_history)
+    return recorded
 
 
 def finite(loss: float, step: int) -> float:

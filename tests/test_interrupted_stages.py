@@ -1,0 +1,126 @@
+"""A stage stopped by SIGTERM, SIGINT or SIGKILL leaves no temporary debris that outlives its next run.
+
+pretokenise is started as a command on a corpus large enough to be shared out between two processes,
+stopped while its processes write their pieces, then run again: the rerun must leave only the output
+and the report in the output's directory, byte-identical to an uninterrupted run's, and the tokenising
+processes of the stopped run must be gone. normalise's next run removes a killed run's staging
+directory (core/atomic_output: temporary paths carry host and pid)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from data_helpers import run_download, run_normalise
+from workflow_scripts import normalise, pretokenise
+from workflow_scripts.core import atomic_output
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANT = {"mask_rate": 0.15, "grouping": "blocks"}
+MAX_LENGTH = 32
+LINES = 2 * pretokenise.PROCESS_MIN_ROWS  # two processes, each for seconds on a busy machine
+
+
+@pytest.fixture(scope="module")
+def corpus_inputs(tmp_path_factory):
+    """A normalised corpus of LINES lines and a tiny BERT; and an uninterrupted --threads 2 run's output."""
+    from test_masked_lm_chain import corpus, save_tiny_bert
+
+    tmp = tmp_path_factory.mktemp("interrupted")
+    source = tmp / "corpus"
+    source.mkdir()
+    lines = corpus(LINES, seed=3)
+    (source / "train.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (source / "test.txt").write_text("\n".join(corpus(20, seed=4)) + "\n", encoding="utf-8")
+    settings = {"task": "masked_lm", "source": {"type": "local", "path": str(source)}, "format": "text",
+                "splits": {"train": "train", "test": "test"}, "metric": "masked_accuracy",
+                "contamination": {"accept": True}}  # a small grammar: lines repeat by design
+    data, _ = run_normalise("lines", settings, run_download("lines", settings, tmp), tmp)
+    save_tiny_bert(lines[:2000], tmp / "model")
+    reference = tmp / "reference" / "tokenised"
+    subprocess.run(command(tmp / "model", data, reference), check=True, cwd=REPO, capture_output=True)
+    return tmp / "model", data, reference
+
+
+def command(model: Path, data: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "workflow_scripts.pretokenise", "--model", str(model), "--data", str(data),
+            "--task", "masked_lm", "--variant", json.dumps(VARIANT), "--max-length", str(MAX_LENGTH),
+            "--threads", "2", "--out", str(out), "--report", str(out.parent / "report.json")]
+
+
+def contents(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def wait_for(condition, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"])
+def test_a_stopped_pretokenise_leaves_nothing_after_its_next_run(corpus_inputs, tmp_path, stop):
+    model, data, reference = corpus_inputs
+    out = tmp_path / "run" / "tokenised"
+    stage = subprocess.Popen(command(model, data, out), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        # Stopped while both tokenising processes write their pieces into the scratch directory.
+        def started():
+            if stage.poll() is not None:
+                pytest.fail(f"the stage ended first: {stage.communicate()}")
+            pieces = list(out.parent.glob(".tokenised.*.work/train-*.arrow"))
+            workers = [c for c in psutil.Process(stage.pid).children() if c.status() != "zombie"]
+            return workers if len(pieces) == 2 and len(workers) == 2 else None
+
+        workers = wait_for(started, 240, "the two tokenising processes and their pieces")
+        stage.send_signal(stop)
+        code = stage.wait(60)
+    finally:
+        if stage.poll() is None:
+            stage.kill()
+            stage.wait()
+    expected = {signal.SIGTERM: (143,), signal.SIGINT: (-2, 130), signal.SIGKILL: (-9,)}[stop]
+    assert code in expected, stage.stderr.read()[-2000:]
+    gone, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, f"tokenising processes outlived the stopped stage: {alive}"
+    assert not out.exists()
+    if stop == signal.SIGKILL:  # nothing could clean up: the debris is there until the next run
+        assert [p.name for p in out.parent.iterdir() if p.name.startswith(".tokenised.")]
+
+    subprocess.run(command(model, data, out), check=True, cwd=REPO, capture_output=True)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["report.json", "tokenised"]
+    assert contents(out) == contents(reference)
+
+
+def test_normalise_removes_a_killed_runs_staging_directory_and_keeps_a_live_ones(tmp_path):
+    from test_masked_lm_chain import corpus
+
+    source = tmp_path / "corpus"
+    source.mkdir()
+    (source / "train.txt").write_text("\n".join(corpus(50, seed=1)) + "\n", encoding="utf-8")
+    settings = {"task": "masked_lm", "source": {"type": "local", "path": str(source)}, "format": "text",
+                "splits": {"train": "train"}, "metric": "masked_accuracy"}
+    raw = run_download("lines", settings, tmp_path)
+    out = tmp_path / "normalised" / "lines"
+    out.parent.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = atomic_output._host()
+    stale = out.parent / f".lines.{host}-{int(dead.stdout)}-abcd_123.partial"
+    nested = out.parent / f"..lines.{host}-{int(dead.stdout)}-abcd_123.partial.{host}-{int(dead.stdout)}-efgh_456.partial"
+    live = out.parent / f".lines.{host}-{os.getppid()}-ijkl_789.partial"  # pytest's parent still runs
+    other_host = out.parent / f".lines.elsewhere-{int(dead.stdout)}-mnop_012.partial"
+    for path in (stale, nested, live, other_host):
+        (path / "train").mkdir(parents=True)
+        (path / "train" / "data-00000-of-00001.arrow").write_bytes(b"half written")
+    assert normalise.main(["--name", "lines", "--dataset", json.dumps(settings), "--raw", str(raw), "--out", str(out),
+                           "--report", str(tmp_path / "report.json")]) == 0
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted(["lines", live.name, other_host.name])

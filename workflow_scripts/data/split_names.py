@@ -1,0 +1,105 @@
+"""A split the config expects but the source lacks: name what is there and the ``splits:`` mapping that fits.
+
+Sources name their splits their own way (ChartQA's ``val``, GLUE's ``dev``); the config maps each
+canonical split (train, validation, test) to the source's name. When a source lacks a mapped split,
+the message names the files that are there and the whole ``splits:`` mapping that would use them (the
+whole one: a ``splits:`` mapping replaces the default, so ``{validation: val}`` alone would drop train
+and test). Local sources are checked when the workflow is parsed (``check_local_splits``, from
+rules/common.smk), so ``snakemake -n`` refuses them before any job; ``download`` gives the same hints
+for local, hub and archive sources.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.data import text_lines
+
+CANONICAL = ("train", "validation", "test")
+# Names sources commonly give each canonical split, most likely first.
+SYNONYMS = {
+    "train": ("train", "training", "trn"),
+    "validation": ("validation", "val", "valid", "dev", "development", "eval", "evaluation"),
+    "test": ("test", "testing", "tst", "eval", "evaluation"),
+}
+# format -> the file suffixes of a split in it (text: plain or gzipped lines)
+SUFFIXES = {"jsonl": (".jsonl",), "json": (".json",), "csv": (".csv",), "parquet": (".parquet",),
+            text_lines.TEXT_FORMAT: text_lines.SPLIT_SUFFIXES}
+
+
+def split_file_names(split: str, fmt: str) -> list[str]:
+    return [split + suffix for suffix in SUFFIXES[fmt]]
+
+
+def mapping_text(splits: Mapping[str, str]) -> str:
+    """A ``splits:`` mapping as the user writes it, in canonical order."""
+    ordered = [name for name in CANONICAL if name in splits] + [name for name in splits if name not in CANONICAL]
+    return "splits: {" + ", ".join(f"{name}: {splits[name]}" for name in ordered) + "}"
+
+
+def missing_split_fix(source_split: str, splits: Mapping[str, str], available: Iterable[str], fmt: str | None = None) -> str:
+    """What to do about ``source_split`` missing from a source whose splits are ``available``.
+
+    The alias of an unused split that looks like it (``val`` for validation), else the only unused
+    split, else adding the file (or leaving out validation, the one optional split).
+    """
+    available = sorted(available)
+    canonical = next((name for name, source in splits.items() if source == source_split), source_split)
+    unused = [name for name in available if name not in splits.values()]
+    likely = [name for name in SYNONYMS.get(canonical, ()) if name in unused]
+    candidate = likely[0] if likely else (unused[0] if len(unused) == 1 else None)
+    shown = (lambda split: split_file_names(split, fmt)[0]) if fmt else (lambda split: f"split '{split}'")
+    if candidate is not None:
+        return (f"if {shown(candidate)} is the {canonical} split, map it: "
+                f"{mapping_text({**splits, canonical: candidate})}")
+    rest = {name: source for name, source in splits.items() if source != source_split}
+    if canonical == "validation" and rest:  # the one optional split
+        return f"add {shown(source_split)}, or leave {canonical} out: {mapping_text(rest)}"
+    if unused:
+        return f"add {shown(source_split)}, or map {canonical} to one of {unused}"
+    return f"add {shown(source_split)}"
+
+
+def _other_format(directory: Path, split: str, fmt: str) -> str | None:
+    """The fix when ``split``'s file is there in another format than ``fmt`` (``train.json`` for jsonl)."""
+    for other, suffixes in SUFFIXES.items():
+        for suffix in suffixes:
+            if other != fmt and (directory / (split + suffix)).is_file():
+                return f"{split + suffix} is there: set format: {other}"
+    return None
+
+
+def available_splits(directory: Path, fmt: str) -> list[str]:
+    """The split names of the files of format ``fmt`` in ``directory``."""
+    names = [path.name for path in directory.iterdir() if path.is_file()]
+    return sorted({name[: -len(suffix)] for name in names for suffix in SUFFIXES[fmt] if name.endswith(suffix)})
+
+
+def local_split_problem(directory: Path, settings: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(canonical split, one-line problem) for the first mapped split without its one file, or None."""
+    fmt, splits = settings["format"], settings["splits"]
+    for canonical, split in splits.items():
+        present = [name for name in split_file_names(split, fmt) if (directory / name).is_file()]
+        if len(present) == 1:
+            continue
+        if len(present) > 1:
+            return canonical, f"{directory} holds both {present[0]} and {present[1]}; keep one"
+        holds = sorted(path.name for path in directory.iterdir())
+        fix = _other_format(directory, split, fmt) or missing_split_fix(split, splits, available_splits(directory, fmt), fmt)
+        return canonical, f"{directory / split_file_names(split, fmt)[0]} is missing (the directory holds {holds}); {fix}"
+    return None
+
+
+def check_local_splits(datasets: Mapping[str, Mapping[str, Any]], source: str | None = None) -> None:
+    """Refuse, when the workflow is parsed, a local source lacking the file of a mapped split."""
+    for name, settings in datasets.items():
+        if settings["source"]["type"] != "local":
+            continue
+        directory = Path(settings["source"]["path"])
+        if not directory.is_dir():
+            raise ConfigError(f"datasets.{name}.source.path", f"{directory} is not a directory (it must hold one "
+                              f"{split_file_names('<split>', settings['format'])[0]} file per split)", source)
+        problem = local_split_problem(directory, settings)
+        if problem is not None:
+            raise ConfigError(f"datasets.{name}.splits.{problem[0]}", problem[1], source)

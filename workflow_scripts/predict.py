@@ -1,0 +1,147 @@
+"""The ``predict`` stage: an unlabelled split (a leaderboard's test set, answers withheld) predicted in
+the leaderboard's submission format, never scored.
+
+The model and adapter load as ``evaluate`` loads them (``evaluate.loaded_model``), and the task's own
+prediction path (``Task.predict``: the same decoding and extraction ``evaluate`` scores) runs over every
+row of the split (``evaluation.max_examples`` does not apply: a submission needs every id). Outputs:
+the submission (``[{<id_key>: id, <answer_key>: answer}, ...]`` as JSON, or one object per line as
+JSONL), every prediction with its prompt and raw output (JSONL), and a manifest with the counts. An
+output the extractor could not parse is submitted as the empty string and counted (``n_unparseable``).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from workflow_scripts import evaluate
+from workflow_scripts.core.atomic_output import write_json, write_jsonl
+from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
+from workflow_scripts.core.run_manifest import build_manifest
+from workflow_scripts.core.stage_arguments import StageArgumentParser
+from workflow_scripts.data.normalised_data import read_task_meta
+from workflow_scripts.model import model_loading
+from workflow_scripts.tasks import task_named
+
+SUBMISSION_DEFAULTS = {"format": "json", "id_key": "questionId", "id_type": "string", "answer_key": "answer"}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = StageArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="base model directory (prepare_model output)")
+    parser.add_argument("--adapter", help="PEFT adapter directory; omit to predict with the untrained base model")
+    parser.add_argument("--data", required=True, help="normalised DatasetDict directory")
+    parser.add_argument("--split", required=True, help="the unlabelled split to predict (task_meta.json lists it)")
+    parser.add_argument("--task", required=True, help="the dataset's task type (tasks.TASK_MODULES)")
+    parser.add_argument("--variant", required=True, help="the variant as JSON (its keys depend on the task)")
+    parser.add_argument("--metric", required=True, help="the dataset's metric (what counts as a parsed output)")
+    parser.add_argument("--evaluation", required=True, help="the config's evaluation settings as JSON")
+    parser.add_argument("--submission", required=True, help="the dataset's submission settings as JSON")
+    parser.add_argument("--model-name", help="the model's name in the config (default: the model directory's name)")
+    parser.add_argument("--dataset-name", required=True)
+    parser.add_argument("--variant-name", required=True)
+    parser.add_argument("--seed", required=True, help="the experiment's seed, or 'base' for the untrained model")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--submission-out", required=True, help="the submission file (.json or .jsonl, as its format)")
+    parser.add_argument("--predictions-out", required=True, help="every prediction with prompt and raw output (JSONL)")
+    parser.add_argument("--manifest-out", required=True)
+    return parser.parse_args(argv)
+
+
+def submission_settings(text: str) -> dict[str, Any]:
+    settings = {**SUBMISSION_DEFAULTS, **evaluate.parse_json_argument(text, "--submission")}
+    unknown = sorted(set(settings) - set(SUBMISSION_DEFAULTS))
+    if unknown:
+        raise ConfigError("submission", f"unknown keys {unknown} (known: {sorted(SUBMISSION_DEFAULTS)})")
+    if settings["format"] not in ("json", "jsonl"):
+        raise ConfigError("submission.format", f"must be json or jsonl, got {settings['format']!r}")
+    if settings["id_type"] not in ("string", "integer"):
+        raise ConfigError("submission.id_type", f"must be string or integer, got {settings['id_type']!r}")
+    return settings
+
+
+def submitted_id(row_id: str, id_type: str, where: str) -> str | int:
+    if id_type == "string":
+        return row_id
+    try:
+        return int(row_id)
+    except ValueError:
+        raise WorkflowError(f"{where}: id {row_id!r} is not an integer, but submission.id_type is integer; "
+                            "set submission.id_type: string") from None
+
+
+def submission_entries(rows: Sequence[Mapping[str, Any]], answers: Sequence[str | None],
+                       settings: Mapping[str, Any], where: str) -> list[dict]:
+    """One entry per row, in the split's order: its id and its answer ('' where none could be parsed)."""
+    return [{settings["id_key"]: submitted_id(row["id"], settings["id_type"], f"{where} row {index}"),
+             settings["answer_key"]: answer if answer is not None else ""}
+            for index, (row, answer) in enumerate(zip(rows, answers, strict=True))]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    task = task_named(args.task, "argument --task")
+    if not hasattr(task, "predict"):
+        raise WorkflowError(f"argument --task: task {args.task!r} cannot predict an unlabelled split")
+    variant = task.check_variant(evaluate.parse_json_argument(args.variant, "--variant"))
+    if args.metric not in task.metrics:
+        raise WorkflowError(f"argument --metric: {args.metric!r} is not a metric of task {args.task!r} "
+                            f"(choose from {list(task.metrics)})")
+    evaluation = evaluate.parse_json_argument(args.evaluation, "--evaluation")
+    evaluate.check_evaluation(evaluation)
+    submission = submission_settings(args.submission)
+    suffix = Path(args.submission_out).suffix
+    if suffix != f".{submission['format']}":
+        raise WorkflowError(f"argument --submission-out: {args.submission_out} ends in {suffix!r}, but "
+                            f"submission.format is {submission['format']}; name it *.{submission['format']}")
+    seed = evaluate.parse_seed(args.seed)
+
+    rows = evaluate.load_test_rows(args.data, args.split, None)  # every row: a submission needs every id
+    where = f"{args.data} split '{args.split}'"
+    evaluate.check_templates(variant, rows, args.data, args.split)
+    model_loading.check_model_directory(args.model)
+    task_meta = read_task_meta(args.data, args.task)
+    if args.split not in task_meta.get("unlabelled", []):
+        raise WorkflowError(f"{where} is labelled (task_meta.json unlabelled: {task_meta.get('unlabelled', [])}); "
+                            "the evaluate rule scores it, predict writes submissions for unlabelled splits only")
+    label = f"predict {args.model_name or Path(args.model).name}/{args.dataset_name}/{args.variant_name}/{seed}"
+    with evaluate.loaded_model(args, task, task_meta, evaluation["gpus"], label) as loaded:
+        predicted = task.predict(loaded.model, loaded.tokenizer, variant, rows, args.metric, evaluation, loaded.device)
+    answers = [record[predicted.answer_field] for record in predicted.records]
+    entries = submission_entries(rows, answers, submission, where)
+    manifest = {
+        "model": args.model_name or Path(args.model).name,
+        "dataset": args.dataset_name,
+        "variant": args.variant_name,
+        "seed": seed,
+        "split": args.split,
+        "task": args.task,
+        "scored": False,  # the split has no gold: the leaderboard scores the submission
+        "n_examples": len(entries),
+        "n_unparseable": predicted.unparseable,
+        "unparseable_ids": [record["id"] for record in predicted.records if not record["parsed"]][:20],
+        "submission": {**submission, "file": str(args.submission_out)},
+        **predicted.details,
+        "model_dir": str(args.model),
+        "model_manifest_sha256": evaluate.file_sha256(Path(args.model, "model_manifest.json")),
+        "adapter_dir": str(args.adapter) if args.adapter else None,
+        "device": str(loaded.device),
+        "device_name": loaded.device_name,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "manifest": build_manifest("predict", {"evaluation": evaluation, "variant": variant, "metric": args.metric,
+                                               "submission": submission}),
+    }
+    write_jsonl(args.predictions_out, predicted.records)
+    if submission["format"] == "json":
+        write_json(args.submission_out, entries)
+    else:
+        write_jsonl(args.submission_out, entries)
+    write_json(args.manifest_out, manifest)
+    print(f"{args.dataset_name}/{args.variant_name}/seed {seed}: {len(entries)} predictions for unlabelled split "
+          f"'{args.split}' written to {args.submission_out} (not scored: no gold); {predicted.unparseable} unparseable, "
+          "submitted as ''")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
