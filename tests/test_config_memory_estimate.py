@@ -176,7 +176,9 @@ def test_demo_config_is_estimated_for_its_tiny_causal_lm_and_fits(tmp_path):
     # tiny-llama is built from model.tiny on the meta device; tiny-bert and tiny-llava (not causal LMs,
     # and not prepared here) are left to the gate.
     assert {c["model"] for c in checked} == {"tiny-llama"}
-    assert {c["variant"] for c in checked} == set(config["variants"])
+    # Only the variants it runs whose task loads a causal LM: not the classifier's (a sequence-classification
+    # head) nor the other models' tasks.
+    assert {c["variant"] for c in checked} == {v for v, s in config["variants"].items() if s["task"] == "generation"}
     first = checked[0]
     assert first["declared"] == config["training"]["mem_mb"] * 2**20 and first["processes"] == 1
     # CPU: fp32 weights, no CUDA runtime; the demo's model: vocab 1024, hidden 64, 2 layers.
@@ -249,3 +251,17 @@ def test_snakemake_dry_run_refuses_before_any_job(tmp_path):
     assert "config key 'training.mem_mb': model 'tiny-llama', variant" in output
     assert "Job stats" not in output and "Traceback" not in output
     assert not (tmp_path / "results").exists() and not (tmp_path / "resources").exists()
+
+
+def test_a_prepared_masked_lm_is_not_estimated_as_a_causal_lm(tmp_path):
+    """Regression: after the demo prepared tiny-bert, its BERT config.json (a causal-LM model type in
+    transformers' mapping, as BertLMHeadModel) was built with the generation variants' LoRA targets and
+    every later snakemake call failed at parse time."""
+    from transformers import BertConfig
+
+    prepared = tmp_path / "resources" / "models" / "tiny-bert"
+    prepared.mkdir(parents=True)
+    (prepared / "config.json").write_text(json.dumps(BertConfig(hidden_size=32, num_hidden_layers=1,
+                                                                num_attention_heads=2, intermediate_size=64).to_dict()))
+    checked = cme.check_declared_memory(demo_config(), root=tmp_path)
+    assert {c["model"] for c in checked} == {"tiny-llama"}

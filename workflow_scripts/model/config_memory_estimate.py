@@ -277,11 +277,17 @@ def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> 
     """
     from workflow_scripts.core import experiment_config as xc
 
+    from workflow_scripts.tasks import task_named
+
     root = Path(root)
     checked = []
+    # Only the (model, variant) pairs the matrix runs, and only where the task loads a causal LM (the model
+    # meta_model builds): a BERT under a masked-LM task is not estimated as BertLMHeadModel.
+    pairs = {(model, variant) for model, entry, variant in xc.model_entry_variants(config)
+             if task_named(xc.entry_task(config, entry)).auto_model_class == "AutoModelForCausalLM"}
     for name, spec in xc.models(config).items():
         declared_by = {variant: declared_memory(xc.resolved_training(config, variant, name))
-                       for variant in config["variants"]}
+                       for variant in config["variants"] if (name, variant) in pairs}
         source = local_model_config(name, spec, root)
         if source is None or not any(declared_by.values()) or not _is_causal_lm(source):
             continue  # nothing to read without a download, or nothing declared to compare with
