@@ -207,7 +207,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         # --- stage command lines: compare ---
         case("cli", "compare-experiments-bad-json", compare_({"--experiments": "[[chart, baseline, 1]]"}), "compare", "argument --experiments: not valid JSON at character 2: Expecting value"),
         case("cli", "compare-experiments-empty", compare_({"--experiments": []}), "compare", "argument --experiments: expected a non-empty JSON list of [model, dataset, variant, seed]"),
-        case("cli", "compare-experiment-seed-as-string", compare_({"--experiments": [["tiny", "chart", "baseline", "1"]]}), "compare", "argument --experiments item 0: expected [model, dataset, variant, seed], got ['tiny', 'chart', 'baseline', '1']"),
+        case("cli", "compare-experiment-seed-as-string", compare_({"--experiments": [["tiny", "chart", "baseline", "1"]]}), "compare", "argument --experiments item 0: expected [model, dataset, variant, seed] or [model, trained on, variant, seed, evaluated dataset], got ['tiny', 'chart', 'baseline', '1']"),
         case("cli", "compare-experiment-twice", compare_({"--experiments": EXPERIMENTS + [["tiny", "chart", "mtup", 2]]}), "compare", "argument --experiments item 4: ['tiny', 'chart', 'mtup', 2] is listed twice"),
         case("cli", "compare-comparison-key-missing", compare_({"--comparison": {**COMPARISON, "bootstrap_seed": DROP}}), "compare", "config key 'comparison.bootstrap_seed': missing from the --comparison argument"),
         case("cli", "compare-too-few-resamples", compare_({"--comparison": {**COMPARISON, "bootstrap_resamples": 999}}), "compare", "config key 'comparison.bootstrap_resamples': must be an integer >= 1000, got 999"),

@@ -34,21 +34,26 @@ EVALUATION_KEYS = ("split", "max_new_tokens", "batch_size", "max_examples", "gpu
 ROW_TEMPLATE_KEYS = ("prompt", "input")
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = StageArgumentParser(description=__doc__.splitlines()[0])
+def add_prediction_arguments(parser: argparse.ArgumentParser, verb: str, record: str) -> None:
+    """What evaluate and predict both take: the model, adapter, data, task settings and the run's names."""
     parser.add_argument("--model", required=True, help="base model directory (prepare_model output)")
-    parser.add_argument("--adapter", help="PEFT adapter directory; omit to evaluate the untrained base model")
+    parser.add_argument("--adapter", help=f"PEFT adapter directory; omit to {verb} the untrained base model")
     parser.add_argument("--data", required=True, help="normalised DatasetDict directory")
     parser.add_argument("--task", required=True, help="the dataset's task type (tasks.TASK_MODULES)")
     parser.add_argument("--variant", required=True, help="the variant as JSON (its keys depend on the task)")
     parser.add_argument("--metric", required=True, help="one of the task's metrics")
     parser.add_argument("--evaluation", required=True, help="the config's evaluation settings as JSON")
-    parser.add_argument("--model-name", help="the model's name in the config, recorded in eval.json "
+    parser.add_argument("--model-name", help=f"the model's name in the config, recorded in {record} "
                         "(default: the model directory's name)")
-    parser.add_argument("--dataset-name", required=True, help="dataset name, recorded in eval.json")
-    parser.add_argument("--variant-name", required=True, help="variant name, recorded in eval.json")
+    parser.add_argument("--dataset-name", required=True, help=f"dataset name, recorded in {record}")
+    parser.add_argument("--variant-name", required=True, help=f"variant name, recorded in {record}")
     parser.add_argument("--seed", required=True, help="the experiment's seed, or 'base' for the untrained model")
     parser.add_argument("--trust-remote-code", action="store_true")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = StageArgumentParser(description=__doc__.splitlines()[0])
+    add_prediction_arguments(parser, "evaluate", "eval.json")
     parser.add_argument("--predictions-out", required=True)
     parser.add_argument("--summary-out", required=True)
     return parser.parse_args(argv)
