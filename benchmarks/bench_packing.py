@@ -85,10 +85,11 @@ def our_loop(model_dir: Path, data_dir: Path, settings: dict, seed: int, kind: s
 
     from workflow_scripts.data import batching, packing
     from workflow_scripts.model import model_loading
+    from workflow_scripts.core.settings import LoraSettings
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
-    peft_model = model_loading.add_lora(base, bench_training.LORA, gradient_checkpointing=False)
+    peft_model = model_loading.add_lora(base, LoraSettings(**bench_training.LORA), gradient_checkpointing=False)
     peft_model.train()
     if kind == "packed":
         ok, reason = packing.supports_packing(peft_model, settings["length"]["high"])

@@ -61,7 +61,7 @@ def save_tokenised(table, out: Path, vocab_size: int, max_length: int, model_dir
     ``model_dir``, recorded as tokenised by that model's tokenizer (sanity and train check the fingerprint)."""
     from datasets import Dataset, DatasetDict
 
-    from workflow_scripts.pretokenise import tokenizer_fingerprint
+    from workflow_scripts.data.fingerprints import tokenizer_fingerprint
 
     out = Path(out)
     DatasetDict({"train": Dataset(table)}).save_to_disk(str(out))

@@ -65,7 +65,7 @@ def evaluation_json(wildcards):
     """evaluate's --evaluation: the evaluation section with this dataset's split, and training's max_length
     (inputs are cut at evaluation as in training: a classifier's texts)."""
     return as_json({**config["evaluation"], "split": xc.evaluation_split(config, wildcards.dataset),
-                    "max_length": training_settings(wildcards)["max_length"]})
+                    "max_length": training_settings(wildcards).max_length})
 
 
 def mixture_json(wildcards):
@@ -83,8 +83,13 @@ def component_arguments(wildcards, input):
     return " ".join(f"--component {argument}" for argument in arguments)
 
 
+# Every (model, variant)'s training settings, validated and typed once when the workflow is read.
+TRAINING = {(model, variant): xc.training_settings(config, variant, model)
+            for model in MODELS for variant in config["variants"]}
+
+
 def training_settings(wildcards):
-    return xc.resolved_training(config, wildcards.variant, wildcards.model)
+    return TRAINING[wildcards.model, wildcards.variant]
 
 
 def model_json(wildcards):
@@ -98,7 +103,9 @@ def trust_remote_code(wildcards):
 
 
 def training_json(wildcards):
-    return as_json(training_settings(wildcards))
+    """train's and sanity's --training: the resolved settings as the user wrote them (the stage types them
+    again); not the typed settings' full dict, so a new optional key reruns nothing that does not set it."""
+    return as_json(xc.resolved_training(config, wildcards.variant, wildcards.model))
 
 
 class RuntimeOnly:
@@ -121,7 +128,7 @@ def tracking_json(wildcards):
 def training_gpu_total(wildcards):
     """GPUs of the whole job (the SLURM plugin's --gpus): per node x nodes."""
     training = training_settings(wildcards)
-    return training["gpus"] * training["nodes"]
+    return training.gpus * training.nodes
 
 
 def check_gpu_requests():
@@ -131,12 +138,12 @@ def check_gpu_requests():
     if limit is None:  # no --resources gpu (a cluster counts GPUs itself)
         return
     for model, variant in dict.fromkeys((m, v) for m, _, v, _ in xc.experiments(config)):
-        training = xc.resolved_training(config, variant, model)
-        total = training["gpus"] * training["nodes"]
+        training = TRAINING[model, variant]
+        total = training.gpus * training.nodes
         if total > limit:
             raise WorkflowError(
-                f"variant '{variant}' on model '{model}' asks for {total} GPUs (training.gpus {training['gpus']} x "
-                f"training.nodes {training['nodes']}) but --resources gpu={limit}: Snakemake would silently count "
+                f"variant '{variant}' on model '{model}' asks for {total} GPUs (training.gpus {training.gpus} x "
+                f"training.nodes {training.nodes}) but --resources gpu={limit}: Snakemake would silently count "
                 f"the job as {limit} GPUs while it starts {total} processes; lower training.gpus (accumulation "
                 "grows, the effective batch stays) or raise --resources gpu")
     if config["evaluation"]["gpus"] > limit:
@@ -149,21 +156,21 @@ check_gpu_requests()
 
 
 def training_nodes(wildcards):
-    return training_settings(wildcards)["nodes"]
+    return training_settings(wildcards).nodes
 
 
 # With several nodes the rule's own command starts one torchrun per node through srun (mpi), so
 # the plugin must not wrap it in `srun -n1`; all variants then use this launch mode.
 MULTI_NODE_LAUNCH = (
     {"mpi": "srun", "tasks": training_nodes}
-    if any(xc.resolved_training(config, v, m)["nodes"] > 1 for v in config["variants"] for m in MODELS)
+    if any(training.nodes > 1 for training in TRAINING.values())
     else {}
 )
 
 
 def training_threads(wildcards):
     training = training_settings(wildcards)
-    return max(training["gpus"], training["cpu_processes"], 1)
+    return max(training.gpus, training.cpu_processes, 1)
 
 
 def local_source(wildcards):
@@ -229,8 +236,7 @@ def final_outputs():
 # The task's metric during training (training.validation.metric_examples) ---------------------------
 def validation_metric_datasets(wildcards):
     """The datasets train scores the metric on (a mixture's components), none when the metric is off."""
-    validation = training_settings(wildcards).get("validation") or {}
-    if validation.get("metric_examples") is None:
+    if training_settings(wildcards).validation.metric_examples is None:
         return []
     entry = wildcards.dataset
     return list(MIXTURES[entry]["datasets"]) if entry in MIXTURES else [entry]
@@ -252,7 +258,7 @@ def validation_metric_argument(wildcards):
         "task": xc.entry_task(config, wildcards.dataset),
         "variant": xc.variant_settings(config["variants"][wildcards.variant]),
         "evaluation": {"max_new_tokens": evaluation["max_new_tokens"], "batch_size": evaluation["batch_size"],
-                       "max_length": training_settings(wildcards)["max_length"]},
+                       "max_length": training_settings(wildcards).max_length},
         "datasets": [{"name": name, "data": f"results/data/{name}/normalised",
                       "metric": config["datasets"][name]["metric"]} for name in names],
     }

@@ -82,7 +82,7 @@ rule pretokenise:
     params:
         task=dataset_task,
         variant=variant_templates,
-        max_length=lambda wildcards: training_settings(wildcards)["max_length"],
+        max_length=lambda wildcards: training_settings(wildcards).max_length,
     log:
         "logs/pretokenise/{dataset}/{model}/{variant}.log",
     benchmark:

@@ -23,8 +23,8 @@ rule sanity:
         # rule's own srun (mpi), one torchrun per node (workflow_scripts/launch/launcher.py).
         gpu=training_gpu_total,
         nodes=training_nodes,
-        runtime=lambda w: min(training_settings(w)["runtime_minutes"], 60),
-        mem_mb=lambda w: training_settings(w)["mem_mb"],
+        runtime=lambda w: min(training_settings(w).runtime_minutes, 60),
+        mem_mb=lambda w: training_settings(w).mem_mb,
         **MULTI_NODE_LAUNCH,
     log:
         "logs/{model}/{dataset}/{variant}/seed{seed}/sanity.log",
@@ -60,8 +60,8 @@ rule train:
     resources:
         gpu=training_gpu_total,
         nodes=training_nodes,
-        runtime=lambda w: training_settings(w)["runtime_minutes"],
-        mem_mb=lambda w: training_settings(w)["mem_mb"],
+        runtime=lambda w: training_settings(w).runtime_minutes,
+        mem_mb=lambda w: training_settings(w).mem_mb,
         **MULTI_NODE_LAUNCH,
     log:
         "logs/{model}/{dataset}/{variant}/seed{seed}/train.log",

@@ -75,9 +75,10 @@ def tiny_tokenised_dir(tmp_path_factory) -> Path:
     return build_tiny_tokenised(tmp_path_factory.mktemp("tiny_tokenised"))
 
 
-def tiny_training_settings(**overrides) -> dict:
-    """Resolved training settings (schema defaults filled) for fast CPU tests."""
-    from workflow_scripts.training.training_setup import load_training_settings
+def tiny_training_settings(**overrides):
+    """Typed training settings (core.settings.TrainingSettings, schema defaults filled) for fast CPU tests;
+    a nested mapping override (lora, validation) is merged into the default one."""
+    from workflow_scripts.core.settings import TrainingSettings
 
     settings = {
         "lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]},
@@ -90,4 +91,10 @@ def tiny_training_settings(**overrides) -> dict:
             settings[key] = {**settings[key], **value}
         else:
             settings[key] = value
-    return load_training_settings(json.dumps(settings))
+    return TrainingSettings.parse(settings)
+
+
+def training_json(settings) -> str:
+    """A stage's --training argument: typed settings as their JSON, or a raw mapping as it is (tests that
+    plant a bad value pass one)."""
+    return json.dumps(settings.to_dict() if hasattr(settings, "to_dict") else settings)

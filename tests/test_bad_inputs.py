@@ -589,7 +589,7 @@ def evaluate_(changes: dict | None = None, plant: Callable | None = None):
 
 def training(**changes) -> dict:
     """Valid tiny training settings (schema defaults filled) with ``changes`` merged in, unchecked."""
-    settings = tiny_training_settings()
+    settings = tiny_training_settings().to_dict()
     for key, value in changes.items():
         settings[key] = {**settings[key], **value} if isinstance(value, dict) else value
     return settings

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_training_settings
+from conftest import tiny_training_settings, training_json
 from data_helpers import demo_settings, run_download, run_normalise
 from workflow_scripts import evaluate, prepare_model, pretokenise, sanity, train
 
@@ -47,7 +47,7 @@ def test_gate_train_and_evaluate_a_classifier(chain):
     settings = tiny_training_settings(max_steps=80, learning_rate=1e-2, effective_batch=16, micro_batch=8,
                                       max_length=48, lora={"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                               "gate_proj", "up_proj", "down_proj"]})
-    common = ["--model", str(tmp / "model"), "--data", str(tokenised), "--training", json.dumps(settings), "--seed", "1"]
+    common = ["--model", str(tmp / "model"), "--data", str(tokenised), "--training", training_json(settings), "--seed", "1"]
     assert sanity.main([*common, "--out", str(tmp / "sanity.json")]) == 0
     gate = json.loads((tmp / "sanity.json").read_text())
     assert gate["passed"] and {c["name"] for c in gate["checks"]} >= {"trainable_parameters", "gradients", "data_scan"}

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from conftest import tiny_training_settings
+from conftest import tiny_training_settings, training_json
 from data_helpers import local_dataset, run_download, run_normalise
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.data.rows import Rejected
@@ -372,7 +372,7 @@ def test_chain_gate_train_and_evaluate(chain):
                                       max_length=MAX_LENGTH, warmup_steps=5, checkpoint_every=1000,
                                       lora={"rank": 8, "alpha": 16, "target_modules": [
                                           "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]})
-    common = ["--model", str(tmp / "model"), "--data", str(tokenised), "--training", json.dumps(settings), "--seed", "1"]
+    common = ["--model", str(tmp / "model"), "--data", str(tokenised), "--training", training_json(settings), "--seed", "1"]
     assert sanity.main([*common, "--out", str(tmp / "sanity.json")]) == 0
     gate = json.loads((tmp / "sanity.json").read_text())
     checks = {check["name"]: check for check in gate["checks"]}

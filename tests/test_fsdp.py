@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import build_tiny_tokenised, tiny_training_settings
+from conftest import build_tiny_tokenised, tiny_training_settings, training_json
 from test_train import REPO, adapter, log_rows, subprocess_env, train_argv, wait_for
 from test_train_ddp_resume import torchrun
 from workflow_scripts import sanity, train
@@ -162,7 +162,7 @@ def test_gate_passes_under_fsdp(tmp_path, tiny_model_dir, tiny_tokenised_dir):
     process to keep the file quick (it passed with 2 processes as well when this test was written)."""
     out = tmp_path / "sanity.json"
     assert sanity.main(["--model", str(tiny_model_dir), "--data", str(tiny_tokenised_dir), "--training",
-                        json.dumps(settings("fsdp", 1, sanity_batches=2)), "--seed", "1", "--out", str(out)]) == 0
+                        training_json(settings("fsdp", 1, sanity_batches=2)), "--seed", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["passed"] and report["world_size"] == 1 and len(report["probe_losses"]) == 2
     assert {"gradients", "trainable_parameters", "name_lookup", "placement"} <= {c["name"] for c in report["checks"]}

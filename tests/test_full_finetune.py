@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_training_settings
+from conftest import tiny_training_settings, training_json
 from data_helpers import default_config, run_download, run_normalise
 from test_masked_lm_chain import EVALUATION, FACTS, corpus
 from test_task_gates import CLASSIFIER_MAX_LENGTH, CLASSIFIER_VARIANT, build_classification_data
@@ -30,6 +30,7 @@ from workflow_scripts import evaluate, prepare_model, pretokenise, sanity, train
 from workflow_scripts.analysis import fairness
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.experiment_config import check_config, validate_schema
+from workflow_scripts.core.settings import LoraSettings
 from workflow_scripts.model import memory_estimate, model_loading
 from workflow_scripts.tasks import task_named
 from workflow_scripts.training import checkpointing, training_setup
@@ -39,6 +40,7 @@ MAX_LENGTH = 32
 VARIANT = {"mask_rate": 0.15, "grouping": "lines"}
 STEPS, CHECKPOINT_EVERY = 12, 4
 CPU = DistributedContext(0, 0, 1, 1, torch.device("cpu"), None)
+QUERY_LORA = LoraSettings(rank=2, alpha=4, dropout=0.0, target_modules=("query",))
 TINY_BERT = {"architecture": "bert", "hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2,
              "vocab_size": 120, "seed": 0}
 
@@ -149,7 +151,7 @@ def test_the_gate_checks_every_parameter_and_counts_all_as_trainable(mlm, tmp_pa
 
 def gate_argv(model_dir, tokenised, out: Path, settings: dict | None = None) -> list[str]:
     return ["--model", str(model_dir), "--data", str(tokenised), "--training",
-            json.dumps(settings or full_settings(sanity_batches=1)), "--seed", "1", "--out", str(out)]
+            training_json(settings or full_settings(sanity_batches=1)), "--seed", "1", "--out", str(out)]
 
 
 def freeze_one(monkeypatch):
@@ -281,7 +283,7 @@ def test_a_lora_checkpoint_is_not_resumed_as_a_full_model(mlm, tmp_path):
     cpu = torch.device("cpu")
     settings = full_settings()
     base = model_loading.load_base_model(model_dir, cpu, auto_class="AutoModelForMaskedLM", seed=1)
-    lora = model_loading.add_lora(base, {"rank": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["query"]}, False, None)
+    lora = model_loading.add_lora(base, QUERY_LORA, False, None)
     optimizer, scheduler = training_setup.build_optimizer_and_scheduler(
         [p for p in lora.parameters() if p.requires_grad], settings, cpu)
     path = checkpointing.save(tmp_path, 2, lora, optimizer, scheduler, None, [checkpointing.rng_state(cpu)], {})
@@ -307,12 +309,10 @@ def test_the_output_loads_as_what_it_is_and_nothing_else(mlm, one_process, tmp_p
     with pytest.raises(WorkflowError, match="holds a fully fine-tuned model, but training.finetune is lora"):
         model_loading.load_adapter(base(), model_dir, saved, finetune="lora")
     with pytest.raises(WorkflowError, match="a fully fine-tuned model, not a LoRA adapter"):
-        model_loading.load_adapter(model_loading.add_lora(base(), {"rank": 2, "alpha": 4, "dropout": 0.0,
-                                                                   "target_modules": ["query"]}, False, None),
+        model_loading.load_adapter(model_loading.add_lora(base(), QUERY_LORA, False, None),
                                    model_dir, saved)
     adapter = tmp_path / "lora"
-    model_loading.add_lora(base(), {"rank": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["query"]}, False,
-                           None).save_pretrained(str(adapter))
+    model_loading.add_lora(base(), QUERY_LORA, False, None).save_pretrained(str(adapter))
     with pytest.raises(WorkflowError, match="holds a LoRA adapter, but training.finetune is full"):
         model_loading.load_adapter(base(), model_dir, adapter, finetune="full")
     both = tmp_path / "both"
@@ -403,7 +403,7 @@ def test_variants_must_agree_on_finetune():
     check_config(validate_schema(config))
     # compare's guard (the run manifests) compares it too: not a runtime-only key.
     assert "finetune" not in fairness.RUNTIME_ONLY_TRAINING_KEYS
-    settings = fairness.comparable_settings({"settings": full_settings()})
+    settings = fairness.comparable_settings({"settings": full_settings().to_dict()})
     assert settings["training.finetune"] == "full"
 
 

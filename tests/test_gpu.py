@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_training_settings
+from conftest import tiny_training_settings, training_json
 from test_train import adapter, log_rows, train_argv
 from workflow_scripts import sanity, train
 
@@ -76,7 +76,7 @@ def test_generation_gate_and_training_on_cuda(precision, tmp_path, tiny_model_di
     (the classification seed's AMP path); the gate first, then training, as the rules run them."""
     settings = tiny_training_settings(max_steps=30, learning_rate=3e-2, gpus=1, precision=precision,
                                       checkpoint_every=100, lora={"target_modules": ALL_LINEAR})
-    common = ["--model", str(tiny_model_dir), "--data", str(tiny_tokenised_dir), "--training", json.dumps(settings),
+    common = ["--model", str(tiny_model_dir), "--data", str(tiny_tokenised_dir), "--training", training_json(settings),
               "--seed", "1"]
     assert sanity.main([*common, "--out", str(tmp_path / "sanity.json")]) == 0
     gate = json.loads((tmp_path / "sanity.json").read_text())
@@ -126,7 +126,7 @@ def test_vision_language_trains_in_bf16_on_cuda(tmp_path, record):
                                       precision="bf16", lora={"rank": 8, "alpha": 16,
                                                              "target_modules": [*ALL_LINEAR, "lm_head"],
                                                              "train_projector": True})
-    common = ["--model", str(model_dir), "--data", str(tokenised), "--training", json.dumps(training), "--seed", "1"]
+    common = ["--model", str(model_dir), "--data", str(tokenised), "--training", training_json(training), "--seed", "1"]
     assert sanity.main([*common, "--out", str(tmp_path / "sanity.json")]) == 0
     gate = json.loads((tmp_path / "sanity.json").read_text())
     assert gate["passed"], gate

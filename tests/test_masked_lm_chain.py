@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_training_settings
+from conftest import tiny_training_settings, training_json
 from data_helpers import run_download, run_normalise
 from workflow_scripts import compare, evaluate, pretokenise, sanity, train
 from workflow_scripts.analysis import paired_bootstrap
@@ -118,7 +118,7 @@ def test_the_gate_runs_the_task_checks_and_refuses_an_unmasked_batch(chain):
     tmp, _, _, tokenised = chain
     settings = tiny_training_settings(max_steps=2, max_length=MAX_LENGTH, lora={"target_modules": ["query", "value"]})
     out = tmp / "gate.json"
-    assert sanity.main(["--model", str(tmp / "model"), "--data", str(tokenised), "--training", json.dumps(settings),
+    assert sanity.main(["--model", str(tmp / "model"), "--data", str(tokenised), "--training", training_json(settings),
                         "--seed", "1", "--out", str(out)]) == 0
     checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
     assert {"masked_lm_tokenizer", "masked_lm_batch", "gradients"} <= set(checks)
@@ -147,7 +147,7 @@ def test_train_evaluate_and_compare(chain):
                                       lora={"rank": 8, "alpha": 16, "target_modules": ["query", "key", "value", "dense"],
                                             # A random base: its tied output layer has to learn too.
                                             "modules_to_save": ["cls"]})
-    common = ["--model", str(tmp / "model"), "--data", str(tokenised), "--training", json.dumps(settings), "--seed", "1"]
+    common = ["--model", str(tmp / "model"), "--data", str(tokenised), "--training", training_json(settings), "--seed", "1"]
     out = tmp / "run"
     assert train.main([*common, "--checkpoint-dir", str(out / "checkpoints"), "--adapter-out", str(out / "adapter"),
                        "--log-out", str(out / "train_log.jsonl"), "--manifest-out", str(out / "run_manifest.json")]) == 0

@@ -87,8 +87,8 @@ def test_advice_under_full_fine_tuning_names_lora_not_its_rank():
     from workflow_scripts.model import memory_estimate
 
     parts = {"weights": 0, "activations": 10, "optimizer": 800, "adapters": 400}
-    training = {"finetune": "full", "lora": {"rank": 16}, "micro_batch": 1, "max_length": 64,
-                "gradient_checkpointing": False, "precision": "fp32"}
+    training = tiny_training_settings(finetune="full", lora={"rank": 16}, micro_batch=1, max_length=64,
+                                      gradient_checkpointing=False)
     advice = memory_estimate.knob_advice(parts, training, torch.device("cpu"))
     assert advice.startswith("train LoRA adapters instead (training.finetune: lora)") and "1.2 KiB" in advice
-    assert "lora.rank" in memory_estimate.knob_advice(parts, {**training, "finetune": "lora"}, torch.device("cpu"))
+    assert "lora.rank" in memory_estimate.knob_advice(parts, training.replace(finetune="lora"), torch.device("cpu"))

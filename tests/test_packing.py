@@ -112,7 +112,7 @@ def test_gradients_of_a_packed_batch_equal_the_sum_over_examples():
     from workflow_scripts.model import model_loading
 
     torch.set_num_threads(1)
-    peft_model = model_loading.add_lora(tiny("llama"), tiny_training_settings()["lora"], gradient_checkpointing=False)
+    peft_model = model_loading.add_lora(tiny("llama"), tiny_training_settings().lora, gradient_checkpointing=False)
     with torch.no_grad():
         for name, parameter in peft_model.named_parameters():
             if "lora_B" in name:
@@ -266,7 +266,7 @@ def generation_loss_class():
 def test_target_token_loss_on_a_packed_batch_is_the_sum_of_unpacked_losses():
     from workflow_scripts.model import model_loading
 
-    model = model_loading.add_lora(tiny("llama"), tiny_training_settings()["lora"], gradient_checkpointing=False)
+    model = model_loading.add_lora(tiny("llama"), tiny_training_settings().lora, gradient_checkpointing=False)
     model.eval()
     rows = example_rows()
     batch = packing.PackingCollator(TINY_PAD, TINY_VOCAB, MAX_LENGTH)(rows)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import build_tiny_tokenised, tiny_training_settings
+from conftest import build_tiny_tokenised, tiny_training_settings, training_json
 from workflow_scripts.model import memory_estimate, model_loading
 from workflow_scripts.training import preflight_checks, training_setup
 from workflow_scripts import sanity
@@ -23,7 +23,7 @@ def _one_thread():
 def run_gate(tmp_path, model_dir, data_dir, **overrides):
     settings = tiny_training_settings(**{"sanity_batches": 1, **overrides})
     out = tmp_path / "sanity.json"
-    code = sanity.main(["--model", str(model_dir), "--data", str(data_dir), "--training", json.dumps(settings),
+    code = sanity.main(["--model", str(model_dir), "--data", str(data_dir), "--training", training_json(settings),
                         "--seed", "1", "--out", str(out)])
     return code, out
 

@@ -47,7 +47,7 @@ def reference_loss_sum(model, batch) -> float:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "granite", "cohere"])
 def test_target_token_loss_equals_the_models_forward(family):
     torch.set_num_threads(1)
-    lora = tiny_training_settings()["lora"]
+    lora = tiny_training_settings().lora
     peft_model = model_loading.add_lora(tiny(family), lora, gradient_checkpointing=False)
     with torch.no_grad():  # non-zero adapters, so the LoRA path is covered too
         for name, parameter in peft_model.named_parameters():

@@ -6,14 +6,16 @@ demo topics data through normalise -> prepare_model -> pretokenise for the stage
 BERT and corpus of tests/test_masked_lm_chain.py through the same stages."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tiny_training_settings
+from conftest import tiny_training_settings, training_json
 from data_helpers import demo_settings, run_download, run_normalise
+from workflow_scripts.core.settings import LoraSettings
 from workflow_scripts import prepare_model, pretokenise, sanity
 from workflow_scripts.core.errors import run_main
 from workflow_scripts.model import model_loading
@@ -95,7 +97,7 @@ def peft_classifier(kind: str = "llama", task_type: str | None = "SEQ_CLS", labe
     """As training_setup.build makes it: the task's prepare_model, then LoRA with the task's PEFT type."""
     model = tiny_classifier(kind, labels)
     classification.TASK.prepare_model(model, 0, {"labels": labels})
-    return model_loading.add_lora(model, {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": LORA[kind]},
+    return model_loading.add_lora(model, LoraSettings(rank=4, alpha=8, dropout=0.0, target_modules=LORA[kind]),
                                   False, task_type)
 
 
@@ -148,13 +150,13 @@ def test_head_that_seq_cls_does_not_name_is_refused():
         vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, pad_token_id=1,
         **classification.model_kwargs(LABELS)))
-    lora = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    lora = LoraSettings(rank=4, alpha=8, dropout=0.0, target_modules=("q_proj", "v_proj"))
     message = refused(lambda: classification.TASK.check_model(model_loading.add_lora(model, lora, False, "SEQ_CLS"),
                                                               {"labels": LABELS}, {}), "classification_model")
     assert "'classification_head' is not in the adapter's modules_to_save" in message
     assert "list 'classification_head' in training.lora.modules_to_save" in message
     fixed = model_loading.add_lora(BartForSequenceClassification(model.config),
-                                   {**lora, "modules_to_save": ["classification_head"]}, False, "SEQ_CLS")
+                                   dataclasses.replace(lora, modules_to_save=("classification_head",)), False, "SEQ_CLS")
     assert "'classification_head' trainable and saved" in classification.TASK.check_model(fixed, {"labels": LABELS}, {})
 
 
@@ -267,7 +269,7 @@ def classifier_data(tmp_path_factory):
 def gate_argv(model_dir, tokenised, out: Path) -> list[str]:
     settings = tiny_training_settings(max_length=CLASSIFIER_MAX_LENGTH, effective_batch=16, micro_batch=8,
                                       sanity_batches=1, lora={"target_modules": LORA["llama"]})
-    return ["--model", str(model_dir), "--data", str(tokenised), "--training", json.dumps(settings), "--seed", "1",
+    return ["--model", str(model_dir), "--data", str(tokenised), "--training", training_json(settings), "--seed", "1",
             "--out", str(out)]
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_training_settings
+from conftest import tiny_training_settings, training_json
 from data_helpers import run_download, run_normalise
 from workflow_scripts import evaluate, make_demo_corpus, pretokenise, sanity, train
 from workflow_scripts.core.errors import WorkflowError
@@ -170,9 +170,9 @@ def test_lora_learns_the_corpus_under_both_masking_variants(corpus, untrained, n
                                       warmup_steps=10, max_length=MAX_LENGTH, checkpoint_every=100, log_every=50,
                                       gradient_checkpointing=False, lora=LORA)
     run = tmp / "runs" / name
-    assert sanity.main(["--model", str(tmp / "model"), "--data", str(tokenised), "--training", json.dumps(settings),
+    assert sanity.main(["--model", str(tmp / "model"), "--data", str(tokenised), "--training", training_json(settings),
                         "--seed", "1", "--out", str(run / "sanity.json")]) == 0  # the gate, masked_lm checks included
-    assert train.main(["--model", str(tmp / "model"), "--data", str(tokenised), "--training", json.dumps(settings),
+    assert train.main(["--model", str(tmp / "model"), "--data", str(tokenised), "--training", training_json(settings),
                        "--seed", "1", "--checkpoint-dir", str(run / "checkpoints"),
                        "--adapter-out", str(run / "adapter"), "--log-out", str(run / "train_log.jsonl"),
                        "--manifest-out", str(run / "run_manifest.json")]) == 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_training_settings
+from conftest import tiny_training_settings, training_json
 from workflow_scripts.training import checkpointing, training_setup
 from workflow_scripts import train
 
@@ -26,7 +26,7 @@ def _one_thread():
 
 
 def train_argv(out: Path, model_dir, data_dir, settings: dict, seed: int = 1) -> list[str]:
-    return ["--model", str(model_dir), "--data", str(data_dir), "--training", json.dumps(settings),
+    return ["--model", str(model_dir), "--data", str(data_dir), "--training", training_json(settings),
             "--seed", str(seed), "--checkpoint-dir", str(out / "checkpoints"), "--adapter-out", str(out / "adapter"),
             "--log-out", str(out / "train_log.jsonl"), "--manifest-out", str(out / "run_manifest.json")]
 
@@ -174,7 +174,7 @@ def test_sigusr1_checkpoints_and_exits_for_requeue(tmp_path, tiny_model_dir, tin
     assert process.returncode == train.PREEMPTED_EXIT_CODE, output[-2000:]
     step, _ = checkpointing.checkpoints(tmp_path / "checkpoints")[-1]
     last_logged = json.loads(running_log.read_text().splitlines()[-1])["step"]
-    assert 3 <= step == last_logged < resume_settings["max_steps"]  # checkpointed where it stopped
+    assert 3 <= step == last_logged < resume_settings.max_steps  # checkpointed where it stopped
     assert "received SIGUSR1" in output
     finish(tmp_path, tiny_model_dir, tiny_tokenised_dir, resume_settings)
     assert_same_run(tmp_path, uninterrupted)
@@ -222,7 +222,7 @@ def test_more_wall_time_and_other_runtime_settings_resume(tmp_path, tiny_model_d
     """A preempted job given more wall time, memory, workers or other intervals resumes where it stopped."""
     settings = tiny_training_settings(max_steps=4, checkpoint_every=2)
     plant_checkpoint(tmp_path, tiny_model_dir, tiny_tokenised_dir, settings)
-    changed = {**settings, "runtime_minutes": settings["runtime_minutes"] * 4, "mem_mb": 128000, "log_every": 2,
+    changed = {**settings.to_dict(), "runtime_minutes": settings.runtime_minutes * 4, "mem_mb": 128000, "log_every": 2,
                "checkpoint_every": 3, "dataloader_workers": 1, "memory_headroom": 0.8, "sanity_batches": 3}
     capsys.readouterr()
     assert train.main(train_argv(tmp_path, tiny_model_dir, tiny_tokenised_dir, changed)) == 0
@@ -234,7 +234,8 @@ def test_more_wall_time_and_other_runtime_settings_resume(tmp_path, tiny_model_d
 def test_checkpoint_of_another_experiment_stops_and_is_kept(tmp_path, tiny_model_dir, tiny_tokenised_dir):
     settings = tiny_training_settings(max_steps=4, checkpoint_every=2)
     planted = plant_checkpoint(tmp_path, tiny_model_dir, tiny_tokenised_dir, settings)
-    changed = {**settings, "learning_rate": settings["learning_rate"] / 2, "lora": {**settings["lora"], "rank": 8}}
+    changed = {**settings.to_dict(), "learning_rate": settings.learning_rate / 2,
+               "lora": {**settings.to_dict()["lora"], "rank": 8}}
     with pytest.raises(train.WorkflowError) as raised:
         train.main(train_argv(tmp_path, tiny_model_dir, tiny_tokenised_dir, changed))
     message = str(raised.value)
@@ -275,7 +276,7 @@ def test_skipped_fp16_updates_do_not_advance_the_schedule(monkeypatch, tmp_path,
 def test_bad_training_json_is_one_clear_error(tmp_path, tiny_model_dir, tiny_tokenised_dir):
     from workflow_scripts.core.errors import ConfigError
 
-    settings = tiny_training_settings()
+    settings = tiny_training_settings().to_dict()
     settings["micro_batch"] = 3
     with pytest.raises(ConfigError, match="effective_batch.*not a multiple of micro_batch"):
         train.main(train_argv(tmp_path, tiny_model_dir, tiny_tokenised_dir, settings))

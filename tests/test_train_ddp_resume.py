@@ -39,7 +39,7 @@ def test_two_process_run_signalled_and_resumed_matches_uninterrupted(tmp_path, t
     output = slowed.communicate(timeout=120)[0]
     assert slowed.returncode != 0 and "checkpointed step" in output and "exiting with 75" in output, output[-3000:]
     (step, path), = checkpointing.checkpoints(resumed / "checkpoints")
-    assert 2 <= step < settings["max_steps"]
+    assert 2 <= step < settings.max_steps
     assert json.loads((path / "state.json").read_text())["world_size"] == 2  # both ranks' RNG states
     assert not (resumed / "adapter").exists()
 

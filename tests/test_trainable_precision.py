@@ -9,7 +9,7 @@ def test_modules_to_save_and_adapters_are_fp32_on_a_bf16_base(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16)
-    lora = {**tiny_training_settings()["lora"], "modules_to_save": ["lm_head"]}
+    lora = tiny_training_settings(lora={"modules_to_save": ["lm_head"]}).lora
     model = model_loading.add_lora(base, lora, gradient_checkpointing=False)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert any("lm_head" in n for n in trainable) and any("lora_A" in n for n in trainable)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import build_tiny_tokenised, tiny_training_settings
+from conftest import build_tiny_tokenised, tiny_training_settings, training_json
 from test_train import REPO, adapter, finish, log_rows, start_slow, subprocess_env, train_argv, wait_for
 from workflow_scripts import sanity, train
 from workflow_scripts.core.errors import ConfigError, WorkflowError
@@ -137,7 +137,7 @@ def test_validation_without_a_validation_split_is_refused_by_the_gate(tmp_path, 
     settings = tiny_training_settings(max_steps=4, validation={"every_steps": 2})
     with pytest.raises(WorkflowError, match="no 'validation' split, but training.validation.every_steps is set"):
         sanity.main(["--model", str(tiny_model_dir), "--data", str(tiny_tokenised_dir), "--training",
-                     json.dumps(settings), "--seed", "1", "--out", str(tmp_path / "sanity.json")])
+                     training_json(settings), "--seed", "1", "--out", str(tmp_path / "sanity.json")])
     assert not (tmp_path / "sanity.json").exists()
 
 

@@ -181,7 +181,7 @@ def test_two_processes_report_the_metric_of_one(tmp_path, tiny_model, tokenised,
     settings = tiny_training_settings(max_steps=4, checkpoint_every=100, validation={
         "every_steps": 2, "metric_examples": EXAMPLES})
     assert train.main(argv(tmp_path / "p1", tiny_model, tokenised, settings, normalised)) == 0
-    two = {**settings, "cpu_processes": 2}
+    two = settings.replace(cpu_processes=2)
     result = subprocess.run([sys.executable, "-m", "workflow_scripts.train",
                              *argv(tmp_path / "p2", tiny_model, tokenised, two, normalised)],
                             cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)

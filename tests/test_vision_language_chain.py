@@ -28,7 +28,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import tiny_training_settings
+from conftest import tiny_training_settings, training_json
 from data_helpers import run_download, run_normalise
 from test_train import REPO, adapter, log_rows, start_slow, subprocess_env, train_argv, wait_for
 from vlm_layouts import write_chartqa, write_infographicvqa, write_ocrvqa
@@ -168,7 +168,7 @@ def test_gate_train_and_evaluate_both_families(family, train_projector, shapes, 
                                       max_length=MAX_LENGTH, warmup_steps=5, checkpoint_every=100, log_every=5,
                                       lora={"rank": 8, "alpha": 16, "target_modules": [*ALL_LINEAR, "lm_head"],
                                             "train_projector": train_projector})
-    common = ["--model", str(model_dir), "--data", str(data), "--training", json.dumps(settings), "--seed", "1"]
+    common = ["--model", str(model_dir), "--data", str(data), "--training", training_json(settings), "--seed", "1"]
     assert sanity.main([*common, "--out", str(tmp_path / "sanity.json")]) == 0
     gate = json.loads((tmp_path / "sanity.json").read_text())
     checks = {c["name"]: c for c in gate["checks"]}
@@ -373,7 +373,7 @@ def test_chartqa_through_the_chain_with_a_tiny_llava(layouts, tmp_path, monkeypa
     assert tokenise_report(tokenised_dir)["splits"]["train"]["kept"] == 4
     training = tiny_training_settings(max_steps=3, effective_batch=4, micro_batch=2, max_length=MAX_LENGTH,
                                       checkpoint_every=100, lora={"train_projector": True})
-    common = ["--model", str(model_dir), "--data", str(tokenised_dir), "--training", json.dumps(training), "--seed", "1"]
+    common = ["--model", str(model_dir), "--data", str(tokenised_dir), "--training", training_json(training), "--seed", "1"]
     assert sanity.main([*common, "--out", str(tmp_path / "sanity.json")]) == 0
     gate = json.loads((tmp_path / "sanity.json").read_text())
     assert gate["passed"]
@@ -502,10 +502,10 @@ def test_mixed_set_mixes_images_within_micro_batches_and_ranks(mixed, models):
     assert all((token in ids) == image for ids, image in zip(table["input_ids"], has_image))
     assert sum(has_image) == len(has_image) // 2
     settings = ddp_settings(2)
-    plan = batching.GlobalBatchPlan(table["length"], settings["effective_batch"], 1, settings["length_grouping"])
+    plan = batching.GlobalBatchPlan(table["length"], settings.effective_batch, 1, settings.length_grouping)
     mixed_batches, textual_sync = 0, 0
     for step in range(STEPS):
-        micro = plan.micro_batches(step, settings["micro_batch"])
+        micro = plan.micro_batches(step, settings.micro_batch)
         kinds = [{has_image[i] for i in batch} for batch in micro]
         mixed_batches += sum(kind == {True, False} for kind in kinds)
         textual_sync += sum(kinds[rank + (len(micro) // 2 - 1) * 2] == {False} for rank in range(2))

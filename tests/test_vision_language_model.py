@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from workflow_scripts.core.settings import LoraSettings
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.model import model_loading, tiny_model, tiny_vlm
 from workflow_scripts.model import vision_language_model as vlm
@@ -83,8 +84,8 @@ def training_batch(processor, answers=("21", "140")):
 def lora_model(directory: Path, *, train_tower=False, train_projector=True, targets=("q_proj", "v_proj")):
     """Through the workflow's own add_lora, with the full names lora_target_modules resolves."""
     _, model = load(directory)
-    lora = {**LORA, "target_modules": vlm.lora_target_modules(model, list(targets), train_tower=train_tower),
-            "modules_to_save": vlm.modules_to_save(model, train_projector=train_projector)}
+    lora = LoraSettings(**{**LORA, "target_modules": vlm.lora_target_modules(model, list(targets), train_tower=train_tower),
+                           "modules_to_save": vlm.modules_to_save(model, train_projector=train_projector)})
     return model_loading.add_lora(model, lora, gradient_checkpointing=False, task_type="CAUSAL_LM")
 
 

@@ -174,6 +174,21 @@ def loaded_model(args: argparse.Namespace, task, task_meta: Mapping[str, Any], g
         yield LoadedModel(model, tokenizer, device, dtype, device_name)
 
 
+def run_identity(args: argparse.Namespace, seed: int | str) -> dict[str, Any]:
+    """Whose predictions these are: the head of evaluate's summary and of predict's manifest."""
+    return {"model": args.model_name or Path(args.model).name, "dataset": args.dataset_name,
+            "variant": args.variant_name, "seed": seed}
+
+
+def model_facts(args: argparse.Namespace, loaded) -> dict[str, Any]:
+    """What predicted: the model and adapter directories and the device and dtype they ran in."""
+    return {"model_dir": str(args.model),
+            "model_manifest_sha256": file_sha256(Path(args.model, "model_manifest.json")),
+            "adapter_dir": str(args.adapter) if args.adapter else None,
+            "device": str(loaded.device), "device_name": loaded.device_name,
+            "dtype": str(loaded.dtype).removeprefix("torch.")}
+
+
 def refuse_unlabelled(task_meta: Mapping[str, Any], data_dir: str, split: str) -> None:
     if split in task_meta.get("unlabelled", []):
         raise ConfigError("evaluation_split", f"split '{split}' of {data_dir} is unlabelled (no gold to score): it is "
@@ -199,14 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     label = f"evaluate {args.model_name or Path(args.model).name}/{args.dataset_name}/{args.variant_name}/{seed}"
     with loaded_model(args, task, task_meta, evaluation["gpus"], label) as loaded:
         result = task.evaluate(loaded.model, loaded.tokenizer, variant, rows, args.metric, evaluation, loaded.device)
-    device, dtype, device_name = loaded.device, loaded.dtype, loaded.device_name
     records, score, unparseable = result.records, result.score, result.unparseable
 
     summary = {
-        "model": args.model_name or Path(args.model).name,
-        "dataset": args.dataset_name,
-        "variant": args.variant_name,
-        "seed": seed,
+        **run_identity(args, seed),
         "metric": args.metric,
         "score": score,
         "n_examples": len(records),
@@ -214,12 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "split": evaluation["split"],
         "task": args.task,
         **result.details,
-        "model_dir": str(args.model),
-        "model_manifest_sha256": file_sha256(Path(args.model, "model_manifest.json")),
-        "adapter_dir": str(args.adapter) if args.adapter else None,
-        "device": str(device),
-        "device_name": device_name,
-        "dtype": str(dtype).removeprefix("torch."),
+        **model_facts(args, loaded),
         "manifest": build_manifest("evaluate", {"evaluation": evaluation, "variant": variant, "metric": args.metric}),
     }
     write_jsonl(args.predictions_out, records)

@@ -35,7 +35,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from workflow_scripts.data import contamination, raw_records
 from workflow_scripts.data.rows import Rejected

@@ -99,10 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     answers = [record[predicted.answer_field] for record in predicted.records]
     entries = submission_entries(rows, answers, submission, where)
     manifest = {
-        "model": args.model_name or Path(args.model).name,
-        "dataset": args.dataset_name,
-        "variant": args.variant_name,
-        "seed": seed,
+        **evaluate.run_identity(args, seed),
         "split": args.split,
         "task": args.task,
         "scored": False,  # the split has no gold: the leaderboard scores the submission
@@ -111,12 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "unparseable_ids": [record["id"] for record in predicted.records if not record["parsed"]][:20],
         "submission": {**submission, "file": str(args.submission_out)},
         **predicted.details,
-        "model_dir": str(args.model),
-        "model_manifest_sha256": evaluate.file_sha256(Path(args.model, "model_manifest.json")),
-        "adapter_dir": str(args.adapter) if args.adapter else None,
-        "device": str(loaded.device),
-        "device_name": loaded.device_name,
-        "dtype": str(loaded.dtype).removeprefix("torch."),
+        **evaluate.model_facts(args, loaded),
         "manifest": build_manifest("predict", {"evaluation": evaluation, "variant": variant, "metric": args.metric,
                                                "submission": submission}),
     }

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from workflow_scripts.data import arrow_split
+from workflow_scripts.data.fingerprints import input_fingerprint, tokenizer_fingerprint
 from workflow_scripts.data.normalised_data import read_task_meta
 from workflow_scripts.tasks import task_named
 from workflow_scripts.core.atomic_output import atomic_path, scratch_directory, stop_signals_exit, write_json
@@ -41,43 +42,9 @@ from workflow_scripts.core.stage_arguments import StageArgumentParser, json_sett
 TRAINING_SPLITS = ("train", "validation")
 META_NAME = "tokenise_meta.json"
 FORMAT_VERSION = 2  # bump when the stored layout or the masking rule changes (2: large record batches)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   # a VLM's processor expands image placeholders and normalises pixels: part of the key too
-                   "processor_config.json", "preprocessor_config.json")
 BATCH_SIZE = 2000  # rows per tokenizer call (a chunk): large enough to keep the tokenizer's thread pool busy
 PROCESS_MIN_ROWS = 10 * BATCH_SIZE  # a split this large is shared out between --threads processes
 REPORT_COLUMNS = ("truncated", "dropped")  # counted for the report, not stored
-
-
-def files_fingerprint(directory: Path, names: Sequence[str] | None = None, pattern: str | None = None) -> str:
-    """sha256 over (relative name, content hash) of the chosen files, in a stable order."""
-    directory = Path(directory)
-    if names is not None:
-        paths = [directory / name for name in names if (directory / name).is_file()]
-    else:
-        paths = sorted(p for p in directory.rglob(pattern or "*") if p.is_file())
-    digest = hashlib.sha256()
-    for path in sorted(paths):
-        digest.update(str(path.relative_to(directory)).encode() + b"\0")
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        digest.update(b"\0")
-    return digest.hexdigest()
-
-
-def tokenizer_fingerprint(model_dir: Path) -> str:
-    return files_fingerprint(model_dir, TOKENIZER_FILES)
-
-
-def input_fingerprint(data_dir: Path) -> str:
-    """The normalised data's content: its Arrow files and split list (not datasets' random fingerprints)."""
-    digest = hashlib.sha256(files_fingerprint(data_dir, pattern="data-*.arrow").encode())
-    dict_file = Path(data_dir) / "dataset_dict.json"
-    if dict_file.is_file():
-        digest.update(dict_file.read_bytes())
-    return digest.hexdigest()
 
 
 def cache_key(tokenizer_fp: str, variant: Mapping[str, Any], max_length: int, input_fp: str,

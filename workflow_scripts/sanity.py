@@ -20,7 +20,7 @@ from workflow_scripts.launch import launcher
 from workflow_scripts.model import memory_estimate, model_loading
 from workflow_scripts.core.atomic_output import write_json
 from workflow_scripts.core.errors import run_main
-from workflow_scripts.core.experiment_config import world_size as configured_world_size
+from workflow_scripts.core.settings import TrainingSettings
 from workflow_scripts.core.stage_arguments import StageArgumentParser
 from workflow_scripts.training.preflight_checks import PreflightError
 from workflow_scripts.train import add_common_arguments, seed_everything
@@ -39,7 +39,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    training = training_setup.load_training_settings(args.training)
+    training = TrainingSettings.from_json(args.training)
     return launcher.run_here_or_launch("workflow_scripts.sanity", argv, training, lambda: run_gate(args, training))
 
 
@@ -54,28 +54,28 @@ class Report:
             print(f"ok   {name}: {detail}", flush=True)
 
 
-def run_gate(args: argparse.Namespace, training: dict) -> int:
+def run_gate(args: argparse.Namespace, training: TrainingSettings) -> int:
     seed_everything(args.seed)
-    context = distributed.setup(use_cuda=training["gpus"] > 0)
+    context = distributed.setup(use_cuda=training.gpus > 0)
     report = Report(context.is_main)
     try:
-        visible = torch.cuda.device_count() if training["gpus"] else 0
+        visible = torch.cuda.device_count() if training.gpus else 0
         report.record("device_count", checks.check_device_count(
-            training["gpus"], visible, context.local_world_size, context.world_size, configured_world_size(training)))
+            training.gpus, visible, context.local_world_size, context.world_size, training.world_size))
         report.record("precision", checks.check_precision(
-            training["precision"], context.device, torch.amp.GradScaler(context.device.type)
-            if training["precision"] == "fp16" else None, training_setup.bf16_supported))
+            training.precision, context.device, torch.amp.GradScaler(context.device.type)
+            if training.precision == "fp16" else None, training_setup.bf16_supported))
         meta = batching.read_meta(args.data)
         model_loading.check_tokenised_for_model(args.data, meta, args.model)
         dataset = batching.TokenisedSplit(args.data, "train", batching.stored_columns(meta))
-        training = training_setup.with_length(training, len(dataset))
-        held_out = validation.open_split(args.data, training["validation"], batching.stored_columns(meta))
+        training = training.with_length(len(dataset))
+        held_out = validation.open_split(args.data, training.validation, batching.stored_columns(meta))
         if held_out is not None:
             report.record("validation_split", f"{len(held_out)} rows for the held-out loss every "
-                                              f"{training['validation']['every_steps']} steps")
+                                              f"{training.validation.every_steps} steps")
         setup = training_setup.build(args.model, training, context, args.trust_remote_code, meta, seed=args.seed)
         # Re-checked on the built objects: the scaler is the one training will use.
-        checks.check_precision(training["precision"], context.device, setup.scaler, training_setup.bf16_supported)
+        checks.check_precision(training.precision, context.device, setup.scaler, training_setup.bf16_supported)
         report.record("trainable_parameters", checks.check_trainable(setup.model))
         report.record("placement", checks.check_placement(setup.model, context.device))
         report.record("name_lookup", checks.check_name_lookup(setup.model))
@@ -83,7 +83,7 @@ def run_gate(args: argparse.Namespace, training: dict) -> int:
         estimate = memory_estimate.estimate(setup.peft_model, training, context.device)
         processes_here = context.local_world_size if context.device.type == "cpu" else 1
         capacity = memory_estimate.device_capacity(context.device, processes_here)
-        report.record("memory", checks.check_memory(estimate, capacity, training["memory_headroom"], training, context.device))
+        report.record("memory", checks.check_memory(estimate, capacity, training.memory_headroom, training, context.device))
         report.record("data_scan", checks.scan_dataset(dataset, setup.vocab_size))
         # The task's own checks (tasks.base: check_tokenizer / check_batch) may read the model's tokenizer.
         tokenizer = LazyTokenizer(args.model, args.trust_remote_code)
@@ -139,9 +139,9 @@ def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report, t
     """A few real optimizer steps through the training code, checking batches and gradients."""
     context = setup.context
     report.record("train_mode", checks.check_train_mode(setup.model))
-    plan = batching.GlobalBatchPlan(dataset.lengths(), training["effective_batch"], seed, training["length_grouping"])
-    steps = training["sanity_batches"] + (MAX_FP16_OVERFLOW_STEPS if setup.scaler is not None else 0)
-    sampler = batching.RankBatchSampler(plan, training["micro_batch"], context.rank, context.world_size, 0, steps)
+    plan = batching.GlobalBatchPlan(dataset.lengths(), training.effective_batch, seed, training.length_grouping)
+    steps = training.sanity_batches + (MAX_FP16_OVERFLOW_STEPS if setup.scaler is not None else 0)
+    sampler = batching.RankBatchSampler(plan, training.micro_batch, context.rank, context.world_size, 0, steps)
     collator = setup.task.collator(meta, setup.vocab_size, seed=seed,
                                    **({"packing_for": setup.packing} if setup.packing else {}))
     batches = iter(batching.build_loader(dataset, sampler, collator, 0, False, seed))
@@ -192,7 +192,7 @@ def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report, t
         if step == 0:
             report.record("data", detail)
             record_task_check(report, f"{setup.task.name}_batch", task_detail)
-        if gradients_checked and step + 1 >= training["sanity_batches"]:
+        if gradients_checked and step + 1 >= training.sanity_batches:
             break
     if setup.scaler is not None:
         report.record("loss_scale", checks.check_scaler_scale(setup.scaler, initial_scale))

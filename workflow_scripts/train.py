@@ -30,8 +30,8 @@ from workflow_scripts.launch import launcher
 from workflow_scripts.model import memory_estimate, model_loading
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
-from workflow_scripts.core.experiment_config import world_size as configured_world_size
 from workflow_scripts.core.run_manifest import build_manifest
+from workflow_scripts.core.settings import TrainingSettings
 from workflow_scripts.core.stage_arguments import StageArgumentParser
 from workflow_scripts.training import trackers
 from workflow_scripts.training.training_log import TrainingLog
@@ -79,7 +79,7 @@ def file_sha256(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
-def run_fingerprint(training: dict, meta: dict, model_dir: str, seed: int) -> dict:
+def run_fingerprint(training: TrainingSettings, meta: dict, model_dir: str, seed: int) -> dict:
     """What a checkpoint must share with this run to be resumed: everything that changes what is learned.
 
     Runtime settings (wall time, memory request, logging and checkpoint intervals, workers, process
@@ -87,7 +87,7 @@ def run_fingerprint(training: dict, meta: dict, model_dir: str, seed: int) -> di
     time or other GPUs resumes where it stopped.
     """
     return {
-        "settings": {k: v for k, v in training.items() if k not in fairness.RUNTIME_ONLY_TRAINING_KEYS},
+        "settings": {k: v for k, v in training.to_dict().items() if k not in fairness.RUNTIME_ONLY_TRAINING_KEYS},
         "data_cache_key": meta.get("cache_key"),
         "model_manifest_sha256": file_sha256(Path(model_dir, "model_manifest.json")),
         "model_config_sha256": file_sha256(Path(model_dir, "config.json")),
@@ -95,20 +95,20 @@ def run_fingerprint(training: dict, meta: dict, model_dir: str, seed: int) -> di
     }
 
 
-def start_up_checks(setup: training_setup.TrainingSetup, training: dict) -> dict:
+def start_up_checks(setup: training_setup.TrainingSetup, training: TrainingSettings) -> dict:
     """The gate's cheap checks, repeated at start-up: the job may land on another machine than the gate."""
     context = setup.context
     checks = preflight_checks
-    checks.check_device_count(training["gpus"], torch.cuda.device_count() if training["gpus"] else 0,
-                              context.local_world_size, context.world_size, configured_world_size(training))
+    checks.check_device_count(training.gpus, torch.cuda.device_count() if training.gpus else 0,
+                              context.local_world_size, context.world_size, training.world_size)
     checks.check_trainable(setup.model)
     checks.check_placement(setup.model, context.device)
     checks.check_name_lookup(setup.model)
-    checks.check_precision(training["precision"], context.device, setup.scaler, training_setup.bf16_supported)
+    checks.check_precision(training.precision, context.device, setup.scaler, training_setup.bf16_supported)
     estimate = memory_estimate.estimate(setup.peft_model, training, context.device)
     processes_here = context.local_world_size if context.device.type == "cpu" else 1
     capacity = memory_estimate.device_capacity(context.device, processes_here)
-    checks.check_memory(estimate, capacity, training["memory_headroom"], training, context.device)
+    checks.check_memory(estimate, capacity, training.memory_headroom, training, context.device)
     return {**estimate, "device_capacity": capacity}
 
 
@@ -131,24 +131,24 @@ class StopRequest:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    training = training_setup.load_training_settings(args.training)
+    training = TrainingSettings.from_json(args.training)
     return launcher.run_here_or_launch("workflow_scripts.train", argv, training, lambda: train(args, training))
 
 
-def train(args: argparse.Namespace, training: dict) -> int:
+def train(args: argparse.Namespace, training: TrainingSettings) -> int:
     stop = StopRequest()
     stop.install()
     seed_everything(args.seed)
-    context = distributed.setup(use_cuda=training["gpus"] > 0)
+    context = distributed.setup(use_cuda=training.gpus > 0)
     log, tracker = None, None
     try:
         tracking = trackers.load_tracking_settings(args.tracking)
         meta = batching.read_meta(args.data)
         model_loading.check_tokenised_for_model(args.data, meta, args.model)
         dataset = batching.TokenisedSplit(args.data, "train", batching.stored_columns(meta))
-        training = training_setup.with_length(training, len(dataset))  # epochs -> steps, for the schedule too
-        held_out = validation.open_split(args.data, training["validation"], batching.stored_columns(meta))
-        scorer = validation_metric.open_metric(args.validation_metric, training["validation"], args.model,
+        training = training.with_length(len(dataset))  # epochs -> steps, for the schedule too
+        held_out = validation.open_split(args.data, training.validation, batching.stored_columns(meta))
+        scorer = validation_metric.open_metric(args.validation_metric, training.validation, args.model,
                                                args.trust_remote_code)
         setup = training_setup.build(args.model, training, context, args.trust_remote_code, meta, seed=args.seed)
         estimate = start_up_checks(setup, training)
@@ -175,13 +175,13 @@ def train(args: argparse.Namespace, training: dict) -> int:
             messages(f"resumed from {resume_from} at step {start_step}")
         if context.is_main:
             validation.prune(args.checkpoint_dir, selection, resumed_step=start_step)
-        tracker = trackers.open_tracker(tracking, args.checkpoint_dir, start_step, training, args.seed, args.model,
+        tracker = trackers.open_tracker(tracking, args.checkpoint_dir, start_step, training.to_dict(), args.seed, args.model,
                                         enabled=context.is_main)
-        log = TrainingLog(Path(args.checkpoint_dir, "train_log.running.jsonl"), start_step, training["max_steps"],
-                          training["log_every"], args.tensorboard_dir, enabled=context.is_main, tracker=tracker)
+        log = TrainingLog(Path(args.checkpoint_dir, "train_log.running.jsonl"), start_step, training.max_steps,
+                          training.log_every, args.tensorboard_dir, enabled=context.is_main, tracker=tracker)
         log.message(
-            f"training {training['max_steps']} steps on {context.world_size} process(es), device {context.device}, "
-            f"{setup.accumulation} micro-batches of {training['micro_batch']} per process per step, "
+            f"training {training.max_steps} steps on {context.world_size} process(es), device {context.device}, "
+            f"{setup.accumulation} micro-batches of {training.micro_batch} per process per step, "
             f"estimated peak {memory_estimate.human(estimate['total'])}"
         )
         outcome, stopped_early_at = run_steps(setup, dataset, meta, training, args, start_step, stop, log,
@@ -194,16 +194,16 @@ def train(args: argparse.Namespace, training: dict) -> int:
         adapter_state = fsdp.gather_adapter(setup.peft_model)  # every rank: FSDP gathers the shards; None under DDP
         if context.is_main:
             with atomic_path(args.adapter_out, directory=True) as directory:
-                if training["validation"]["keep"] == "best":  # the best step by the configured criterion
+                if training.validation.keep == "best":  # the best step by the configured criterion
                     shutil.copytree(validation.best_adapter(args.checkpoint_dir, selection), directory,
                                     dirs_exist_ok=True)
-                elif training_setup.is_full(training):
+                elif training.full:
                     model_loading.save_full_model(setup.peft_model, directory)
                 else:
                     setup.peft_model.save_pretrained(str(directory), safe_serialization=True, state_dict=adapter_state)
             log.finish(args.log_out)
             write_json(args.manifest_out, build_manifest(
-                "train", training, seed=args.seed, world_size=context.world_size, devices=devices, hosts=hosts,
+                "train", training.to_dict(), seed=args.seed, world_size=context.world_size, devices=devices, hosts=hosts,
                 model_dir=str(args.model), model_manifest_sha256=fingerprint["model_manifest_sha256"],
                 data_cache_key=fingerprint["data_cache_key"], memory_estimate=estimate, peak_memory_bytes=peak,
                 # CPU: the process's peak resident set, Python and libraries included; CUDA: allocated bytes.
@@ -211,7 +211,7 @@ def train(args: argparse.Namespace, training: dict) -> int:
                 gradient_accumulation=setup.accumulation, resumed_from_step=start_step,
                 final_loss=log.records[-1]["loss"] if log.records else None,
                 skipped_updates=sum(bool(r.get("update_skipped")) for r in log.records),
-                validation=validation.summary(selection, training["validation"], stopped_early_at),
+                validation=validation.summary(selection, training.validation, stopped_early_at),
                 tracking=tracker.manifest_entry() if tracker is not None else None,
             ))
             if tracker is not None:
@@ -232,23 +232,22 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
               selection=None, scorer=None) -> tuple[str, int | None]:
     """The optimizer steps; returns ("done" | "preempted", the step training stopped early at, or None)."""
     selection = selection if selection is not None else validation.Selection()
-    checks = training["validation"]
+    checks = training.validation
     context = setup.context
     device = context.device
-    plan = batching.GlobalBatchPlan(dataset.lengths(), training["effective_batch"], args.seed, training["length_grouping"])
-    sampler = batching.RankBatchSampler(plan, training["micro_batch"], context.rank, context.world_size,
-                                        start_step, training["max_steps"])
+    plan = batching.GlobalBatchPlan(dataset.lengths(), training.effective_batch, args.seed, training.length_grouping)
+    sampler = batching.RankBatchSampler(plan, training.micro_batch, context.rank, context.world_size,
+                                        start_step, training.max_steps)
     collator = setup.task.collator(meta, setup.vocab_size, seed=args.seed,
                                    **({"packing_for": setup.packing} if setup.packing else {}))
-    loader = batching.build_loader(dataset, sampler, collator, training["dataloader_workers"], device.type == "cuda", args.seed)
+    loader = batching.build_loader(dataset, sampler, collator, training.dataloader_workers, device.type == "cuda", args.seed)
     batches = iter(loader)
-    parameters = setup.trainable_parameters()
     last_checkpoint = None
     started = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     setup.model.train()
-    for step in range(start_step, training["max_steps"]):
+    for step in range(start_step, training.max_steps):
         step_started = time.perf_counter()
         micro_batches = [next(batches) for _ in range(setup.accumulation)]
         local_targets = sum(b["target_tokens"] for b in micro_batches)
@@ -289,12 +288,12 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
         completed = step + 1
         now = time.perf_counter()
         record = {}
-        if held_out is not None and validation.due(checks, completed, training["max_steps"]):
+        if held_out is not None and validation.due(checks, completed, training.max_steps):
             record["validation_loss"] = validation.finite(
                 validation.held_out_loss(setup, held_out, collator, checks), completed)
             metrics = validation_metric.score(setup, scorer) if scorer is not None else {}
             record.update(metrics)
-            if selection.update(completed, record["validation_loss"], metrics, checks.get("criterion", "loss"),
+            if selection.update(completed, record["validation_loss"], metrics, checks.criterion,
                                 scorer is not None and scorer.lower_is_better):
                 validation.save_best(setup, args.checkpoint_dir, completed)
         log.write({**record,
@@ -309,15 +308,15 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
             "update_skipped": not applied,
         })
         preempted = stop_votes > 0
-        if completed % training["checkpoint_every"] == 0 or (preempted and completed < training["max_steps"]):
+        if completed % training.checkpoint_every == 0 or (preempted and completed < training.max_steps):
             last_checkpoint = save_checkpoint(setup, args, completed, fingerprint, selection)
-        if preempted and completed < training["max_steps"]:
+        if preempted and completed < training.max_steps:
             log.message(f"received {stop.signal_name or 'a stop signal on another rank'}: checkpointed step "
                         f"{completed}; exiting with {PREEMPTED_EXIT_CODE} so the job is requeued and resumes")
             return "preempted", None
-        patience = checks.get("early_stopping_patience")
+        patience = checks.early_stopping_patience
         if patience and "validation_loss" in record and selection.since_best >= patience:
-            by_metric = checks.get("criterion", "loss") == "metric"
+            by_metric = checks.criterion == "metric"
             best = selection.best_metric if by_metric else selection.best_loss
             log.message(f"step {completed}: the validation {'metric' if by_metric else 'loss'} has not improved for "
                         f"{patience} evaluations (best {best:.4f} at step {selection.best_step}); stopping early")
@@ -334,7 +333,7 @@ def save_checkpoint(setup, args, step: int, fingerprint: dict, selection: valida
         selection = selection if selection is not None else validation.Selection()
         path = checkpointing.save(args.checkpoint_dir, step, setup.peft_model, setup.optimizer, setup.scheduler,
                                   setup.scaler, rng_states, fingerprint, extra={"validation": selection.as_dict()},
-                                  state=state, strategy=fsdp.strategy(setup.training))
+                                  state=state, strategy=setup.training.strategy)
         validation.prune(args.checkpoint_dir, selection)
     distributed.barrier(context)
     return path

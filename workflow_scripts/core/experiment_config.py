@@ -12,16 +12,18 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 import yaml
 
 from workflow_scripts.tasks import templates
 from workflow_scripts.core.errors import ConfigError
 
+if TYPE_CHECKING:
+    from workflow_scripts.core.settings import TrainingSettings, ValidationSettings
+
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 CANONICAL_FIELDS = ("id", "question", "answers", "answer")
-TRAINING_SHAPE_KEYS = ("effective_batch", "micro_batch")
 BATCH_SHAPE_KEYS = ("effective_batch", "micro_batch", "gpus", "nodes", "cpu_processes")
 
 
@@ -385,25 +387,23 @@ def evaluated_datasets(config: Mapping[str, Any], entry: str, model: str) -> lis
     return list(own) + evaluation_only
 
 
-def world_size(training: Mapping[str, Any]) -> int:
-    """Processes in one training job: nodes x (GPUs per node, or CPU processes without GPUs)."""
-    per_node = training["gpus"] if training["gpus"] > 0 else training["cpu_processes"]
-    return training["nodes"] * per_node
+def training_settings(config: Mapping[str, Any], variant: str, model: str | None = None,
+                      source: str | None = None) -> "TrainingSettings":
+    """One (model, variant)'s resolved training settings, validated and typed (core.settings).
 
+    A refusal names the key where the user set it: the batch shape under the variant's or the model's
+    ``training`` when one of them sets a batch-shape key, any other key under the variant's ``training``
+    when the variant overrides training, else ``training``.
+    """
+    from workflow_scripts.core.settings import TrainingSettings
 
-def gradient_accumulation(training: Mapping[str, Any], key: str = "training", source: str | None = None) -> int:
-    """Micro-steps per optimizer step; the effective batch must split evenly over processes."""
-    processes = world_size(training)
-    per_step = training["micro_batch"] * processes
-    if training["effective_batch"] % per_step:
-        raise ConfigError(
-            f"{key}.effective_batch",
-            f"{training['effective_batch']} is not a multiple of micro_batch ({training['micro_batch']}) "
-            f"x processes ({processes}); choose an effective batch divisible by {per_step} "
-            "or change micro_batch",
-            source,
-        )
-    return training["effective_batch"] // per_step
+    spec = model_settings(config, model)
+    variant_training = config["variants"][variant].get("training", {})
+    where = f"variants.{variant}.training" if variant_training else "training"
+    model_key = "model" if "model" in config else f"models.{spec['name']}"
+    layers = ((f"variants.{variant}.training", variant_training), (f"{model_key}.training", spec.get("training", {})))
+    batch_key = next((key for key, layer in layers if set(BATCH_SHAPE_KEYS) & set(layer)), "training")
+    return TrainingSettings.parse(resolved_training(config, variant, model), where, source, batch_key)
 
 
 def experiments(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str, int]]:
@@ -534,28 +534,20 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
         except WorkflowError as error:
             raise ConfigError(key, str(error), source) from None
         for model in models(config):
-            settings = resolved_training(config, name, model)
-            model_key = "model" if "model" in config else f"models.{model}"
-            where = f"{key}.training" if variant.get("training") else "training"
-            # the batch shape is named where the user set it: the variant's, the model's, else training
-            layers = ((f"{key}.training", variant.get("training", {})),
-                      (f"{model_key}.training", models(config)[model].get("training", {})))
-            batch_key = next((k for k, layer in layers if set(BATCH_SHAPE_KEYS) & set(layer)), "training")
-            gradient_accumulation(settings, batch_key, source)
-            _check_length(settings, where, source)
+            training_settings(config, name, model, source)  # the schema, the batch shape and the length
     _check_mixtures(config, source)
     _check_evaluated(config, source)
     for model, entry, variant in model_entry_variants(config):
-        _check_finetune(resolved_training(config, variant, model), models(config)[model], entry_task(config, entry),
+        training = training_settings(config, variant, model, source)
+        _check_finetune(training, models(config)[model], entry_task(config, entry),
                         f"variants.{variant}.training" if config["variants"][variant].get("training") else "training",
                         "model" if "model" in config else f"models.{model}", source)
-        validation = resolved_training(config, variant, model).get("validation") or {}
         for dataset in mixtures(config)[entry]["datasets"] if entry in mixtures(config) else [entry]:
-            if validation.get("every_steps") and "validation" not in config["datasets"][dataset]["splits"]:
+            if training.validating and "validation" not in config["datasets"][dataset]["splits"]:
                 raise ConfigError("training.validation.every_steps", f"dataset '{dataset}' has no validation split "
                                   f"(datasets.{dataset}.splits), so there is no held-out loss to compute; add one or "
                                   "switch validation off for it with a variant's training override", source)
-        _check_validation_metric(config, entry, validation, source)
+        _check_validation_metric(config, entry, training.validation, source)
     tasks_in_use = {dataset["task"] for dataset in config["datasets"].values()}
     for task_name in sorted(tasks_in_use):
         if not any(variant["task"] == task_name for variant in config["variants"].values()):
@@ -571,16 +563,16 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
             _check_fair_training(config, task_name, reference, source, model)
 
 
-def _check_validation_metric(config: Mapping[str, Any], entry: str, validation: Mapping[str, Any],
+def _check_validation_metric(config: Mapping[str, Any], entry: str, validation: "ValidationSettings",
                              source: str | None) -> None:
     """The validation metric needs validation points; selecting by it needs it, and one metric to average."""
     key = "training.validation"
-    if validation.get("metric_examples") is not None and not validation.get("every_steps"):
+    if validation.metric_examples is not None and not validation.every_steps:
         raise ConfigError(f"{key}.metric_examples", "is set but every_steps is not, so the metric would never be "
                           "computed; set training.validation.every_steps", source)
-    if validation.get("criterion") != "metric":
+    if validation.criterion != "metric":
         return
-    if validation.get("metric_examples") is None:
+    if validation.metric_examples is None:
         raise ConfigError(f"{key}.criterion", "is 'metric' but metric_examples is not set; set "
                           "training.validation.metric_examples or use criterion: loss", source)
     if entry in mixtures(config):
@@ -689,13 +681,7 @@ def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, s
                     f"[{key}] if the difference is the point", source)
 
 
-def _check_length(training: Mapping[str, Any], key: str, source: str | None) -> None:
-    from workflow_scripts.training.training_setup import check_length
-
-    check_length(training, source, key)
-
-
-def _check_finetune(training: Mapping[str, Any], model: Mapping[str, Any], task: str, where: str,
+def _check_finetune(training: "TrainingSettings", model: Mapping[str, Any], task: str, where: str,
                     model_key: str, source: str | None) -> None:
     """training.finetune against model.initialise, quantization, strategy and the task (training_setup's rule)."""
     from workflow_scripts.training.training_setup import finetune_problem

@@ -20,10 +20,11 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from workflow_scripts.launch import device_leases
 from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.core.settings import TrainingSettings
 
 # What SLURM sends before a time limit or preemption (USR1 via --signal) and on cancel (TERM):
 # torchrun must hand them on to the workers, which checkpoint, instead of dying of them.
@@ -225,11 +226,11 @@ def launch(module: str, argv: Sequence[str], gpus: int, cpu_processes: int, node
         return run_forwarding_signals(command, env, lease.lock_fds)
 
 
-def run_here_or_launch(module: str, argv: Sequence[str], training: Mapping[str, Any], worker: Callable[[], int]) -> int:
+def run_here_or_launch(module: str, argv: Sequence[str], training: TrainingSettings, worker: Callable[[], int]) -> int:
     """A distributed stage's entry: run ``worker`` in this process, or re-run ``module`` under torchrun.
 
-    ``training`` holds the job's ``gpus``, ``cpu_processes`` and ``nodes`` (resolved training settings).
+    ``training`` gives the job's ``gpus``, ``cpu_processes`` and ``nodes``.
     """
-    if needs_launch(training["gpus"], training["cpu_processes"], training["nodes"]):
-        return launch(module, argv, training["gpus"], training["cpu_processes"], training["nodes"])
+    if needs_launch(training.gpus, training.cpu_processes, training.nodes):
+        return launch(module, argv, training.gpus, training.cpu_processes, training.nodes)
     return worker()

@@ -13,6 +13,7 @@ prints the table and one line saying whether it fits and what else would; exit s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -24,6 +25,7 @@ from torch import nn
 
 from workflow_scripts.model import memory_estimate
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
+from workflow_scripts.core.settings import TrainingSettings
 from workflow_scripts.model.model_loading import weights_dtype
 
 STRATEGIES = ("ddp", "fsdp", "qlora")
@@ -172,14 +174,15 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
     return parts
 
 
-def training_arguments(training: Mapping[str, Any]) -> dict[str, Any]:
-    """estimate_from_config's settings from resolved ``training`` settings (training.quantization included)."""
-    quantization = training.get("quantization")
+def training_arguments(training: TrainingSettings) -> dict[str, Any]:
+    """estimate_from_config's settings from typed training settings (training.quantization included)."""
+    quantization = training.quantization
     return {
-        "lora": None if training.get("finetune", "lora") == "full" else training["lora"], "precision": training["precision"], "micro_batch": training["micro_batch"],
-        "max_length": training["max_length"], "gradient_checkpointing": training["gradient_checkpointing"],
-        "quantization": None if quantization is None else {
-            "bits": quantization.get("bits", 4), "double_quant": quantization.get("double_quant", True)},
+        "lora": None if training.full else dataclasses.asdict(training.lora), "precision": training.precision,
+        "micro_batch": training.micro_batch, "max_length": training.max_length,
+        "gradient_checkpointing": training.gradient_checkpointing,
+        "quantization": None if quantization is None else {"bits": quantization.bits,
+                                                           "double_quant": quantization.double_quant},
     }
 
 
@@ -258,15 +261,15 @@ def _is_causal_lm(fields: Mapping[str, Any]) -> bool:
     return fields.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
-def declared_memory(training: Mapping[str, Any]) -> tuple[int, int] | None:
+def declared_memory(training: TrainingSettings) -> tuple[int, int] | None:
     """(bytes, processes sharing them) that the config declares for one node of a training job, or None.
 
     A CPU job's processes share the node memory it asks of the scheduler, ``training.mem_mb``. Nothing in
     the config declares a GPU's memory, so GPU jobs are left to the gate, which reads the device.
     """
-    if training["gpus"] > 0:
+    if training.gpus > 0:
         return None
-    return training["mem_mb"] * 2**20, training["cpu_processes"]
+    return training.mem_mb * 2**20, training.cpu_processes
 
 
 def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> list[dict[str, Any]]:
@@ -286,7 +289,7 @@ def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> 
     pairs = {(model, variant) for model, entry, variant in xc.model_entry_variants(config)
              if task_named(xc.entry_task(config, entry)).auto_model_class == "AutoModelForCausalLM"}
     for name, spec in xc.models(config).items():
-        declared_by = {variant: declared_memory(xc.resolved_training(config, variant, name))
+        declared_by = {variant: declared_memory(xc.training_settings(config, variant, name))
                        for variant in config["variants"] if (name, variant) in pairs}
         source = local_model_config(name, spec, root)
         if source is None or not any(declared_by.values()) or not _is_causal_lm(source):
@@ -295,14 +298,14 @@ def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> 
         for variant, declared in declared_by.items():
             if declared is None:
                 continue
-            training = xc.resolved_training(config, variant, name)
+            training = xc.training_settings(config, variant, name)
             capacity, processes = declared
             parts = estimate_from_config(
-                model, strategy=training.get("strategy", "ddp"), world_size=xc.world_size(training),
+                model, strategy=training.strategy, world_size=training.world_size,
                 device="cpu", **training_arguments(training))
             checked.append({"model": name, "variant": variant, "estimate": parts, "declared": capacity,
                             "processes": processes})
-            budget = int(capacity * training["memory_headroom"])
+            budget = int(capacity * training.memory_headroom)
             if parts["total"] * processes > budget:
                 h = memory_estimate.human
                 advice = memory_estimate.knob_advice(parts, training, torch.device("cpu"))
@@ -310,7 +313,7 @@ def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> 
                     "training.mem_mb",
                     f"model '{name}', variant '{variant}': {processes} training process(es) on a node are "
                     f"estimated at {h(parts['total'])} each ({h(parts['total'] * processes)} together), over "
-                    f"{training['memory_headroom']:.0%} of the declared mem_mb {training['mem_mb']} "
+                    f"{training.memory_headroom:.0%} of the declared mem_mb {training.mem_mb} "
                     f"({h(budget)}). Fix: raise training.mem_mb, or {advice}")
     return checked
 

@@ -8,10 +8,12 @@ this replaces; training records the measured peak beside it.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 from torch import nn
+
+from workflow_scripts.core.settings import TrainingSettings
 
 CUDA_RUNTIME_OVERHEAD = 1 << 30  # CUDA context, cuBLAS workspaces and allocator fragmentation
 FP32 = 4
@@ -89,7 +91,7 @@ def gathered_bytes(peft_model: nn.Module, precision: str) -> int:
     return root + 2 * max((unsharded(layer.parameters()) for layer in layers), default=0)
 
 
-def estimate(peft_model: nn.Module, training: Mapping[str, Any], device: torch.device) -> dict[str, int]:
+def estimate(peft_model: nn.Module, training: TrainingSettings, device: torch.device) -> dict[str, int]:
     """Bytes per process by component; ``total`` includes the CUDA runtime overhead on GPUs.
 
     Under ``training.strategy: fsdp`` every parameter is sharded over the world size (``fsdp.shard``
@@ -97,21 +99,20 @@ def estimate(peft_model: nn.Module, training: Mapping[str, Any], device: torch.d
     rank's share, plus the units gathered for compute. The model may be sharded already or not: sizes
     are read from the parameters' full shapes either way (a DTensor reports its global shape).
     """
-    from workflow_scripts.core.experiment_config import world_size
     from workflow_scripts.model.quantization import quant_state_bytes
 
-    sharded = training.get("strategy", "ddp") == "fsdp"
-    shards = world_size(training) if sharded else 1
+    sharded = training.sharded
+    shards = training.world_size if sharded else 1
     # A bitsandbytes weight counts as stored (a Params4bit holds n/2 uint8), plus its absmax/scales.
     frozen = _bytes((p for p in peft_model.parameters() if not p.requires_grad), shards)
     frozen += quant_state_bytes(peft_model)  # FSDP refuses quantised weights: never sharded
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     adapters = _bytes(trainable, shards)
     gradients = adapters
-    if not sharded and world_size(training) > 1:
+    if not sharded and training.world_size > 1:
         gradients *= 2  # DDP's reducer buckets hold a second copy (gradient_as_bucket_view=False)
     optimizer = sum(_largest_shard(p, shards) for p in trainable) * FP32 * 2  # AdamW: two fp32 moments
-    activation_dtype_bytes = 2 if training["precision"] in ("bf16", "fp16") else FP32
+    activation_dtype_bytes = 2 if training.precision in ("bf16", "fp16") else FP32
     config = getattr(peft_model, "get_base_model", lambda: peft_model)().config  # no PEFT wrap when finetune: full
     # A VLM: the language model's sequence holds the image tokens (max_length counts them), and the
     # vision tower runs on each image; its activations are kept only when it trains.
@@ -119,16 +120,16 @@ def estimate(peft_model: nn.Module, training: Mapping[str, Any], device: torch.d
     lora_targets = sum(1 for name, _ in peft_model.named_modules() if name.endswith("lora_A"))
     layers = _config_value(language, "num_hidden_layers", "n_layer", "num_layers", default=1)
     activations = activation_bytes(
-        language, training["micro_batch"], training["max_length"], activation_dtype_bytes,
-        training["gradient_checkpointing"], training["lora"]["rank"], max(1, lora_targets // max(1, layers)),
+        language, training.micro_batch, training.max_length, activation_dtype_bytes,
+        training.gradient_checkpointing, training.lora.rank, max(1, lora_targets // max(1, layers)),
     )
     vision = getattr(config, "vision_config", None)
     if vision is not None:
-        activations += vision_activation_bytes(vision, training["micro_batch"], activation_dtype_bytes,
-                                               bool(training["lora"].get("train_vision_tower")))
+        activations += vision_activation_bytes(vision, training.micro_batch, activation_dtype_bytes,
+                                               training.lora.train_vision_tower)
     overhead = CUDA_RUNTIME_OVERHEAD if device.type == "cuda" else 0
     parts = {
-        "weights": frozen, "gathered_weights": gathered_bytes(peft_model, training["precision"]) if shards > 1 else 0,
+        "weights": frozen, "gathered_weights": gathered_bytes(peft_model, training.precision) if shards > 1 else 0,
         "adapters": adapters, "gradients": gradients,
         "optimizer": optimizer, "activations": activations, "runtime_overhead": overhead,
     }
@@ -149,27 +150,27 @@ def device_capacity(device: torch.device, processes_on_device: int = 1) -> int:
     return available // max(1, processes_on_device)
 
 
-def knob_advice(parts: Mapping[str, int], training: Mapping[str, Any], device: torch.device) -> str:
+def knob_advice(parts: Mapping[str, int], training: TrainingSettings, device: torch.device) -> str:
     """What to change, starting from the largest component of the estimate."""
     largest = max(("weights", "activations", "optimizer", "adapters"), key=lambda k: parts[k])
     if largest == "activations":
-        advice = [f"lower training.micro_batch (now {training['micro_batch']}; gradient accumulation keeps "
-                  f"the effective batch)", f"or training.max_length (now {training['max_length']})"]
-        if not training["gradient_checkpointing"]:
+        advice = [f"lower training.micro_batch (now {training.micro_batch}; gradient accumulation keeps "
+                  f"the effective batch)", f"or training.max_length (now {training.max_length})"]
+        if not training.gradient_checkpointing:
             advice.insert(0, "set training.gradient_checkpointing: true")
         return ", ".join(advice)
     if largest == "weights":
-        qlora = "" if training.get("quantization") else ", or set training.quantization: {bits: 4} (QLoRA)"
-        if device.type == "cuda" and training["precision"] != "bf16":
+        qlora = "" if training.quantization is not None else ", or set training.quantization: {bits: 4} (QLoRA)"
+        if device.type == "cuda" and training.precision != "bf16":
             return ("set training.precision: bf16 (frozen weights are then stored in bf16), or use a GPU with more "
                     "memory" + qlora)
         return ("use a device with more memory or a smaller model" + qlora + "; the frozen weights alone need "
                 + human(parts["weights"]))
-    if training.get("finetune", "lora") == "full":  # every weight trains: its gradients and AdamW state dominate
+    if training.full:  # every weight trains: its gradients and AdamW state dominate
         return ("train LoRA adapters instead (training.finetune: lora), use a smaller model, or use a device with "
                 "more memory; full fine-tuning holds " + human(parts["adapters"] + parts["optimizer"])
                 + " of trainable weights and optimizer state")
-    return f"lower training.lora.rank (now {training['lora']['rank']}) or the number of training.lora.target_modules"
+    return f"lower training.lora.rank (now {training.lora.rank}) or the number of training.lora.target_modules"
 
 
 def human(n: int) -> str:

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.core.settings import LoraSettings
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # A tokenizer needs at least one of these (the rest, e.g. tokenizer_config.json, only configure it).
@@ -98,7 +99,7 @@ def check_tokenised_for_model(data_dir: str | Path, meta: Mapping[str, Any], mod
     files, computed the same way. A model directory without tokenizer files cannot be compared (nothing
     could have been tokenised with it); there the vocabulary-size checks still apply.
     """
-    from workflow_scripts.pretokenise import TOKENIZER_FILES, tokenizer_fingerprint  # its key, its one definition
+    from workflow_scripts.data.fingerprints import TOKENIZER_FILES, tokenizer_fingerprint  # pretokenise's key
 
     check_model_directory(model_dir)
     recorded = meta.get("tokenizer_fingerprint")
@@ -190,7 +191,7 @@ def prepare_full(model, gradient_checkpointing: bool):
     return model
 
 
-def add_lora(model, lora: Mapping[str, Any], gradient_checkpointing: bool, task_type: str | None = "CAUSAL_LM"):
+def add_lora(model, lora: LoraSettings, gradient_checkpointing: bool, task_type: str | None = "CAUSAL_LM"):
     """Wrap ``model`` with fresh LoRA adapters; the base stays frozen, adapters are trainable.
 
     PEFT is applied *after* any freezing (seed: a tower frozen after adapters were added left them
@@ -201,20 +202,20 @@ def add_lora(model, lora: Mapping[str, Any], gradient_checkpointing: bool, task_
 
     if gradient_checkpointing:
         enable_gradient_checkpointing(model, input_gradients=True)
-    check_module_names(model, "modules_to_save", lora.get("modules_to_save", []))
-    check_module_names(model, "target_modules", lora["target_modules"])
+    check_module_names(model, "modules_to_save", lora.modules_to_save)
+    check_module_names(model, "target_modules", lora.target_modules)
     config = LoraConfig(
-        r=lora["rank"],
-        lora_alpha=lora["alpha"],
-        lora_dropout=lora["dropout"],
-        target_modules=list(lora["target_modules"]),
-        modules_to_save=list(lora.get("modules_to_save", [])) or None,
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        modules_to_save=list(lora.modules_to_save) or None,
         task_type=task_type,
     )
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as error:
-        raise WorkflowError(f"training.lora.target_modules {list(lora['target_modules'])}: {error}") from None
+        raise WorkflowError(f"training.lora.target_modules {list(lora.target_modules)}: {error}") from None
     keep_trainable_in_fp32(peft_model)
     return peft_model
 

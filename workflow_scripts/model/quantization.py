@@ -1,7 +1,7 @@
 """QLoRA: the frozen base weights quantised by bitsandbytes (through transformers), LoRA trained on top.
 
 ``training.quantization: {bits: 4 | 8, type: nf4 | fp4, double_quant: true, compute_dtype: bf16 | fp16 | fp32}``
-(null: off). Loading gets a ``BitsAndBytesConfig`` through ``load_base_model``'s ``model_kwargs``; the loaded
+(null: off; checked and defaulted in core.settings). Loading gets a ``BitsAndBytesConfig`` through ``load_base_model``'s ``model_kwargs``; the loaded
 model is prepared with PEFT's ``prepare_model_for_kbit_training`` (everything frozen, the unquantised
 weights - embeddings, norms, lm_head - upcast to fp32); ``model_loading.add_lora`` then turns on
 non-reentrant checkpointing with input gradients as for any model. Adapters are saved as plain PEFT
@@ -9,47 +9,24 @@ adapters, so evaluation loads them onto the unquantised base.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.core.settings import LoraSettings, QuantizationSettings, TrainingSettings
 
 KEY = "training.quantization"
 INSTALL = "pip install bitsandbytes"
-BITS = (4, 8)
-TYPES = ("nf4", "fp4")
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # PEFT trains these heads whole on its own for sequence classification (PeftModelForSequenceClassification).
 SEQ_CLS_HEADS = ("classifier", "score")
 
 
-def settings(training: Mapping[str, Any]) -> dict | None:
-    """``training.quantization`` checked, defaults filled; None when off."""
-    quantization = training.get("quantization")
-    if quantization is None:
-        return None
-    if not isinstance(quantization, Mapping):
-        raise ConfigError(KEY, f"{quantization!r} must be a mapping such as {{bits: 4, type: nf4}} or null")
-    unknown = sorted(set(quantization) - {"bits", "type", "double_quant", "compute_dtype"})
-    if unknown:
-        raise ConfigError(f"{KEY}.{unknown[0]}", "unknown key; allowed: bits, type, double_quant, compute_dtype")
-    resolved = {"bits": 4, "type": "nf4", "double_quant": True, "compute_dtype": None, **quantization}
-    if resolved["bits"] not in BITS:
-        raise ConfigError(f"{KEY}.bits", f"{resolved['bits']!r} is not supported; bitsandbytes quantises "
-                          "to 4 or 8 bits")
-    if resolved["type"] not in TYPES:
-        raise ConfigError(f"{KEY}.type", f"{resolved['type']!r} is not one of {', '.join(TYPES)}")
-    if resolved["compute_dtype"] is not None and resolved["compute_dtype"] not in COMPUTE_DTYPES:
-        raise ConfigError(f"{KEY}.compute_dtype", f"{resolved['compute_dtype']!r} is not one of "
-                          f"{', '.join(COMPUTE_DTYPES)} (or null: training.precision)")
-    return resolved
-
-
-def compute_dtype(quantization: Mapping[str, Any], precision: str) -> torch.dtype:
+def compute_dtype(quantization: QuantizationSettings, precision: str) -> torch.dtype:
     """The dtype 4-bit layers dequantise to for their matmuls; by default the training precision's."""
-    return COMPUTE_DTYPES[quantization.get("compute_dtype") or precision]
+    return COMPUTE_DTYPES[quantization.compute_dtype or precision]
 
 
 def require_bitsandbytes():
@@ -61,26 +38,26 @@ def require_bitsandbytes():
     return bitsandbytes
 
 
-def from_pretrained_kwargs(training: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+def from_pretrained_kwargs(training: TrainingSettings, device: torch.device) -> dict[str, Any]:
     """Extra ``from_pretrained`` arguments: ``{}`` when off, else the ``quantization_config``.
 
     The device map names this process's one device: without it transformers' bitsandbytes quantizer
     picks the current CUDA device, even for a CPU run on a machine with a GPU. Still one device per
     process, as model_loading requires (its ``.to(device)`` afterwards is then a no-op).
     """
-    quantization = settings(training)
+    quantization = training.quantization
     if quantization is None:
         return {}
     require_bitsandbytes()
     from transformers import BitsAndBytesConfig
 
-    if quantization["bits"] == 8:
+    if quantization.bits == 8:
         config = BitsAndBytesConfig(load_in_8bit=True)
     else:
         config = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type=quantization["type"],
-            bnb_4bit_use_double_quant=quantization["double_quant"],
-            bnb_4bit_compute_dtype=compute_dtype(quantization, training["precision"]),
+            load_in_4bit=True, bnb_4bit_quant_type=quantization.type,
+            bnb_4bit_use_double_quant=quantization.double_quant,
+            bnb_4bit_compute_dtype=compute_dtype(quantization, training.precision),
         )
     return {"quantization_config": config, "device_map": {"": str(device)}}
 
@@ -100,19 +77,19 @@ def _matching(names: Sequence[str], entry: str) -> list[str]:
             or ("." + entry + ".") in name]
 
 
-def prepare(model: nn.Module, training: Mapping[str, Any], lora: Mapping[str, Any], peft_task_type: str | None):
+def prepare(model: nn.Module, training: TrainingSettings, lora: LoraSettings, peft_task_type: str | None):
     """Make a quantised base ready for adapters (a no-op when quantization is off).
 
     Refuses whole-module training of quantised modules (``lora.modules_to_save``, a classifier head):
     a 4/8-bit integer weight cannot take gradients, and PEFT's error would not say which setting to change.
     """
-    if settings(training) is None:
+    if training.quantization is None:
         return model
     quantized = quantized_modules(model)
     if not quantized:
         raise WorkflowError(f"{KEY}: bitsandbytes quantised no layer of {type(model).__name__} (it has no "
                             f"nn.Linear layers it converts). Fix: set {KEY}: null for this model")
-    listed = list(lora.get("modules_to_save", []))
+    listed = list(lora.modules_to_save)
     heads = [head for head in SEQ_CLS_HEADS if head not in listed] if peft_task_type == "SEQ_CLS" else []
     for entry in listed + heads:
         hit = _matching(quantized, entry)

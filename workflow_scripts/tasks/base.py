@@ -53,10 +53,13 @@ The contract, stage by stage (batches are dicts of tensors plus plain fields):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.settings import TrainingSettings
 
 
 @dataclass
@@ -117,9 +120,9 @@ class Task(Protocol):
     def check_batch(self, batch: Mapping[str, Any], tokenizer, model: nn.Module) -> str | None: ...  # per probe batch
 
     def check_model(self, peft_model: nn.Module, task_meta: Mapping[str, Any],
-                    training: Mapping[str, Any]) -> str | None: ...  # the built model, before any step
+                    training: TrainingSettings) -> str | None: ...  # the built model, before any step
 
-    def check_gradients(self, peft_model: nn.Module, training: Mapping[str, Any]) -> str | None: ...  # first backward
+    def check_gradients(self, peft_model: nn.Module, training: TrainingSettings) -> str | None: ...  # first backward
 
     def loss_module(self, peft_model: nn.Module) -> nn.Module: ...
 

@@ -22,7 +22,7 @@ import functools
 import inspect
 import math
 from collections import Counter
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.data.rows import FieldsMapper, Rejected, present as _present, text as _text
 from workflow_scripts.tasks import templates
 from workflow_scripts.tasks.base import EvaluationResult, Predictions
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.settings import TrainingSettings
 
 DEFAULT_INPUT = "{text}"
 GOLD_FIELDS = ("label",)  # a template that shows the label would leak the answer
@@ -572,7 +575,7 @@ class ClassificationTask:
     def check_tokenizer(self, tokenizer) -> str | None:
         return None  # train reads no tokenizer: the ids and the pad id come from tokenise_meta.json
 
-    def check_model(self, peft_model: nn.Module, task_meta: Mapping[str, Any], training: Mapping[str, Any]) -> str | None:
+    def check_model(self, peft_model: nn.Module, task_meta: Mapping[str, Any], training: TrainingSettings) -> str | None:
         """The head trains, is saved with the adapter, and is sized and named for the label set."""
         classes = check_model(peft_model, task_meta)
         return (f"head {', '.join(repr(name) for name, _ in classification_heads(peft_model))} trainable and saved "
@@ -582,7 +585,7 @@ class ClassificationTask:
         """Class ids against the model's head."""
         return check_batch(batch, head_classes(model))
 
-    def check_gradients(self, peft_model: nn.Module, training: Mapping[str, Any]) -> str | None:
+    def check_gradients(self, peft_model: nn.Module, training: TrainingSettings) -> str | None:
         return check_gradients(peft_model)
 
     def predict(self, model, tokenizer, variant, rows, metric, evaluation, device) -> Predictions:

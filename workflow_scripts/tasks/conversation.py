@@ -53,7 +53,7 @@ and evaluation alike.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -63,6 +63,9 @@ from workflow_scripts.data.rows import FieldsMapper, Rejected, present
 from workflow_scripts.tasks import generation, metrics
 from workflow_scripts.tasks.base import EvaluationResult
 from workflow_scripts.tasks.templates import token_ids
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.settings import LoraSettings, TrainingSettings
 
 ROLES = ("system", "user", "assistant")
 DEFAULT_KEYS = {"role": "role", "content": "content"}
@@ -502,7 +505,7 @@ class ConversationTask:
     def loss_module(self, peft_model: nn.Module) -> nn.Module:
         return generation.TargetTokenLoss(peft_model)
 
-    def lora_settings(self, model: nn.Module, lora: Mapping[str, Any]) -> dict[str, Any]:
+    def lora_settings(self, model: nn.Module, lora: LoraSettings) -> LoraSettings:
         return generation.refuse_vision_keys(lora)
 
     def check_tokenizer(self, tokenizer) -> str | None:
@@ -518,10 +521,10 @@ class ConversationTask:
     def check_batch(self, batch: Mapping[str, Any], tokenizer, model: nn.Module) -> str | None:
         return None  # preflight_checks covers (input_ids, labels) batches
 
-    def check_model(self, peft_model: nn.Module, task_meta: Mapping[str, Any], training: Mapping[str, Any]) -> str | None:
+    def check_model(self, peft_model: nn.Module, task_meta: Mapping[str, Any], training: TrainingSettings) -> str | None:
         return None
 
-    def check_gradients(self, peft_model: nn.Module, training: Mapping[str, Any]) -> str | None:
+    def check_gradients(self, peft_model: nn.Module, training: TrainingSettings) -> str | None:
         return None
 
     def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device) -> EvaluationResult:

@@ -7,7 +7,7 @@ greedy decoding and scoring the extracted answer. See ``tasks/base.py`` for the 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from workflow_scripts.data.batching import PaddingCollator
 from workflow_scripts.data.rows import RecordMapper
 from workflow_scripts.tasks import metrics, templates
 from workflow_scripts.tasks.base import EvaluationResult, Predictions
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.settings import LoraSettings, TrainingSettings
 
 VARIANT_KEYS = ("prompt", "target", "extractor", "chat_template")
 
@@ -301,7 +304,7 @@ class GenerationTask:
     def loss_module(self, peft_model: nn.Module) -> nn.Module:
         return TargetTokenLoss(peft_model)
 
-    def lora_settings(self, model: nn.Module, lora: Mapping[str, Any]) -> dict[str, Any]:
+    def lora_settings(self, model: nn.Module, lora: LoraSettings) -> LoraSettings:
         """The LoRA settings as the config gives them: a text model needs no rewriting."""
         return refuse_vision_keys(lora)
 
@@ -311,10 +314,10 @@ class GenerationTask:
     def check_batch(self, batch: Mapping[str, Any], tokenizer, model: nn.Module) -> str | None:
         return None
 
-    def check_model(self, peft_model: nn.Module, task_meta: Mapping[str, Any], training: Mapping[str, Any]) -> str | None:
+    def check_model(self, peft_model: nn.Module, task_meta: Mapping[str, Any], training: TrainingSettings) -> str | None:
         return None
 
-    def check_gradients(self, peft_model: nn.Module, training: Mapping[str, Any]) -> str | None:
+    def check_gradients(self, peft_model: nn.Module, training: TrainingSettings) -> str | None:
         return None
 
     def predict(self, model, tokenizer, variant, rows, metric, evaluation, device) -> Predictions:
@@ -376,13 +379,13 @@ def check_config_variant(name: str, variant: Mapping[str, Any], datasets: Mappin
                     "the prompt (a field computed from the answer belongs in the target, as MTUP's aux does)")
 
 
-def refuse_vision_keys(lora: Mapping[str, Any]) -> dict[str, Any]:
+def refuse_vision_keys(lora: LoraSettings) -> LoraSettings:
     """``train_projector`` / ``train_vision_tower`` mean something only for a VLM: never ignored in silence."""
     for key in ("train_projector", "train_vision_tower"):
-        if lora.get(key):
+        if getattr(lora, key):
             raise WorkflowError(f"training.lora.{key}: this model has no vision part (it applies to "
                                 "vision_language datasets only); remove it")
-    return dict(lora)
+    return lora
 
 
 def check_rows(rows: Sequence[dict]) -> None:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -59,6 +59,9 @@ from torch import nn
 
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.tasks.base import EvaluationResult
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.settings import TrainingSettings
 
 IGNORE_INDEX = -100
 VARIANT_DEFAULTS = {"mask_rate": 0.15, "whole_word": False, "grouping": "blocks"}
@@ -502,10 +505,10 @@ class MaskedLMTask:
     def check_batch(self, batch: Mapping[str, Any], tokenizer, model: nn.Module) -> str | None:
         return check_batch(batch, tokenizer)
 
-    def check_model(self, peft_model: nn.Module, task_meta: Mapping[str, Any], training: Mapping[str, Any]) -> str | None:
+    def check_model(self, peft_model: nn.Module, task_meta: Mapping[str, Any], training: TrainingSettings) -> str | None:
         return None
 
-    def check_gradients(self, peft_model: nn.Module, training: Mapping[str, Any]) -> str | None:
+    def check_gradients(self, peft_model: nn.Module, training: TrainingSettings) -> str | None:
         return None
 
 

@@ -13,6 +13,7 @@ questions, no image.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 from typing import Any, Mapping, Sequence
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.core.settings import LoraSettings, TrainingSettings
 from workflow_scripts.data.batching import PaddingCollator
 from workflow_scripts.data.rows import Rejected, RecordMapper
 from workflow_scripts.tasks import generation, templates
@@ -316,15 +318,13 @@ class VisionLanguageTask(generation.GenerationTask):
     def loss_module(self, peft_model: nn.Module) -> nn.Module:
         return VisionTargetTokenLoss(peft_model)
 
-    def lora_settings(self, model: nn.Module, lora: Mapping[str, Any]) -> dict[str, Any]:
+    def lora_settings(self, model: nn.Module, lora: LoraSettings) -> LoraSettings:
         """LoRA on the language model's modules only (and the projector saved whole when asked)."""
         from workflow_scripts.model import vision_language_model as vlm
 
-        train_tower = bool(lora.get("train_vision_tower", False))
-        targets = vlm.lora_target_modules(model, list(lora["target_modules"]), train_tower=train_tower)
-        saved = list(lora.get("modules_to_save", [])) + vlm.modules_to_save(
-            model, train_projector=bool(lora.get("train_projector", False)))
-        return {**lora, "target_modules": targets, "modules_to_save": saved}
+        targets = vlm.lora_target_modules(model, list(lora.target_modules), train_tower=lora.train_vision_tower)
+        saved = list(lora.modules_to_save) + vlm.modules_to_save(model, train_projector=lora.train_projector)
+        return dataclasses.replace(lora, target_modules=tuple(targets), modules_to_save=tuple(saved))
 
     def check_model(self, peft_model, task_meta, training) -> str | None:
         from workflow_scripts.model import vision_language_model as vlm
@@ -365,9 +365,9 @@ class VisionLanguageTask(generation.GenerationTask):
     # evaluate: generation's (check the rows, self.predict, score the records).
 
 
-def _trains_tower(training: Mapping[str, Any]) -> bool:
+def _trains_tower(training: TrainingSettings) -> bool:
     """What the config asks (the gate then checks the built model against it)."""
-    return bool(training["lora"].get("train_vision_tower", False))
+    return training.lora.train_vision_tower
 
 
 TASK = VisionLanguageTask()

@@ -21,31 +21,28 @@ import torch
 from torch import nn
 
 from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.core.settings import TrainingSettings
 from workflow_scripts.training import distributed
 from workflow_scripts.training.distributed import DistributedContext
 
 STRATEGIES = ("ddp", "fsdp")
 
 
-def strategy(training: Mapping[str, Any]) -> str:
-    return training.get("strategy", "ddp")
-
-
 def refusal(reason: str, fix: str) -> WorkflowError:
     return WorkflowError(f"training.strategy: fsdp {reason}. Fix: {fix}, or set training.strategy: ddp")
 
 
-def check_settings(training: Mapping[str, Any], task_name: str) -> None:
+def check_settings(training: TrainingSettings, task_name: str) -> None:
     """What FSDP2 cannot run here, refused before anything is sharded."""
-    if training["precision"] == "fp16":
+    if training.precision == "fp16":
         # torch.amp.GradScaler checks each rank's shard for overflow on its own: ranks could disagree on
         # skipping a step. bf16 needs no scaler.
         raise refusal("does not support precision fp16 (the gradient scaler would decide on each shard "
                       "alone)", "set training.precision: bf16 or fp32")
-    if training.get("quantization"):
+    if training.quantization is not None:
         raise refusal("cannot shard quantised base weights (bitsandbytes 4/8-bit tensors are not DTensors)",
                       "set training.quantization: null")
-    if (training.get("validation") or {}).get("every_steps"):
+    if training.validating:
         # validation.held_out_loss gives ranks unequal numbers of batches; each FSDP forward is collective.
         raise refusal("does not support training.validation yet (ranks evaluate unequal numbers of "
                       "batches, and every sharded forward needs all ranks)", "remove training.validation.every_steps")
@@ -76,7 +73,7 @@ def mixed_precision(precision: str):
     return MixedPrecisionPolicy()
 
 
-def shard(peft_model: nn.Module, training: Mapping[str, Any], context: DistributedContext, task_name: str) -> None:
+def shard(peft_model: nn.Module, training: TrainingSettings, context: DistributedContext, task_name: str) -> None:
     """Shard each decoder layer, then the PEFT model (the root: embeddings, final norm, head), in place.
 
     Done before the optimizer is built: it must hold the sharded parameters. A world of one still gets
@@ -89,7 +86,7 @@ def shard(peft_model: nn.Module, training: Mapping[str, Any], context: Distribut
     layers = decoder_layers(peft_model.get_base_model())
     distributed.ensure_process_group(context)
     mesh = init_device_mesh(context.device.type, (context.world_size,))
-    policy = mixed_precision(training["precision"])
+    policy = mixed_precision(training.precision)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(peft_model, mesh=mesh, mp_policy=policy)

@@ -7,7 +7,7 @@ for the report when it passes.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -15,6 +15,9 @@ from torch import nn
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.model import memory_estimate
 from workflow_scripts.training.training_setup import lora_parameters, named_parameters, strip_wrapper_prefix, unwrap
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.settings import TrainingSettings
 
 
 class PreflightError(WorkflowError):
@@ -193,7 +196,7 @@ def check_scaler_scale(scaler, initial_scale: float) -> str:
 
 
 # 6. memory -----------------------------------------------------------------------------------------
-def check_memory(parts: Mapping[str, int], capacity: int, headroom: float, training: Mapping[str, Any],
+def check_memory(parts: Mapping[str, int], capacity: int, headroom: float, training: TrainingSettings,
                  device: torch.device) -> str:
     budget = int(capacity * headroom)
     human = memory_estimate.human

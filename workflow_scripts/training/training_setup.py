@@ -15,7 +15,7 @@ from torch import nn
 from workflow_scripts.model import model_loading
 from workflow_scripts.training import fsdp
 from workflow_scripts.training.distributed import DistributedContext
-from workflow_scripts.core.experiment_config import gradient_accumulation
+from workflow_scripts.core.settings import TrainingSettings
 
 WRAPPER_PREFIXES = ("module.", "wrapped.")  # DDP's prefix, then the task loss module's attribute
 
@@ -23,7 +23,7 @@ WRAPPER_PREFIXES = ("module.", "wrapped.")  # DDP's prefix, then the task loss m
 @dataclass
 class TrainingSetup:
     context: DistributedContext
-    training: Mapping[str, Any]
+    training: TrainingSettings
     peft_model: nn.Module  # the PEFT model; under training.finetune: full the plain model, every parameter trainable
     model: nn.Module  # what the loop calls: the task's loss module, DDP-wrapped when world > 1
     optimizer: torch.optim.Optimizer
@@ -87,43 +87,35 @@ def bf16_supported(device: torch.device) -> bool:
     return True  # CPU autocast supports bf16 (slowly on CPUs without AVX512-BF16/AMX)
 
 
-def build_optimizer_and_scheduler(parameters, training: Mapping[str, Any], device: torch.device):
+def build_optimizer_and_scheduler(parameters, training: TrainingSettings, device: torch.device):
     from transformers import get_scheduler
 
     optimizer = torch.optim.AdamW(
-        parameters, lr=training["learning_rate"], weight_decay=training["weight_decay"],
-        fused=device.type == "cuda",
+        parameters, lr=training.learning_rate, weight_decay=training.weight_decay, fused=device.type == "cuda",
     )
-    name = training["lr_scheduler"]
-    if name == "constant":
-        name = "constant_with_warmup"
-    scheduler = get_scheduler(name, optimizer, num_warmup_steps=training["warmup_steps"],
-                              num_training_steps=training["max_steps"])
+    name = "constant_with_warmup" if training.lr_scheduler == "constant" else training.lr_scheduler
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=training.warmup_steps,
+                              num_training_steps=training.max_steps)
     return optimizer, scheduler
-
-
-def is_full(training: Mapping[str, Any]) -> bool:
-    """``training.finetune: full``: every parameter trains, no LoRA (schema default ``lora``)."""
-    return training.get("finetune", "lora") == "full"
 
 
 # Task types whose full fine-tuning is sound; vision_language's gate and loss assume a frozen, LoRA-wrapped tower.
 FULL_TASKS = ("generation", "conversation", "classification", "masked_lm")
 
 
-def finetune_problem(training: Mapping[str, Any], initialise: str, task_name: str | None = None) -> tuple[str, str] | None:
+def finetune_problem(training: TrainingSettings, initialise: str, task_name: str | None = None) -> tuple[str, str] | None:
     """(key, one-line problem) when ``training.finetune`` cannot run with these settings, else None.
 
     Shared by the config check (experiment_config) and :func:`build`, so both refuse alike."""
-    if not is_full(training):
+    if not training.full:
         if initialise == "random":
             return ("model.initialise", "random (pretraining from scratch) trains every weight, which needs "
                     "training.finetune: full; set it, or use initialise: pretrained for LoRA")
         return None
-    if training.get("quantization"):
+    if training.quantization is not None:
         return ("training.quantization", "full fine-tuning trains every weight, and quantised (bitsandbytes) "
                 "weights cannot train; set training.quantization: null, or training.finetune: lora (QLoRA)")
-    if training.get("strategy", "ddp") == "fsdp":
+    if training.sharded:
         return ("training.strategy", "fsdp shards LoRA training only; with training.finetune: full use "
                 "strategy: ddp (every process holds the whole model)")
     if task_name is not None and task_name not in FULL_TASKS:
@@ -132,7 +124,7 @@ def finetune_problem(training: Mapping[str, Any], initialise: str, task_name: st
     return None
 
 
-def check_finetune(training: Mapping[str, Any], initialise: str, task_name: str | None = None) -> None:
+def check_finetune(training: TrainingSettings, initialise: str, task_name: str | None = None) -> None:
     problem = finetune_problem(training, initialise, task_name)
     if problem is not None:
         from workflow_scripts.core.errors import WorkflowError
@@ -140,7 +132,7 @@ def check_finetune(training: Mapping[str, Any], initialise: str, task_name: str 
         raise WorkflowError(f"{problem[0]}: {problem[1]}")
 
 
-def build(model_dir, training: Mapping[str, Any], context: DistributedContext,
+def build(model_dir, training: TrainingSettings, context: DistributedContext,
           trust_remote_code: bool = False, data_meta: Mapping[str, Any] | None = None, seed: int = 0) -> TrainingSetup:
     """Load the task's model onto this rank's device, add LoRA (or, with ``training.finetune: full``, make
     every parameter trainable), wrap the task's loss for DDP; optimizer, precision.
@@ -155,10 +147,9 @@ def build(model_dir, training: Mapping[str, Any], context: DistributedContext,
     task = task_named(data_meta["task"])
     task_meta = data_meta.get("task_meta", {})
     device = context.device
-    full = is_full(training)
     check_finetune(training, model_loading.initialisation(model_dir), task.name)
     # Full: fp32 master weights from the start (a bf16 load would round pretrained fp32 weights first).
-    dtype = torch.float32 if full else model_loading.weights_dtype(training["precision"], device)
+    dtype = torch.float32 if training.full else model_loading.weights_dtype(training.precision, device)
     from workflow_scripts.model import quantization  # QLoRA: bitsandbytes weights when training.quantization is set
 
     model_kwargs = {**task.model_kwargs(task_meta), **quantization.from_pretrained_kwargs(training, device)}
@@ -166,28 +157,28 @@ def build(model_dir, training: Mapping[str, Any], context: DistributedContext,
                                          model_kwargs, seed=seed)
     task.prepare_model(base, data_meta.get("pad_token_id"), task_meta)
     vocab_size = base.get_input_embeddings().num_embeddings
-    if full:
-        peft_model = model_loading.prepare_full(base, training["gradient_checkpointing"])
+    if training.full:
+        peft_model = model_loading.prepare_full(base, training.gradient_checkpointing)
     else:
         # The task may rewrite the LoRA settings for its model (a VLM: adapters on the language model only).
         lora_settings = getattr(task, "lora_settings", None)
-        lora = lora_settings(base, training["lora"]) if lora_settings else training["lora"]
+        lora = lora_settings(base, training.lora) if lora_settings else training.lora
         base = quantization.prepare(base, training, lora, task.peft_task_type)  # no-op when off
-        peft_model = model_loading.add_lora(base, lora, training["gradient_checkpointing"], task.peft_task_type)
+        peft_model = model_loading.add_lora(base, lora, training.gradient_checkpointing, task.peft_task_type)
     peft_model.train()
     packing = None
-    if training.get("packing"):
+    if training.packing:
         from workflow_scripts.core.errors import WorkflowError
         from workflow_scripts.data import packing as packing_module
 
         if not hasattr(task, "packs"):
             raise WorkflowError(f"training.packing: task '{task.name}' does not pack examples. Fix: set training.packing: false")
-        ok, reason = packing_module.supports_packing(peft_model, training["max_length"])
+        ok, reason = packing_module.supports_packing(peft_model, training.max_length)
         if not ok:
             raise WorkflowError(f"training.packing: {reason}. Fix: set training.packing: false")
-        packing = (training["max_length"], base.config._attn_implementation)
+        packing = (training.max_length, base.config._attn_implementation)
     model: nn.Module = task.loss_module(peft_model)
-    if fsdp.strategy(training) == "fsdp":  # sharded in place, before the optimizer takes the parameters
+    if training.sharded:  # sharded in place, before the optimizer takes the parameters
         fsdp.shard(peft_model, training, context, task.name)
     elif context.is_distributed:
         model = nn.parallel.DistributedDataParallel(
@@ -196,12 +187,10 @@ def build(model_dir, training: Mapping[str, Any], context: DistributedContext,
     optimizer, scheduler = build_optimizer_and_scheduler(
         [p for p in peft_model.parameters() if p.requires_grad], training, device
     )
-    precision = training["precision"]
-    autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    accumulation = gradient_accumulation(training)
+    autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[training.precision]
+    scaler = torch.amp.GradScaler(device.type) if training.precision == "fp16" else None
     return TrainingSetup(context, training, peft_model, model, optimizer, scheduler, scaler,
-                         autocast_dtype, accumulation, vocab_size, task, packing)
+                         autocast_dtype, training.accumulation, vocab_size, task, packing)
 
 
 def to_device(batch: Mapping[str, Any], device: torch.device) -> dict:
@@ -258,7 +247,7 @@ def unscale_and_clip(setup: TrainingSetup, inspect: Callable[[], None] | None = 
         setup.scaler.unscale_(setup.optimizer)
     if inspect is not None:
         inspect()
-    norm = torch.nn.utils.clip_grad_norm_(setup.trainable_parameters(), setup.training["max_grad_norm"])
+    norm = torch.nn.utils.clip_grad_norm_(setup.trainable_parameters(), setup.training.max_grad_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards' norms
 
 
@@ -282,58 +271,6 @@ def apply_update(setup: TrainingSetup) -> bool:
     return applied
 
 
-def load_training_settings(text: str) -> dict:
-    """The --training JSON: parsed and validated against config/schema.yaml's training_settings."""
-    import copy
-    import json
-
-    import yaml
-
-    from workflow_scripts.core.errors import ConfigError
-    from workflow_scripts.core.experiment_config import SCHEMA_PATH, _validator_with_defaults, schema_error
-
-    try:
-        settings = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError("--training", f"not valid JSON ({error})") from None
-    if not isinstance(settings, dict):
-        raise ConfigError("--training", "must be a JSON object of training settings")
-    schema = yaml.safe_load(SCHEMA_PATH.read_text())
-    sub_schema = copy.deepcopy(schema["$defs"]["training_settings"])
-    sub_schema["$defs"] = schema["$defs"]
-    errors = list(_validator_with_defaults()(sub_schema).iter_errors(settings))
-    if errors:
-        from jsonschema.exceptions import best_match
-
-        raise schema_error(best_match(errors), "training", "--training")
-    gradient_accumulation(settings)
-    check_length(settings, "--training")
-    return settings
-
-
-def check_length(training: Mapping[str, Any], source: str | None = None, key: str = "training") -> None:
-    """Exactly one of max_steps and epochs says how long training runs."""
-    from workflow_scripts.core.errors import ConfigError
-
-    if training.get("max_steps") is None and training.get("epochs") is None:
-        raise ConfigError(f"{key}.max_steps", "how long to train is not set: give training.max_steps (optimizer "
-                          "steps) or training.epochs (passes over the training split)", source)
-    if training.get("max_steps") is not None and training.get("epochs") is not None:
-        raise ConfigError(f"{key}.epochs", f"both max_steps ({training['max_steps']}) and epochs "
-                          f"({training['epochs']}) are set; keep one", source)
-
-
-def with_length(training: Mapping[str, Any], train_rows: int) -> dict:
-    """The settings with ``max_steps`` resolved from ``epochs`` (whole global batches per epoch, as
-    batching.GlobalBatchPlan draws them), so the schedule, the sampler and the log share one length."""
-    import math
-
-    if training.get("epochs") is None:
-        return dict(training)
-    per_epoch = train_rows // training["effective_batch"]
-    if per_epoch == 0:
-        from workflow_scripts.core.errors import WorkflowError
-
-        raise WorkflowError(f"the training split has {train_rows} rows, fewer than training.effective_batch "
-                            f"({training['effective_batch']}); lower the effective batch or add data")
-    return {**training, "max_steps": max(1, math.ceil(training["epochs"] * per_epoch))}
+def load_training_settings(text: str) -> TrainingSettings:
+    """The --training JSON, parsed and validated into typed settings (core.settings)."""
+    return TrainingSettings.from_json(text)

@@ -26,6 +26,7 @@ import torch
 
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.core.settings import ValidationSettings
 from workflow_scripts.model import model_loading
 from workflow_scripts.training import distributed, training_setup
 
@@ -73,16 +74,16 @@ class Selection:
         return cls(**value) if value else cls()
 
 
-def due(settings: Mapping[str, Any], completed: int, max_steps: int) -> bool:
-    every = settings.get("every_steps")
+def due(settings: ValidationSettings, completed: int, max_steps: int) -> bool:
+    every = settings.every_steps
     return bool(every) and (completed % every == 0 or completed == max_steps)
 
 
-def open_split(data_dir: str, settings: Mapping[str, Any], columns) -> Any:
+def open_split(data_dir: str, settings: ValidationSettings, columns) -> Any:
     """The tokenised validation split (None when validation is off)."""
     from workflow_scripts.data import batching
 
-    if not settings.get("every_steps"):
+    if not settings.every_steps:
         return None
     if not Path(data_dir, "validation").is_dir():
         raise WorkflowError(f"{data_dir}: no 'validation' split, but training.validation.every_steps is set; "
@@ -91,11 +92,11 @@ def open_split(data_dir: str, settings: Mapping[str, Any], columns) -> Any:
 
 
 @torch.no_grad()
-def held_out_loss(setup: training_setup.TrainingSetup, dataset, collator, settings: Mapping[str, Any]) -> float:
+def held_out_loss(setup: training_setup.TrainingSetup, dataset, collator, settings: ValidationSettings) -> float:
     """Mean loss per target token over the (capped) validation split, the same on every process."""
     context = setup.context
-    rows = len(dataset) if settings.get("max_examples") is None else min(len(dataset), settings["max_examples"])
-    size = setup.training["micro_batch"]
+    rows = len(dataset) if settings.max_examples is None else min(len(dataset), settings.max_examples)
+    size = setup.training.micro_batch
     batches = [list(range(start, min(start + size, rows))) for start in range(0, rows, size)]
     summed = torch.zeros(2, dtype=torch.float64, device=context.device)  # loss, target tokens
     was_training = setup.model.training
@@ -126,7 +127,7 @@ def save_best(setup: training_setup.TrainingSetup, checkpoint_dir: str | Path, s
     """The adapter of a new best step, in the PEFT format (main process)."""
     if setup.context.is_main:
         with atomic_path(Path(checkpoint_dir, f"best-step-{step:08d}"), directory=True) as directory:
-            if training_setup.is_full(setup.training):  # the whole model, as train's output holds it
+            if setup.training.full:  # the whole model, as train's output holds it
                 model_loading.save_full_model(setup.peft_model, directory)
             else:
                 setup.peft_model.save_pretrained(str(directory), safe_serialization=True)
@@ -159,17 +160,17 @@ def best_adapter(checkpoint_dir: str | Path, selection: Selection) -> Path:
     return path
 
 
-def summary(selection: Selection, settings: Mapping[str, Any], stopped_early_at: int | None) -> dict[str, Any]:
+def summary(selection: Selection, settings: ValidationSettings, stopped_early_at: int | None) -> dict[str, Any]:
     """What the run manifest records about validation and the adapter it kept."""
     recorded = {
-        "adapter_kept": settings.get("keep", "final"),
+        "adapter_kept": settings.keep,
         "best_step": selection.best_step,
         "best_validation_loss": selection.best_loss,
         "validation_losses": selection.history,
         "stopped_early_at_step": stopped_early_at,
     }
-    if settings.get("metric_examples") is not None:
-        recorded.update(criterion=settings.get("criterion", "loss"), metric_examples=settings["metric_examples"],
+    if settings.metric_examples is not None:
+        recorded.update(criterion=settings.criterion, metric_examples=settings.metric_examples,
                         best_validation_metric=selection.best_metric, validation_metrics=selection.metric_history)
     return recorded
 

@@ -14,13 +14,14 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.training import distributed, training_setup
+from workflow_scripts.core.settings import ValidationSettings
 from workflow_scripts.training.validation import METRIC_KEY
 
 # Metrics where lower is better (tasks/masked_lm's losses); every other metric is a score to maximise.
@@ -49,7 +50,7 @@ class ValidationMetric:
         return all(source.metric in LOWER_IS_BETTER for source in self.sources)
 
 
-def open_metric(text: str | None, settings: Mapping[str, Any], model_dir: str,
+def open_metric(text: str | None, settings: ValidationSettings, model_dir: str,
                 trust_remote_code: bool) -> ValidationMetric | None:
     """The ``--validation-metric`` argument (JSON: task, variant, evaluation {max_new_tokens, batch_size,
     max_length}, datasets [{name, data, metric}]) with its rows and tokenizer; None when the metric is off."""
@@ -57,13 +58,13 @@ def open_metric(text: str | None, settings: Mapping[str, Any], model_dir: str,
     from workflow_scripts.model.model_loading import load_tokenizer
     from workflow_scripts.tasks import task_named
 
-    examples = settings.get("metric_examples")
+    examples = settings.metric_examples
     if examples is None:
         if text:
             raise WorkflowError("argument --validation-metric: given, but training.validation.metric_examples "
                                 "is not set; set it or drop the argument")
         return None
-    if not settings.get("every_steps"):
+    if not settings.every_steps:
         raise WorkflowError("training.validation.metric_examples is set but every_steps is not; set "
                             "training.validation.every_steps")
     if not text:

@@ -1,0 +1,75 @@
+"""Typed training settings (core/settings.py): validated once, read by attribute everywhere below the stages."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from workflow_scripts.core import experiment_config as xc
+from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.core.settings import LoraSettings, QuantizationSettings, TrainingSettings, ValidationSettings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_defaults_come_from_the_schema_and_round_trip():
+    settings = TrainingSettings.parse({"max_steps": 5})
+    assert settings.lora == LoraSettings() and settings.validation == ValidationSettings()
+    assert settings.quantization is None and settings.precision == "bf16" and settings.effective_batch == 16
+    assert (settings.world_size, settings.accumulation) == (1, 16)
+    assert TrainingSettings.parse(settings.to_dict()) == settings
+    assert settings.to_dict()["lora"]["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]  # JSON lists
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.micro_batch = 2
+
+
+def test_derived_values():
+    settings = TrainingSettings.parse({"max_steps": 5, "effective_batch": 32, "micro_batch": 2, "gpus": 4, "nodes": 2})
+    assert (settings.world_size, settings.accumulation) == (8, 2)
+    cpu = TrainingSettings.parse({"epochs": 1.5, "effective_batch": 8, "micro_batch": 2, "cpu_processes": 2})
+    assert (cpu.world_size, cpu.accumulation) == (2, 2)
+    assert cpu.with_length(100).max_steps == 18 and cpu.with_length(60).max_steps == 11  # 12 or 7 a pass, x 1.5 rounded up
+    assert TrainingSettings.parse({"max_steps": 5, "strategy": "fsdp"}).sharded
+    assert TrainingSettings.parse({"max_steps": 5, "finetune": "full"}).full
+    quantised = TrainingSettings.parse({"max_steps": 5, "quantization": {"bits": 8}})
+    assert quantised.quantization == QuantizationSettings(bits=8, type="nf4", double_quant=True, compute_dtype=None)
+
+
+@pytest.mark.parametrize("value, key, words", [
+    ({"max_steps": 5, "micro_batch": 3}, "effective_batch", "not a multiple of micro_batch (3)"),
+    ({}, "max_steps", "how long to train is not set"),
+    ({"max_steps": 5, "epochs": 2}, "epochs", "keep one"),
+    ({"max_steps": 5, "quantization": {"bits": 3}}, "quantization.bits", "not one of [4, 8]"),
+    ({"max_steps": "five"}, "max_steps", "not of type"),
+    ({"max_steps": 5, "lora": {"rank": 0}}, "lora.rank", "minimum"),
+    ({"max_steps": 5, "learning_rte": 1e-4}, "training", "learning_rte"),
+])
+def test_each_refusal_names_the_key(value, key, words):
+    with pytest.raises(ConfigError) as raised:
+        TrainingSettings.parse(value, "variants.mtup.training", "config.yaml")
+    message = str(raised.value)
+    assert "variants.mtup.training" in message and key in message and words in message and "\n" not in message
+    assert message.startswith("config.yaml")
+
+
+def test_the_config_names_where_the_batch_shape_was_set():
+    config = {"model": {"name": "m", "source": "tiny"}, "training": {"max_steps": 5, "effective_batch": 8},
+              "variants": {"base": {"task": "generation"}, "big": {"task": "generation", "training": {"micro_batch": 3}},
+                           "lr": {"task": "generation", "training": {"learning_rate": 1e-3, "max_steps": None}}}}
+    assert xc.training_settings(config, "base").accumulation == 8
+    with pytest.raises(ConfigError, match=r"'variants\.big\.training\.effective_batch'"):
+        xc.training_settings(config, "big")
+    with pytest.raises(ConfigError, match=r"'variants\.lr\.training\.max_steps'"):
+        xc.training_settings(config, "lr")
+
+
+def test_nothing_below_the_config_reads_training_settings_as_a_dict():
+    """One source of truth: the typed settings. A ``training["key"]`` or ``training.get(`` below the
+    config layer would be a second reading of the settings with its own defaults."""
+    dict_access = re.compile(r"\b(training|setup\.training)(\[\"|\[\'|\.get\()")
+    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+             for path in sorted([*(REPO / "workflow_scripts").rglob("*.py"), *(REPO / "rules").glob("*.smk")])
+             for number, line in enumerate(path.read_text().splitlines(), 1) if dict_access.search(line)]
+    assert found == []

@@ -1,0 +1,201 @@
+"""Typed training settings: the config's ``training`` section (with a model's and a variant's overrides
+merged in) validated once into frozen dataclasses that the gate, training, the memory estimates and the
+Snakefile's resource functions read by attribute.
+
+One function, :meth:`TrainingSettings.parse`, does all the checking: config/schema.yaml's
+``training_settings`` (filling its defaults), then what no schema can state (the effective batch splits
+evenly over processes, exactly one of max_steps and epochs). The Snakefile parses every (model, variant)
+when the workflow is read; a stage parses its ``--training`` JSON the same way, so a stage run by hand
+gets the same defaults and the same refusals.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from workflow_scripts.core.errors import ConfigError, WorkflowError
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int = 16
+    alpha: float = 32
+    dropout: float = 0.05
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    modules_to_save: tuple[str, ...] = ()
+    train_projector: bool = False  # vision_language: the image projector trained whole, saved with the adapter
+    train_vision_tower: bool = False  # vision_language: LoRA on the vision tower too
+
+
+@dataclass(frozen=True)
+class ValidationSettings:
+    every_steps: int | None = None
+    max_examples: int | None = None
+    keep: str = "final"  # final | best
+    early_stopping_patience: int | None = None
+    # No schema defaults for these two (so the JSON of runs that leave them out stays as it was and
+    # Snakemake reruns nothing); their meaning when absent is here.
+    metric_examples: int | None = None
+    criterion: str = "loss"  # loss | metric
+
+
+@dataclass(frozen=True)
+class QuantizationSettings:
+    """QLoRA (bitsandbytes); the schema gives no defaults under a nullable mapping, so they are here."""
+    bits: int = 4
+    type: str = "nf4"
+    double_quant: bool = True
+    compute_dtype: str | None = None  # None: training.precision
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    lora: LoraSettings
+    validation: ValidationSettings
+    quantization: QuantizationSettings | None
+    finetune: str  # lora | full
+    max_length: int
+    effective_batch: int
+    micro_batch: int
+    max_steps: int | None
+    epochs: float | None
+    learning_rate: float
+    lr_scheduler: str
+    warmup_steps: int
+    weight_decay: float
+    precision: str  # fp32 | bf16 | fp16
+    gradient_checkpointing: bool
+    max_grad_norm: float
+    checkpoint_every: int
+    log_every: int
+    gpus: int
+    cpu_processes: int
+    nodes: int
+    strategy: str  # ddp | fsdp
+    dataloader_workers: int
+    length_grouping: bool
+    packing: bool
+    sanity_batches: int
+    memory_headroom: float
+    runtime_minutes: int
+    mem_mb: int
+
+    @classmethod
+    def parse(cls, value: Any, key: str = "training", source: str | None = None,
+              batch_key: str | None = None) -> "TrainingSettings":
+        """Validate resolved training settings (a mapping as in the config) and type them.
+
+        ``key`` prefixes the keys named in messages (e.g. ``variants.mtup.training``); ``batch_key`` is
+        where the batch shape was set, named when the effective batch does not split (default ``key``).
+        """
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, "must be a mapping of training settings", source)
+        checked = copy.deepcopy(dict(value))
+        errors = list(_training_validator().iter_errors(checked))  # fills the schema's defaults in place
+        if errors:
+            from jsonschema.exceptions import best_match
+
+            from workflow_scripts.core.experiment_config import schema_error
+
+            raise schema_error(best_match(errors), key, source)
+        nested = {"lora": LoraSettings(**_tuples(checked.pop("lora"))),
+                  "validation": ValidationSettings(**checked.pop("validation")),
+                  "quantization": (None if checked.get("quantization") is None
+                                   else QuantizationSettings(**checked.pop("quantization")))}
+        checked.pop("quantization", None)
+        settings = cls(**checked, **nested)
+        settings._check_batch_shape(batch_key or key, source)
+        settings._check_length(key, source)
+        return settings
+
+    @classmethod
+    def from_json(cls, text: str, flag: str = "--training") -> "TrainingSettings":
+        """A stage's ``--training`` argument."""
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(flag, f"not valid JSON ({error})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(flag, "must be a JSON object of training settings")
+        return cls.parse(value, "training", flag)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values (lists, not tuples): manifests, fingerprints, trackers."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    # What follows from the settings -------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Processes in one training job: nodes x (GPUs per node, or CPU processes without GPUs)."""
+        return self.nodes * (self.gpus if self.gpus > 0 else self.cpu_processes)
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per process per optimizer step (parse checked that the division is exact)."""
+        return self.effective_batch // (self.micro_batch * self.world_size)
+
+    @property
+    def full(self) -> bool:
+        """``finetune: full``: every parameter trains, no LoRA."""
+        return self.finetune == "full"
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy == "fsdp"
+
+    @property
+    def validating(self) -> bool:
+        return bool(self.validation.every_steps)
+
+    def with_length(self, train_rows: int) -> "TrainingSettings":
+        """``max_steps`` resolved from ``epochs`` (whole global batches per epoch, as
+        batching.GlobalBatchPlan draws them), so the schedule, the sampler and the log share one length."""
+        if self.epochs is None:
+            return self
+        per_epoch = train_rows // self.effective_batch
+        if per_epoch == 0:
+            raise WorkflowError(f"the training split has {train_rows} rows, fewer than training.effective_batch "
+                                f"({self.effective_batch}); lower the effective batch or add data")
+        return dataclasses.replace(self, max_steps=max(1, math.ceil(self.epochs * per_epoch)))
+
+    def replace(self, **changes: Any) -> "TrainingSettings":
+        return dataclasses.replace(self, **changes)
+
+    # The checks no schema can state -------------------------------------------------------------------
+    def _check_batch_shape(self, key: str, source: str | None) -> None:
+        per_step = self.micro_batch * self.world_size
+        if self.effective_batch % per_step:
+            raise ConfigError(
+                f"{key}.effective_batch",
+                f"{self.effective_batch} is not a multiple of micro_batch ({self.micro_batch}) x processes "
+                f"({self.world_size}); choose an effective batch divisible by {per_step} or change micro_batch",
+                source)
+
+    def _check_length(self, key: str, source: str | None) -> None:
+        if self.max_steps is None and self.epochs is None:
+            raise ConfigError(f"{key}.max_steps", "how long to train is not set: give training.max_steps (optimizer "
+                              "steps) or training.epochs (passes over the training split)", source)
+        if self.max_steps is not None and self.epochs is not None:
+            raise ConfigError(f"{key}.epochs", f"both max_steps ({self.max_steps}) and epochs ({self.epochs}) "
+                              "are set; keep one", source)
+
+
+def _tuples(mapping: dict[str, Any]) -> dict[str, Any]:
+    return {name: tuple(value) if isinstance(value, list) else value for name, value in mapping.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def _training_validator():
+    """The schema's ``training_settings`` with its ``$defs``, read once per process."""
+    import yaml
+
+    from workflow_scripts.core.experiment_config import SCHEMA_PATH, _validator_with_defaults
+
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    part = {**schema["$defs"]["training_settings"], "$defs": schema["$defs"]}
+    return _validator_with_defaults()(part)
