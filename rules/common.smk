@@ -88,6 +88,33 @@ TRAINING = {(model, variant): xc.training_settings(config, variant, model)
             for model in MODELS for variant in config["variants"]}
 
 
+# The check across datasets (a mixture's components, evaluation-only datasets) -----------------------
+def cross_contamination_report(wildcards):
+    """sanity's extra input: the entry's check across datasets ([] for a run on one dataset alone)."""
+    trained, checked = xc.cross_contamination_datasets(config, wildcards.dataset)
+    return [f"results/data/{wildcards.dataset}/cross_contamination.json"] if checked else []
+
+
+def cross_contamination_inputs(wildcards):
+    trained, checked = xc.cross_contamination_datasets(config, wildcards.dataset)
+    return {f"data_{name}": f"results/data/{name}/normalised" for name in dict.fromkeys(trained + checked)}
+
+
+def cross_contamination_arguments(wildcards):
+    trained, checked = xc.cross_contamination_datasets(config, wildcards.dataset)
+    def argument(flag, name):
+        return f"{flag} {shlex.quote(f'{name}=results/data/{name}/normalised')}"
+
+    return " ".join([*(argument("--train", name) for name in trained), *(argument("--checked", name) for name in checked)])
+
+
+def cross_contamination_settings(wildcards):
+    trained, checked = xc.cross_contamination_datasets(config, wildcards.dataset)
+    return as_json({name: {"contamination": config["datasets"][name]["contamination"],
+                           "derived": sorted(config["datasets"][name].get("derived", {}))}
+                    for name in dict.fromkeys(trained + checked)})
+
+
 def training_settings(wildcards):
     return TRAINING[wildcards.model, wildcards.variant]
 

@@ -119,3 +119,25 @@ rule mix:
     shell:
         "python -m workflow_scripts.mix --mixture {wildcards.dataset:q} --settings {params.mixture:q}"
         " {params.components} --out {output.data:q} --report {output.report:q} > {log:q} 2>&1"
+
+
+# Held-out rows of one dataset against the train rows of the others a run trains on (a mixture's
+# components; evaluation-only datasets against what was trained): checked before the run's gate.
+rule cross_contamination:
+    input:
+        unpack(cross_contamination_inputs),
+    output:
+        "results/data/{dataset}/cross_contamination.json",
+    params:
+        datasets=cross_contamination_arguments,
+        settings=cross_contamination_settings,
+    log:
+        "logs/cross_contamination/{dataset}.log",
+    benchmark:
+        "results/benchmarks/cross_contamination/{dataset}.tsv"
+    conda:
+        "../envs/data.yaml"
+    threads: 1
+    shell:
+        "python -m workflow_scripts.cross_contamination {params.datasets} --settings {params.settings:q}"
+        " --out {output:q} > {log:q} 2>&1"

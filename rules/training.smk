@@ -8,6 +8,8 @@ rule sanity:
     input:
         data="results/data/{dataset}/tokenised/{model}/{variant}",
         model=MODEL_DIR,
+        # a mixture's components, evaluation-only datasets: held-out rows against the other datasets' train
+        cross_contamination=cross_contamination_report,
     output:
         report(
             "results/{model}/{dataset}/{variant}/seed{seed}/sanity.json",

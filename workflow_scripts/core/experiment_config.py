@@ -387,6 +387,17 @@ def evaluated_datasets(config: Mapping[str, Any], entry: str, model: str) -> lis
     return list(own) + evaluation_only
 
 
+def cross_contamination_datasets(config: Mapping[str, Any], entry: str) -> tuple[list[str], list[str]]:
+    """(trained datasets, checked datasets) of the check across datasets for a run on ``entry``: each
+    component of a mixture against the others' train rows, and each evaluation-only dataset the run is
+    scored on against every trained dataset. ([], []) when the run trains and is scored on one dataset."""
+    trained = list(mixtures(config)[entry]["datasets"]) if entry in mixtures(config) else [entry]
+    evaluation_only = [name for model in dataset_models(config, entry)
+                       for name in evaluated_datasets(config, entry, model) if name not in trained]
+    checked = (trained if len(trained) > 1 else []) + list(dict.fromkeys(evaluation_only))
+    return (trained, checked) if checked else ([], [])
+
+
 def training_settings(config: Mapping[str, Any], variant: str, model: str | None = None,
                       source: str | None = None) -> "TrainingSettings":
     """One (model, variant)'s resolved training settings, validated and typed (core.settings).

@@ -1,0 +1,117 @@
+"""The check across datasets: a mixture's components and evaluation-only datasets against the train rows of
+the other datasets a run trains on (workflow_scripts/cross_contamination.py), before the run's gate."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from data_helpers import local_dataset, run_download, run_normalise
+from test_mixtures import checked, mixture_config
+from workflow_scripts import cross_contamination
+from workflow_scripts.core import experiment_config as xc
+from workflow_scripts.core.errors import WorkflowError
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMITS = {"max_fraction": 0.05, "accept": False}
+
+
+def qa(prefix: str, count: int, start: int = 0) -> list[dict]:
+    return [{"q": f"{prefix} question {i}?", "a": f"answer {i}"} for i in range(start, start + count)]
+
+
+def normalised(tmp_path: Path, name: str, files: dict) -> Path:
+    settings = local_dataset(tmp_path / "sources" / name, files, splits={split: split for split in files})
+    return run_normalise(name, settings, run_download(name, settings, tmp_path), tmp_path)[0]
+
+
+def run(tmp_path: Path, trained: dict, checked_sets: dict, limits=LIMITS) -> dict:
+    out = tmp_path / "cross.json"
+    arguments = [*(f"--train={name}={path}" for name, path in trained.items()),
+                 *(f"--checked={name}={path}" for name, path in checked_sets.items())]
+    settings = {name: {"contamination": limits, "derived": []} for name in {**trained, **checked_sets}}
+    assert cross_contamination.main([*arguments, "--settings", json.dumps(settings), "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    """Three small QA sets: 'charts' and 'tables' train together; 'leaky' repeats 6 of charts' train
+    questions in its test split; 'held' is evaluation-only and clean."""
+    tmp = tmp_path_factory.mktemp("cross")
+    return tmp, {
+        "charts": normalised(tmp, "charts", {"train": qa("chart", 40), "test": qa("chart", 10, 100)}),
+        "tables": normalised(tmp, "tables", {"train": qa("table", 40), "test": qa("table", 10, 100)}),
+        "leaky": normalised(tmp, "leaky", {"train": qa("leak", 20), "test": qa("chart", 6) + qa("leak", 14, 100)}),
+        "held": normalised(tmp, "held", {"test": qa("held", 10)}),
+    }
+
+
+def test_clean_datasets_pass_and_the_report_says_what_was_compared(datasets, tmp_path):
+    _, sets = datasets
+    report = run(tmp_path, {"charts": sets["charts"], "tables": sets["tables"]},
+                 {"charts": sets["charts"], "tables": sets["tables"], "held": sets["held"]})
+    assert report["trained"] == ["charts", "tables"]
+    assert report["checked"]["charts"]["compared_with"] == ["tables"]  # never with its own train (normalise's)
+    assert report["checked"]["held"]["compared_with"] == ["charts", "tables"]
+    assert report["checked"]["held"]["splits"]["test"] == {
+        "checked": 10, "overlapping": 0, "fraction": 0.0, "examples": [], "above_max_fraction": False,
+        "accepted": False}
+
+
+def test_a_component_whose_test_rows_repeat_another_components_train_is_refused(datasets, tmp_path):
+    _, sets = datasets
+    with pytest.raises(WorkflowError) as raised:
+        run(tmp_path, {"charts": sets["charts"], "leaky": sets["leaky"]}, {"charts": sets["charts"], "leaky": sets["leaky"]})
+    message = str(raised.value)
+    assert message.startswith("datasets.leaky: 6 of 20 rows of split 'test' (30.0%) repeat a train row of charts")
+    assert "'leaky/test-0' = 'charts/train-0'" in message and "datasets.leaky.contamination.accept: true" in message
+    assert "\n" not in message and not (tmp_path / "cross.json").exists()  # no report: the gate waits
+
+
+def test_accepting_the_overlap_runs_and_records_it(datasets, tmp_path):
+    _, sets = datasets
+    report = run(tmp_path, {"charts": sets["charts"]}, {"leaky": sets["leaky"]}, {"max_fraction": 0.05, "accept": True})
+    split = report["checked"]["leaky"]["splits"]["test"]
+    assert (split["overlapping"], split["accepted"]) == (6, True)
+    assert split["examples"][0] == {"id": "leaky/test-0", "train_id": "charts/train-0"}
+
+
+def test_a_missing_directory_or_setting_is_one_line(datasets, tmp_path):
+    _, sets = datasets
+    with pytest.raises(WorkflowError, match=r"argument --train: .*nowhere is not a normalised data directory"):
+        cross_contamination.main(["--train", f"x={tmp_path / 'nowhere'}", "--settings", "{}", "--out", str(tmp_path / "o")])
+    with pytest.raises(WorkflowError, match=r"argument --settings: no settings for \['charts'\]"):
+        cross_contamination.main(["--train", f"charts={sets['charts']}", "--settings", "{}", "--out", str(tmp_path / "o")])
+
+
+# Which runs get the check ------------------------------------------------------------------------------
+def test_only_runs_over_several_datasets_are_checked():
+    config = checked(mixture_config())
+    assert xc.cross_contamination_datasets(config, "qa_mix") == (["chartqa_demo", "ocrvqa_demo"],
+                                                                 ["chartqa_demo", "ocrvqa_demo", "chart_eval"])
+    assert xc.cross_contamination_datasets(config, "chartqa_demo") == (["chartqa_demo"], ["chart_eval"])
+    assert xc.cross_contamination_datasets(config, "topics_demo") == ([], [])  # no evaluation-only dataset of its task
+    demo = checked(yaml.safe_load((ROOT / "config" / "config.yaml").read_text()))
+    assert all(xc.cross_contamination_datasets(demo, entry) == ([], []) for entry in xc.training_entries(demo))
+
+
+def test_the_gate_of_a_mixture_waits_for_the_check(tmp_path):
+    config = mixture_config()
+    for dataset in config["datasets"].values():
+        if dataset["source"]["type"] == "local":
+            dataset["source"]["path"] = str(ROOT / dataset["source"]["path"])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    dry = subprocess.run([sys.executable, "-m", "snakemake", "results/tiny-llama/qa_mix/baseline/seed1/sanity.json",
+                          "-n", "-p", "--cores", "2", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path),
+                          "--configfile", str(tmp_path / "config.yaml")],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    output = dry.stdout + dry.stderr
+    assert dry.returncode == 0, output[-3000:]
+    assert "rule cross_contamination:" in output and "--settings" in output
+    assert ("--train chartqa_demo=results/data/chartqa_demo/normalised --train ocrvqa_demo=results/data/ocrvqa_demo/"
+            "normalised --checked chartqa_demo=") in output and "--checked chart_eval=results/data/chart_eval/normalised" in output
