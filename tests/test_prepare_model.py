@@ -141,6 +141,27 @@ def test_hub_snapshot_takes_the_pinned_revision_safetensors_and_tokenizer_only(f
     assert (trusted / "modeling_custom.py").exists() and not (trusted / "pytorch_model.bin").exists()
 
 
+def test_hub_model_initialised_at_random_downloads_no_weights(fake_hub, tmp_path):
+    """Pretraining from scratch (model.initialise: random) reads the config and tokenizer only."""
+    from workflow_scripts.model import model_loading
+
+    (fake_hub.repo_dir / "model.safetensors").unlink()  # the repo may even have none
+    out = prepare({"name": "m", "source": "hub", "hub_id": "org/model", "revision": "0123abc",
+                   "initialise": "random"}, tmp_path / "m")
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "tokenizer.json", "model_manifest.json"} <= names
+    assert not any(name.endswith((".safetensors", ".bin")) for name in names)
+    model_loading.check_model_directory(out)  # a random model needs no weights to load
+    first = model_loading.load_base_model(out, torch.device("cpu"), seed=5)
+    again = model_loading.load_base_model(out, torch.device("cpu"), seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))
+    with pytest.raises(WorkflowError, match="no model weights"):  # a pretrained model still needs them
+        manifest = json.loads((out / "model_manifest.json").read_text())
+        manifest["settings"]["initialise"] = "pretrained"
+        (out / "model_manifest.json").write_text(json.dumps(manifest))
+        model_loading.check_model_directory(out)
+
+
 def test_hub_repo_with_pickle_weights_only_is_refused(fake_hub, tmp_path):
     (fake_hub.repo_dir / "model.safetensors").unlink()
     with pytest.raises(WorkflowError, match=r"org/model@0123abc: no safetensors weights \(only \['pytorch_model.bin'\]\)"):

@@ -40,14 +40,20 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def check_model_dir(directory: Path, origin: str) -> None:
-    """A usable model directory: config.json, safetensors weights, a tokenizer, no pickle weights."""
+def needs_weights(model: Mapping[str, Any]) -> bool:
+    """``model.initialise: random`` draws the weights from the config at load time: none are fetched."""
+    return model.get("initialise", "pretrained") != "random"
+
+
+def check_model_dir(directory: Path, origin: str, weights: bool = True) -> None:
+    """A usable model directory: config.json, safetensors weights (unless ``weights`` is False: a model
+    initialised at random), a tokenizer, no pickle weights."""
     names = {p.name for p in directory.iterdir()} if directory.is_dir() else set()
     if not names:
         raise WorkflowError(f"{origin}: not a model directory (missing or empty)")
     if "config.json" not in names:
         raise WorkflowError(f"{origin}: no config.json")
-    if not any(name.endswith(".safetensors") for name in names):
+    if weights and not any(name.endswith(".safetensors") for name in names):
         pickled = sorted(name for name in names if name.endswith(PICKLE_SUFFIXES))
         why = f"only pickle weights {pickled}, which can run code when loaded" if pickled else "no weights"
         raise WorkflowError(f"{origin}: {why}; convert them to safetensors first")
@@ -56,13 +62,14 @@ def check_model_dir(directory: Path, origin: str) -> None:
 
 
 def snapshot_hub(model: Mapping[str, Any], out: Path) -> dict[str, Any]:
-    """Download the pinned revision's safetensors + tokenizer files; refuse a repo with pickle weights only."""
+    """Download the pinned revision's safetensors + tokenizer files; refuse a repo with pickle weights only.
+    For ``initialise: random`` the weights are not downloaded (a 7B model's 15 GB would never be read)."""
     import huggingface_hub
 
     repo, revision = model["hub_id"], model["revision"]
     try:
         files = huggingface_hub.list_repo_files(repo, revision=revision)
-        if not any(name.endswith(".safetensors") for name in files):
+        if needs_weights(model) and not any(name.endswith(".safetensors") for name in files):
             pickled = sorted(name for name in files if name.endswith(PICKLE_SUFFIXES))
             raise WorkflowError(
                 f"model.hub_id {repo}@{revision}: no safetensors weights (only {pickled or 'nothing loadable'}); "
@@ -70,12 +77,16 @@ def snapshot_hub(model: Mapping[str, Any], out: Path) -> dict[str, Any]:
             )
         # A repo's own Python code is fetched only when the config opts into running it.
         patterns = HUB_PATTERNS + (["*.py"] if model["trust_remote_code"] else [])
+        if not needs_weights(model):
+            patterns = [pattern for pattern in patterns if pattern != "*.safetensors"]
         huggingface_hub.snapshot_download(repo, revision=revision, local_dir=str(out), allow_patterns=patterns)
     except WorkflowError:
         raise
     except Exception as error:  # one line, never a token: the hub client's errors carry URLs only
         raise WorkflowError(f"model.hub_id {repo}@{revision}: {type(error).__name__}: {error}") from None
     shutil.rmtree(out / ".cache", ignore_errors=True)  # the hub client's download bookkeeping
+    if not needs_weights(model):  # an index naming shards that were not fetched would mislead a later load
+        (out / "model.safetensors.index.json").unlink(missing_ok=True)
     return {"hub_id": repo, "revision": revision}
 
 
@@ -120,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with atomic_path(args.out, directory=True) as out:
         out.mkdir(parents=True, exist_ok=True)
         facts = prepare(model, args.corpus, out)
-        check_model_dir(out, f"prepared model {args.out}")
+        check_model_dir(out, f"prepared model {args.out}", weights=needs_weights(model))
         files = {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
         write_json(out / MANIFEST_NAME, build_manifest("prepare_model", model, model_source=model["source"], files=files, **facts))
     print(f"model {model['name']} ({model['source']}) ready in {args.out}: {facts}")

@@ -58,6 +58,8 @@ def check_model_directory(model_dir: str | Path) -> None:
                             f"{REPREPARE}") from None
     if not isinstance(fields, dict) or "model_type" not in fields:
         raise WorkflowError(f"{config}: not a transformers model config (a JSON object with 'model_type'); {REPREPARE}")
+    if initialisation(directory) == "random":  # weights drawn from the config at load: none needed
+        return
     index = directory / "model.safetensors.index.json"
     if index.is_file():  # sharded weights: every shard the index names must be there
         try:
