@@ -188,7 +188,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("cli", "sanity-training-wrong-type", gate({"--training": training(micro_batch="four")}), "sanity", "--training: config key 'training.micro_batch': 'four' is not of type 'integer'"),
         case("cli", "sanity-training-unknown-key", gate({"--training": training(learning_rat=1e-3)}), "sanity", "--training: config key 'training': Additional properties are not allowed ('learning_rat' was unexpected)"),
         case("cli", "sanity-training-bad-enum", gate({"--training": training(precision="fp64")}), "sanity", "--training: config key 'training.precision': 'fp64' is not one of ['fp32', 'bf16', 'fp16']"),
-        case("cli", "sanity-effective-batch-not-multiple", gate({"--training": training(micro_batch=3)}), "sanity", "config key 'training.effective_batch': 8 is not a multiple of micro_batch (3) x processes (1); choose an effective batch divisible by 3 or change micro_batch"),
+        case("cli", "sanity-effective-batch-not-multiple", gate({"--training": training(micro_batch=3)}), "sanity", "--training: config key 'training.effective_batch': 8 is not a multiple of micro_batch (3) x processes (1); choose an effective batch divisible by 3 or change micro_batch"),
         case("cli", "sanity-seed-not-a-number", gate({"--seed": "one"}), "sanity", "argument --seed: invalid int value: 'one'"),
         case("cli", "sanity-flag-missing", gate({"--out": DROP}), "sanity", "the following arguments are required: --out"),
         case("cli", "sanity-data-missing", gate({"--data": "{tmp}/nowhere"}), "sanity", "{tmp}/nowhere/tokenise_meta.json: missing; run the pretokenise rule first"),
