@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # CPU build of torch: on this kind of machine pip takes it from local disk; pin keeps experiments rebuildable.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test demo bench lint clean gpu-wheels gpu-check
+.PHONY: install test test-fast demo bench lint clean gpu-wheels gpu-check
 
 install: $(VENV)/.installed
 
@@ -17,8 +17,13 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,smollm2,qlora]"
 	touch $@
 
+# --durations: every run (CI's too) prints where the suite's time goes.
 test: install
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -rs tests
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -rs --durations=40 tests
+
+# The inner loop: everything but the Snakemake end-to-end runs and the real SLURM cluster.
+test-fast: install
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -rs -m "not slow and not slurm" tests
 
 demo: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --profile profiles/local --cores 2
