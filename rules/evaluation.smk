@@ -80,6 +80,7 @@ rule compare:
         train_logs=experiment_outputs("train_log.jsonl"),
         base_summaries=base_eval_outputs("eval.json"),
         base_predictions=base_eval_outputs("predictions.jsonl"),
+        normalise_reports=sorted({f"results/data/{d}/normalise_report.json" for *_, d in xc.evaluations(config)}),
     output:
         csv=report("results/comparison.csv", caption="../report/comparison.rst", category="Comparison"),
         markdown=report("results/comparison.md", caption="../report/comparison.rst", category="Comparison"),
@@ -104,5 +105,6 @@ rule compare:
     threads: 1
     shell:
         "python -m workflow_scripts.compare --results-dir results --experiments {params.experiments:q}"
-        " --comparison {params.comparison:q} {params.with_base} --out-csv {output.csv:q}"
+        " --comparison {params.comparison:q} {params.with_base} --normalise-reports {input.normalise_reports:q}"
+        " --out-csv {output.csv:q}"
         " --out-markdown {output.markdown:q} --plots-dir results/plots > {log:q} 2>&1"

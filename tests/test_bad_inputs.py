@@ -245,6 +245,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("model", "evaluate-adapter-not-peft", evaluate_({"--adapter": "{tmp}/empty"}, plant=mkdir("empty")), "evaluate", "{tmp}/empty: no adapter_config.json; is this a PEFT adapter directory?"),
         case("model", "evaluate-adapter-missing", evaluate_({"--adapter": "{tmp}/nowhere"}), "evaluate", "{tmp}/nowhere: no adapter_config.json; is this a PEFT adapter directory?"),
         case("model", "evaluate-adapter-of-another-model", evaluate_({"--adapter": "{other_adapter}"}), "evaluate", "{other_adapter}: made for another base model: 4 of its 8 tensors fit no module of {model} (e.g. base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight); evaluate it with the base model it was trained on ('{tiny_model}', per adapter_config.json), or train an adapter for {model}"),
+        case("model", "evaluate-classifier-on-other-classes", evaluate_({"--task": "classification", "--variant": {"input": "{text}"}, "--metric": "accuracy", "--evaluation": {**EVALUATION, "max_length": 32}, "--data": "{tmp}/three_classes", "--adapter": "{tmp}/classifier", "--dataset-name": "sentiment3"}, plant=classifier_and_data(["negative", "neutral", "positive"])), "evaluate", "dataset 'sentiment3' has the label set ['negative', 'neutral', 'positive'] (datasets.sentiment3.labels, or its train split's labels), but the classifier in {tmp}/classifier was trained on ['negative', 'positive']: its outputs cannot be named as classes of 'sentiment3'. Score a classifier only on datasets with the same class names (any order): give 'sentiment3' the class names ['negative', 'positive'] in its raw data, or leave it out of this model's evaluation"),
         case("model", "sanity-lora-target-matches-nothing", gate({"--training": training(lora={"target_modules": ["qkv_proj"]})}), "sanity", "training.lora.target_modules: 'qkv_proj' matches no module of this model (closest: ['v_proj', 'q_proj', 'k_proj']); fix the name or remove it"),
         case("model", "train-lora-target-matches-nothing", train_({"--training": training(lora={"target_modules": ["qkv_proj"]})}), "train", "training.lora.target_modules: 'qkv_proj' matches no module of this model (closest: ['v_proj', 'q_proj', 'k_proj']); fix the name or remove it"),
         case("model", "sanity-lora-target-one-typo-among-good", gate({"--training": training(lora={"target_modules": ["q_proj", "v_prj"]})}), "sanity", "training.lora.target_modules: 'v_prj' matches no module of this model (closest: ['v_proj', 'q_proj', 'o_proj']); fix the name or remove it"),
@@ -623,6 +624,29 @@ def copy_model(without: tuple[str, ...] = (), replace: dict[str, bytes] | None =
         shutil.copytree(w.shared.model, target, ignore=shutil.ignore_patterns(*without, "model_manifest.json"))
         for file, data in (replace or {}).items():
             (target / file).write_bytes(data)
+    return plant
+
+
+def classifier_and_data(labels: list[str]):
+    """A LoRA classifier of ``model`` trained on [negative, positive] (``tmp/classifier``, saved as train saves
+    it) and normalised classification data declaring ``labels`` (``tmp/three_classes``)."""
+    def plant(w: Workspace) -> None:
+        import torch
+        from datasets import Dataset, DatasetDict
+        from peft import LoraConfig, get_peft_model
+
+        from workflow_scripts.model import model_loading
+        from workflow_scripts.tasks.classification import TASK
+
+        trained = {"labels": ["negative", "positive"]}
+        base = model_loading.load_base_model(w.shared.model, torch.device("cpu"), auto_class=TASK.auto_model_class,
+                                             model_kwargs=TASK.model_kwargs(trained))
+        TASK.prepare_model(base, model_loading.load_tokenizer(w.shared.model).pad_token_id, trained)
+        model_loading.save_adapter(get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["score"],
+                                                                   task_type=TASK.peft_task_type)), w.tmp / "classifier")
+        rows = [{"id": f"r{i}", "text": f"review {i}", "label": labels[i % len(labels)]} for i in range(6)]
+        DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows)}).save_to_disk(str(w.tmp / "three_classes"))
+        (w.tmp / "three_classes" / "task_meta.json").write_text(json.dumps({"task": "classification", "labels": labels}))
     return plant
 
 

@@ -58,6 +58,8 @@ def test_gate_train_and_evaluate_a_classifier(chain):
 
     saved = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     assert any("score" in name for name in saved)  # the new head is trained and saved with the adapter
+    # ... and its label set beside it, as transformers saves a model's (evaluate builds the head with it)
+    assert json.loads((out / "adapter" / "config.json").read_text())["id2label"] == {"0": "food", "1": "sport", "2": "weather"}
 
     def run_evaluate(name, adapter):
         argv = ["--model", str(tmp / "model"), "--data", str(data), "--task", "classification",

@@ -343,6 +343,8 @@ def test_rules_call_evaluate_and_compare_with_arguments_they_accept(tmp_path):
     (arguments,) = parsed["compare"]
     assert arguments.with_base and arguments.plots_dir == "results/plots"
     assert len(json.loads(arguments.experiments)) == 12 * seeds
+    assert arguments.normalise_reports == sorted({f"results/data/{item[-1]}/normalise_report.json"
+                                                  for item in json.loads(arguments.experiments)})
     assert "results/plots/scores_tiny-llama_amr_demo.png" in result.stdout and "results/plots/loss_tiny-llama_ocrvqa_demo.png" in result.stdout
     assert "results/plots/scores_tiny-llava_shapes_demo.png" in result.stdout
 
@@ -410,3 +412,57 @@ def test_explicit_two_level_bootstrap_with_two_seeds(tmp_path, results):
     rows, text = run(tmp_path, results, comparison={**COMPARISON, "bootstrap": "seeds_and_examples"})
     assert {row["bootstrap"] for row in rows} == {"seeds_and_examples"}
     assert "two-level bootstrap: seeds, then test examples (2 seeds); comparison.bootstrap: seeds_and_examples." in text
+
+
+def normalise_report(path, dataset, split_entry, split="test"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"dataset": dataset, "splits": {"train": {"examined": 5, "kept": 5, "rejected": 0,
+                                                                         "reasons": {}}, split: split_entry}}))
+    return path
+
+
+def test_report_lists_test_rows_excluded_at_normalise_and_the_macro_f1_convention(tmp_path):
+    """Rows normalise rejected are in no score (a classifier's unknown_label rows would all be wrong): the
+    report names how many per dataset and why, and the convention of the classifier's macro-F1."""
+    root = tmp_path / "results"
+    for variant, k in (("baseline", 10), ("framed", 14)):
+        for seed in (1, 2):
+            directory = write_experiment(root, "topics", variant, seed, correct(k), metric="accuracy")
+            summary = json.loads((directory / "eval.json").read_text())
+            (directory / "eval.json").write_text(json.dumps({**summary, "task": "classification", "split": "test"}))
+    reports = [str(normalise_report(tmp_path / "data" / "topics" / "normalise_report.json", "topics", {
+        "examined": 23, "kept": 20, "rejected": 3, "reasons": {"unknown_label": 2, "duplicate_id": 1}}))]
+    experiments = [["tiny", "topics", variant, seed] for variant in ("baseline", "framed") for seed in (1, 2)]
+    out = tmp_path / "out"
+    argv = ["--results-dir", str(root), "--experiments", json.dumps(experiments), "--comparison", json.dumps(COMPARISON),
+            "--out-csv", str(out / "comparison.csv"), "--out-markdown", str(out / "comparison.md"),
+            "--plots-dir", str(out / "plots")]
+    assert compare.main(argv + ["--normalise-reports", *reports]) == 0
+    text = (out / "comparison.md").read_text()
+    assert ("- topics: 3 of 23 rows of split 'test' excluded at normalise (unknown_label 2, duplicate_id 1); "
+            "20 scored.") in text
+    assert "labels=<label set>, average='macro', zero_division=0" in text  # under the table, a classifier compared
+    # A report for another dataset only, or without the scored split: refused, naming what is missing.
+    other = normalise_report(tmp_path / "data" / "other" / "normalise_report.json", "other", {"examined": 1, "kept": 1,
+                                                                                             "rejected": 0, "reasons": {}})
+    with pytest.raises(WorkflowError, match="dataset 'topics': no normalise report"):
+        compare.main(argv + ["--normalise-reports", str(other)])
+    no_test = normalise_report(tmp_path / "data" / "t2" / "normalise_report.json", "topics", {}, split="validation")
+    with pytest.raises(WorkflowError, match="no split 'test'"):
+        compare.main(argv + ["--normalise-reports", str(no_test)])
+
+
+def test_report_without_exclusions_or_classifiers_says_so(tmp_path, results):
+    reports = [str(normalise_report(tmp_path / "data" / "chart" / "normalise_report.json", "chart",
+                                    {"examined": 20, "kept": 20, "rejected": 0, "reasons": {}}))]
+    for directory in results.glob("tiny/chart/*/*"):
+        summary = json.loads((directory / "eval.json").read_text())
+        (directory / "eval.json").write_text(json.dumps({**summary, "split": "test"}))
+    out = tmp_path / "out"
+    argv = ["--results-dir", str(results), "--experiments", json.dumps(EXPERIMENTS), "--comparison", json.dumps(COMPARISON),
+            "--out-csv", str(out / "comparison.csv"), "--out-markdown", str(out / "comparison.md"),
+            "--plots-dir", str(out / "plots"), "--normalise-reports", *reports]
+    assert compare.main(argv) == 0
+    text = (out / "comparison.md").read_text()
+    assert "- chart: no row of split 'test' excluded at normalise (20 rows); 20 scored." in text
+    assert "macro-F1" not in text  # no classifier compared

@@ -260,6 +260,26 @@ def test_loss_is_summed_cross_entropy_of_the_models_logits(kind, llama_tokenizer
     assert torch.allclose(alone, logits[2:3], atol=1e-5)
 
 
+def test_class_weighted_step_loss_is_torchs_weighted_mean(llama_tokenizer):
+    """With class weights, the step's loss (summed losses over the global batch's summed target_tokens, as train
+    divides) is torch's CrossEntropyLoss(weight=w) mean: sum_i w[y_i] CE_i / sum_i w[y_i], not over the rows."""
+    model = tiny_llama(llama_tokenizer)
+    rows = demo_rows(count=7)
+    weights = [1.0, 4.0, 0.25]
+    variant = {"input": "{text}", "class_weights": dict(zip(LABELS, weights))}
+    micro_batches = [collate(llama_tokenizer, rows[:3], variant), collate(llama_tokenizer, rows[3:], variant)]
+    loss_module = TASK.loss_module(model)
+    with torch.no_grad():
+        step_loss = sum(loss_module(b) for b in micro_batches) / sum(b["target_tokens"] for b in micro_batches)
+        logits = torch.cat([classification._forward(model, b) for b in micro_batches])
+    labels = torch.cat([b["labels"] for b in micro_batches])
+    assert len(set(labels.tolist())) > 1  # else every weighting gives the same mean
+    reference = F.cross_entropy(logits, labels, weight=torch.tensor(weights))  # reduction "mean"
+    assert float(step_loss) == pytest.approx(float(reference), rel=1e-5)
+    assert micro_batches[0]["target_tokens"] == pytest.approx(sum(weights[k] for k in micro_batches[0]["labels"].tolist()))
+    assert collate(llama_tokenizer, rows[:3])["target_tokens"] == 3  # unweighted: the row count
+
+
 def test_loss_module_works_under_ddp(llama_tokenizer):
     import socket
 

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from workflow_scripts.analysis import fairness, paired_bootstrap, plots
+from workflow_scripts.analysis import excluded_rows, fairness, paired_bootstrap, plots
 from workflow_scripts.tasks import metrics
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.experiment_config import evaluation_subdirectory, plot_names
@@ -64,6 +64,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "[model, trained on, variant, seed, evaluated dataset] (a mixture, or an evaluation-only dataset)")
     parser.add_argument("--comparison", required=True, help="the config's comparison settings as JSON")
     parser.add_argument("--with-base", action="store_true", help="read the untrained model's results/{model}/{dataset}/{variant}/base/ eval.json and predictions")
+    parser.add_argument("--normalise-reports", nargs="+", default=[], help="each evaluated dataset's "
+                        "normalise_report.json: the report lists the scored split's rows normalise excluded, and why")
     parser.add_argument("--out-csv", required=True)
     parser.add_argument("--out-markdown", required=True)
     parser.add_argument("--plots-dir", required=True, help="writes scores_{model}_{dataset}.png and loss_{model}_{dataset}.png here")
@@ -409,7 +411,8 @@ def reference_for(comparison: Mapping[str, Any], task: str) -> str:
     return reference
 
 
-def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any]) -> str:
+def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any], notes: Sequence[str] = ()) -> str:
+    """The table, then how its numbers were made; ``notes``: further lines (excluded rows, tasks' conventions)."""
     reference = " / ".join(dict.fromkeys(row["reference"] for row in rows))
     # A "trained on" column only where some adapter is scored on another dataset than it trained on
     # (a mixture's components, evaluation-only datasets).
@@ -446,8 +449,31 @@ def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any]) -
         "Fairness: variants were checked to differ only in the prompt format"
         + (f", except the intended differences {', '.join(intended)}." if intended else "."),
         "",
+        *notes,
     ]
     return "\n".join(lines)
+
+
+def report_notes(runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], normalise_reports: Sequence[str]) -> list[str]:
+    """Lines under the table: each evaluated dataset's rows excluded at normalise (when the reports are given),
+    then the conventions of the compared tasks' metrics (a task's ``comparison_note``)."""
+    from workflow_scripts.tasks import task_named
+
+    lines = []
+    if normalise_reports:
+        reports = excluded_rows.read_reports(normalise_reports)
+        items = []
+        for dataset in dict.fromkeys(run.dataset for run in runs):
+            run = next(run for run in runs if run.dataset == dataset)
+            if not isinstance(run.summary.get("split"), str):
+                raise WorkflowError(f"{run.directory / 'eval.json'}: field 'split' is missing; rerun evaluate")
+            scored = next(row["n_examples"] for row in rows if row["dataset"] == dataset)
+            items.append((excluded_rows.exclusions(reports, dataset, run.summary["split"]), scored))
+        lines += excluded_rows.lines(items)
+    for task in dict.fromkeys(run.summary.get("task", "generation") for run in runs):
+        note = getattr(task_named(task, "eval.json field 'task'"), "comparison_note", None)
+        lines += [note, ""] if note else []
+    return lines
 
 
 def write_csv(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -490,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for (model, trained), curves in loss_curves.items():
         plots.loss_plot(plots_dir / plot_names(model, trained, trained)[1], f"{trained} ({model})", curves)
     write_csv(args.out_csv, rows)
-    text = markdown(rows, comparison)
+    text = markdown(rows, comparison, report_notes(runs, rows, args.normalise_reports))
     with atomic_path(args.out_markdown) as temporary:
         temporary.write_text(text)
     print(text)

@@ -164,6 +164,8 @@ def loaded_model(args: argparse.Namespace, task, task_meta: Mapping[str, Any], g
                  label: str) -> Iterator[LoadedModel]:
     """The model (with ``args.adapter`` when given) on the evaluation device, as evaluate and predict load it."""
     torch.manual_seed(0)  # greedy decoding draws nothing, but keep any stray randomness fixed
+    if args.adapter and hasattr(task, "trained_task_meta"):  # a classifier: the label set it was trained on
+        task_meta = task.trained_task_meta(task_meta, args.adapter, args.dataset_name)
     with evaluation_device(gpus, label) as device:
         dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
         tokenizer = model_loading.load_tokenizer(args.model, args.trust_remote_code)

@@ -200,7 +200,7 @@ def train(args: argparse.Namespace, training: TrainingSettings) -> int:
                 elif training.full:
                     model_loading.save_full_model(setup.peft_model, directory)
                 else:
-                    setup.peft_model.save_pretrained(str(directory), safe_serialization=True, state_dict=adapter_state)
+                    model_loading.save_adapter(setup.peft_model, directory, adapter_state)
             log.finish(args.log_out)
             write_json(args.manifest_out, build_manifest(
                 "train", training.to_dict(), seed=args.seed, world_size=context.world_size, devices=devices, hosts=hosts,

@@ -277,6 +277,14 @@ def adapter_kind(adapter_dir: str | Path) -> str:
     raise WorkflowError(f"{adapter_dir}: no adapter_config.json; is this a PEFT adapter directory?")
 
 
+def save_adapter(peft_model, directory: str | Path, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
+    """A LoRA adapter in PEFT's layout, with the base model's config as trained beside it (``config.json``):
+    a classifier's ``id2label`` there names the class ids of the head saved with the adapter, as
+    ``save_pretrained`` records them for a whole model (evaluation reads it, ``tasks/classification``)."""
+    peft_model.save_pretrained(str(directory), safe_serialization=True, state_dict=state_dict)
+    peft_model.get_base_model().config.to_json_file(str(Path(directory, "config.json")), use_diff=False)
+
+
 def save_full_model(model, directory: str | Path) -> None:
     """The whole trained model in ``save_pretrained``'s safetensors layout, then the marker that
     makes :func:`load_adapter` load it whole (written last: its presence marks a complete save)."""

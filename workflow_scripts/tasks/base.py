@@ -47,6 +47,11 @@ The contract, stage by stage (batches are dicts of tensors plus plain fields):
   ``predict(...)`` (optional: generation, vision_language, classification) returns :class:`Predictions`,
   the same predictions without reading any gold: the ``predict`` stage writes them for an unlabelled split
   (a leaderboard's test set) in its submission format; evaluate scores the same records.
+  ``trained_task_meta(task_meta, trained_dir, dataset)`` (optional: classification) returns the task meta a
+  TRAINED model is loaded with at evaluate / predict (a classifier's head: the label set saved beside its
+  weights, checked against the evaluated dataset's); without it the evaluated dataset's task meta is used.
+- comparison (optional): ``comparison_note``, a line the comparison report prints under its table (a
+  metric's convention).
 - configuration: ``variant_keys`` are the keys a variant of this task may set (what the fairness
   guard lets differ between variants); ``metrics`` the metric names a dataset of this task may use.
 """

@@ -4,7 +4,9 @@ Canonical row: ``id`` (str), ``text`` (non-empty str), optional ``text_pair`` (n
 (str: the class NAME; integer labels in the raw data become their decimal string). The label set is
 the dataset's ``labels:`` list when declared, else the train split's labels (:func:`label_set`); its
 order fixes the class ids. A validation/test row whose label is outside the set is rejected
-(``unknown_label``), never mapped to some id.
+(``unknown_label``), never mapped to some id. A trained classifier keeps its label set as ``id2label`` in the
+``config.json`` beside its weights; evaluated on another dataset, its head is built with that set, the
+other dataset's labels mapped by name (:meth:`ClassificationTask.trained_task_meta`).
 
 A variant is ``{input, class_weights}``: ``input`` is a template over the row's fields (``{text}``
 by default); ``class_weights`` maps label -> weight in the loss. A row's ``text_pair`` is the
@@ -20,8 +22,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import math
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
@@ -117,6 +121,42 @@ def macro_f1(golds: Sequence[str], preds: Sequence[str], label_names: Sequence[s
     return sum(scores) / len(scores)
 
 
+# --- the trained label set, at evaluation ---
+def trained_label_set(trained_dir: str | Path) -> list[str]:
+    """The class names, in class-id order, of the classifier trained into ``trained_dir`` (a LoRA adapter or a
+    fully fine-tuned model): ``id2label`` of the ``config.json`` saved beside its weights, as transformers
+    saves a model's (``model_loading.save_adapter`` writes one beside an adapter, ``save_full_model`` through
+    ``save_pretrained``)."""
+    config = Path(trained_dir, "config.json")
+    retrain = "train it again with this version of the workflow, which saves the label set beside the weights"
+    if not config.is_file():
+        raise WorkflowError(f"{trained_dir}: no config.json, so the label set the classifier was trained on is "
+                            f"unknown (its class ids cannot be named); {retrain}")
+    try:
+        # Absent: transformers' default, which save_pretrained leaves out of the file (PretrainedConfig.to_diff_dict).
+        id2label = json.loads(config.read_text(encoding="utf-8")).get("id2label", {0: "LABEL_0", 1: "LABEL_1"})
+        names = {int(i): name for i, name in id2label.items()}
+    except (ValueError, UnicodeDecodeError, AttributeError, TypeError):
+        raise WorkflowError(f"{config}: no id2label mapping of class ids to names (a JSON object); {retrain}") from None
+    if sorted(names) != list(range(len(names))) or len(names) < 2 or not all(isinstance(n, str) for n in names.values()):
+        raise WorkflowError(f"{config}: id2label {names} does not name classes 0..K-1 (K >= 2); {retrain}")
+    return [names[i] for i in range(len(names))]
+
+
+def labels_for_evaluation(trained: Sequence[str], evaluated: Sequence[str], dataset: str, trained_dir: str | Path) -> list[str]:
+    """The label set to build the evaluated classifier with: always the TRAINED one, whose class ids the head's
+    outputs mean. The evaluated dataset must hold the same classes: in another order they are mapped by name
+    (predictions and golds are class names); another set is refused, naming both and the dataset."""
+    trained, evaluated = list(trained), list(evaluated)
+    if sorted(trained) != sorted(evaluated):
+        raise WorkflowError(
+            f"dataset '{dataset}' has the label set {evaluated} (datasets.{dataset}.labels, or its train split's "
+            f"labels), but the classifier in {trained_dir} was trained on {trained}: its outputs cannot be named as "
+            f"classes of '{dataset}'. Score a classifier only on datasets with the same class names (any order): "
+            f"give '{dataset}' the class names {trained} in its raw data, or leave it out of this model's evaluation")
+    return trained
+
+
 # --- tokenising and batches ---
 def model_kwargs(label_names: Sequence[str]) -> dict[str, Any]:
     """``from_pretrained`` keyword arguments sizing the head for this label set (the head is built at load)."""
@@ -183,6 +223,9 @@ class ClassificationCollator:
 
     ``class_weights`` (by class id, from ``tokenise_meta.json``) ride along in every batch, so the loss
     uses the weights of the data it trains on (both come from one pretokenise run, one cache key).
+    ``target_tokens`` (what the summed loss is divided by over the global batch) is the row count, or
+    with class weights the summed weight of the rows' classes, so the step's loss is torch's weighted
+    mean (:class:`ClassificationLoss`).
     """
 
     def __init__(self, pad_token_id: int, vocab_size: int, num_labels: int,
@@ -216,9 +259,11 @@ class ClassificationCollator:
             raise WorkflowError(f"row '{rows[k]['id']}': token id {int(input_ids[k][bad[k]][0])} is outside the "
                                 f"model's vocabulary (size {self.vocab_size}); re-tokenise with this model's tokenizer")
         real_tokens = int(attention_mask.sum())
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask,
-                 "labels": torch.as_tensor([r["label"] for r in rows], dtype=torch.long),
-                 "target_tokens": len(rows), "real_tokens": real_tokens,
+        labels = torch.as_tensor([r["label"] for r in rows], dtype=torch.long)
+        # The weighted mean's denominator, sum_i w[y_i] (torch's CrossEntropyLoss(weight=...)); the row count unweighted.
+        targets = len(rows) if self.class_weights is None else float(self.class_weights[labels].sum())
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+                 "target_tokens": targets, "real_tokens": real_tokens,
                  "padded_tokens": input_ids.numel() - real_tokens, "row_ids": [r["id"] for r in rows]}
         if token_type_ids.any():
             batch["token_type_ids"] = token_type_ids
@@ -247,12 +292,16 @@ def _forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
 
 
 class ClassificationLoss(nn.Module):
-    """Cross-entropy SUMMED over the rows (the caller divides by the global batch's row count).
+    """Cross-entropy SUMMED over the rows; the caller divides by the global batch's ``target_tokens``.
 
-    With class weights the sum is ``sum_i w[y_i] * CE_i`` (``F.cross_entropy(weight=, reduction="sum")``);
-    divided by the row count, not by the summed weights as torch's weighted mean is, so a batch's
-    contribution does not depend on which classes it happens to hold. The weights come from the batch
-    (the collator's, from the variant) or, for direct use, from ``class_weights`` here; never both.
+    With class weights the sum is ``sum_i w[y_i] * CE_i`` (``F.cross_entropy(weight=, reduction="sum")``)
+    and the collator's ``target_tokens`` is ``sum_i w[y_i]``, so the step's loss is the weighted mean of
+    torch's ``CrossEntropyLoss(weight=w)`` (reduction ``mean``: "the sum of the weighted losses divided
+    by the sum of the weights", https://pytorch.org/docs/stable/generated/torch.nn.CrossEntropyLoss.html;
+    a transformers Trainer given ``CrossEntropyLoss(weight=w)`` computes the same per batch), here over the
+    whole global batch (every micro-batch and process). Without weights it is the mean over rows.
+    The weights come from the batch (the collator's, from the variant) or, for direct use, from
+    ``class_weights`` here (then divide by the summed weights yourself); never both.
     """
 
     def __init__(self, wrapped: nn.Module, class_weights: Sequence[float] | None = None):
@@ -464,6 +513,13 @@ class ClassificationTask:
     canonical_columns = ("id", "text", "text_pair", "label")
     dropped_reason = "truncation left none of the row's text, only special tokens"
     normalise_source = None  # raw records go through record_mapper
+    # Under the comparison's table: the convention of the macro-F1 that eval.json reports (tasks/classification.macro_f1).
+    comparison_note = (
+        "macro-F1 (classification, in eval.json): the unweighted mean of per-class F1 over the whole label set "
+        "(datasets.<name>.labels, else the train split's labels), a class neither in the gold nor predicted counting 0, "
+        "as scikit-learn's f1_score(labels=<label set>, average='macro', zero_division=0). scikit-learn's default "
+        "(no labels=) and Hugging Face evaluate's f1 average over the classes present in gold or predictions instead, "
+        "which is higher when a class is neither.")
 
     def check_variant(self, variant: Mapping[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(variant) - self.variant_keys)
@@ -561,6 +617,12 @@ class ClassificationTask:
 
     def prepare_model(self, model: nn.Module, pad_token_id: int | None, task_meta: Mapping[str, Any]) -> None:
         prepare_model(model, pad_token_id, task_meta["labels"])
+
+    def trained_task_meta(self, task_meta: Mapping[str, Any], trained_dir: str | Path, dataset: str) -> dict[str, Any]:
+        """At evaluation of a trained classifier: the head is built with the label set it was trained on
+        (:func:`trained_label_set`), not the evaluated dataset's, which must hold the same classes."""
+        labels = labels_for_evaluation(trained_label_set(trained_dir), task_meta["labels"], dataset, trained_dir)
+        return {**task_meta, "labels": labels}
 
     def collator(self, meta: Mapping[str, Any], vocab_size: int, *, seed: int | None = None) -> ClassificationCollator:
         # seed is ignored: classification batches draw nothing at random.

@@ -130,7 +130,7 @@ def save_best(setup: training_setup.TrainingSetup, checkpoint_dir: str | Path, s
             if setup.training.full:  # the whole model, as train's output holds it
                 model_loading.save_full_model(setup.peft_model, directory)
             else:
-                setup.peft_model.save_pretrained(str(directory), safe_serialization=True)
+                model_loading.save_adapter(setup.peft_model, directory)
 
 
 def prune(checkpoint_dir: str | Path, selection: Selection, resumed_step: int | None = None) -> None:
