@@ -59,8 +59,9 @@ def test_clean_datasets_pass_and_the_report_says_what_was_compared(datasets, tmp
     assert report["checked"]["charts"]["compared_with"] == ["tables"]  # never with its own train (normalise's)
     assert report["checked"]["held"]["compared_with"] == ["charts", "tables"]
     assert report["checked"]["held"]["splits"]["test"] == {
-        "checked": 10, "overlapping": 0, "fraction": 0.0, "examples": [], "above_max_fraction": False,
-        "accepted": False}
+        "checked": 10, "overlapping": 0, "fraction": 0.0, "overlapping_by_dataset": {"charts": 0, "tables": 0},
+        "examples": [], "above_max_fraction": False, "accepted": False}
+    assert report["checked"]["held"]["fields_compared"] == {"charts": ["question"], "tables": ["question"]}
 
 
 def test_a_component_whose_test_rows_repeat_another_components_train_is_refused(datasets, tmp_path):
@@ -115,3 +116,56 @@ def test_the_gate_of_a_mixture_waits_for_the_check(tmp_path):
     assert "rule cross_contamination:" in output and "--settings" in output
     assert ("--train chartqa_demo=results/data/chartqa_demo/normalised --train ocrvqa_demo=results/data/ocrvqa_demo/"
             "normalised --checked chartqa_demo=") in output and "--checked chart_eval=results/data/chart_eval/normalised" in output
+
+
+# --- datasets whose extra fields differ: compared on the task's input fields ---
+def chart_rows(split: str, questions: list[int], charts: list[int], **extra) -> list[dict]:
+    """vision_language canonical rows (normalise's columns): the question, the chart's bytes, the answers."""
+    return [{"id": f"{split}-{k}", "question": f"What is the value of bar {q}?", "answers": [str(q)],
+             "images": [f"PNG chart {c}".encode()], **extra} for k, (q, c) in enumerate(zip(questions, charts))]
+
+
+def saved(tmp_path: Path, name: str, splits: dict) -> Path:
+    from datasets import Dataset, DatasetDict
+
+    directory = tmp_path / name / "normalised"
+    DatasetDict({split: Dataset.from_list(rows) for split, rows in splits.items()}).save_to_disk(str(directory))
+    return directory
+
+
+def test_the_same_question_on_the_same_chart_matches_whatever_other_columns_a_dataset_carries(tmp_path):
+    # 'human' has a source column, 'augmented' none; 4 of augmented's 10 test rows ask human's train questions
+    # on the same chart bytes; one more asks a train question on another chart (not a repeat).
+    human = saved(tmp_path, "human", {"train": chart_rows("train", list(range(20)), list(range(20)), source="human"),
+                                      "test": chart_rows("test", [100], [100], source="human")})
+    augmented = saved(tmp_path, "augmented", {
+        "train": chart_rows("train", list(range(200, 210)), list(range(200, 210))),
+        "test": chart_rows("test", [0, 1, 2, 3, 4] + list(range(300, 305)), [0, 1, 2, 3, 99] + list(range(300, 305)))})
+    with pytest.raises(WorkflowError) as raised:
+        run(tmp_path, {"human": human, "augmented": augmented}, {"augmented": augmented})
+    message = str(raised.value)
+    assert message.startswith("datasets.augmented: 4 of 10 rows of split 'test' (40.0%) repeat a train row of human "
+                              "(same images + question, ignoring case"), message
+    assert "'augmented/test-0' = 'human/train-0'" in message
+    # The other way round (the checked dataset carries the extra column), and the report names the fields.
+    report = run(tmp_path, {"augmented": augmented, "human": human}, {"human": human},
+                 {"max_fraction": 0.05, "accept": True})
+    assert report["checked"]["human"]["fields_compared"] == {"augmented": ["images", "question"]}
+    accepted = run(tmp_path, {"human": human, "augmented": augmented}, {"augmented": augmented},
+                   {"max_fraction": 0.05, "accept": True})["checked"]["augmented"]
+    assert accepted["fields_compared"] == {"human": ["images", "question"]}
+    assert accepted["splits"]["test"]["overlapping"] == accepted["splits"]["test"]["overlapping_by_dataset"]["human"] == 4
+
+
+def test_an_extra_field_both_datasets_carry_is_compared(tmp_path):
+    # A context (or an image path) that both carry is part of the input: another context, another question.
+    first = saved(tmp_path, "first", {"train": [{"id": "t0", "question": "Who won?", "context": "The 1990 final",
+                                                "answers": ["A"], "source": "x"}]})
+    second = saved(tmp_path, "second", {"test": [{"id": "s0", "question": "who  WON?", "context": "The 1990 final",
+                                                 "answers": ["A"]},
+                                                {"id": "s1", "question": "Who won?", "context": "The 2002 final",
+                                                 "answers": ["B"]}]})
+    report = run(tmp_path, {"first": first}, {"second": second}, {"max_fraction": 0.9, "accept": False})
+    assert report["checked"]["second"]["fields_compared"] == {"first": ["context", "question"]}
+    assert report["checked"]["second"]["splits"]["test"]["overlapping"] == 1
+    assert report["checked"]["second"]["splits"]["test"]["examples"] == [{"id": "second/s0", "train_id": "first/t0"}]

@@ -1,6 +1,6 @@
 """QLoRA (training.quantization): a tiny Llama with bitsandbytes 4-bit weights trains on CPU through the
-same build and optimizer-step functions as every run; its adapter is a plain PEFT adapter that loads
-onto the unquantised base; memory estimates (from the built model and from config.json alone) agree
+same build and optimizer-step functions as every run; its adapter is a plain PEFT adapter, evaluated on
+the base quantised as in training (or, asked, the unquantised one); memory estimates (from the built model and from config.json alone) agree
 with figures worked by hand; bad settings end in one line."""
 import json
 import math
@@ -243,6 +243,8 @@ def test_train_stage_with_quantization_writes_a_plain_adapter(tmp_path, qlora_mo
     assert manifest["memory_estimate"]["weights"] == gate["weights"] == 190_960
     saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert len(saved) == 28 and all("lora_" in k for k in saved)
+    # Beside it, the bitsandbytes settings its base was trained with: evaluation loads the same base.
+    assert json.loads((tmp_path / "adapter" / quantization.ADAPTER_RECORD).read_text()) == QLORA
 
 
 def test_8bit_trains_on_cpu_and_its_row_scales_are_counted(qlora_model_dir, tiny_tokenised_dir):
@@ -260,3 +262,43 @@ def test_8bit_trains_on_cpu_and_its_row_scales_are_counted(qlora_model_dir, tiny
     assert quantization.quant_state_bytes(setup.peft_model) == 4 * out_rows
     parts = memory_estimate.estimate(setup.peft_model, setup.training, torch.device("cpu"))
     assert parts["weights"] == 81_920 + 4 * out_rows + 4 * (VOCAB * 64 * 2 + 5 * 64)
+
+
+# Evaluation: the adapter is scored on the base it was trained on (evaluation.qlora_base, model/quantization.py).
+def test_evaluation_scores_a_qlora_adapter_on_its_quantised_base_by_default(trained, qlora_model_dir, tmp_path):
+    import argparse
+    import shutil
+
+    from workflow_scripts import evaluate
+    from workflow_scripts.tasks import generation
+
+    from workflow_scripts.model import tiny_model
+
+    setup, _, adapter, (batch, _) = trained
+    recorded, model_dir = tmp_path / "adapter", tmp_path / "model"
+    shutil.copytree(adapter, recorded)
+    quantization.write_adapter_record(recorded, qlora_settings())  # as train.py writes it beside the adapter
+    shutil.copytree(qlora_model_dir, model_dir)  # evaluation loads the tokenizer too: the fixture's own
+    tiny_model.train_tokenizer(iter(["qlora"]), 128).save_pretrained(str(model_dir))
+    args = argparse.Namespace(model=str(model_dir), adapter=str(recorded), trust_remote_code=False)
+
+    def mean_loss(model):
+        with torch.no_grad():
+            return float(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               labels=batch["labels"]).loss)
+
+    setup.peft_model.eval()
+    try:
+        trained_loss = mean_loss(setup.peft_model)  # the model as it was trained: NF4 base + adapter
+    finally:
+        setup.peft_model.train()
+    with evaluate.loaded_model(args, generation.TASK, {}, 0, "test") as loaded:
+        assert len(quantization.quantized_modules(loaded.model)) == 14
+        assert loaded.base == {"qlora_base": "quantised", "base_quantization": QLORA}
+        assert evaluate.model_facts(args, loaded)["qlora_base"] == "quantised"  # eval.json names it
+        assert mean_loss(loaded.model) == pytest.approx(trained_loss, abs=1e-5)
+    with evaluate.loaded_model(args, generation.TASK, {}, 0, "test", qlora_base="unquantised") as loaded:
+        assert not quantization.quantized_modules(loaded.model)
+        assert loaded.base == {"qlora_base": "unquantised", "base_quantization": None}
+        # Another model than the one trained: its loss is not the trained model's.
+        assert abs(mean_loss(loaded.model) - trained_loss) > 1e-3

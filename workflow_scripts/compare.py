@@ -327,6 +327,9 @@ def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, compariso
             "p_value": None, "n_examples": len(ids),
             "unparseable_share": float(np.mean([by_variant[variant][s].summary["n_unparseable"] / len(ids) for s in seeds])),
             "bootstrap": mode,
+            # Not a CSV column: the report's note on which base QLoRA adapters were scored on (eval.json).
+            "qlora_base": " / ".join(sorted({by_variant[variant][s].summary.get("qlora_base") or "" for s in seeds}
+                                            - {""})) or None,
         }
         if base is not None:  # the untrained model is one model for every seed: its values repeat per seed
             untrained = [np.asarray([base[variant].values[i] for i in ids])] * len(seeds)
@@ -446,6 +449,7 @@ def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any], n
         "p: two-sided, shift method as in sacrebleu, (c + 1) / (B + 1), with c the resamples whose centred "
         "difference is at least as far from 0 as the observed one.",
         "",
+        *qlora_lines(rows),
         "Fairness: variants were checked to differ only in the prompt format"
         + (f", except the intended differences {', '.join(intended)}." if intended else "."),
         "",
@@ -474,6 +478,19 @@ def report_notes(runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], normali
         note = getattr(task_named(task, "eval.json field 'task'"), "comparison_note", None)
         lines += [note, ""] if note else []
     return lines
+
+
+def qlora_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Which base the QLoRA adapters were scored on (evaluation.qlora_base), when any row has one."""
+    scored = {}
+    for row in rows:
+        if row.get("qlora_base"):
+            scored.setdefault(row["qlora_base"], []).append(f"{row['dataset']}/{row['variant']}")
+    what = {"quantised": "the quantised base, as they were trained", "unquantised": "the unquantised base "
+            "(not the model that was trained)"}
+    return [f"QLoRA adapters ({', '.join(dict.fromkeys(names))}) were scored on "
+            f"{what.get(base, base)} (evaluation.qlora_base: {base})." for base, names in scored.items()] + (
+        [""] if scored else [])
 
 
 def write_csv(path: str, rows: Sequence[Mapping[str, Any]]) -> None:

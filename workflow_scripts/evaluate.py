@@ -12,7 +12,7 @@ import argparse
 import contextlib
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -21,7 +21,7 @@ import torch
 from workflow_scripts.launch import device_leases
 from workflow_scripts.data.normalised_data import read_task_meta
 from workflow_scripts.tasks import task_named
-from workflow_scripts.model import model_loading
+from workflow_scripts.model import model_loading, quantization
 from workflow_scripts.core.atomic_output import write_json, write_jsonl
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.run_manifest import build_manifest
@@ -76,6 +76,11 @@ def check_evaluation(evaluation: Mapping[str, Any]) -> None:
     limit = evaluation["max_examples"]
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise ConfigError("evaluation.max_examples", f"must be a positive integer or null, got {limit!r}")
+
+
+def qlora_base(evaluation: Mapping[str, Any]) -> str:
+    """``evaluation.qlora_base`` (schema default ``quantised``: a QLoRA adapter is scored as it was trained)."""
+    return evaluation.get("qlora_base", "quantised")
 
 
 def parse_seed(text: str) -> int | str:
@@ -157,23 +162,26 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     device_name: str
+    base: dict = field(default_factory=dict)  # which base a QLoRA adapter was scored on (quantization.evaluation_base)
 
 
 @contextlib.contextmanager
 def loaded_model(args: argparse.Namespace, task, task_meta: Mapping[str, Any], gpus: int,
-                 label: str) -> Iterator[LoadedModel]:
-    """The model (with ``args.adapter`` when given) on the evaluation device, as evaluate and predict load it."""
+                 label: str, qlora_base: str = "quantised") -> Iterator[LoadedModel]:
+    """The model (with ``args.adapter`` when given) on the evaluation device, as evaluate and predict load it;
+    a QLoRA adapter on its base quantised as in training, or unquantised (``evaluation.qlora_base``)."""
     torch.manual_seed(0)  # greedy decoding draws nothing, but keep any stray randomness fixed
     if args.adapter and hasattr(task, "trained_task_meta"):  # a classifier: the label set it was trained on
         task_meta = task.trained_task_meta(task_meta, args.adapter, args.dataset_name)
     with evaluation_device(gpus, label) as device:
         dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
         tokenizer = model_loading.load_tokenizer(args.model, args.trust_remote_code)
+        quantised, base = quantization.evaluation_base(args.adapter, qlora_base, device)
         model = model_loading.load_with_adapter(args.model, args.adapter, device, dtype, args.trust_remote_code,
-                                                task.auto_model_class, task.model_kwargs(task_meta))
+                                                task.auto_model_class, {**task.model_kwargs(task_meta), **quantised})
         task.prepare_model(model, tokenizer.pad_token_id, task_meta)
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        yield LoadedModel(model, tokenizer, device, dtype, device_name)
+        yield LoadedModel(model, tokenizer, device, dtype, device_name, base)
 
 
 def run_identity(args: argparse.Namespace, seed: int | str) -> dict[str, Any]:
@@ -188,7 +196,7 @@ def model_facts(args: argparse.Namespace, loaded) -> dict[str, Any]:
             "model_manifest_sha256": file_sha256(Path(args.model, "model_manifest.json")),
             "adapter_dir": str(args.adapter) if args.adapter else None,
             "device": str(loaded.device), "device_name": loaded.device_name,
-            "dtype": str(loaded.dtype).removeprefix("torch.")}
+            "dtype": str(loaded.dtype).removeprefix("torch."), **loaded.base}
 
 
 def refuse_unlabelled(task_meta: Mapping[str, Any], data_dir: str, split: str) -> None:
@@ -214,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     task_meta = read_task_meta(args.data, args.task)
     refuse_unlabelled(task_meta, args.data, evaluation["split"])
     label = f"evaluate {args.model_name or Path(args.model).name}/{args.dataset_name}/{args.variant_name}/{seed}"
-    with loaded_model(args, task, task_meta, evaluation["gpus"], label) as loaded:
+    with loaded_model(args, task, task_meta, evaluation["gpus"], label, qlora_base(evaluation)) as loaded:
         result = task.evaluate(loaded.model, loaded.tokenizer, variant, rows, args.metric, evaluation, loaded.device)
     records, score, unparseable = result.records, result.score, result.unparseable
 

@@ -88,6 +88,7 @@ def run_gate(args: argparse.Namespace, training: TrainingSettings) -> int:
         # The task's own checks (tasks.base: check_tokenizer / check_batch) may read the model's tokenizer.
         tokenizer = LazyTokenizer(args.model, args.trust_remote_code)
         record_task_check(report, f"{setup.task.name}_tokenizer", setup.task.check_tokenizer(tokenizer))
+        record_task_check(report, "chat_prompt", checks.check_chat_prompt(setup.task, tokenizer, meta.get("templates")))
         losses, padding = run_probe_steps(setup, dataset, meta, training, args.seed, report, tokenizer)
         devices = distributed.all_gather_objects(distributed.device_name(context.device), context)
         if context.is_main:

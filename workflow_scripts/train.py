@@ -27,7 +27,7 @@ from workflow_scripts.training import checkpointing, distributed, fsdp, prefligh
 from workflow_scripts.training import validation_metric
 from workflow_scripts.analysis import fairness
 from workflow_scripts.launch import launcher
-from workflow_scripts.model import memory_estimate, model_loading
+from workflow_scripts.model import memory_estimate, model_loading, quantization
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
 from workflow_scripts.core.run_manifest import build_manifest
@@ -201,6 +201,7 @@ def train(args: argparse.Namespace, training: TrainingSettings) -> int:
                     model_loading.save_full_model(setup.peft_model, directory)
                 else:
                     model_loading.save_adapter(setup.peft_model, directory, adapter_state)
+                quantization.write_adapter_record(directory, training)  # QLoRA: the base evaluation loads
             log.finish(args.log_out)
             write_json(args.manifest_out, build_manifest(
                 "train", training.to_dict(), seed=args.seed, world_size=context.world_size, devices=devices, hosts=hosts,

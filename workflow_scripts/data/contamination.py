@@ -15,6 +15,9 @@ The key is data-driven, from the canonical field names of the rows (no task is n
   train row also counts as a ``pairs_overlapping`` row (the same question with the same answers).
 - a field holding input and gold together is split by :data:`SPLIT_FIELDS`: a conversation's
   ``messages`` are its input up to the last turn, and that (assistant) turn is its gold.
+- across two different datasets (the cross_contamination stage) the key keeps only the fields
+  :func:`compared_fields` gives for the pair: the tasks' own input fields (:data:`TASK_INPUT_FIELDS`) and
+  the extra fields both datasets carry, so a column only one of them has does not hide a repeat.
 - text is compared normalised: Unicode NFKC, case-folded, whitespace runs collapsed to one space
   and trimmed; bytes (image files) by their sha256, so the same question on another image is not an
   overlap; lists element by element (answers as a set); mappings key by key.
@@ -40,6 +43,10 @@ if TYPE_CHECKING:
 
 ID_FIELD = "id"
 GOLD_FIELDS = ("answers", "label")  # compared only for pairs_overlapping
+# The input fields the task types themselves define (generation/vision_language: question, images;
+# classification: text, text_pair; masked LM: text; conversation: messages); any other input field is
+# a dataset's extra field.
+TASK_INPUT_FIELDS = ("question", "images", "text", "text_pair", "messages")
 EXAMPLES = 3  # overlapping ids named in a message
 REPORT_EXAMPLES = 5  # overlapping id pairs kept in the report per split
 BATCH = 65_536  # rows keyed and looked up at once
@@ -88,6 +95,15 @@ def key_fields(row: Mapping[str, Any], skip: Iterable[str] = ()) -> list[str]:
     return list(_split_fields(tuple(row), tuple(skip))[0])
 
 
+def compared_fields(checked: Iterable[str], train: Iterable[str]) -> list[str]:
+    """The input fields two DIFFERENT datasets are compared on: the tasks' own input fields
+    (:data:`TASK_INPUT_FIELDS`) that either holds, and the other input fields (extra fields: an image path,
+    a context) that both hold under the same name. A field only one dataset carries (a ``source``, a title)
+    is left out, so the same question on the same image matches across datasets whatever else they carry."""
+    checked, train = set(checked), set(train)
+    return sorted(name for name in checked | train if name in TASK_INPUT_FIELDS or (name in checked and name in train))
+
+
 def gold_fields(row: Mapping[str, Any], skip: Iterable[str] = ()) -> list[str]:
     """What a pair adds to the input, by name: ``answers``, ``label``, a conversation's ``last turn``."""
     fields, gold = _split_fields(tuple(row), tuple(skip))
@@ -95,15 +111,20 @@ def gold_fields(row: Mapping[str, Any], skip: Iterable[str] = ()) -> list[str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _split_fields(names: tuple[str, ...], skip: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(input fields sorted, gold fields) of rows with these field names: rows of a split share them."""
+def _split_fields(names: tuple[str, ...], skip: tuple[str, ...],
+                  only: tuple[str, ...] | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(input fields sorted, gold fields) of rows with these field names: rows of a split share them.
+    ``only``: the input fields kept (across datasets, :func:`compared_fields`)."""
     left_out = {ID_FIELD, *GOLD_FIELDS, *skip}
-    return tuple(sorted(name for name in names if name not in left_out)), tuple(n for n in GOLD_FIELDS if n in names)
+    inputs = (name for name in names if name not in left_out and (only is None or name in only))
+    return tuple(sorted(inputs)), tuple(n for n in GOLD_FIELDS if n in names)
 
 
-def row_keys(row: Mapping[str, Any], skip: Iterable[str] = ()) -> tuple[int, int | None]:
-    """``(input key, input + gold key)`` hashes of one canonical row; the second is None without a gold."""
-    fields, gold = _split_fields(tuple(row), tuple(skip))
+def row_keys(row: Mapping[str, Any], skip: Iterable[str] = (),
+             only: Sequence[str] | None = None) -> tuple[int, int | None]:
+    """``(input key, input + gold key)`` hashes of one canonical row; the second is None without a gold.
+    ``only`` restricts the input to these fields (a row lacking one of them is keyed without it)."""
+    fields, gold = _split_fields(tuple(row), tuple(skip), None if only is None else tuple(only))
     inputs, golds = [], []
     for name in fields:
         value = row[name]
@@ -163,16 +184,18 @@ def _arrow_tables(dataset, batch_size: int):
         yield from dataset.with_format("arrow").iter(batch_size=batch_size)
 
 
-def keyed_batches(dataset, skip: Iterable[str] = (), batch_size: int = 10_000) -> Iterator[KeyBatch]:
+def keyed_batches(dataset, skip: Iterable[str] = (), batch_size: int = 10_000,
+                  only: Sequence[str] | None = None) -> Iterator[KeyBatch]:
     """Key batches of a saved ``datasets.Dataset``, read ``batch_size`` rows at a time: memory stays
-    flat (a masked LM's corpus is never held whole, nor mapped into memory)."""
+    flat (a masked LM's corpus is never held whole, nor mapped into memory). ``only``: as :func:`row_keys`."""
     skip = tuple(skip)
-    lines = sorted(dataset.column_names) == [ID_FIELD, "text"] and "text" not in skip  # a plain-text corpus
+    lines = (sorted(dataset.column_names) == [ID_FIELD, "text"] and "text" not in skip  # a plain-text corpus
+             and (only is None or "text" in only))
     for batch in _arrow_tables(dataset, batch_size):
         if lines:  # one line a row: the fast path, the same keys as row_keys gives
             yield batch.column(ID_FIELD), line_keys(batch.column("text").to_pylist()), None
             continue
-        yield (batch.column(ID_FIELD), *_keys_of(batch.to_pylist(), lambda row: row_keys(row, skip)))
+        yield (batch.column(ID_FIELD), *_keys_of(batch.to_pylist(), lambda row: row_keys(row, skip, only)))
 
 
 def _row_id(ids, index: int) -> str:
@@ -251,6 +274,7 @@ class SplitOverlap:
     pairs_overlapping: int | None = None
     first: list = field(default_factory=list)  # [(test id, key)], at most REPORT_EXAMPLES
     train_ids: dict = field(default_factory=dict)  # key -> the first train row id with that key
+    found: Any = None  # per checked row (in order): does train hold its input key (a bool array)
 
     @property
     def fraction(self) -> float | None:
@@ -267,7 +291,7 @@ def overlap(split: str, checked: CheckedKeys, keyed: Callable[[], Keyed]) -> Spl
 
     keys, pairs = checked.rows[split]
     found = checked.found(keys)
-    result = SplitOverlap(split, checked=len(keys), overlapping=int(found.sum()))
+    result = SplitOverlap(split, checked=len(keys), overlapping=int(found.sum()), found=found)
     if pairs is not None:
         result.pairs_overlapping = int(checked.found(pairs, pairs=True).sum())
     wanted = np.flatnonzero(found)[:REPORT_EXAMPLES]

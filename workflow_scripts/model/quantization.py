@@ -5,11 +5,21 @@
 model is prepared with PEFT's ``prepare_model_for_kbit_training`` (everything frozen, the unquantised
 weights - embeddings, norms, lm_head - upcast to fp32); ``model_loading.add_lora`` then turns on
 non-reentrant checkpointing with input gradients as for any model. Adapters are saved as plain PEFT
-adapters, so evaluation loads them onto the unquantised base.
+adapters, with :data:`ADAPTER_RECORD` beside them naming the bitsandbytes settings of the base they were
+trained on.
+
+Evaluation (``evaluation.qlora_base``): ``quantised`` (default) loads the base as it was trained, with the
+recorded bitsandbytes settings, and the adapter on top, as the QLoRA paper evaluates (Dettmers et al. 2023,
+github.com/artidoro/qlora: ``qlora.py`` scores the adapter on the 4-bit model it trained); the score is
+then the trained model's. ``unquantised`` loads the adapter onto the base's original weights in the evaluation
+dtype (as a deployment without bitsandbytes would run it): a model that was never trained as such, whose
+score may differ. ``eval.json`` records which (``qlora_base``).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -18,6 +28,9 @@ from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.core.settings import LoraSettings, QuantizationSettings, TrainingSettings
 
 KEY = "training.quantization"
+EVALUATION_KEY = "evaluation.qlora_base"
+QLORA_BASES = ("quantised", "unquantised")
+ADAPTER_RECORD = "base_quantization.json"  # beside a QLoRA adapter: the settings its base was loaded with
 INSTALL = "pip install bitsandbytes"
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # PEFT trains these heads whole on its own for sequence classification (PeftModelForSequenceClassification).
@@ -45,21 +58,74 @@ def from_pretrained_kwargs(training: TrainingSettings, device: torch.device) -> 
     picks the current CUDA device, even for a CPU run on a machine with a GPU. Still one device per
     process, as model_loading requires (its ``.to(device)`` afterwards is then a no-op).
     """
+    record = base_record(training)
+    return {} if record is None else loading_kwargs(record, device)
+
+
+def base_record(training: TrainingSettings) -> dict[str, Any] | None:
+    """The bitsandbytes settings the base is loaded with (compute dtype resolved), or None when off: written
+    beside the adapter, so evaluation can load the same base."""
     quantization = training.quantization
     if quantization is None:
-        return {}
+        return None
+    return {"bits": quantization.bits, "type": quantization.type, "double_quant": quantization.double_quant,
+            "compute_dtype": quantization.compute_dtype or training.precision}
+
+
+def loading_kwargs(record: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """``from_pretrained`` arguments that load a base quantised as ``record`` (:func:`base_record`) says."""
     require_bitsandbytes()
     from transformers import BitsAndBytesConfig
 
-    if quantization.bits == 8:
+    if record["bits"] == 8:
         config = BitsAndBytesConfig(load_in_8bit=True)
     else:
         config = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type=quantization.type,
-            bnb_4bit_use_double_quant=quantization.double_quant,
-            bnb_4bit_compute_dtype=compute_dtype(quantization, training.precision),
+            load_in_4bit=True, bnb_4bit_quant_type=record["type"], bnb_4bit_use_double_quant=record["double_quant"],
+            bnb_4bit_compute_dtype=COMPUTE_DTYPES[record["compute_dtype"]],
         )
     return {"quantization_config": config, "device_map": {"": str(device)}}
+
+
+def write_adapter_record(directory: str | Path, training: TrainingSettings) -> None:
+    """A QLoRA adapter's :data:`ADAPTER_RECORD` (nothing for an adapter trained on an unquantised base)."""
+    record = base_record(training)
+    if record is not None:
+        Path(directory, ADAPTER_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def read_adapter_record(adapter_dir: str | Path | None) -> dict[str, Any] | None:
+    """The bitsandbytes settings an adapter was trained against, or None (not a QLoRA adapter, or no adapter)."""
+    if adapter_dir is None:
+        return None
+    path = Path(adapter_dir, ADAPTER_RECORD)
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        bits, kind, dtype = record["bits"], record["type"], record["compute_dtype"]
+        valid = bits in (4, 8) and kind in ("nf4", "fp4") and dtype in COMPUTE_DTYPES and isinstance(record["double_quant"], bool)
+    except (ValueError, KeyError, TypeError):
+        valid = False
+    if not valid:
+        raise WorkflowError(f"{path}: not the record train writes ({{bits: 4|8, type: nf4|fp4, double_quant, "
+                            f"compute_dtype: {'|'.join(COMPUTE_DTYPES)}}}); train the adapter again")
+    return record
+
+
+def evaluation_base(adapter_dir: str | Path | None, qlora_base: str, device: torch.device) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(extra ``from_pretrained`` arguments, facts for eval.json) for evaluating ``adapter_dir``.
+
+    A QLoRA adapter is scored on the base quantised as in training unless ``qlora_base`` is ``unquantised``;
+    any other adapter (and the untrained base) loads unquantised, and the facts say so.
+    """
+    if qlora_base not in QLORA_BASES:
+        raise WorkflowError(f"{EVALUATION_KEY}: {qlora_base!r} is not one of {list(QLORA_BASES)}")
+    record = read_adapter_record(adapter_dir)
+    if record is None:
+        return {}, {"qlora_base": None, "base_quantization": None}
+    facts = {"qlora_base": qlora_base, "base_quantization": record if qlora_base == "quantised" else None}
+    return (loading_kwargs(record, device) if qlora_base == "quantised" else {}), facts
 
 
 def quantized_modules(model: nn.Module) -> list[str]:

@@ -308,6 +308,10 @@ class GenerationTask:
         """The LoRA settings as the config gives them: a text model needs no rewriting."""
         return refuse_vision_keys(lora)
 
+    def render_prompt(self, tokenizer, variant: Mapping[str, Any], row: Mapping[str, Any]) -> str:
+        """The prompt as training and evaluation render it (the gate's chat_prompt check renders a probe row)."""
+        return templates.render_prompt(variant, row, tokenizer)
+
     def check_tokenizer(self, tokenizer) -> str | None:
         return None  # no task-specific gate check: preflight_checks covers generation's batches
 

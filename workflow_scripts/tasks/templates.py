@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import string
 from functools import lru_cache
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from workflow_scripts.core.errors import WorkflowError
 
@@ -91,19 +91,42 @@ def _render(template: str, row: Mapping[str, Any], part: str) -> str:
     return text
 
 
-def render_prompt(variant: Mapping[str, Any], row: Mapping[str, Any], tokenizer=None) -> str:
-    """The prompt text; with ``chat_template`` it is wrapped as one user turn plus the generation prompt."""
-    text = _render(variant["prompt"], row, "prompt")
-    if not variant.get("chat_template", False):
-        return text
+def require_chat_template(tokenizer) -> None:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise WorkflowError(
             "variant sets chat_template: true but the tokenizer has no chat template; "
             "set chat_template: false or use a model whose tokenizer defines one"
         )
+
+
+def render_prompt(variant: Mapping[str, Any], row: Mapping[str, Any], tokenizer=None) -> str:
+    """The prompt text; with ``chat_template`` it is wrapped as one user turn plus the generation prompt."""
+    text = _render(variant["prompt"], row, "prompt")
+    if not variant.get("chat_template", False):
+        return text
+    require_chat_template(tokenizer)
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
     )
+
+
+def probe_row(variant: Mapping[str, Any]) -> dict[str, Any]:
+    """A row for checking how a variant's prompt renders: each field its prompt names holds a distinct text,
+    and one image (for vision_language; other tasks never read it)."""
+    return {"id": "gate-probe", "images": [b"probe image"],
+            **{name: f"probe {name} text" for name in template_fields(variant["prompt"])}}
+
+
+def missing_prompt_text(render: Callable[[Any, Mapping[str, Any], Mapping[str, Any]], str], tokenizer,
+                        variant: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(prompt text, rendered prompt)`` when the chat-templated prompt does not contain the prompt's own text
+    (spacing ignored: templates may trim), else None. ``render(tokenizer, variant, row)`` is the task's."""
+    row = probe_row(variant)
+    text = _render(variant["prompt"], row, "prompt")
+    rendered = render(tokenizer, variant, row)
+    if " ".join(text.split()) in " ".join(rendered.split()):
+        return None
+    return text, rendered
 
 
 def render_target(variant: Mapping[str, Any], row: Mapping[str, Any]) -> str:

@@ -115,14 +115,16 @@ def open_images(blobs: Sequence[bytes]):
 
 def render_prompt(tokenizer, variant: Mapping[str, Any], row: Mapping[str, Any]) -> str:
     """The prompt text with one image placeholder per image of the row (none for the text-only control):
-    before the prompt, or with ``chat_template`` inside the user turn, where the model's chat format puts it."""
+    before the prompt, or with ``chat_template`` inside the user turn, where the model's chat format puts it.
+
+    With ``chat_template`` the user turn's content is always a list of typed parts, also without an image:
+    VLM templates (SmolVLM/Idefics3, llava-1.5-hf) iterate ``content`` as parts and render a plain string
+    as nothing, which would train and score the text-only control without its question."""
     count = len(row.get("images") or []) if variant["images"] else 0
-    if count == 0:
-        return templates.render_prompt(variant, row, tokenizer)
     text = templates.render_prompt({**variant, "chat_template": False}, row)
     if not variant.get("chat_template", False):
-        return processor_for(tokenizer).image_token * count + "\n" + text
-    templates.render_prompt(variant, row, tokenizer)  # its refusal when the tokenizer has no chat template
+        return processor_for(tokenizer).image_token * count + "\n" + text if count else text
+    templates.require_chat_template(tokenizer)
     content = [{"type": "image"}] * count + [{"type": "text", "text": text}]
     return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True)
@@ -296,6 +298,9 @@ class VisionLanguageTask(generation.GenerationTask):
 
     def tokenise_batch(self, batch, *, tokenizer, variant, max_length, task_meta=None):
         return tokenise_batch(batch, tokenizer=tokenizer, variant=variant, max_length=max_length)
+
+    def render_prompt(self, tokenizer, variant, row) -> str:
+        return render_prompt(tokenizer, variant, row)
 
     def check_config_variant(self, name, variant, datasets) -> None:
         generation.check_config_variant(name, {k: v for k, v in variant.items() if k != "images"}, datasets)

@@ -253,6 +253,32 @@ def check_batch(batch: Mapping[str, Any], device: torch.device, vocab_size: int)
     return f"{input_ids.shape[0]} rows x {input_ids.shape[1]} tokens"
 
 
+def check_chat_prompt(task, tokenizer, variant: Mapping[str, Any] | None) -> str | None:
+    """A variant rendered through the tokenizer's chat template still shows the prompt's own text.
+
+    A template can drop the user's content without an error: VLM templates (SmolVLM/Idefics3, llava-1.5-hf)
+    read ``content`` as a list of typed parts and render a plain string as nothing, so the model would be
+    trained and scored without its question. The task's ``render_prompt(tokenizer, variant, row)`` renders
+    a probe row whose fields hold distinct texts. None when the task or variant uses no chat template.
+    """
+    from workflow_scripts.tasks import templates
+
+    render = getattr(task, "render_prompt", None)
+    if render is None or not variant or not variant.get("chat_template", False):
+        return None
+    variant = task.check_variant(dict(variant))
+    missing = templates.missing_prompt_text(render, tokenizer, variant)
+    name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    if missing is not None:
+        text, rendered = missing
+        raise PreflightError(
+            "chat_prompt", f"the chat template of {name} renders the variant's prompt {text!r} as {rendered!r}, "
+            "without the prompt's own text (a template that reads typed content parts renders plain-string "
+            "content as nothing)", "use a model whose chat template renders the user's content, or set the "
+            "variant's chat_template: false")
+    return f"the chat template of {name} keeps the prompt's text ({task.name}, probe row)"
+
+
 def check_train_mode(model: nn.Module) -> str:
     inner = unwrap(model)
     off = [n for n, m in inner.named_modules() if not m.training]
