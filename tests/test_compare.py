@@ -410,3 +410,30 @@ def test_explicit_two_level_bootstrap_with_two_seeds(tmp_path, results):
     rows, text = run(tmp_path, results, comparison={**COMPARISON, "bootstrap": "seeds_and_examples"})
     assert {row["bootstrap"] for row in rows} == {"seeds_and_examples"}
     assert "two-level bootstrap: seeds, then test examples (2 seeds); comparison.bootstrap: seeds_and_examples." in text
+
+
+def test_fairness_guard_refuses_masked_lm_variants_scored_on_different_tokens(tmp_path):
+    """Issue 22 (decision): masked-LM test lines are cut at each variant's training max_length, so variants
+    that differ there are scored on different tokens. Listing training.max_length does not make them
+    comparable: the guard names evaluation.eval_mask.* (eval.json's eval_mask, tasks/masked_lm.evaluate)."""
+    root = tmp_path / "results"
+    for variant, length in (("baseline", 512), ("mtup", 2048)):
+        for seed in (1, 2):
+            directory = write_experiment(root, "corpus", variant, seed, correct(10 + seed),
+                                         training={**TRAINING, "max_length": length})
+            summary = json.loads((directory / "eval.json").read_text())
+            summary["eval_mask"] = {"rate": 0.15, "unit": "token", "max_length": length,
+                                    "positions_sha256": f"{length:064d}"}
+            (directory / "eval.json").write_text(json.dumps(summary))
+    experiments = [["tiny", "corpus", v, s] for v in ("baseline", "mtup") for s in (1, 2)]
+    intended = {**COMPARISON, "intended_differences": ["training.max_length"]}
+    with pytest.raises(WorkflowError) as caught:
+        run(tmp_path, root, experiments=experiments, with_base=False, comparison=intended)
+    message = str(caught.value)
+    assert "evaluation.eval_mask.max_length: baseline=512, mtup=2048" in message
+    assert "evaluation.eval_mask.positions_sha256" in message and "training.max_length:" not in message
+    assert message.endswith("intended_differences: [evaluation.eval_mask.max_length, "
+                            "evaluation.eval_mask.positions_sha256]")
+    accepted = {**COMPARISON, "intended_differences": ["training.max_length", "evaluation.eval_mask"]}
+    rows, _ = run(tmp_path, root, experiments=experiments, with_base=False, comparison=accepted)
+    assert len(rows) == 2
