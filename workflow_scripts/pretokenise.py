@@ -41,7 +41,7 @@ from workflow_scripts.core.stage_arguments import StageArgumentParser, json_sett
 
 TRAINING_SPLITS = ("train", "validation")
 META_NAME = "tokenise_meta.json"
-FORMAT_VERSION = 2  # bump when the stored layout or the masking rule changes (2: large record batches)
+FORMAT_VERSION = 3  # bump when the stored layout or the masking rule changes (2: large record batches; 3: masked LM word starts)
 BATCH_SIZE = 2000  # rows per tokenizer call (a chunk): large enough to keep the tokenizer's thread pool busy
 PROCESS_MIN_ROWS = 10 * BATCH_SIZE  # a split this large is shared out between --threads processes
 REPORT_COLUMNS = ("truncated", "dropped")  # counted for the report, not stored

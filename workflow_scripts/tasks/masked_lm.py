@@ -124,16 +124,17 @@ WORD_PREFIXES = ("\u2581", "\u0120")
 def _flat_columns(encodings, special_ids: np.ndarray):
     """Concatenated ids, special flags and word starts of ``encodings``, plus each line's start offset.
 
-    A token starts a word (transformers' ``DataCollatorForLanguageModeling._calc_word_ids_and_prob_mask``,
-    which ``DataCollatorForWholeWordMask`` uses, adds the prefix rule of BERT's ``##`` convention turned
-    round) when it is not special and: it is a line's first token or follows a special token; or text
-    was dropped between it and the previous token (its start offset lies beyond the previous token's
-    end: the whitespace a pre-tokenizer removed); or it opens with a ``WORD_PREFIXES`` mark; or the
-    pre-tokenizer put it in another word (``word_ids``: BERT's punctuation). The prefix rule is what
-    finds words when the pre-tokenizer never splits a line (``Metaspace(split=False)``, none at all, or
-    ``Split(" ")`` after a normaliser that turned spaces into "▁"): there ``word_ids`` make each line
-    one word and the offsets of "▁word" touch the previous token. A token starting before the previous
-    one's end (two byte-level pieces of one character) continues the word.
+    A non-special token starts a word when (1) it is a line's first token or follows a special token,
+    or (2) its start offset lies beyond the previous token's end (the whitespace a tokenizer dropped) —
+    these two are transformers' rule (5.23, ``data/data_collator.py``,
+    ``DataCollatorForLanguageModeling._calc_word_ids_and_prob_mask``, which ``DataCollatorForWholeWordMask``
+    uses) — or (3) it opens with a ``WORD_PREFIXES`` mark, or (4) the pre-tokenizer put it in another word
+    than the previous token (``word_ids``: BERT's punctuation, as before). Rule (3) is what finds words
+    when the pre-tokenizer never splits a line (``Metaspace(split=False)``, none at all, or ``Split(" ")``
+    after a normaliser that turned spaces into "▁"): there ``word_ids`` make each line one word and the
+    offsets of "▁word" include the space, so they touch the previous token's end and rule (2) sees no
+    gap. Unlike transformers (``!=``), a token starting before the previous one's end (byte-level pieces
+    of one character share its offsets) continues the word.
     """
     lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
     total = int(lengths.sum())
