@@ -334,8 +334,9 @@ def test_masked_lm_variants_with_other_max_length_are_refused_as_scored_on_other
     message = str(raised.value)
     assert "config key 'variants.mlm_whole_word.training.max_length': sets 32 where the reference variant " \
            "'mlm_tokens' uses" in message
-    assert "scored on different tokens" in message and "list evaluation.eval_mask.max_length under" in message
-    config["comparison"]["intended_differences"] = ["training.max_length", "evaluation.eval_mask.max_length"]
+    assert "(evaluation.eval_mask.max_length), so the variants would be scored on different tokens" in message
+    assert "list evaluation.eval_mask under comparison.intended_differences" in message
+    config["comparison"]["intended_differences"] = ["training.max_length", "evaluation.eval_mask"]
     check_config(config)
     config = default_config()  # a generation variant's max_length needs only training.max_length listed
     config["variants"]["mtup"]["training"] = {"max_length": 256}

@@ -699,9 +699,10 @@ def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, s
                 raise ConfigError(
                     f"variants.{name}.training.{setting}",
                     f"sets {mine!r} where the reference variant '{reference}' uses {theirs_eval.get(key)!r}, and "
-                    f"{task} evaluation cuts test lines at training.{setting}, so the variants would be scored on "
-                    f"different tokens; make them equal, or list {key} under comparison.intended_differences "
-                    f"(beside training.{setting}) if comparing on different tokens is the point", source)
+                    f"{task} evaluation cuts test lines at training.{setting} ({key}), so the variants would be "
+                    "scored on different tokens; make them equal, or list evaluation.eval_mask under "
+                    f"comparison.intended_differences (beside training.{setting}) if comparing on different tokens "
+                    "is the point", source)
 
 
 def _check_finetune(training: "TrainingSettings", model: Mapping[str, Any], task: str, where: str,
