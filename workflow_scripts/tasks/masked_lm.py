@@ -488,8 +488,8 @@ def check_masked_share(batch: Mapping[str, Any], tokenizer, labelled: torch.Tens
                     f"{list(batch.get('row_ids') or [])[:5]})", "use the masked_lm task's collator; with whole_word: "
                     "true, a tokenizer whose tokens mark word starts (or whole_word: false), and rerun pretokenise")
         why = ("more than the budget: labels on whole lines or on every token" if masked > budget else
-               "whole-word masking found no word that fits the budget, so its words must be whole lines: the "
-               "tokenizer's word starts (offsets, a ▁/Ġ prefix, its pre-tokenizer's words) do not mark words")
+               "whole-word masking fits few words in the budget, so its words are far too long (whole lines?): "
+               "the tokenizer's word starts (offsets, a ▁/Ġ prefix, its pre-tokenizer's words) do not mark words")
         _refuse("masked_lm_batch", f"{masked} of {total} maskable tokens are masked ({share:.1%}) with {describe_tokenizer(tokenizer)}, "
                 f"where mask_rate {rate:.0%} allows {budget} ({budget / total:.1%}) and at least about half of that is "
                 f"expected; {why} (rows {list(batch.get('row_ids') or [])[:5]})",
@@ -503,7 +503,6 @@ def check_batch(batch: Mapping[str, Any], tokenizer) -> str:
     unchanged labelled tokens than the 10% "keep" share allows (labels on unmasked positions), or whose
     masked share is far from mask_rate (``check_masked_share``)."""
     labels, input_ids, attention = batch["labels"].cpu(), batch["input_ids"].cpu(), batch["attention_mask"].cpu()
-    rows = batch.get("row_ids") or []
     labelled = labels != IGNORE_INDEX
     n = int(labelled.sum())
     if (labelled & (attention == 0)).any():
