@@ -466,3 +466,30 @@ def test_report_without_exclusions_or_classifiers_says_so(tmp_path, results):
     text = (out / "comparison.md").read_text()
     assert "- chart: no row of split 'test' excluded at normalise (20 rows); 20 scored." in text
     assert "macro-F1" not in text  # no classifier compared
+
+
+def test_fairness_guard_refuses_masked_lm_variants_scored_on_different_tokens(tmp_path):
+    """Issue 22 (decision): masked-LM test lines are cut at each variant's training max_length, so variants
+    that differ there are scored on different tokens. Listing training.max_length does not make them
+    comparable: the guard names evaluation.eval_mask.* (eval.json's eval_mask, tasks/masked_lm.evaluate)."""
+    root = tmp_path / "results"
+    for variant, length in (("baseline", 512), ("mtup", 2048)):
+        for seed in (1, 2):
+            directory = write_experiment(root, "corpus", variant, seed, correct(10 + seed),
+                                         training={**TRAINING, "max_length": length})
+            summary = json.loads((directory / "eval.json").read_text())
+            summary["eval_mask"] = {"rate": 0.15, "unit": "token", "max_length": length,
+                                    "positions_sha256": f"{length:064d}"}
+            (directory / "eval.json").write_text(json.dumps(summary))
+    experiments = [["tiny", "corpus", v, s] for v in ("baseline", "mtup") for s in (1, 2)]
+    intended = {**COMPARISON, "intended_differences": ["training.max_length"]}
+    with pytest.raises(WorkflowError) as caught:
+        run(tmp_path, root, experiments=experiments, with_base=False, comparison=intended)
+    message = str(caught.value)
+    assert "evaluation.eval_mask.max_length: baseline=512, mtup=2048" in message
+    assert "evaluation.eval_mask.positions_sha256" in message and "training.max_length:" not in message
+    assert message.endswith("intended_differences: [evaluation.eval_mask.max_length, "
+                            "evaluation.eval_mask.positions_sha256]")
+    accepted = {**COMPARISON, "intended_differences": ["training.max_length", "evaluation.eval_mask"]}
+    rows, _ = run(tmp_path, root, experiments=experiments, with_base=False, comparison=accepted)
+    assert len(rows) == 2

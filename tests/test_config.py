@@ -319,3 +319,27 @@ def test_a_seed_outside_what_numpy_and_torch_accept_is_refused(seed):
     config["seeds"] = [seed]
     with pytest.raises(ConfigError, match=r"seeds\.0"):
         validate_schema(config)
+
+
+def test_masked_lm_variants_with_other_max_length_are_refused_as_scored_on_other_tokens():
+    """Issue 22 (decision): masked-LM evaluation cuts test lines at the training max_length, so listing
+    training.max_length as intended still leaves the variants scored on different tokens; the config-time
+    guard names evaluation.eval_mask.max_length (as compare does after training)."""
+    config = default_config()
+    config["variants"]["mlm_whole_word"]["training"] = {"max_length": 32}
+    config["comparison"]["intended_differences"] = ["training.max_length"]
+    validate_schema(config)
+    with pytest.raises(ConfigError) as raised:
+        check_config(config)
+    message = str(raised.value)
+    assert "config key 'variants.mlm_whole_word.training.max_length': sets 32 where the reference variant " \
+           "'mlm_tokens' uses" in message
+    assert "(evaluation.eval_mask.max_length), so the variants would be scored on different tokens" in message
+    assert "list evaluation.eval_mask under comparison.intended_differences" in message
+    config["comparison"]["intended_differences"] = ["training.max_length", "evaluation.eval_mask"]
+    check_config(config)
+    config = default_config()  # a generation variant's max_length needs only training.max_length listed
+    config["variants"]["mtup"]["training"] = {"max_length": 256}
+    config["comparison"]["intended_differences"] = ["training.max_length"]
+    validate_schema(config)
+    check_config(config)

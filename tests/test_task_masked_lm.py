@@ -1,6 +1,7 @@
 """The masked_lm task on a tiny WordPiece tokenizer (built offline) and tiny random BERT / RoBERTa."""
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -187,6 +188,76 @@ def test_mask_is_the_same_in_dataloader_workers(tokenizer):
         assert torch.equal(made_in_worker["input_ids"], collate([rows[i] for i in indices])["input_ids"])
 
 
+def saved_split(tokenizer, tmp_path, lines, variant=None, max_length=24):
+    """The rows as pretokenise stores them (Arrow, save_to_disk), opened as training opens them."""
+    from datasets import Dataset
+
+    from workflow_scripts.data import batching
+
+    columns = tokenise(tokenizer, lines, variant, max_length)
+    rows = {key: [value for value, dropped in zip(columns[key], columns["dropped"]) if not dropped] for key in columns}
+    Dataset.from_dict(rows, features=TASK.tokenised_features()).save_to_disk(str(tmp_path / "train"))
+    return batching.TokenisedSplit(tmp_path, "train", batching.stored_columns({"task": "masked_lm"}))
+
+
+def masks_by_row_and_epoch(dataset, collate, micro_batch, world_size, start_step, max_steps, workers=0):
+    """{(row id, epoch): (masked input ids, labels)} as the training loop's loaders deliver them."""
+    from workflow_scripts.data import batching
+
+    plan = batching.GlobalBatchPlan(dataset.lengths(), 4, seed=11)
+    found = {}
+    for rank in range(world_size):
+        sampler = batching.RankBatchSampler(plan, micro_batch, rank, world_size, start_step, max_steps)
+        # The loader walks the sampler's micro-batches: `accumulation` of them per step, in step order.
+        epochs = [step // plan.batches_per_epoch for step in range(start_step, max_steps)
+                  for _ in range(sampler.accumulation)]
+        loader = batching.build_loader(dataset, sampler, collate, workers, False, seed=11)
+        for epoch, batch in zip(epochs, loader, strict=True):
+            for k, row_id in enumerate(batch["row_ids"]):
+                real = batch["attention_mask"][k] == 1
+                found[(row_id, epoch)] = (tuple(batch["input_ids"][k][real].tolist()),
+                                          tuple(batch["labels"][k][real].tolist()))
+    return found
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_masks_change_every_epoch_with_one_row_per_micro_batch(tokenizer, tmp_path, whole_word):
+    """Issue 22 point 4: micro_batch 1 used to give a row the same mask and corruption in every epoch
+    (the generator was seeded by the seed and the row ids only). Now (seed, epoch, row ids): a row's
+    masks differ between epochs, and stay the same for 1 or 2 processes, DataLoader workers and resume."""
+    dataset = saved_split(tokenizer, tmp_path, toy_lines(8, seed=12, low=10, high=14),
+                          {"grouping": "lines", "whole_word": whole_word})
+    assert len(dataset) == 8
+    collate = make_collator(tokenizer, seed=3, whole_word=whole_word)
+    steps = 3 * 2  # effective batch 4 of 8 rows: 2 steps per epoch, 3 epochs
+    once = masks_by_row_and_epoch(dataset, collate, 1, 1, 0, steps)
+    assert len(once) == 8 * 3 and {epoch for _, epoch in once} == {0, 1, 2}
+    distinct = 0
+    for row_id in {row_id for row_id, _ in once}:
+        per_epoch = {once[(row_id, epoch)] for epoch in range(3)}
+        assert len(per_epoch) > 1, f"row {row_id}: the same mask and corruption in all three epochs"
+        distinct += len(per_epoch)
+    assert distinct >= 20  # of 24: a repeat only by chance (few whole words fit a short row's budget)
+    assert masks_by_row_and_epoch(dataset, make_collator(tokenizer, seed=3, whole_word=whole_word), 1, 1, 0, steps) == once
+    assert masks_by_row_and_epoch(dataset, collate, 1, 2, 0, steps) == once  # 2 processes: ranks 0 and 1
+    resumed = masks_by_row_and_epoch(dataset, collate, 1, 1, 3, steps)  # resumed mid-epoch 1
+    assert resumed == {key: value for key, value in once.items() if key in resumed} and len(resumed) == 3 * 4
+    assert masks_by_row_and_epoch(dataset, collate, 1, 1, 0, steps, workers=2) == once
+    other_seed = masks_by_row_and_epoch(dataset, make_collator(tokenizer, seed=4, whole_word=whole_word), 1, 1, 0, steps)
+    assert other_seed.keys() == once.keys() and other_seed != once
+
+
+def test_held_out_rows_get_the_same_mask_every_time_and_epochs_never_mix(tokenizer, tmp_path):
+    dataset = saved_split(tokenizer, tmp_path, toy_lines(8, seed=12), {"grouping": "lines"})
+    collate = make_collator(tokenizer, seed=3)
+    held_out = dataset.__getitems__([0, 1, 2])  # as validation.held_out_loss fetches them: no epoch
+    assert all("epoch" not in row for row in held_out)
+    assert torch.equal(collate(held_out)["input_ids"], collate(held_out)["input_ids"])
+    mixed = [{**held_out[0], "epoch": 0}, {**held_out[1], "epoch": 1}]
+    with pytest.raises(WorkflowError, match="mixes epochs"):
+        collate(mixed)
+
+
 def test_special_tokens_never_masked_and_every_row_has_a_masked_token(tokenizer):
     rows = as_rows(tokenise(tokenizer, ["dog", "fox jumps"] + toy_lines(30, seed=4), {"grouping": "lines"}))
     for seed in range(20):
@@ -215,6 +286,100 @@ def test_whole_word_masks_every_piece_of_a_chosen_word(tokenizer):
     assert split_words > 0  # the test exercised words of several pieces
     rate = chosen.sum() / sum((~np.array(r["special_tokens_mask"])).sum() for r in rows)
     assert 0.10 < rate <= 0.16
+
+
+SENTENCEPIECE_STYLES = ("unigram_metaspace_no_split", "bpe_split_after_normaliser", "bpe_no_pre_tokenizer")
+
+
+def sentencepiece_style(style: str):
+    """Tokenizers whose pre-tokenizer never splits a line, as transformers' converters of sentencepiece
+    models build them: Llama-style ``Metaspace(split=False)``, Gemma-style ``Split(" ")`` after a
+    normaliser that turned spaces into "▁", and Llama-2-style no pre-tokenizer after a Prepend/Replace
+    normaliser. Trained with a splitting Metaspace (as sentencepiece trains on words), then switched."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<s>", "</s>", "<mask>"]
+    prepend = "never" if style == "bpe_split_after_normaliser" else "always"
+    if style == "unigram_metaspace_no_split":
+        backend = Tokenizer(models.Unigram())
+        trainer = trainers.UnigramTrainer(vocab_size=70, special_tokens=specials, unk_token="<unk>")
+    else:
+        backend = Tokenizer(models.BPE(unk_token="<unk>"))
+        trainer = trainers.BpeTrainer(vocab_size=70, special_tokens=specials)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend, split=True)
+    backend.train_from_iterator(toy_lines(400), trainer)
+    if style == "unigram_metaspace_no_split":
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    elif style == "bpe_split_after_normaliser":
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    else:
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        backend.pre_tokenizer = None
+    bos, eos = backend.token_to_id("<s>"), backend.token_to_id("</s>")
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", bos), ("</s>", eos)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", mask_token="<mask>")
+
+
+@pytest.mark.parametrize("style", ("wordpiece",) + SENTENCEPIECE_STYLES)
+def test_whole_word_masking_masks_words_not_lines(tokenizer, style):
+    """Issue 22 point 3: with a pre-tokenizer that never splits, each line was one word and the "at least one
+    word" fallback masked all of it (~97 %). Words now come from offsets and the ▁/Ġ prefix: the masked
+    share stays within the budget, and every masked word (the text's own words, from the character
+    offsets) is masked whole."""
+    tok = tokenizer if style == "wordpiece" else sentencepiece_style(style)
+    lines = toy_lines(40, seed=13, low=8, high=14)
+    if style != "wordpiece":  # the point of these tokenizers: the pre-tokenizer sees each line as one word
+        assert {w for w in tok(lines[0]).word_ids() if w is not None} == {0}
+    rows = as_rows(tokenise(tok, lines, {"grouping": "lines", "whole_word": True}, max_length=96))
+    assert len(rows) == len(lines)
+    offsets = tok(lines, return_offsets_mapping=True)["offset_mapping"]
+    several_pieces = 0
+    for seed in range(4):
+        batch = make_collator(tok, seed=seed, whole_word=True)(rows)
+        chosen = (batch["labels"] != -100).numpy()
+        maskable = [int((~np.array(r["special_tokens_mask"])).sum()) for r in rows]
+        budget = sum(max(1, math.floor(n * 0.15 + 0.5)) for n in maskable)  # BERT's num_to_predict per row
+        assert 0.8 * budget <= chosen.sum() <= budget, (style, seed, chosen.sum(), budget)
+        assert 0.11 < chosen.sum() / sum(maskable) < 0.17
+        for k, (line, row) in enumerate(zip(lines, rows)):
+            special = np.array(row["special_tokens_mask"])
+            word = np.array([line[:end].count(" ") for _, end in offsets[k]])  # the text's words
+            mine = chosen[k, :len(word)]
+            assert mine.sum() < (~special).sum() / 2, f"{style}: row {row['id']} masked as a whole line"
+            for w in np.unique(word[mine]):
+                members = (word == w) & ~special
+                several_pieces += members.sum() > 1
+                assert mine[members].all(), f"{style}: row {row['id']}: part of word {w} left unmasked"
+        assert "masked tokens" in masked_lm.check_batch(batch, tok)
+    assert several_pieces > 0  # words of several pieces were masked whole
+
+
+def test_gate_refuses_a_masked_share_far_from_the_mask_rate(tokenizer):
+    """Lines taken for words: nothing fits the budget (0 %), or an "at least one word" fallback masks the
+    whole lines (issue 22: 96.8 %); the gate refuses both, naming the tokenizer and the share."""
+    tok = sentencepiece_style("unigram_metaspace_no_split")
+    rows = as_rows(tokenise(tok, toy_lines(16, seed=14, low=8, high=14), {"grouping": "lines", "whole_word": True}, 96))
+    lines_as_words = [{**row, "word_start": [not s and (k == 0 or row["special_tokens_mask"][k - 1])
+                                             for k, s in enumerate(row["special_tokens_mask"])]} for row in rows]
+    nothing = make_collator(tok, seed=0, whole_word=True)(lines_as_words)
+    assert int((nothing["labels"] != -100).sum()) == 0  # BERT's rule: a word larger than the budget is skipped
+    with pytest.raises(WorkflowError, match=r"masked_lm_batch: no token is masked .*0\.0%.*tokenizer "
+                                            r"'[^']+' \(.*pre_tokenizer Metaspace, model Unigram\)"):
+        masked_lm.check_batch(nothing, tok)
+    good = make_collator(tok, seed=0, whole_word=True)(rows)
+    original = torch.where(good["labels"] != -100, good["labels"], good["input_ids"])
+    plain = (good["attention_mask"] == 1) & ~torch.isin(original, torch.tensor(tok.all_special_ids))
+    whole_lines = {**good, "labels": torch.where(plain, original, -100),
+                   "input_ids": torch.where(plain, tok.mask_token_id, original)}
+    whole_lines["target_index"] = (whole_lines["labels"] != -100).reshape(-1).nonzero().squeeze(1)
+    share = float(plain.sum()) / float(plain.sum())
+    with pytest.raises(WorkflowError, match=rf"masked_lm_batch: {int(plain.sum())} of {int(plain.sum())} maskable "
+                                            rf"tokens are masked \({share:.1%}\) with tokenizer .*more than the budget"):
+        masked_lm.check_batch(whole_lines, tok)
+    assert "masked tokens" in masked_lm.check_batch(good, tok)
 
 
 # Loss and training --------------------------------------------------------------------------------
@@ -334,3 +499,21 @@ def test_from_text_files_through_a_grouping_map_to_batches(tokenizer, tmp_path):
     batch = make_collator(tokenizer, seed=0)(list(kept.select(range(8))))
     assert batch["input_ids"].shape == (8, 64) and batch["target_tokens"] > 0
     assert "masked tokens" in masked_lm.check_batch(batch, tokenizer)
+
+
+def test_eval_mask_records_what_decides_the_scored_tokens(tokenizer):
+    """The fairness guard compares eval.json's eval_mask: the same for every variant at one max_length,
+    different when the lines are cut elsewhere (other tokens scored)."""
+    model = tiny_bert(tokenizer).eval()
+    rows = [{"id": f"t-{k}", "text": line} for k, line in enumerate(toy_lines(12, seed=8))]
+
+    def eval_mask(variant, max_length):
+        result = TASK.evaluate(model, tokenizer, variant, rows, "mlm_loss", {"max_length": max_length, "batch_size": 4},
+                               torch.device("cpu"))
+        return result.details["eval_mask"]
+
+    short = eval_mask({}, 12)
+    assert short["max_length"] == 12 and len(short["positions_sha256"]) == 64
+    assert eval_mask({"mask_rate": 0.3, "whole_word": True}, 12) == short
+    longer = eval_mask({}, 24)
+    assert longer["max_length"] == 24 and longer["positions_sha256"] != short["positions_sha256"]

@@ -42,7 +42,8 @@ from workflow_scripts.core.stage_arguments import StageArgumentParser, json_sett
 TRAINING_SPLITS = ("train", "validation")
 META_NAME = "tokenise_meta.json"
 FORMAT_VERSION = 3  # bump when the stored layout, the masking or the prompt rendering changes (2: large record
-# batches; 3: vision_language chat prompts as typed parts, so a text-only control keeps its question)
+# batches; 3: masked LM word starts, and vision_language chat prompts as typed parts so a text-only control keeps
+# its question)
 BATCH_SIZE = 2000  # rows per tokenizer call (a chunk): large enough to keep the tokenizer's thread pool busy
 PROCESS_MIN_ROWS = 10 * BATCH_SIZE  # a split this large is shared out between --threads processes
 REPORT_COLUMNS = ("truncated", "dropped")  # counted for the report, not stored

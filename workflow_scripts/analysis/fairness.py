@@ -9,7 +9,12 @@ What is compared, as dotted keys:
   (``settings``), except runtime-only keys that cannot change what is learned;
 - ``model.<field>``: the base model's identity recorded by the train job (directory, manifest hash);
 - ``evaluation.<key>``: the decoding settings each evaluate job recorded (split, max_new_tokens,
-  max_examples), plus the base model it loaded.
+  max_examples), plus the base model it loaded;
+- ``evaluation.eval_mask.<key>``: a fixed evaluation mask a task recorded in eval.json (masked LM: the
+  rule, the ``max_length`` lines were cut at, and a hash of the scored positions and tokens). Masked-LM
+  lines are cut at each variant's training ``max_length``, so variants that differ there are scored on
+  different tokens; listing ``training.max_length`` as intended does not cover that, the refusal names
+  ``evaluation.eval_mask.*`` (``eval_mask_settings`` states the same at parse time).
 An intended-difference entry covers its key and every key below it (``training.lora`` covers
 ``training.lora.rank``). Template-dependent facts (the tokenised data's cache key) are the prompt
 format itself and are not compared.
@@ -61,7 +66,17 @@ def comparable_settings(manifest: Mapping[str, Any], summary: Mapping[str, Any] 
         for field in MODEL_FIELDS:
             if field in summary:
                 flat[f"evaluation.{field}"] = summary[field]
+        if isinstance(summary.get("eval_mask"), Mapping):
+            flat.update(flatten(summary["eval_mask"], "evaluation.eval_mask"))
     return flat
+
+
+def eval_mask_settings(task: Any, training: Mapping[str, Any]) -> dict[str, Any]:
+    """At parse time, the ``evaluation.eval_mask.<key>`` entries a task's evaluation takes from the training
+    settings (its ``evaluation_training_keys``: masked LM's ``max_length``), so the config-time guard
+    refuses what compare would refuse after training."""
+    return {f"evaluation.eval_mask.{key}": training[key]
+            for key in getattr(task, "evaluation_training_keys", ()) if key in training}
 
 
 def is_intended(key: str, intended: Sequence[str]) -> bool:

@@ -669,6 +669,7 @@ def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, s
     classification variants may override, say, the LoRA targets the same way).
     """
     from workflow_scripts.analysis import fairness
+    from workflow_scripts.tasks import task_named
 
     intended = config["comparison"].get("intended_differences", [])
 
@@ -690,6 +691,18 @@ def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, s
                     f"sets {mine!r} where the reference variant '{reference}' uses {theirs!r}, so the comparison "
                     "would not be fair; make them equal, or list it under comparison.intended_differences: "
                     f"[{key}] if the difference is the point", source)
+        # What the task's evaluation takes from training (masked LM: the tokens scored), intended apart.
+        theirs_eval = fairness.eval_mask_settings(task_named(task), resolved_training(config, reference, model))
+        for key, mine in fairness.eval_mask_settings(task_named(task), resolved_training(config, name, model)).items():
+            if mine != theirs_eval.get(key, fairness.ABSENT) and not fairness.is_intended(key, intended):
+                setting = key.rsplit(".", 1)[1]
+                raise ConfigError(
+                    f"variants.{name}.training.{setting}",
+                    f"sets {mine!r} where the reference variant '{reference}' uses {theirs_eval.get(key)!r}, and "
+                    f"{task} evaluation cuts test lines at training.{setting} ({key}), so the variants would be "
+                    "scored on different tokens; make them equal, or list evaluation.eval_mask under "
+                    f"comparison.intended_differences (beside training.{setting}) if comparing on different tokens "
+                    "is the point", source)
 
 
 def _check_finetune(training: "TrainingSettings", model: Mapping[str, Any], task: str, where: str,

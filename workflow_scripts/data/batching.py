@@ -95,7 +95,23 @@ class TokenisedSplit(torch.utils.data.Dataset):
     def __getitems__(self, indices: Sequence[int]) -> list[dict]:
         rows = self.table[list(indices)]
         columns = [column for column in rows if column != "length"]  # the task's collator reads its own
-        return [{"index": int(i), **{column: rows[column][k] for column in columns}} for k, i in enumerate(indices)]
+        # A planned micro-batch tells its rows their epoch (masked LM draws a new mask each epoch with it);
+        # rows fetched by plain indices (the held-out loss) carry none.
+        epoch = {"epoch": indices.epoch} if isinstance(indices, PlannedMicroBatch) else {}
+        return [{"index": int(i), **epoch, **{column: rows[column][k] for column in columns}}
+                for k, i in enumerate(indices)]
+
+
+class PlannedMicroBatch(list):
+    """The row indices of one micro-batch of the plan, and the epoch they are drawn in.
+
+    A list, so the DataLoader hands it (pickled, to workers too) to ``TokenisedSplit.__getitems__``
+    unchanged; the epoch is a function of the step only, so it is the same in any process and on resume.
+    """
+
+    def __init__(self, indices: Sequence[int], epoch: int):
+        super().__init__(indices)
+        self.epoch = epoch
 
 
 class GlobalBatchPlan:
@@ -134,6 +150,9 @@ class GlobalBatchPlan:
             batches = [batches[i] for i in rng.permutation(len(batches))]
         return batches
 
+    def epoch_of(self, step: int) -> int:
+        return step // self.batches_per_epoch
+
     def global_batch(self, step: int) -> np.ndarray:
         epoch, position = divmod(step, self.batches_per_epoch)
         if epoch != self._epoch:
@@ -171,8 +190,9 @@ class RankBatchSampler(torch.utils.data.Sampler):
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start_step, self.max_steps):
             micro = self.plan.micro_batches(step, self.micro_batch)
+            epoch = self.plan.epoch_of(step)
             for k in range(self.rank, len(micro), self.world_size):
-                yield micro[k].tolist()
+                yield PlannedMicroBatch(micro[k].tolist(), epoch)
 
 
 class PaddingCollator:

@@ -13,23 +13,31 @@ Data: the normalised rows are ``{id, text}`` (``data/text_lines.write_normalised
 - ``lines``: one line per row, cut to ``max_length`` by the tokenizer (its special tokens kept).
 
 Masking happens when batches are made (dynamic masking, as RoBERTa), but never from a global RNG:
-each micro-batch's generator is seeded from (experiment seed, the batch's row ids), so a batch gets
-the same mask in any process, DataLoader worker or resumed run. ``transformers.
-DataCollatorForLanguageModeling`` is not used for that reason: it draws from torch's global RNG, or
-with ``seed=`` from one generator per worker (``seed + worker id``) that advances with every batch,
-so a batch's mask depends on which process and worker made it and how many batches came before.
-(Consequence here: a different ``micro_batch`` regroups rows and so changes the masks.)
+each micro-batch's generator is seeded from (experiment seed, epoch, the batch's row ids), so a batch
+gets the same mask in any process, DataLoader worker or resumed run, and a new one every epoch, even
+when a micro-batch holds one row (the epoch travels with the row indices, ``batching.
+PlannedMicroBatch``, as dropout is seeded from the step in ``training_setup.seed_micro_batch``).
+``transformers.DataCollatorForLanguageModeling`` is not used for that reason: it draws from torch's
+global RNG, or with ``seed=`` from one generator per worker (``seed + worker id``) that advances with
+every batch, so a batch's mask depends on which process and worker made it and how many batches came
+before. (Consequence here: a different ``micro_batch`` regroups rows and so changes the masks.)
 
 Which positions: google-research/bert ``create_pretraining_data.py`` (``create_masked_lm_predictions``):
-per row ``max(1, round(candidates x mask_rate))`` positions chosen uniformly among non-special
-tokens, so every row has at least one; with ``whole_word``, whole words are taken in random order
-while they fit the budget. Each chosen position becomes [MASK] 80%, a uniformly random token 10%
-(from the tokenizer's vocabulary, as both BERT and the HF collator do), itself 10%. Words are the
-fast tokenizer's ``word_ids`` (its pre-tokenizer's words: WordPiece ``##`` pieces for BERT, ``Ġ``
-pieces for RoBERTa alike), stored at tokenise time as ``word_start``; special tokens are the
-encoding's ``special_tokens_mask`` OR any id in ``all_special_ids`` (a literal "[MASK]" in the text
-is not in the encoding's mask; [UNK] is thereby never a target either, as in the HF collator's
-fallback ``get_special_tokens_mask``: predicting it teaches nothing).
+per row a budget of ``max(1, round(candidates x mask_rate))`` positions among non-special tokens, chosen
+uniformly; with ``whole_word``, whole words in random order while they fit, a word that would exceed
+the budget skipped (so a row whose words are all longer than its budget masks nothing, as in BERT;
+the budget is never exceeded). Each chosen position becomes [MASK] 80%, a uniformly random token 10%
+(from the tokenizer's vocabulary, as both BERT and the HF collator do), itself 10%. Word starts
+(``_flat_columns``), stored at tokenise time as ``word_start``: after a special token, where the
+character offsets leave a gap, at a ``▁``/``Ġ`` prefix, or where the pre-tokenizer's ``word_ids``
+change (WordPiece ``##`` pieces continue a word; BERT's punctuation is a word). The offsets and
+special-token rules are transformers' whole-word collator's; the prefix rule finds words when the
+pre-tokenizer never splits a line (sentencepiece-style converters), where word ids alone would make
+each line one word. Special tokens are the encoding's ``special_tokens_mask`` OR any id in
+``all_special_ids`` (a literal "[MASK]" in the text is not in the encoding's mask; [UNK] is thereby
+never a target either, as in the HF collator's fallback ``get_special_tokens_mask``: predicting it
+teaches nothing). The gate refuses a batch whose masked share is far from ``mask_rate``
+(``check_masked_share``).
 
 Model: ``AutoModelForMaskedLM``, trained with LoRA (continued pretraining of a pretrained masked LM) or,
 with ``training.finetune: full``, whole (pretraining from scratch with ``model.initialise: random``); a
@@ -108,8 +116,26 @@ def _encode(tokenizer, texts: Sequence[str], max_length: int | None):
                      return_token_type_ids=False, verbose=False, **options).encodings
 
 
+# A token opening with one of these marks the space before a word: sentencepiece's Metaspace "▁" (Llama,
+# Gemma, T5, XLM-R converters) and byte-level BPE's "Ġ" (GPT-2, RoBERTa).
+WORD_PREFIXES = ("\u2581", "\u0120")
+
+
 def _flat_columns(encodings, special_ids: np.ndarray):
-    """Concatenated ids, special flags and word starts of ``encodings``, plus each line's start offset."""
+    """Concatenated ids, special flags and word starts of ``encodings``, plus each line's start offset.
+
+    A non-special token starts a word when (1) it is a line's first token or follows a special token,
+    or (2) its start offset lies beyond the previous token's end (the whitespace a tokenizer dropped) —
+    these two are transformers' rule (5.23, ``data/data_collator.py``,
+    ``DataCollatorForLanguageModeling._calc_word_ids_and_prob_mask``, which ``DataCollatorForWholeWordMask``
+    uses) — or (3) it opens with a ``WORD_PREFIXES`` mark, or (4) the pre-tokenizer put it in another word
+    than the previous token (``word_ids``: BERT's punctuation, as before). Rule (3) is what finds words
+    when the pre-tokenizer never splits a line (``Metaspace(split=False)``, none at all, or ``Split(" ")``
+    after a normaliser that turned spaces into "▁"): there ``word_ids`` make each line one word and the
+    offsets of "▁word" include the space, so they touch the previous token's end and rule (2) sees no
+    gap. Unlike transformers (``!=``), a token starting before the previous one's end (byte-level pieces
+    of one character share its offsets) continues the word.
+    """
     lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
     total = int(lengths.sum())
     ids = np.fromiter((i for e in encodings for i in e.ids), dtype=np.int64, count=total)
@@ -117,10 +143,15 @@ def _flat_columns(encodings, special_ids: np.ndarray):
     special |= np.isin(ids, special_ids)
     words = np.fromiter((-1 if w is None else w for e in encodings for w in e.word_ids), dtype=np.int64, count=total)
     words[special] = -1
+    offsets = np.fromiter((x for e in encodings for pair in e.offsets for x in pair), dtype=np.int64,
+                          count=2 * total).reshape(total, 2)
+    prefixed = np.fromiter((t.startswith(WORD_PREFIXES) for e in encodings for t in e.tokens), dtype=bool, count=total)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     previous = np.roll(words, 1)
     previous[starts[lengths > 0]] = -2  # a line's first token never continues the previous line's word
-    word_start = ~special & (words != previous)
+    previous_end = np.roll(offsets[:, 1], 1)
+    gap = offsets[:, 0] > previous_end
+    word_start = ~special & ((words != previous) | gap | prefixed)
     return ids, special, word_start, starts, lengths
 
 
@@ -164,38 +195,61 @@ def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: Mapping[str
 
 
 # Masking ------------------------------------------------------------------------------------------
-def batch_generator(seed: int, row_ids: Sequence[str]) -> np.random.Generator:
-    """A generator that depends only on (seed, the row ids in order): same batch, same mask, anywhere."""
+def batch_generator(seed: int, row_ids: Sequence[str], epoch: int | None = None) -> np.random.Generator:
+    """A generator that depends only on (seed, epoch, the row ids in order): same batch, same mask, in any
+    process, DataLoader worker or resumed run, and a new mask each epoch (RoBERTa's dynamic masking) even
+    when a micro-batch holds one row. ``epoch`` None (held-out rows, which the plan does not draw): the
+    same mask at every validation, so validation losses compare."""
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise WorkflowError(f"masking seed must be a non-negative integer, got {seed!r}")
-    digest = hashlib.sha256(json.dumps(list(row_ids)).encode()).digest()
-    return np.random.default_rng(np.random.SeedSequence([seed, *np.frombuffer(digest, dtype=np.uint32).tolist()]))
+    digest = np.frombuffer(hashlib.sha256(json.dumps(list(row_ids)).encode()).digest(), dtype=np.uint32).tolist()
+    when = [0] if epoch is None else [1, epoch]
+    return np.random.default_rng(np.random.SeedSequence([seed, *when, *digest]))
+
+
+def micro_batch_epoch(rows: Sequence[Mapping[str, Any]]) -> int | None:
+    """The epoch the plan drew these rows in (``batching.PlannedMicroBatch``), or None for held-out rows."""
+    epochs = {row.get("epoch") for row in rows}
+    if len(epochs) != 1:
+        raise WorkflowError(f"rows {[r['id'] for r in rows][:5]}: one micro-batch mixes epochs {sorted(map(str, epochs))}; "
+                            "build batches with batching.RankBatchSampler")
+    epoch = epochs.pop()
+    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
+        raise WorkflowError(f"rows {[r['id'] for r in rows][:5]}: epoch {epoch!r} is not a non-negative integer")
+    return epoch
+
+
+def masking_budget(candidates: int, rate: float) -> int:
+    """BERT's ``num_to_predict``: ``max(1, round(candidates x rate))``, rounding half up as Python 2 did."""
+    return max(1, math.floor(candidates * rate + 0.5))
 
 
 def choose_positions(special: np.ndarray, word_start: np.ndarray | None, rate: float,
                      rng: np.random.Generator, row_id: str) -> np.ndarray:
-    """Sorted positions to predict: ``max(1, round(candidates x rate))`` tokens (BERT's rule); with
-    ``word_start``, whole words taken in random order while they fit, at least one word."""
+    """Sorted positions to predict, at most ``masking_budget`` of the row's non-special tokens; token by
+    token exactly that many; with ``word_start``, whole words in random order, a word that would exceed
+    the budget skipped (``create_masked_lm_predictions``: "If adding a whole-word mask would exceed the
+    maximum number of predictions, then just skip this candidate"), so a row whose every word is longer
+    than its budget masks nothing, as in BERT."""
     candidates = np.flatnonzero(~special)
     if len(candidates) == 0:
         raise WorkflowError(f"row '{row_id}': only special tokens, so no token can be masked; rerun pretokenise "
                             "(it drops such rows)")
-    budget = max(1, math.floor(len(candidates) * rate + 0.5))  # round half up, as BERT's Python 2 round
+    budget = masking_budget(len(candidates), rate)
     if word_start is None:
         return np.sort(rng.choice(candidates, size=budget, replace=False))
     # A candidate opens a word at a word start or after a special token (a block may begin mid-word).
     opens = word_start[candidates] | np.r_[True, np.diff(candidates) != 1]
     word = np.cumsum(opens) - 1
     sizes = np.bincount(word)
-    order = rng.permutation(len(sizes))
     chosen, covered = [], 0
-    for w in order:
+    for w in rng.permutation(len(sizes)):
         if covered >= budget:
             break
         if covered + sizes[w] <= budget:
             chosen.append(w)
             covered += sizes[w]
-    return candidates[np.isin(word, chosen or [order[0]])]
+    return candidates[np.isin(word, chosen)]
 
 
 class MaskingCollator:
@@ -213,7 +267,7 @@ class MaskingCollator:
         if not rows:
             raise WorkflowError("empty batch: the sampler produced a micro-batch without rows")
         row_ids = [r["id"] for r in rows]
-        rng = batch_generator(self.seed, row_ids)
+        rng = batch_generator(self.seed, row_ids, micro_batch_epoch(rows))
         width = max(len(r["input_ids"]) for r in rows)
         input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
         labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
@@ -245,7 +299,7 @@ class MaskingCollator:
             "input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
             "labels": labels_t, "target_index": target_index, "target_ids": labels_t.reshape(-1)[target_index],
             "target_tokens": len(target_index), "real_tokens": real_tokens,
-            "padded_tokens": input_ids.size - real_tokens, "row_ids": row_ids,
+            "padded_tokens": input_ids.size - real_tokens, "row_ids": row_ids, "mask_rate": self.mask_rate,
         }
 
 
@@ -334,6 +388,9 @@ def evaluate(model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict],
             raise WorkflowError(f"test line '{row['id']}': the tokenizer turns it into special tokens only, so no "
                                 "token can be masked; remove the line from the test files")
     lines = [(ids[s:s + n], eval_positions(row["id"], special[s:s + n])) for row, s, n in zip(rows, starts, lengths)]
+    # Which tokens are scored, as one hash: the fairness guard compares it between the variants.
+    scored = [[row["id"], positions.tolist(), line[positions].tolist()] for row, (line, positions) in zip(rows, lines)]
+    positions_sha256 = hashlib.sha256(json.dumps(scored).encode()).hexdigest()
     totals = np.zeros((len(rows), 3))  # masked, correct, loss_sum
     model.eval()
     order = sorted(range(len(rows)), key=lambda k: -len(lines[k][0]))
@@ -371,7 +428,8 @@ def evaluate(model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict],
     details = {"scores": scores, "masked_tokens": int(sums[0]), "max_length": max_length,
                "truncated_lines": int(sum(len(e.overflowing) > 0 for e in encodings)),
                "eval_mask": {"rate": EVAL_MASK_RATE, "unit": "token", "replacement": "all [MASK]",
-                             "seed": EVAL_MASK_SEED, "from": "each line's id"}}
+                             "seed": EVAL_MASK_SEED, "from": "each line's id", "max_length": max_length,
+                             "positions_sha256": positions_sha256}}
     return EvaluationResult(records, scores[metric], 0, details)
 
 
@@ -394,16 +452,59 @@ def check_tokenizer(tokenizer) -> str:
     return f"mask token {tokenizer.mask_token!r} (id {tokenizer.mask_token_id})"
 
 
+def describe_tokenizer(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = [f"{name} {type(getattr(backend, name)).__name__}" for name in ("normalizer", "pre_tokenizer", "model")
+             if backend is not None and getattr(backend, name, None) is not None]
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    return f"tokenizer '{name}'" + (f" ({', '.join(parts)})" if parts else "")
+
+
+# The realised masked share must lie in [half the budget minus MASKED_SHARE_SLACK tokens, the budget]:
+# the budget is never exceeded (BERT's rule), token-level masking meets it exactly, and whole-word
+# masking falls short only by words that did not fit, a few per cent on text whose words are a few
+# tokens long. The slack keeps a micro-batch of a few short lines (budget 1 or 2, words of 2 pieces:
+# nothing fits) from being refused. Lines taken for words (a pre-tokenizer that never splits, no word
+# starts) give 0 % or, with an "at least one word" fallback, about 97 % (issue 22): far outside both.
+MASKED_SHARE_SLACK = 2
+
+
+def check_masked_share(batch: Mapping[str, Any], tokenizer, labelled: torch.Tensor) -> tuple[int, int, int]:
+    """(masked, maskable, budget) of the batch; refuses a masked count outside the bounds above."""
+    if "mask_rate" not in batch:
+        _refuse("masked_lm_batch", "the batch does not say its mask_rate", "build batches with the task's collator")
+    rate = batch["mask_rate"]
+    input_ids, attention = batch["input_ids"].cpu(), batch["attention_mask"].cpu().bool()
+    # Unlabelled positions hold their own token, so their special flag is exact; labelled ones are never special.
+    maskable = labelled | (attention & ~labelled & ~torch.isin(input_ids, torch.tensor(tokenizer.all_special_ids)))
+    per_row = maskable.sum(dim=1).tolist()
+    budget = sum(masking_budget(n, rate) for n in per_row if n > 0)
+    masked, total = int(labelled.sum()), int(sum(per_row))
+    if masked > budget or masked < budget / 2 - MASKED_SHARE_SLACK:
+        share = masked / total if total else 0.0
+        if masked == 0:
+            _refuse("masked_lm_batch", f"no token is masked in the batch (0 of {total} maskable tokens, 0.0%, where "
+                    f"mask_rate {rate:.0%} allows {budget}) with {describe_tokenizer(tokenizer)} (rows "
+                    f"{list(batch.get('row_ids') or [])[:5]})", "use the masked_lm task's collator; with whole_word: "
+                    "true, a tokenizer whose tokens mark word starts (or whole_word: false), and rerun pretokenise")
+        why = ("more than the budget: labels on whole lines or on every token" if masked > budget else
+               "whole-word masking fits few words in the budget, so its words are far too long (whole lines?): "
+               "the tokenizer's word starts (offsets, a ▁/Ġ prefix, its pre-tokenizer's words) do not mark words")
+        _refuse("masked_lm_batch", f"{masked} of {total} maskable tokens are masked ({share:.1%}) with {describe_tokenizer(tokenizer)}, "
+                f"where mask_rate {rate:.0%} allows {budget} ({budget / total:.1%}) and at least about half of that is "
+                f"expected; {why} (rows {list(batch.get('row_ids') or [])[:5]})",
+                "use whole_word: false for this tokenizer, or a tokenizer whose tokens mark word starts, and rerun "
+                "pretokenise")
+    return masked, total, budget
+
+
 def check_batch(batch: Mapping[str, Any], tokenizer) -> str:
-    """Refuses a batch without a masked token, with labels on special or padding tokens, or with far
-    more unchanged labelled tokens than the 10% "keep" share allows (labels on unmasked positions)."""
+    """Refuses a batch without a masked token, with labels on special or padding tokens, with far more
+    unchanged labelled tokens than the 10% "keep" share allows (labels on unmasked positions), or whose
+    masked share is far from mask_rate (``check_masked_share``)."""
     labels, input_ids, attention = batch["labels"].cpu(), batch["input_ids"].cpu(), batch["attention_mask"].cpu()
-    rows = batch.get("row_ids") or []
     labelled = labels != IGNORE_INDEX
     n = int(labelled.sum())
-    if n == 0:
-        _refuse("masked_lm_batch", f"no token is masked in the batch (rows {rows[:5]})",
-                "use the masked_lm task's collator and a variant mask_rate above 0")
     if (labelled & (attention == 0)).any():
         _refuse("masked_lm_batch", "padding positions carry labels", "labels must be -100 wherever attention_mask is 0")
     special = torch.isin(labels[labelled], torch.tensor(tokenizer.all_special_ids))
@@ -420,7 +521,9 @@ def check_batch(batch: Mapping[str, Any], tokenizer) -> str:
     if unchanged > n * q + 6 * math.sqrt(n * q * (1 - q)) + 3:
         _refuse("masked_lm_batch", f"{unchanged} of {n} labelled tokens are unchanged in the input (expected about "
                 f"{q:.0%}): labels sit on unmasked positions", "labels must be -100 except on the masked positions")
-    return f"{n} masked tokens of {int(attention.sum())} ({n / int(attention.sum()):.1%}), none special or padding"
+    masked, total, budget = check_masked_share(batch, tokenizer, labelled)
+    return (f"{n} masked tokens of {total} maskable ({n / max(total, 1):.1%}, budget {budget} at mask_rate "
+            f"{batch['mask_rate']:.0%}), none special or padding")
 
 
 class MaskedLMTask:
@@ -429,6 +532,9 @@ class MaskedLMTask:
     peft_task_type = None  # see the module docstring: PEFT has no masked-LM task type
     variant_keys = frozenset(VARIANT_DEFAULTS)
     metrics = METRICS
+    # Training settings that decide which tokens evaluation scores (lines are cut at the training
+    # max_length): the fairness guard compares them as evaluation.eval_mask.<key> (analysis/fairness.py).
+    evaluation_training_keys = ("max_length",)
     dropped_reason = "only special tokens, or the short remainder of a map batch in 'blocks' grouping"
 
     def check_variant(self, variant: Mapping[str, Any]) -> dict[str, Any]:
