@@ -153,7 +153,7 @@ def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report, t
         micro_batches = [next(batches) for _ in range(setup.accumulation)]
         padding.append(batching.padding_share(micro_batches))
         targets = torch.tensor(float(sum(b["target_tokens"] for b in micro_batches)), device=context.device)
-        loss_scale = context.world_size / distributed.all_reduce_sum(targets, context)
+        loss_scale = context.world_size / distributed.all_reduce_sum(targets, context).clamp(min=1.0)  # as train's
         step_loss = 0.0
         for k, batch in enumerate(micro_batches):
             batch = training_setup.to_device(batch, context.device)

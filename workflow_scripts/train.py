@@ -254,9 +254,11 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
         local_targets = sum(b["target_tokens"] for b in micro_batches)
         if context.is_distributed:
             targets = torch.tensor(float(local_targets), device=device)
-            loss_scale = context.world_size / distributed.all_reduce_sum(targets, context)
+            # clamp: a global batch with no target (whole-word masking can leave every row unmasked, as
+            # BERT's create_masked_lm_predictions does) is a zero loss, as BERT's denominator + 1e-5 gives.
+            loss_scale = context.world_size / distributed.all_reduce_sum(targets, context).clamp(min=1.0)
         else:
-            loss_scale = 1.0 / local_targets
+            loss_scale = 1.0 / max(local_targets, 1)
         step_loss = torch.zeros((), device=device)
         for k, batch in enumerate(micro_batches):
             batch = training_setup.to_device(batch, device)
