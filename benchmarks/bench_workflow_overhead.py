@@ -123,9 +123,11 @@ def reduced_demo(tmp: Path, budget_s: float) -> tuple[Path | None, Path | None, 
     first_dataset = next(iter(config["datasets"]))
     reduced = copy.deepcopy(config)
     reduced["datasets"] = {first_dataset: config["datasets"][first_dataset]}
+    kept_models = config["datasets"][first_dataset].get("models") or list(config["models"])
+    reduced["models"] = {name: config["models"][name] for name in kept_models}  # a model no dataset trains is refused
     reduced["variants"] = {"baseline": config["variants"]["baseline"]}
     reduced["seeds"] = config["seeds"][:1]
-    reduced.setdefault("training", {}).update({"max_steps": 4, "checkpoint_every": 2, "log_every": 1})
+    reduced.setdefault("training", {}).update({"max_steps": 4, "warmup_steps": 0, "checkpoint_every": 2, "log_every": 1})
     reduced.setdefault("evaluation", {}).update({"max_examples": 8, "max_new_tokens": 8})
     reduced.setdefault("comparison", {})
     os.symlink(REPO / "demo_data", tmp / "demo_data")

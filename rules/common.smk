@@ -9,6 +9,7 @@ sys.path.insert(0, workflow.basedir)
 shell.prefix(f"export PYTHONPATH={shlex.quote(workflow.basedir)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; ")
 
 from workflow_scripts.core import experiment_config as xc
+from workflow_scripts.core import experiment_set
 from workflow_scripts.data import source_files, split_names
 from workflow_scripts.core.errors import ConfigError
 from workflow_scripts.training import trackers
@@ -253,10 +254,23 @@ def loss_plots():
     return list(dict.fromkeys(xc.plot_names(m, t, t)[1] for m, t, _, _ in xc.experiments(config)))
 
 
+def experiment_set_stamp():
+    """compare's stamp, named by a hash of what it compares (core/experiment_set.py): a config whose set
+    differs from the one the comparison holds reruns compare, and every missing job before it."""
+    return experiment_set.stamp_path({
+        "experiments": [list(e) for e in xc.evaluations(config)], "comparison": config["comparison"],
+        "with_base": bool(config["evaluation"]["evaluate_base_model"])})
+
+
 def final_outputs():
+    """The comparison, its set's stamp, and every run's own evaluation: Snakemake does not rerun a job whose
+    outputs exist for inputs that are merely missing, so a new experiment must be a target itself."""
     return [
         "results/comparison.md",
         "results/comparison.csv",
+        experiment_set_stamp(),
+        *evaluation_outputs("eval.json"),
+        *base_eval_outputs("eval.json"),
     ]
 
 

@@ -84,6 +84,7 @@ rule compare:
     output:
         csv=report("results/comparison.csv", caption="../report/comparison.rst", category="Comparison"),
         markdown=report("results/comparison.md", caption="../report/comparison.rst", category="Comparison"),
+        experiment_set=experiment_set_stamp(),
         score_plots=[
             report(path, caption="../report/score_plot.rst", category="Comparison", subcategory="Scores")
             for path in [f"results/plots/{name}" for name in score_plots()]
@@ -106,5 +107,5 @@ rule compare:
     shell:
         "python -m workflow_scripts.compare --results-dir results --experiments {params.experiments:q}"
         " --comparison {params.comparison:q} {params.with_base} --normalise-reports {input.normalise_reports:q}"
-        " --out-csv {output.csv:q}"
-        " --out-markdown {output.markdown:q} --plots-dir results/plots > {log:q} 2>&1"
+        " --out-csv {output.csv:q} --out-markdown {output.markdown:q}"
+        " --experiment-set-out {output.experiment_set:q} --plots-dir results/plots > {log:q} 2>&1"

@@ -15,6 +15,15 @@ def default_config() -> dict:
     return yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
 
 
+def without_idle_models(config: dict) -> dict:
+    """``config`` with only the models some kept dataset or mixture trains (a model no dataset lists is refused)."""
+    if "models" in config:
+        entries = [*config["datasets"].values(), *(config.get("mixtures") or {}).values()]
+        used = {model for entry in entries for model in (entry.get("models") or config["models"])}
+        config["models"] = {name: spec for name, spec in config["models"].items() if name in used}
+    return config
+
+
 def single_model_config(model: str = "tiny-llama") -> dict:
     """The demo config as a one-model config (``model:``): its datasets and variants for that model only."""
     config = default_config()

@@ -92,6 +92,12 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("config", "template-gold-answer-in-prompt", cfg("variants.baseline.prompt", "Q: {question} ({answer})"), "config", "{config}: config key 'variants.baseline.prompt': shows field 'answer', which in dataset 'amr_demo' is the first gold answer, " + LEAK % "answer"),
         case("config", "template-derived-gold-in-prompt", cfg("variants.mtup.prompt", "Q: {question} hint: {aux}"), "config", "{config}: config key 'variants.mtup.prompt': shows field 'aux', which in dataset 'amr_demo' is derived from the gold answer (aux = penman_skeleton(answer)), " + LEAK % "aux"),
         case("config", "section-extractor-without-marker", cfg("variants.mtup.extractor", {"type": "section"}), "config", "{config}: config key 'variants.mtup.extractor.marker': a section extractor needs the final task's marker"),
+        # --- config: settings that would be silently ignored or never take effect ---
+        case("config", "warmup-not-below-max-steps", cfg("training.warmup_steps", 300), "config", "{config}: config key 'training.warmup_steps': 300 is not below max_steps (300), so the learning rate would never leave warm-up; lower warmup_steps (e.g. to a tenth of the steps) or train longer"),
+        case("config", "early-stopping-without-validation", cfg("training.validation", {"early_stopping_patience": 2}), "config", "{config}: config key 'training.validation.early_stopping_patience': is 2 but validation.every_steps is not set, so no validation loss is computed and training would never stop early; set training.validation.every_steps or drop validation.early_stopping_patience"),
+        case("config", "keep-best-without-validation", cfg("training.validation", {"keep": "best"}), "config", "{config}: config key 'training.validation.keep': is 'best' but validation.every_steps is not set, so no validation loss is computed and there would be no best step to keep; set training.validation.every_steps or drop validation.keep"),
+        case("config", "packing-with-micro-batch-1", cfg("model.training", {"packing": True, "micro_batch": 1}), "config", "{config}: config key 'training.packing': is true but micro_batch is 1: packing joins the examples of one micro-batch, so it would pack nothing; raise micro_batch (accumulation shrinks, the effective batch stays) or set packing: false"),
+        case("config", "model-no-dataset-runs-on", cfg("models.tiny-extra", {"source": "tiny", "tiny": {"architecture": "llama", "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "vocab_size": 1024}}, base=default_config), "config", "{config}: config key 'models.tiny-extra': no dataset or mixture trains on 'tiny-extra' (their models: lists leave it out), so it would silently drop out of the matrix; add 'tiny-extra' to the models: list of a dataset or mixture, or remove it"),
         # --- config: duplicate keys, YAML syntax, unreadable files ---
         case("config", "dataset-twice", cfg_text(SMALL % ("  amr_demo:\n    source: {type: local, path: elsewhere}", "", "")), "config", "{config}: config key 'datasets.amr_demo': line 7: key 'amr_demo' is given twice (first at line 3); " + TWICE),
         case("config", "variant-twice", cfg_text(SMALL % ("", "  baseline: {prompt: 'Q: {question}', target: '{answer}'}", "")), "config", "{config}: config key 'variants.baseline': line 10: key 'baseline' is given twice (first at line 9); " + TWICE),
@@ -117,6 +123,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "number-for-question", rows({"q": 42, "a": "x"}), "normalise", rejected("wrong_type", "q", "expected a string, got int 42")),
         case("data", "object-for-answers", rows({"q": "ok?", "a": {"text": "x"}}), "normalise", rejected("wrong_type", "a", "expected a string or a list of strings, got dict")),
         case("data", "row-is-a-list", rows(["q", "a"]), "normalise", rejected("wrong_type", None, "the row is a list, not an object with fields")),
+        case("data", "submission-integer-ids-not-integers", unlabelled_ids(["7", "q-1"]), "normalise", "config key 'datasets.d.submission.id_type': is integer, but split 'test' of {raw}/test.jsonl has id 'q-1' (its kept row 1), which is not an integer; set datasets.d.submission.id_type: string, or give integer ids"),
         case("data", "unparseable-jsonl-line", rows('{"q": "ok?", "a": }'), "normalise", rejected("unparseable_record", None, "not valid JSON: line 6 column 19: Expecting value")),
         case("data", "unparseable-jsonl-line-cut-short", rows('{"q": "broken'), "normalise", rejected("unparseable_record", None, "not valid JSON: line 6 column 7: Unterminated string starting here")),
         case("data", "jsonl-line-with-a-raw-tab", rows('{"q": "tab\there", "a": "x"}'), "normalise", rejected("unparseable_record", None, "not valid JSON: line 6 column 11: Invalid control character here")),
@@ -453,10 +460,11 @@ def command(defaults: Callable[[Workspace], dict], changes: dict | None, plant: 
 
 
 # config
-def cfg(dotted: str, value: Any):
-    """The demo config (one model's) with ``value`` at ``dotted`` (DROP deletes the key), written to {config}."""
+def cfg(dotted: str, value: Any, base: Callable[[], dict] = single_model_config):
+    """The demo config (one model's, or ``base()``) with ``value`` at ``dotted`` (DROP deletes the key), written
+    to {config}."""
     def setup(w: Workspace) -> list[str]:
-        config = single_model_config()
+        config = base()
         *parents, last = dotted.split(".")
         node = config
         for part in parents:
@@ -534,6 +542,17 @@ def rows(bad: Any = None, copies: int = 1, good: int = 9, ids: bool = False, ext
         write_jsonl(w.raw / "train.jsonl", train)
         write_jsonl(w.raw / "test.jsonl", test)
     return normalise_args(settings=changes, plant=plant)
+
+
+def unlabelled_ids(test_ids: list[str]):
+    """An unlabelled test split (no answers) with ``test_ids``, submitted with submission.id_type: integer."""
+    settings = {"fields": {"id": "id", "question": "q", "answers": "a"}, "unlabelled": ["test"],
+                "splits": {"train": "train", "test": "test"}, "submission": {"id_type": "integer"}}
+
+    def plant(w: Workspace) -> None:
+        write_jsonl(w.raw / "train.jsonl", [{"id": f"r{i}", "q": f"question {i}?", "a": f"answer {i}"} for i in range(9)])
+        write_jsonl(w.raw / "test.jsonl", [{"id": row_id, "q": "which?"} for row_id in test_ids])
+    return normalise_args(settings=settings, plant=plant)
 
 
 def csv_rows(bad_line: str | None = None, header: str = "q,a"):

@@ -299,6 +299,24 @@ def test_bad_comparison_settings_are_named(tmp_path, results, comparison, key):
         run(tmp_path, results, comparison=comparison)
 
 
+def test_the_stamp_names_the_compared_set_and_replaces_the_previous_sets(tmp_path, results):
+    """results/experiment_sets/ holds one stamp: the set results/comparison.* now compares (core/experiment_set)."""
+    from workflow_scripts.core import experiment_set
+
+    identity = {"experiments": EXPERIMENTS, "comparison": COMPARISON, "with_base": True}
+    stamp = tmp_path / experiment_set.stamp_path(identity)
+    stamp.parent.mkdir(parents=True)
+    (stamp.parent / "0123456789abcdef.json").write_text("{}")  # another set's, compared earlier
+    out = tmp_path / "out"
+    assert compare.main(["--results-dir", str(results), "--experiments", json.dumps(EXPERIMENTS), "--comparison",
+                         json.dumps(COMPARISON), "--with-base", "--out-csv", str(out / "c.csv"), "--out-markdown",
+                         str(out / "c.md"), "--plots-dir", str(out / "plots"), "--experiment-set-out", str(stamp)]) == 0
+    assert [path.name for path in stamp.parent.iterdir()] == [stamp.name]
+    assert json.loads(stamp.read_text())["experiments"] == EXPERIMENTS
+    other = experiment_set.stamp_path({**identity, "experiments": EXPERIMENTS[:2]})
+    assert other != experiment_set.stamp_path(identity)
+
+
 def test_plots_are_written_as_png(tmp_path, results):
     run(tmp_path, results)
     for name in ("scores_tiny_chart.png", "loss_tiny_chart.png"):
@@ -342,6 +360,7 @@ def test_rules_call_evaluate_and_compare_with_arguments_they_accept(tmp_path):
     assert {args.model_name for args in parsed["evaluate"]} == {"tiny-llama", "tiny-bert", "tiny-llava"}
     (arguments,) = parsed["compare"]
     assert arguments.with_base and arguments.plots_dir == "results/plots"
+    assert re.fullmatch(r"results/experiment_sets/[0-9a-f]{16}\.json", arguments.experiment_set_out)
     assert len(json.loads(arguments.experiments)) == 12 * seeds
     assert arguments.normalise_reports == sorted({f"results/data/{item[-1]}/normalise_report.json"
                                                   for item in json.loads(arguments.experiments)})

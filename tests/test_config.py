@@ -4,7 +4,7 @@ import copy
 import pytest
 import yaml
 
-from data_helpers import ROOT, default_config, single_model_config
+from data_helpers import ROOT, default_config, single_model_config, without_idle_models
 from workflow_scripts.core.errors import ConfigError
 from workflow_scripts.core.experiment_config import (check_config, check_workflow_config, load_config, validate_schema,
                                                validate_section)
@@ -124,7 +124,7 @@ def with_variant(prompt, target=" {answer}", **dataset_changes):
     config = default_config()
     config["datasets"] = {"chartqa_demo": {**config["datasets"]["chartqa_demo"], **dataset_changes}}
     config["variants"]["hinted"] = {"prompt": prompt, "target": target}
-    return config
+    return without_idle_models(config)
 
 
 LEAK_FIX = ("so evaluation would put the gold answer into every test prompt; remove {%s} from the prompt "

@@ -100,10 +100,10 @@ def test_a_dry_run_takes_seeds_and_training_overrides(tmp_path):
     code, output = snakemake(tmp_path, "-n", "-p", "--configfile",
                              str(config_file(tmp_path, absolute_demo_config(["amr_demo"]))),
                              "--replace-workflow-config", "--cores", "1",
-                             "--config", "seeds=[3,4]", "training={max_steps: 7, learning_rate: 2e-4}")
+                             "--config", "seeds=[3,4]", "training={max_steps: 17, learning_rate: 2e-4}")
     assert code == 0, output[-3000:]
     settings = training_arguments(output)
-    assert settings and all(s["max_steps"] == 7 and s["learning_rate"] == 2e-4 for s in settings), output[-3000:]
+    assert settings and all(s["max_steps"] == 17 and s["learning_rate"] == 2e-4 for s in settings), output[-3000:]
     assert "seed3" in output and "seed4" in output and "seed1" not in output
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from data_helpers import ROOT, default_config
+from data_helpers import ROOT, default_config, without_idle_models
 
 
 def snakemake(workdir, *args, timeout=600):
@@ -41,7 +41,7 @@ def absolute_demo_config(datasets=None):
             del config["datasets"][name]
         else:
             config["datasets"][name]["source"]["path"] = str(ROOT / config["datasets"][name]["source"]["path"])
-    return config
+    return without_idle_models(config)
 
 
 def test_real_hub_config_builds_its_dag(tmp_path):
@@ -140,3 +140,63 @@ def test_a_source_file_copied_in_with_its_old_time_still_reruns_download(tmp_pat
     os.utime(test_file, ns=times)  # ... with the old modification time, as cp -p leaves it
     code, output = snakemake(tmp_path, *base, "-n", "--until", "download")
     assert code == 0 and job_counts(output).get("download") == 1, output
+
+
+# A second experiment set in the same directory -------------------------------------------------------
+def small_chain_config(dataset: str, model: str = "tiny-llama") -> dict:
+    """One dataset, the baseline variant, one seed and two steps on a tiny model (named ``model``): the
+    whole chain in about a minute."""
+    config = absolute_demo_config([dataset])
+    config["models"] = {model: config["models"]["tiny-llama"]}
+    config["datasets"][dataset]["models"] = [model]
+    config["variants"] = {"baseline": config["variants"]["baseline"]}
+    config["comparison"]["reference_variant"] = "baseline"
+    config["seeds"] = [1]
+    config["training"].update(max_steps=2, warmup_steps=0, checkpoint_every=2, log_every=1, validation={})
+    config["evaluation"] = {**config.get("evaluation", {}), "max_examples": 4, "max_new_tokens": 4,
+                            "evaluate_base_model": False}
+    return config
+
+
+def test_a_comparison_left_from_an_earlier_run_hides_no_experiment(tmp_path):
+    """With only results/comparison.{md,csv} left, Snakemake used to answer 'Nothing to be done': the
+    comparison was the only target, and a job is not rerun for inputs that are merely missing."""
+    config = absolute_demo_config(["amr_demo"])
+    (tmp_path / "results").mkdir()
+    for name in ("comparison.md", "comparison.csv"):
+        (tmp_path / "results" / name).write_text("from an earlier experiment\n")
+    code, output = snakemake(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)),
+                             "--replace-workflow-config", "--cores", "1")
+    assert code == 0 and not nothing_to_do(output), output[-3000:]
+    counts = job_counts(output)
+    runs = 2 * len(config["seeds"])  # baseline and mtup
+    assert counts["train"] == counts["evaluate"] == runs and counts["compare"] == 1, counts
+
+
+@pytest.mark.slow
+def test_a_second_experiment_set_in_the_same_directory_runs_and_an_unchanged_one_does_nothing(tmp_path):
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text(yaml.safe_dump(small_chain_config("amr_demo"), sort_keys=False))
+    second.write_text(yaml.safe_dump(small_chain_config("chartqa_demo", model="tiny-llama-b"), sort_keys=False))
+
+    def run(configfile, *args):
+        code, output = snakemake(tmp_path, "--configfile", str(configfile), "--replace-workflow-config",
+                                 "--cores", "2", *args)
+        assert code == 0, output[-4000:]
+        return output
+
+    run(first)
+    assert nothing_to_do(run(first, "-n"))  # unchanged: nothing to do
+    planned = job_counts(run(second, "-n"))  # another model and dataset: its whole chain
+    assert {rule: planned.get(rule) for rule in ("download", "prepare_model", "train", "evaluate", "compare")} == {
+        "download": 1, "prepare_model": 1, "train": 1, "evaluate": 1, "compare": 1}, planned
+    run(second)
+    assert (tmp_path / "results/tiny-llama-b/chartqa_demo/baseline/seed1/eval.json").exists()
+    assert "chartqa_demo" in (tmp_path / "results/comparison.md").read_text()
+    assert nothing_to_do(run(second, "-n"))
+    # Back to the first set: its runs are all here, only its comparison is redone.
+    assert {rule: n for rule, n in job_counts(run(first, "-n")).items() if rule != "all"} == {"compare": 1}
+    run(first)
+    assert "amr_demo" in (tmp_path / "results/comparison.md").read_text()
+    assert len(list((tmp_path / "results/experiment_sets").glob("*.json"))) == 1
+    assert nothing_to_do(run(first, "-n"))

@@ -124,3 +124,25 @@ def test_normalise_removes_a_killed_runs_staging_directory_and_keeps_a_live_ones
     assert normalise.main(["--name", "lines", "--dataset", json.dumps(settings), "--raw", str(raw), "--out", str(out),
                            "--report", str(tmp_path / "report.json")]) == 0
     assert sorted(p.name for p in out.parent.iterdir()) == sorted(["lines", live.name, other_host.name])
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o002, 0o775), (0o077, 0o700)])
+def test_directory_outputs_follow_the_umask(tmp_path, umask, mode):
+    """mkdtemp's staging directory is 0700 whatever the umask; a renamed-in output must not stay so (a lab's
+    group reads results on a shared file system). A stage's real output too: download's raw/."""
+    from test_masked_lm_chain import corpus
+
+    source = tmp_path / "corpus"
+    source.mkdir()
+    (source / "train.txt").write_text("\n".join(corpus(5, seed=1)) + "\n", encoding="utf-8")
+    settings = {"task": "masked_lm", "source": {"type": "local", "path": str(source)}, "format": "text",
+                "splits": {"train": "train"}, "metric": "masked_accuracy"}
+    previous = os.umask(umask)
+    try:
+        with atomic_output.atomic_path(tmp_path / "out", directory=True) as out:
+            (out / "file.txt").write_text("x")
+        raw = run_download("lines", settings, tmp_path)
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == mode
+    assert Path(raw).stat().st_mode & 0o777 == mode

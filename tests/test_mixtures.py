@@ -111,6 +111,20 @@ def test_components_tokenised_differently_are_refused_naming_the_key(tmp_path):
     assert not (tmp_path / "mixed").exists() and not (tmp_path / "mixed_report.json").exists()
 
 
+def test_a_mixture_repeating_a_component_far_beyond_its_rows_is_refused_unless_allowed(tmp_path):
+    """rows: 1000000 from 1,033 rows repeated each ~968 times without a word; now more than max_passes (10 by
+    default) repetitions stop the mix stage, naming the key, the component and its rows."""
+    first, second = _components(tmp_path)  # 30 and 10 train rows
+    settings = {"weights": {"first": 1, "second": 1}, "rows": 240, "seed": 0}  # second: 120 of 10 rows
+    with pytest.raises(ConfigError, match=r"config key 'mixtures\.both\.rows': draws 120 rows from 'second', whose "
+                                          r"train split has 10: each row would be repeated about 12 times, more "
+                                          r"than max_passes \(10\); .*raise mixtures\.both\.max_passes"):
+        _mix(tmp_path, first, second, settings)
+    assert not (tmp_path / "mixed").exists() and not (tmp_path / "mixed_report.json").exists()
+    code, _, report = _mix(tmp_path, first, second, {**settings, "max_passes": 12})
+    assert code == 0 and json.loads(report.read_text())["components"]["second"]["passes"] == 12.0
+
+
 def test_a_component_argument_without_a_directory_is_one_line(tmp_path):
     with pytest.raises(WorkflowError, match=r"argument --component: expected NAME=DIR, got 'first'"):
         mix.main(["--mixture", "m", "--settings", "{}", "--component", "first", "--component", "b=x",

@@ -45,6 +45,10 @@ def test_derived_values():
     ({"max_steps": "five"}, "max_steps", "not of type"),
     ({"max_steps": 5, "lora": {"rank": 0}}, "lora.rank", "minimum"),
     ({"max_steps": 5, "learning_rte": 1e-4}, "training", "learning_rte"),
+    ({"max_steps": 5, "warmup_steps": 5}, "warmup_steps", "would never leave warm-up"),
+    ({"max_steps": 5, "validation": {"early_stopping_patience": 2}}, "validation.early_stopping_patience", "never stop early"),
+    ({"max_steps": 5, "validation": {"keep": "best"}}, "validation.keep", "no best step to keep"),
+    ({"max_steps": 5, "packing": True, "micro_batch": 1, "effective_batch": 4}, "packing", "would pack nothing"),
 ])
 def test_each_refusal_names_the_key(value, key, words):
     with pytest.raises(ConfigError) as raised:
@@ -73,3 +77,15 @@ def test_nothing_below_the_config_reads_training_settings_as_a_dict():
              for path in sorted([*(REPO / "workflow_scripts").rglob("*.py"), *(REPO / "rules").glob("*.smk")])
              for number, line in enumerate(path.read_text().splitlines(), 1) if dict_access.search(line)]
     assert found == []
+
+
+def test_warm_up_as_long_as_the_epochs_is_refused_once_the_rows_are_known():
+    settings = TrainingSettings.parse({"epochs": 1, "warmup_steps": 4, "effective_batch": 8, "micro_batch": 2})
+    assert settings.with_length(64).max_steps == 8  # 8 steps: warm-up ends
+    with pytest.raises(ConfigError, match=r"config key 'training.warmup_steps': 4 is not below the 4 optimizer steps "
+                                          r"that epochs \(1\) makes of 32 training rows"):
+        settings.with_length(32)
+    valid = TrainingSettings.parse({"max_steps": 5, "warmup_steps": 4, "packing": True, "micro_batch": 2,
+                                    "effective_batch": 4, "validation": {"every_steps": 2, "keep": "best",
+                                                                        "early_stopping_patience": 1}})
+    assert valid.validation.keep == "best"

@@ -184,6 +184,20 @@ def test_the_config_refuses_credentials_in_the_uri_and_unknown_run_name_fields()
         trackers.load_tracking_settings(json.dumps({"mlflow": {"experiment": ""}}))
 
 
+@pytest.mark.parametrize("uri", [
+    f"https://mlflow.example.org/api?auth={SECRET}&sig=abcdef",  # no secret-looking key name
+    f"https://mlflow.example.org/?workspace={SECRET}",
+    f"https://{SECRET}@mlflow.example.org",
+    f"https://mlflow.example.org/#{SECRET}",
+])
+def test_the_config_refuses_any_query_or_user_info_in_the_uri(uri):
+    """Any of them would be printed with the train command (-p, every 'Error in rule train' block)."""
+    tracking = trackers.load_tracking_settings(json.dumps({"mlflow": {"enabled": True, "tracking_uri": uri}}))
+    with pytest.raises(ConfigError, match="tracking.mlflow.tracking_uri.*MLFLOW_TRACKING_TOKEN.*environment") as raised:
+        trackers.check_workflow_tracking(tracking)
+    assert SECRET not in str(raised.value)
+
+
 def test_the_train_rule_passes_the_tracking_block_with_the_run_name(tmp_path):
     from test_dag import absolute_demo_config, config_file, snakemake
 

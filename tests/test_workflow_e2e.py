@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 def write_config(directory: Path, **changes) -> Path:
     config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     config["datasets"] = {name: config["datasets"][name] for name in DATASETS}
+    config["models"] = {"tiny-llama": config["models"]["tiny-llama"]}  # the models of these datasets only
     # Generation only: the demo's classification variants would have no dataset here.
     config["variants"] = {name: v for name, v in config["variants"].items() if v.get("task", "generation") == "generation"}
     config["comparison"]["reference_variant"] = "baseline"

@@ -24,6 +24,7 @@ import numpy as np
 
 from workflow_scripts.analysis import excluded_rows, fairness, paired_bootstrap, plots
 from workflow_scripts.tasks import metrics
+from workflow_scripts.core import experiment_set
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.experiment_config import evaluation_subdirectory, plot_names
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
@@ -69,6 +70,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out-csv", required=True)
     parser.add_argument("--out-markdown", required=True)
     parser.add_argument("--plots-dir", required=True, help="writes scores_{model}_{dataset}.png and loss_{model}_{dataset}.png here")
+    parser.add_argument("--experiment-set-out", help="the stamp naming this experiment set (core/experiment_set.py); "
+                        "other sets' stamps beside it are removed")
     return parser.parse_args(argv)
 
 
@@ -536,6 +539,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = markdown(rows, comparison, report_notes(runs, rows, args.normalise_reports))
     with atomic_path(args.out_markdown) as temporary:
         temporary.write_text(text)
+    if args.experiment_set_out:
+        experiment_set.write_stamp(args.experiment_set_out, {
+            "experiments": json_setting(args.experiments, "--experiments"), "comparison": comparison,
+            "with_base": args.with_base})
     print(text)
     return 0
 

@@ -48,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = list(components)
     sizes = {name: len(data[name]["train"]) for name in names}
     order = mixture.plan(sizes, settings)
+    mixture.check_passes(order, sizes, settings, args.mixture)
     report = {
         "mixture": args.mixture, "seed": settings.get("seed", 0),
         "components": {name: {"data": str(components[name]), "train_rows": sizes[name], "share": order.shares[name],

@@ -147,6 +147,19 @@ def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_spli
     return kept, tally
 
 
+def check_submission_ids(rows: list[dict], tally: SplitTally, settings: Mapping[str, Any], key: str) -> None:
+    """An unlabelled split submitted with integer ids must have integer ids: refused here, not after training."""
+    if not tally.unlabelled or (settings.get("submission") or {}).get("id_type") != "integer":
+        return
+    for index, row in enumerate(rows):
+        try:
+            int(row["id"])
+        except ValueError:
+            raise ConfigError(f"{key}.submission.id_type", f"is integer, but split '{tally.source_split}' of "
+                              f"{tally.file} has id {row['id']!r} (its kept row {index}), which is not an integer; "
+                              f"set {key}.submission.id_type: string, or give integer ids") from None
+
+
 def check_tally(tally: SplitTally, threshold: float, key: str) -> None:
     if tally.examined == 0:
         raise WorkflowError(f"{tally.file}: split '{tally.source_split}' has no rows")
@@ -268,6 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         rows, tally = normalise_split(mapper, args.raw, fmt, canonical, settings["splits"][canonical], rejections, key)
         splits[canonical], tallies[canonical] = rows, tally
+        check_submission_ids(rows, tally, settings, key)
         mapper.split_done(canonical, rows)  # train first: a later split may be checked against it
     files = {canonical: tally.file for canonical, tally in tallies.items()}
     overlap, overlap_problem, overlaps = check_record_contamination(mapper, splits, settings, files, key)

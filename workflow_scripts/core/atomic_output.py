@@ -80,6 +80,20 @@ def remove_stale(final: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it (os.umask sets while it reads, racing other threads)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | os.PathLike, directory: bool = False) -> Iterator[Path]:
     """Yield a temporary path next to ``final``; on success rename it onto ``final``, on error delete it.
@@ -92,6 +106,8 @@ def atomic_path(final: str | os.PathLike, directory: bool = False) -> Iterator[P
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(final)
     temporary = Path(tempfile.mkdtemp(prefix=_prefix(final), suffix=".partial", dir=final.parent))
+    if directory:  # mkdtemp makes it 0700 whatever the umask: a lab's group could not read the output
+        temporary.chmod(0o777 & ~current_umask())
     target = temporary if directory else temporary / final.name
     try:
         yield target

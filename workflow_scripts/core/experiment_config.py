@@ -572,6 +572,12 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
                               "several tasks give a mapping, e.g. {generation: baseline, classification: plain}", source)
         for model in models(config):
             _check_fair_training(config, task_name, reference, source, model)
+    running = {model for model, _, _ in model_entry_variants(config)}
+    for name in models(config):
+        if name not in running:
+            raise ConfigError("model" if "model" in config else f"models.{name}", f"no dataset or mixture trains "
+                              f"on '{name}' (their models: lists leave it out), so it would silently drop out of the "
+                              f"matrix; add '{name}' to the models: list of a dataset or mixture, or remove it", source)
 
 
 def _check_validation_metric(config: Mapping[str, Any], entry: str, validation: "ValidationSettings",

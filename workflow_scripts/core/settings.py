@@ -4,7 +4,8 @@ Snakefile's resource functions read by attribute.
 
 One function, :meth:`TrainingSettings.parse`, does all the checking: config/schema.yaml's
 ``training_settings`` (filling its defaults), then what no schema can state (the effective batch splits
-evenly over processes, exactly one of max_steps and epochs). The Snakefile parses every (model, variant)
+evenly over processes, exactly one of max_steps and epochs, warm-up shorter than training, early stopping
+and keep: best only with validation, packing only with several examples per micro-batch). The Snakefile parses every (model, variant)
 when the workflow is read; a stage parses its ``--training`` JSON the same way, so a stage run by hand
 gets the same defaults and the same refusals.
 """
@@ -111,6 +112,7 @@ class TrainingSettings:
         settings = cls(**checked, **nested)
         settings._check_batch_shape(batch_key or key, source)
         settings._check_length(key, source)
+        settings._check_schedule(key, source)
         return settings
 
     @classmethod
@@ -161,7 +163,10 @@ class TrainingSettings:
         if per_epoch == 0:
             raise WorkflowError(f"the training split has {train_rows} rows, fewer than training.effective_batch "
                                 f"({self.effective_batch}); lower the effective batch or add data")
-        return dataclasses.replace(self, max_steps=max(1, math.ceil(self.epochs * per_epoch)))
+        resolved = dataclasses.replace(self, max_steps=max(1, math.ceil(self.epochs * per_epoch)))
+        resolved._check_warmup("training", None, f"the {resolved.max_steps} optimizer steps that epochs "
+                               f"({self.epochs}) makes of {train_rows} training rows")
+        return resolved
 
     def replace(self, **changes: Any) -> "TrainingSettings":
         return dataclasses.replace(self, **changes)
@@ -183,6 +188,32 @@ class TrainingSettings:
         if self.max_steps is not None and self.epochs is not None:
             raise ConfigError(f"{key}.epochs", f"both max_steps ({self.max_steps}) and epochs ({self.epochs}) "
                               "are set; keep one", source)
+
+    def _check_schedule(self, key: str, source: str | None) -> None:
+        """Settings that would be silently ignored or never take effect."""
+        self._check_warmup(key, source)
+        validation = self.validation
+        if not validation.every_steps:
+            for name, value, effect in (
+                    ("early_stopping_patience", validation.early_stopping_patience, "training would never stop early"),
+                    ("keep", None if validation.keep == "final" else validation.keep,
+                     "there would be no best step to keep")):
+                if value is not None:
+                    raise ConfigError(f"{key}.validation.{name}", f"is {value!r} but validation.every_steps is not "
+                                      f"set, so no validation loss is computed and {effect}; set "
+                                      f"{key}.validation.every_steps or drop validation.{name}", source)
+        if self.packing and self.micro_batch == 1:
+            raise ConfigError(f"{key}.packing", "is true but micro_batch is 1: packing joins the examples of one "
+                              "micro-batch, so it would pack nothing; raise micro_batch (accumulation shrinks, the "
+                              "effective batch stays) or set packing: false", source)
+
+    def _check_warmup(self, key: str, source: str | None, steps: str | None = None) -> None:
+        """Known when the workflow is read under max_steps; under epochs, once the train split's rows are."""
+        if self.max_steps is not None and self.warmup_steps >= self.max_steps and self.warmup_steps > 0:
+            steps = steps or f"max_steps ({self.max_steps})"
+            raise ConfigError(f"{key}.warmup_steps", f"{self.warmup_steps} is not below {steps}, so the learning "
+                              "rate would never leave warm-up; lower warmup_steps (e.g. to a tenth of the steps) "
+                              "or train longer", source)
 
 
 def _tuples(mapping: dict[str, Any]) -> dict[str, Any]:

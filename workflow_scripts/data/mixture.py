@@ -21,6 +21,9 @@ from workflow_scripts.core.errors import ConfigError, WorkflowError
 META_NAME = "tokenise_meta.json"
 # Keys of tokenise_meta.json that describe one dataset's rows, not how they were tokenised.
 PER_DATASET_KEYS = ("input_fingerprint", "cache_key", "report")
+# mixtures.<name>.max_passes when absent: how often a component's rows may each be drawn (a small dataset
+# given a large share is repeated; a thousand repetitions is a typo in rows or weights, not a plan).
+MAX_PASSES = 10
 
 
 def proportions(sizes: Mapping[str, int], weights: Mapping[str, float] | None = None,
@@ -75,6 +78,19 @@ def plan(sizes: Mapping[str, int], settings: Mapping[str, Any]) -> Plan:
         rows.append(picked.astype(np.int64))
     order = rng.permutation(total)
     return Plan(np.concatenate(sources)[order], np.concatenate(rows)[order], per_component, shares)
+
+
+def check_passes(order: Plan, sizes: Mapping[str, int], settings: Mapping[str, Any], mixture: str) -> None:
+    """Refuse a mixture that repeats a component's rows more than ``max_passes`` times (default
+    MAX_PASSES): most likely a ``rows`` or a weight far off, not a wish to see each row ~1000 times."""
+    limit = settings.get("max_passes") or MAX_PASSES
+    for name, size in sizes.items():
+        if size and order.counts[name] > limit * size:
+            key = f"mixtures.{mixture}.rows" if settings.get("rows") else f"mixtures.{mixture}.weights"
+            raise ConfigError(key, f"draws {order.counts[name]} rows from '{name}', whose train split has {size}: "
+                              f"each row would be repeated about {order.counts[name] / size:.0f} times, more than "
+                              f"max_passes ({limit}); lower rows or '{name}''s weight, or raise "
+                              f"mixtures.{mixture}.max_passes if that much repetition is meant")
 
 
 def read_meta(directory: Path) -> dict[str, Any]:

@@ -36,10 +36,10 @@ CREDENTIAL_VARIABLES = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 
 
 def redact_uri(uri: str) -> str:
-    """The URI without credentials: user info and every query value become <redacted>."""
+    """The URI without credentials: user info and every query value become <redacted>, a fragment is dropped."""
     parts = urlsplit(uri)
     netloc = parts.netloc
-    if "@" not in netloc and not parts.query:
+    if "@" not in netloc and not parts.query and not parts.fragment:
         return uri  # (urlunsplit would turn sqlite:///x.db into sqlite:/x.db)
     if "@" in netloc:
         netloc = f"{REDACTED}@{netloc.rsplit('@', 1)[1]}"
@@ -109,11 +109,15 @@ def check_workflow_tracking(tracking: Mapping[str, Any]) -> None:
         raise ConfigError("tracking.mlflow.run_name", f"unknown fields {sorted(fields - set(RUN_NAME_FIELDS))}; "
                           "use {model}, {dataset}, {variant} and {seed}")
     uri = settings["tracking_uri"]
-    if uri and has_credentials(uri):
-        # Snakemake prints each job's command and keeps it in .snakemake/metadata.
-        raise ConfigError("tracking.mlflow.tracking_uri", f"{redact_uri(uri)} carries credentials, which would be "
-                          "printed with the job's command; give the URI without them and export "
-                          "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)")
+    # Snakemake prints each job's command and keeps it in .snakemake/metadata. Any user info or query
+    # parameter is refused, not only secret-looking ones: ?auth=...&sig=... is a credential by another name.
+    parts = urlsplit(uri) if uri else None
+    if parts and ("@" in parts.netloc or parts.query or parts.fragment):
+        what = "user info" if "@" in parts.netloc else "a query string" if parts.query else "a fragment"
+        raise ConfigError("tracking.mlflow.tracking_uri", f"{redact_uri(uri)} carries {what}, which may be "
+                          "credentials and would be printed with the job's command; give the URI without them "
+                          "and export MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                          "MLFLOW_TRACKING_TOKEN) in the environment instead")
 
 
 def workflow_tracking(tracking: Mapping[str, Any], model: str, dataset: str, variant: str, seed: int) -> dict:
