@@ -9,7 +9,7 @@ What is compared, as dotted keys:
   (``settings``), except runtime-only keys that cannot change what is learned;
 - ``model.<field>``: the base model's identity recorded by the train job (directory, manifest hash);
 - ``evaluation.<key>``: the decoding settings each evaluate job recorded (split, max_new_tokens,
-  max_examples), plus the base model it loaded.
+  max_examples), plus the base model it loaded and how it ran (batch size, dtype, device, processes).
 An intended-difference entry covers its key and every key below it (``training.lora`` covers
 ``training.lora.rank``). Template-dependent facts (the tokenised data's cache key) are the prompt
 format itself and are not compared.
@@ -28,6 +28,9 @@ RUNTIME_ONLY_TRAINING_KEYS = frozenset({
 })
 MODEL_FIELDS = ("model_dir", "model_manifest_sha256")
 EVALUATION_KEYS = ("split", "max_new_tokens", "max_examples")
+# How each evaluation was batched and computed (eval.json): greedy bf16 outputs move with the batch size, the
+# dtype, the device and the process count (Yuan et al. 2025), so variants must share them.
+EVALUATION_RUN_FIELDS = ("batch_size", "dtype", "device", "device_name", "processes")
 ABSENT = "<absent>"
 
 
@@ -58,7 +61,7 @@ def comparable_settings(manifest: Mapping[str, Any], summary: Mapping[str, Any] 
         for key in EVALUATION_KEYS:
             if key in evaluation:
                 flat[f"evaluation.{key}"] = evaluation[key]
-        for field in MODEL_FIELDS:
+        for field in (*MODEL_FIELDS, *EVALUATION_RUN_FIELDS):
             if field in summary:
                 flat[f"evaluation.{field}"] = summary[field]
     return flat
