@@ -23,8 +23,10 @@ rule power:
     conda:
         "../envs/evaluation.yaml"
     threads: 1
-    # The one-line estimate goes to the terminal as well as the log: it is read before training starts.
+    # The one-line estimate goes to the terminal as well as the log: it is read before training starts
+    # (pipefail: the stage's refusal must fail the job, not tee's success; common.smk's prefix replaces
+    # Snakemake's default strict-mode one).
     shell:
-        "python -m workflow_scripts.power --model-name {wildcards.model:q} --dataset-name {wildcards.dataset:q}"
+        "set -o pipefail; python -m workflow_scripts.power --model-name {wildcards.model:q} --dataset-name {wildcards.dataset:q}"
         " {params.bases} --seeds {params.seeds} --comparison {params.comparison:q}"
         " --out-json {output.json:q} --out-markdown {output.markdown:q} 2>&1 | tee {log:q}"
