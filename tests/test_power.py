@@ -156,3 +156,19 @@ def test_the_gate_waits_for_the_power_report_of_the_untrained_model(tmp_path, ev
         assert "--base mtup=results/tiny-llama/chartqa_demo/mtup/base" in output
     else:
         assert "power" not in counts and "evaluate_base" not in counts and counts["sanity"] == 1
+
+
+def test_smatchpp_contributions_give_the_variance_of_its_micro_f1():
+    """Smatch++'s statistic [a, b, c, d] (a != b possible) through the numerical delta method."""
+    from workflow_scripts.tasks import smatchpp_metric
+
+    rng = np.random.default_rng(1)
+    n = 300
+    c, d = rng.integers(3, 15, n), rng.integers(3, 15, n)
+    a = np.round(np.minimum(c, d) * rng.uniform(0.2, 1.0, n))
+    b = np.minimum(d, a + rng.integers(0, 2, n))
+    counts = np.stack([a, b, c, d], axis=1).astype(int)
+    contributions = power.example_contributions("smatchpp", [{"counts": row.tolist()} for row in counts])
+    draws = rng.integers(0, n, (4000, n))
+    f1 = smatchpp_metric.micro_f1(counts[draws].sum(axis=1))
+    assert np.var(contributions, ddof=1) / n == pytest.approx(np.var(f1), rel=0.1)

@@ -1,15 +1,15 @@
 """Power before training: the smallest difference between two variants the planned comparison can detect.
 
 Miller (2024), "Adding Error Bars to Evals: A Statistical Approach to Language Model Evaluations"
-(arXiv:2411.00640), section 5 (power analysis): a paired difference of means over ``n`` test examples is
+(arXiv:2411.00640), its power analysis: a paired difference of means over ``n`` test examples is
 detected at two-sided level alpha with probability ``power`` when it exceeds
 
     MDE = (z_{1 - alpha/2} + z_{power}) * sqrt(Var(d) / n)
 
 with ``Var(d)`` the variance of the per-example score difference. Adapted to seeds here: the comparison
 averages each variant over ``k`` seeds, and the seeds are treated as independent replications of every
-example (Miller's section 4 with K = k draws per question), so ``n`` becomes ``n * k``. This is optimistic
-where the examples' difficulty, not the seed, dominates the variance; the report says so.
+example (as Miller's resampling of K answers per question, with K = k), so ``n`` becomes ``n * k``. This
+is optimistic where the examples' difficulty, not the seed, dominates the variance; the report says so.
 
 The paired variance is unknown before training. The assumption used and named in the report: the untrained
 model's per-example variance (the largest over the variants' prompts) stands in for ``Var(d)``. This holds
@@ -19,7 +19,8 @@ that is wrong everywhere), a score bounded in [0, 1] takes the largest variance 
 (Popoviciu's inequality); an unbounded metric (mlm_loss, perplexity) then has no estimate.
 
 Ratio-of-sums metrics (smatch's micro F1, the masked-LM ratios) are not means of per-example scores: each
-example enters through its linearised contribution (delta method), (num_i - R * den_i) / mean(den), so the
+example enters through its linearised contribution (delta method), (num_i - R * den_i) / mean(den) for
+smatch's 2M / (T + G) and the masked-LM ratios, the numerical gradient for Smatch++'s 2PR / (P + R), so the
 variance is that of the corpus score's own estimator.
 """
 from __future__ import annotations
