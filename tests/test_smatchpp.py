@@ -70,3 +70,28 @@ def test_the_best_gold_wins():
     prediction, gold = PAIRS[1]
     score = metrics.score_example("smatchpp", prediction, [gold, prediction])
     assert score.score == 1.0 and score.counts == (7, 7, 7, 7)
+
+
+def test_compare_resamples_smatchpp_statistics_and_recomputes_its_micro_f1(tmp_path):
+    import json
+
+    from test_compare import run, write_experiment
+
+    root = tmp_path / "results"
+    scored = {variant: [metrics.score_example("smatchpp", prediction if keep else None, [gold])
+                        for index, (prediction, gold) in enumerate(PAIRS * 4) for keep in [index % 3 != variant_index]]
+              for variant_index, variant in enumerate(["baseline", "mtup"])}
+    for seed in (1, 2):
+        for variant, scores in scored.items():
+            # the helper writes per-example scores; add each record's [a, b, c, d] and the corpus micro F1
+            directory = write_experiment(root, "chart", variant, seed, [s.score for s in scores], metric="smatchpp")
+            records = [json.loads(line) for line in (directory / "predictions.jsonl").read_text().splitlines()]
+            (directory / "predictions.jsonl").write_text("".join(
+                json.dumps({**record, "counts": list(s.counts)}) + "\n" for record, s in zip(records, scores)))
+            summary = json.loads((directory / "eval.json").read_text())
+            summary["score"] = metrics.corpus_score("smatchpp", scores)
+            (directory / "eval.json").write_text(json.dumps(summary))
+    rows, text = run(tmp_path, root, with_base=False)
+    assert [row["metric"] for row in rows] == ["smatchpp", "smatchpp"]
+    assert float(rows[0]["mean"]) == pytest.approx(metrics.corpus_score("smatchpp", scored["baseline"]), abs=1e-6)
+    assert float(rows[1]["difference_ci_low"]) <= float(rows[1]["difference"]) <= float(rows[1]["difference_ci_high"])

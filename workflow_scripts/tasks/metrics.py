@@ -33,11 +33,11 @@ Metrics and the reference each one reproduces (see the function docstrings for t
 - ``masked_accuracy``, ``mlm_loss``, ``perplexity`` (task masked_lm, scored in ``tasks/masked_lm``):
   ratios of sums over test lines, as smatch: each line's record carries ``counts`` =
   ``[correct, masked]`` or ``[summed cross-entropy, masked]``; the corpus score is
-  sum(first) / sum(masked), and perplexity exp of the mean loss.
+  sum(first) / sum(masked), and perplexity exp of the mean loss. So the comparison resamples lines
+  and recomputes the ratio (a mean of per-line ratios would weight short lines as long ones).
 - ``smatchpp``: optimal Smatch (Smatch++, the ``smatchpp`` package: AMR standardisation, ILP alignment),
   micro-averaged from each pair's ``[a, b, c, d]`` statistic as the package's command line computes it
-  (``tasks/smatchpp_metric``). Beside ``smatch``, whose hill climbing can miss the best alignment. So the comparison resamples lines
-  and recomputes the ratio (a mean of per-line ratios would weight short lines as long ones).
+  (``tasks/smatchpp_metric``). Beside ``smatch``, whose hill climbing can miss the best alignment.
 """
 from __future__ import annotations
 
