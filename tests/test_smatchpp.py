@@ -95,3 +95,10 @@ def test_compare_resamples_smatchpp_statistics_and_recomputes_its_micro_f1(tmp_p
     assert [row["metric"] for row in rows] == ["smatchpp", "smatchpp"]
     assert float(rows[0]["mean"]) == pytest.approx(metrics.corpus_score("smatchpp", scored["baseline"]), abs=1e-6)
     assert float(rows[1]["difference_ci_low"]) <= float(rows[1]["difference"]) <= float(rows[1]["difference_ci_high"])
+
+
+def test_an_unreadable_graph_counts_as_unparseable_in_generation():
+    from workflow_scripts.tasks import generation
+
+    assert generation.is_parsed("smatchpp", PAIRS[0][0])
+    assert not generation.is_parsed("smatchpp", "not a graph") and not generation.is_parsed("smatchpp", None)
