@@ -101,3 +101,10 @@ def test_gpu_batch_invariance_in_bf16_and_fp32_is_measured(tmp_path, tiny_model,
             report.write(json.dumps({"test": "evaluation_batch_invariance", "device": torch.cuda.get_device_name(0),
                                      "examples": len(MIXED), **measured}) + "\n")
     print(measured)
+
+
+def test_the_comparison_names_how_the_evaluations_ran():
+    note = fairness.evaluation_note([summary(), summary(), summary(dtype="float32", batch_size=1)])
+    assert note == ("Evaluation (greedy): bfloat16 on NVIDIA H100, batch size 16, 1 process(es); "
+                    "float32 on NVIDIA H100, batch size 1, 1 process(es).\n")
+    assert "not recorded" in fairness.evaluation_note([{"dtype": "float32"}])

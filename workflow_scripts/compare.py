@@ -492,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for (model, trained), curves in loss_curves.items():
         plots.loss_plot(plots_dir / plot_names(model, trained, trained)[1], f"{trained} ({model})", curves)
     write_csv(args.out_csv, rows)
-    text = markdown(rows, comparison)
+    text = markdown(rows, comparison) + fairness.evaluation_note([run.summary for run in runs])
     with atomic_path(args.out_markdown) as temporary:
         temporary.write_text(text)
     print(text)

@@ -113,3 +113,17 @@ def brief_paths(sources: Mapping[str, str]) -> str:
             at = differing[0]
             return str(PurePath(*first[:at], "{" + ",".join(parts) + "}", *first[at + 1:]))
     return "; ".join(f"{variant}: {path}" for variant, path in sources.items())
+
+
+def evaluation_note(summaries: Sequence[Mapping[str, Any]]) -> str:
+    """One line under the comparison: the dtype, device, batch size and processes the evaluations ran with
+    (each distinct setting once; an eval.json from before these were recorded says so)."""
+    settings = []
+    for summary in summaries:
+        if "batch_size" not in summary:
+            setting = "settings not recorded (eval.json written before batch size and dtype were recorded)"
+        else:
+            setting = (f"{summary.get('dtype', '?')} on {summary.get('device_name') or summary.get('device', '?')}, "
+                       f"batch size {summary['batch_size']}, {summary.get('processes', 1)} process(es)")
+        settings.append(setting)
+    return f"Evaluation (greedy): {'; '.join(dict.fromkeys(settings))}.\n" if settings else ""
