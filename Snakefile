@@ -25,6 +25,7 @@ validate(config, "config/schema.yaml")
 
 include: "rules/common.smk"
 include: "rules/data.smk"
+include: "rules/power.smk"
 include: "rules/training.smk"
 include: "rules/evaluation.smk"
 include: "rules/submission_common.smk"

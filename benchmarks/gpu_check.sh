@@ -41,7 +41,7 @@ cat "$out/environment.txt"
 status=0
 # The CUDA-marked tests, then the GPU benchmark. Files are named: collecting every test module would
 # import what the GPU machine lacks (snakemake) for tests that do not run there anyway.
-"$python" -m pytest -q -rs -m cuda -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_gpu.py tests/test_evaluate.py} 2>&1 | tee "$out/pytest.log" || status=1
+"$python" -m pytest -q -rs -m cuda -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_gpu.py tests/test_evaluate.py tests/test_batch_invariance.py} 2>&1 | tee "$out/pytest.log" || status=1
 "$python" -m benchmarks.run --only gpu_lora_bf16 --out-dir "$out" 2>&1 | tee "$out/benchmark.log" || status=1
 # What was measured, one line per check: the gate's verdicts, losses, step time, peak vs estimate.
 "$python" - "$GPU_CHECK_REPORT" <<'PY' | tee "$out/summary.md"

@@ -304,3 +304,18 @@ def validation_metric_argument(wildcards):
                       "metric": config["datasets"][name]["metric"]} for name in names],
     }
     return f"--validation-metric {shlex.quote(as_json(spec))}"
+
+
+# Power before training (rules/power.smk) -------------------------------------------------------------
+def power_variants(wildcards):
+    """The variants whose prompts the untrained model is scored with on this (model, dataset)."""
+    return [v for m, d, v in xc.model_dataset_variants(config) if (m, d) == (wildcards.model, wildcards.dataset)]
+
+
+def power_reports(wildcards):
+    """sanity's extra input: the power report of every dataset the entry is scored on ([] without the
+    untrained model's evaluation, which the estimate needs)."""
+    if not config["evaluation"]["evaluate_base_model"]:
+        return []
+    return [f"results/{wildcards.model}/{name}/power.json"
+            for name in xc.evaluated_datasets(config, wildcards.dataset, wildcards.model)]

@@ -10,6 +10,10 @@ rule sanity:
         model=MODEL_DIR,
         # a mixture's components, evaluation-only datasets: held-out rows against the other datasets' train
         cross_contamination=cross_contamination_report,
+        # the minimum detectable effect, from the untrained model's scores (comparison.min_detectable_effect):
+        # it must exist before the gate, but a rewritten report (another seed count, comparison block or
+        # evaluation) must not retrain anything, hence ancient
+        power=ancient(power_reports),
     output:
         report(
             "results/{model}/{dataset}/{variant}/seed{seed}/sanity.json",

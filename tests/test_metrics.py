@@ -286,7 +286,7 @@ def test_unknown_metric_and_empty_inputs_are_refused():
 
 # --- registry: every metric name works end to end ------------------------------------------------
 
-@pytest.mark.parametrize("metric", [m for m in metrics.METRICS if m != "smatch"])
+@pytest.mark.parametrize("metric", [m for m in metrics.METRICS if m not in metrics.GRAPH_METRICS])
 def test_every_string_metric_scores_and_averages(metric):
     from workflow_scripts.analysis import paired_bootstrap
 

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from workflow_scripts.analysis import excluded_rows, fairness, paired_bootstrap, plots
+from workflow_scripts.analysis import excluded_rows, fairness, paired_bootstrap, plots, power
 from workflow_scripts.tasks import metrics
 from workflow_scripts.core import experiment_set
 from workflow_scripts.core.atomic_output import atomic_path
@@ -168,10 +168,11 @@ def read_predictions(path: Path, metric: str) -> dict[str, Any]:
         if example_id in values:
             raise WorkflowError(f"{path} line {number}: duplicate id {example_id!r}")
         width = metrics.counts_width(metric)
-        if metric == "smatch":
+        if metric in metrics.GRAPH_METRICS:
             counts = row.get("counts")
-            if not (isinstance(counts, list) and len(counts) == 3 and all(isinstance(c, int) and c >= 0 for c in counts)):
-                raise WorkflowError(f"{path} line {number}: field 'counts' must be [match, test, gold] triple counts")
+            if not (isinstance(counts, list) and len(counts) == width and all(isinstance(c, int) and c >= 0 for c in counts)):
+                raise WorkflowError(f"{path} line {number}: field 'counts' must be {width} triple counts "
+                                    f"({'match, test, gold' if metric == 'smatch' else 'a, b, c, d'})")
             values[example_id] = counts
         elif width is not None:  # a masked-LM ratio: [correct or summed loss (float), masked tokens]
             counts = row.get("counts")
@@ -432,7 +433,8 @@ def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any], n
     ]
     for row in rows:
         delta = "—" if row["difference"] is None else (
-            f"{row['difference']:+.4f} [{row['difference_ci_low']:+.4f}, {row['difference_ci_high']:+.4f}]")
+            f"{row['difference']:+.4f} [{row['difference_ci_low']:+.4f}, {row['difference_ci_high']:+.4f}]"
+            f"{power.delta_note(row)}")
         gain = "n/a" if row["gain_over_base"] is None else (
             f"{row['gain_over_base']:+.4f} [{row['gain_ci_low']:+.4f}, {row['gain_ci_high']:+.4f}]")
         lines.append(
@@ -442,7 +444,7 @@ def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any], n
         )
     intended = comparison["intended_differences"]
     modes = dict.fromkeys(row["bootstrap"] for row in rows)
-    lines += ["", *bootstrap_lines(rows, comparison), ""]
+    lines += ["", *bootstrap_lines(rows, comparison), "", *(line + "\n" for line in power.achieved_lines(rows))]
     lines += [
         "Mean and sample standard deviation over seeds; scores are in [0, 1]. "
         + " ".join(_method(mode, reference, comparison) for mode in modes)
@@ -536,7 +538,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for (model, trained), curves in loss_curves.items():
         plots.loss_plot(plots_dir / plot_names(model, trained, trained)[1], f"{trained} ({model})", curves)
     write_csv(args.out_csv, rows)
-    text = markdown(rows, comparison, report_notes(runs, rows, args.normalise_reports))
+    text = markdown(rows, comparison, report_notes(runs, rows, args.normalise_reports)) + fairness.evaluation_note(
+        [run.summary for run in runs])
     with atomic_path(args.out_markdown) as temporary:
         temporary.write_text(text)
     if args.experiment_set_out:

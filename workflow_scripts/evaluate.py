@@ -29,6 +29,9 @@ from workflow_scripts.core.stage_arguments import StageArgumentParser, json_sett
 from workflow_scripts.tasks.templates import template_fields, template_row
 
 EVALUATION_KEYS = ("split", "max_new_tokens", "batch_size", "max_examples", "gpus")
+# evaluation.dtype: auto is bf16 on a GPU that supports it, else fp32; fp32 computes in fp32 on a GPU too (bf16
+# weights upcast exactly), for where bf16 rounding changes greedy predictions (Yuan et al. 2025).
+COMPUTE_DTYPES = ("auto", "fp32")
 # The variant keys that are templates filled from each evaluated row (generation and vision_language:
 # prompt; classification: input). The target template is not rendered at evaluation.
 ROW_TEMPLATE_KEYS = ("prompt", "input")
@@ -73,6 +76,8 @@ def check_evaluation(evaluation: Mapping[str, Any]) -> None:
     for key in ("max_new_tokens", "batch_size"):
         if not isinstance(evaluation[key], int) or isinstance(evaluation[key], bool) or evaluation[key] < 1:
             raise ConfigError(f"evaluation.{key}", f"must be a positive integer, got {evaluation[key]!r}")
+    if evaluation.get("dtype", "auto") not in COMPUTE_DTYPES:
+        raise ConfigError("evaluation.dtype", f"must be one of {', '.join(COMPUTE_DTYPES)}, got {evaluation['dtype']!r}")
     limit = evaluation["max_examples"]
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise ConfigError("evaluation.max_examples", f"must be a positive integer or null, got {limit!r}")
@@ -167,14 +172,16 @@ class LoadedModel:
 
 @contextlib.contextmanager
 def loaded_model(args: argparse.Namespace, task, task_meta: Mapping[str, Any], gpus: int,
-                 label: str, qlora_base: str = "quantised") -> Iterator[LoadedModel]:
-    """The model (with ``args.adapter`` when given) on the evaluation device, as evaluate and predict load it;
-    a QLoRA adapter on its base quantised as in training, or unquantised (``evaluation.qlora_base``)."""
+                 label: str, qlora_base: str = "quantised", compute_dtype: str = "auto") -> Iterator[LoadedModel]:
+    """The model (with ``args.adapter`` when given) on the evaluation device, as evaluate and predict load it,
+    in the dtype ``evaluation.dtype`` (``compute_dtype``) asks for; a QLoRA adapter on its base quantised as in
+    training, or unquantised (``evaluation.qlora_base``)."""
     torch.manual_seed(0)  # greedy decoding draws nothing, but keep any stray randomness fixed
     if args.adapter and hasattr(task, "trained_task_meta"):  # a classifier: the label set it was trained on
         task_meta = task.trained_task_meta(task_meta, args.adapter, args.dataset_name)
     with evaluation_device(gpus, label) as device:
-        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+        bf16 = compute_dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
+        dtype = torch.bfloat16 if bf16 else torch.float32
         tokenizer = model_loading.load_tokenizer(args.model, args.trust_remote_code)
         quantised, base = quantization.evaluation_base(args.adapter, qlora_base, device)
         model = model_loading.load_with_adapter(args.model, args.adapter, device, dtype, args.trust_remote_code,
@@ -222,7 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     task_meta = read_task_meta(args.data, args.task)
     refuse_unlabelled(task_meta, args.data, evaluation["split"])
     label = f"evaluate {args.model_name or Path(args.model).name}/{args.dataset_name}/{args.variant_name}/{seed}"
-    with loaded_model(args, task, task_meta, evaluation["gpus"], label, qlora_base(evaluation)) as loaded:
+    with loaded_model(args, task, task_meta, evaluation["gpus"], label, qlora_base(evaluation),
+                      evaluation.get("dtype", "auto")) as loaded:
         result = task.evaluate(loaded.model, loaded.tokenizer, variant, rows, args.metric, evaluation, loaded.device)
     records, score, unparseable = result.records, result.score, result.unparseable
 
@@ -236,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "task": args.task,
         **result.details,
         **model_facts(args, loaded),
+        # how it was batched and computed: greedy outputs can move with these (the fairness guard compares them)
+        "batch_size": evaluation["batch_size"], "processes": 1, "dtype_setting": evaluation.get("dtype", "auto"),
         "manifest": build_manifest("evaluate", {"evaluation": evaluation, "variant": variant, "metric": args.metric}),
     }
     write_jsonl(args.predictions_out, records)

@@ -94,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise WorkflowError(f"{where} is labelled (task_meta.json unlabelled: {task_meta.get('unlabelled', [])}); "
                             "the evaluate rule scores it, predict writes submissions for unlabelled splits only")
     label = f"predict {args.model_name or Path(args.model).name}/{args.dataset_name}/{args.variant_name}/{seed}"
-    with evaluate.loaded_model(args, task, task_meta, evaluation["gpus"], label, evaluate.qlora_base(evaluation)) as loaded:
+    with evaluate.loaded_model(args, task, task_meta, evaluation["gpus"], label, evaluate.qlora_base(evaluation),
+                               evaluation.get("dtype", "auto")) as loaded:
         predicted = task.predict(loaded.model, loaded.tokenizer, variant, rows, args.metric, evaluation, loaded.device)
     answers = [record[predicted.answer_field] for record in predicted.records]
     entries = submission_entries(rows, answers, submission, where)

@@ -9,7 +9,7 @@ What is compared, as dotted keys:
   (``settings``), except runtime-only keys that cannot change what is learned;
 - ``model.<field>``: the base model's identity recorded by the train job (directory, manifest hash);
 - ``evaluation.<key>``: the decoding settings each evaluate job recorded (split, max_new_tokens,
-  max_examples), plus the base model it loaded;
+  max_examples), plus the base model it loaded and how it ran (batch size, dtype, device, processes);
 - ``evaluation.eval_mask.<key>``: a fixed evaluation mask a task recorded in eval.json (masked LM: the
   rule, the ``max_length`` lines were cut at, and a hash of the scored positions and tokens). Masked-LM
   lines are cut at each variant's training ``max_length``, so variants that differ there are scored on
@@ -33,6 +33,9 @@ RUNTIME_ONLY_TRAINING_KEYS = frozenset({
 })
 MODEL_FIELDS = ("model_dir", "model_manifest_sha256")
 EVALUATION_KEYS = ("split", "max_new_tokens", "max_examples")
+# How each evaluation was batched and computed (eval.json): greedy bf16 outputs move with the batch size, the
+# dtype, the device and the process count (Yuan et al. 2025), so variants must share them.
+EVALUATION_RUN_FIELDS = ("batch_size", "dtype", "device", "device_name", "processes")
 ABSENT = "<absent>"
 
 
@@ -63,7 +66,7 @@ def comparable_settings(manifest: Mapping[str, Any], summary: Mapping[str, Any] 
         for key in EVALUATION_KEYS:
             if key in evaluation:
                 flat[f"evaluation.{key}"] = evaluation[key]
-        for field in MODEL_FIELDS:
+        for field in (*MODEL_FIELDS, *EVALUATION_RUN_FIELDS):
             if field in summary:
                 flat[f"evaluation.{field}"] = summary[field]
         if isinstance(summary.get("eval_mask"), Mapping):
@@ -125,3 +128,17 @@ def brief_paths(sources: Mapping[str, str]) -> str:
             at = differing[0]
             return str(PurePath(*first[:at], "{" + ",".join(parts) + "}", *first[at + 1:]))
     return "; ".join(f"{variant}: {path}" for variant, path in sources.items())
+
+
+def evaluation_note(summaries: Sequence[Mapping[str, Any]]) -> str:
+    """One line under the comparison: the dtype, device, batch size and processes the evaluations ran with
+    (each distinct setting once; an eval.json from before these were recorded says so)."""
+    settings = []
+    for summary in summaries:
+        if "batch_size" not in summary:
+            setting = "settings not recorded (eval.json written before batch size and dtype were recorded)"
+        else:
+            setting = (f"{summary.get('dtype', '?')} on {summary.get('device_name') or summary.get('device', '?')}, "
+                       f"batch size {summary['batch_size']}, {summary.get('processes', 1)} process(es)")
+        settings.append(setting)
+    return f"Evaluation (greedy): {'; '.join(dict.fromkeys(settings))}.\n" if settings else ""

@@ -34,7 +34,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from workflow_scripts.core.errors import ConfigError, WorkflowError
-from workflow_scripts.tasks import metrics
+from workflow_scripts.tasks import metrics, smatchpp_metric
 
 CHUNK = 100  # replicates per block, so (replicates x examples x 3) smatch counts stay small in memory
 EXAMPLES = "examples"
@@ -100,6 +100,8 @@ def from_sums(metric: str, sums: np.ndarray) -> np.ndarray:
     or a masked-LM ratio (metrics.ratio_from_sums: sum of the first count over sum of masked tokens)."""
     if metric == "smatch":
         return micro_f1(sums)
+    if metric == "smatchpp":
+        return smatchpp_metric.micro_f1(sums)
     return metrics.ratio_from_sums(metric, sums[..., 0], sums[..., 1])
 
 

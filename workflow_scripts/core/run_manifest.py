@@ -14,7 +14,7 @@ from workflow_scripts.core.experiment_config import config_hash
 
 PACKAGES = (
     "torch", "transformers", "peft", "accelerate", "datasets", "tokenizers",
-    "safetensors", "snakemake", "pandas", "PyYAML", "smatch",
+    "safetensors", "snakemake", "pandas", "PyYAML", "smatch", "smatchpp",
 )
 # Key names that hold credentials, matched as whole words of the key (snake_case, kebab-case, dotted or
 # camelCase parts), so 'hf_token', 'HF_TOKEN', 'apiKey' and 'client_secret' are secrets while

@@ -215,7 +215,7 @@ def is_parsed(metric: str, extracted: str | None) -> bool:
     """The extractor found an answer and, for graph outputs, smatch can read the graph."""
     if extracted is None:
         return False
-    return metric != "smatch" or metrics.graph_triples(extracted) is not None
+    return metric not in metrics.GRAPH_METRICS or metrics.graph_readable(metric, extracted)
 
 
 def prediction_records(rows: Sequence[dict], prompts: Sequence[str], outputs: Sequence[str],

@@ -35,6 +35,9 @@ Metrics and the reference each one reproduces (see the function docstrings for t
   ``[correct, masked]`` or ``[summed cross-entropy, masked]``; the corpus score is
   sum(first) / sum(masked), and perplexity exp of the mean loss. So the comparison resamples lines
   and recomputes the ratio (a mean of per-line ratios would weight short lines as long ones).
+- ``smatchpp``: optimal Smatch (Smatch++, the ``smatchpp`` package: AMR standardisation, ILP alignment),
+  micro-averaged from each pair's ``[a, b, c, d]`` statistic as the package's command line computes it
+  (``tasks/smatchpp_metric``). Beside ``smatch``, whose hill climbing can miss the best alignment.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ from typing import Callable, Sequence
 from rapidfuzz.distance import Levenshtein
 
 from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.tasks import smatchpp_metric
 
 RELATIVE_TOLERANCE = 0.05
 ANLS_THRESHOLD = 0.5
@@ -315,6 +319,24 @@ def smatch_example(prediction: str | None, golds: Sequence[str]) -> ExampleScore
     return best
 
 
+def smatchpp_example(prediction: str | None, golds: Sequence[str]) -> ExampleScore:
+    """Smatch++: the gold graph giving the best pair F1 (the first on ties), as for smatch."""
+    best = None
+    for gold in golds:
+        counts = smatchpp_metric.pair_counts(prediction, gold)
+        score = smatchpp_metric.pair_f1(counts)
+        if best is None or score > best.score:
+            best = ExampleScore(score, counts)
+    return best
+
+
+def graph_readable(metric: str, graph: str) -> bool:
+    """Whether the graph metric's own reader can read ``graph`` (else it scores as unparseable)."""
+    if metric == "smatchpp":
+        return smatchpp_metric.readable(graph)
+    return graph_triples(graph) is not None
+
+
 # --- registry -------------------------------------------------------------------------------------
 
 STRING_METRICS: dict[str, Callable[[str, Sequence[str]], float]] = {
@@ -325,7 +347,8 @@ STRING_METRICS: dict[str, Callable[[str, Sequence[str]], float]] = {
     "relaxed_accuracy_lenient": relaxed_accuracy_lenient,
     "anls": anls,
 }
-METRICS = (*STRING_METRICS, "smatch")
+METRICS = (*STRING_METRICS, "smatch", "smatchpp")
+GRAPH_METRICS = ("smatch", "smatchpp")
 
 
 def check_metric(metric: str) -> None:
@@ -339,6 +362,8 @@ def score_example(metric: str, prediction: str | None, golds: Sequence[str]) -> 
         raise WorkflowError("an example has no gold answers")
     if metric == "smatch":
         return smatch_example(prediction, golds)
+    if metric == "smatchpp":
+        return smatchpp_example(prediction, golds)
     if prediction is None:
         return ExampleScore(0.0)
     return ExampleScore(STRING_METRICS[metric](prediction, golds))
@@ -346,7 +371,7 @@ def score_example(metric: str, prediction: str | None, golds: Sequence[str]) -> 
 
 # Metrics whose corpus score is computed from counts summed over the examples (not a mean of the
 # examples' scores): how many counts each record carries.
-COUNTS_WIDTH = {"smatch": 3, "masked_accuracy": 2, "mlm_loss": 2, "perplexity": 2}
+COUNTS_WIDTH = {"smatch": 3, "smatchpp": smatchpp_metric.COUNTS, "masked_accuracy": 2, "mlm_loss": 2, "perplexity": 2}
 RATIO_METRICS = ("masked_accuracy", "mlm_loss", "perplexity")  # counts = [numerator, masked tokens]
 
 # Corpus scores the comparison can recompute and resample from per-example records: the means (a
@@ -380,6 +405,8 @@ def corpus_score(metric: str, scores: Sequence[ExampleScore]) -> float:
         raise WorkflowError("no examples to score")
     if metric == "smatch":
         return f1_from_counts(*(sum(s.counts[k] for s in scores) for k in range(3)))
+    if metric == "smatchpp":
+        return float(smatchpp_metric.micro_f1([sum(s.counts[k] for s in scores) for k in range(smatchpp_metric.COUNTS)]))
     if metric in RATIO_METRICS:
         masked = math.fsum(s.counts[1] for s in scores)
         if masked <= 0:

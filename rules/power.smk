@@ -1,0 +1,32 @@
+# Power before training: from the untrained model's evaluation of each scored dataset, the minimum
+# detectable effect of the planned comparison (workflow_scripts/power.py). Its report is an input of
+# sanity, so with comparison.min_detectable_effect set an underpowered design stops before any training.
+
+
+rule power:
+    input:
+        summaries=lambda w: [f"results/{w.model}/{w.dataset}/{v}/base/eval.json" for v in power_variants(w)],
+        predictions=lambda w: [f"results/{w.model}/{w.dataset}/{v}/base/predictions.jsonl" for v in power_variants(w)],
+    output:
+        json="results/{model}/{dataset}/power.json",
+        markdown="results/{model}/{dataset}/power.md",
+    params:
+        bases=lambda w: " ".join(f"--base {shlex.quote(f'{v}=results/{w.model}/{w.dataset}/{v}/base')}"
+                                 for v in power_variants(w)),
+        seeds=len(config["seeds"]),
+        # only the threshold: another bootstrap setting must not rerun the estimate
+        comparison=as_json({"min_detectable_effect": config["comparison"].get("min_detectable_effect")}),
+    log:
+        "logs/{model}/{dataset}/power.log",
+    benchmark:
+        "results/benchmarks/{model}/{dataset}/power.tsv"
+    conda:
+        "../envs/evaluation.yaml"
+    threads: 1
+    # The one-line estimate goes to the terminal as well as the log: it is read before training starts
+    # (pipefail: the stage's refusal must fail the job, not tee's success; common.smk's prefix replaces
+    # Snakemake's default strict-mode one).
+    shell:
+        "set -o pipefail; python -m workflow_scripts.power --model-name {wildcards.model:q} --dataset-name {wildcards.dataset:q}"
+        " {params.bases} --seeds {params.seeds} --comparison {params.comparison:q}"
+        " --out-json {output.json:q} --out-markdown {output.markdown:q} 2>&1 | tee {log:q}"

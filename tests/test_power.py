@@ -1,0 +1,174 @@
+"""Power before training (analysis/power.py, the power stage, the rule) and its echo under the comparison."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from test_compare import COMPARISON, correct, results, run, write_experiment  # noqa: F401 (results is a fixture)
+from workflow_scripts import power as power_stage
+from workflow_scripts.analysis import power
+from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.tasks import metrics
+
+
+def test_mde_is_millers_formula_with_seeds_as_replications():
+    # (z_0.975 + z_0.8) = 1.959964 + 0.841621; Miller (2024) eq. for a paired difference, n x seeds items.
+    assert power.z_sum() == pytest.approx(2.801585, abs=1e-6)
+    assert power.minimum_detectable_effect(0.18, 72, 1) == pytest.approx(2.801585 * math.sqrt(0.18 / 72))
+    assert power.minimum_detectable_effect(0.18, 72, 1) == pytest.approx(0.14, abs=0.005)
+    assert power.minimum_detectable_effect(0.18, 72, 4) == pytest.approx(power.minimum_detectable_effect(0.18, 288, 1))
+    # and the fewest examples / seeds that reach a target are the formula solved for n and k
+    n = power.examples_needed(0.18, 1, 0.05)
+    assert power.minimum_detectable_effect(0.18, n, 1) <= 0.05 < power.minimum_detectable_effect(0.18, n - 1, 1)
+    k = power.seeds_needed(0.18, 72, 0.05)
+    assert power.minimum_detectable_effect(0.18, 72, k) <= 0.05 < power.minimum_detectable_effect(0.18, 72, k - 1)
+
+
+def records(scores):
+    return [{"score": s} for s in scores]
+
+
+def test_estimate_uses_the_largest_base_variance_over_the_variants_prompts():
+    estimate = power.estimate("chart", "tiny", "exact_match",
+                              {"baseline": records(correct(10)), "mtup": records(correct(2))}, n_seeds=1)
+    assert estimate.n_examples == 20 and estimate.variance_source == power.VARIANCE_FROM_BASE
+    assert estimate.variance == pytest.approx(np.var(correct(10), ddof=1))
+    assert estimate.mde == pytest.approx(power.z_sum() * math.sqrt(np.var(correct(10), ddof=1) / 20))
+    assert estimate.line() == ("chart (tiny, exact_match): with 20 test examples and 1 seed, a difference below "
+                               f"±{estimate.mde:.2f} will not be detectable (alpha 0.05, power 0.8)")
+
+
+def test_an_untrained_model_wrong_everywhere_takes_the_bound_of_a_score_in_0_1():
+    estimate = power.estimate("chart", "tiny", "exact_match", {"baseline": records([0.0] * 72)}, n_seeds=1)
+    assert estimate.variance == 0.25 and estimate.variance_source == power.VARIANCE_FROM_BOUND
+    assert estimate.mde == pytest.approx(power.z_sum() * math.sqrt(0.25 / 72))
+    unbounded = power.estimate("corpus", "bert", "perplexity", {"a": [{"counts": [2.0, 1]}] * 5}, n_seeds=1)
+    assert unbounded.mde is None and "cannot be estimated" in unbounded.line()
+
+
+def test_smatch_contributions_give_the_variance_of_the_micro_f1():
+    """The linearised (delta-method) variance / n matches the bootstrap variance of the corpus micro F1."""
+    rng = np.random.default_rng(0)
+    n = 300
+    gold = rng.integers(3, 15, n)
+    test = np.maximum(1, gold + rng.integers(-3, 4, n))
+    match = np.minimum(test, gold) * rng.uniform(0.2, 1.0, n)
+    counts = np.stack([np.round(match), test, gold], axis=1).astype(int)
+    contributions = power.example_contributions("smatch", [{"counts": c.tolist()} for c in counts])
+    draws = rng.integers(0, n, (4000, n))
+    sums = counts[draws].sum(axis=1)
+    f1 = 2 * sums[:, 0] / (sums[:, 1] + sums[:, 2])
+    assert np.var(contributions, ddof=1) / n == pytest.approx(np.var(f1), rel=0.1)
+    assert f1.mean() == pytest.approx(metrics.f1_from_counts(*counts.sum(axis=0)), abs=2e-3)
+
+
+def base_dirs(root, per_variant, metric="exact_match"):
+    return [f"{variant}={write_experiment(root, 'chart', variant, 'base', scores, metric=metric)}"
+            for variant, scores in per_variant.items()]
+
+
+def stage_argv(tmp_path, bases, seeds=1, comparison=COMPARISON):
+    argv = ["--model-name", "tiny", "--dataset-name", "chart", "--seeds", str(seeds),
+            "--comparison", json.dumps(comparison), "--out-json", str(tmp_path / "out" / "power.json"),
+            "--out-markdown", str(tmp_path / "out" / "power.md")]
+    for base in bases:
+        argv += ["--base", base]
+    return argv
+
+
+def test_stage_prints_the_line_and_writes_the_report(tmp_path, capsys):
+    bases = base_dirs(tmp_path / "results", {"baseline": correct(10), "mtup": correct(3)})
+    assert power_stage.main(stage_argv(tmp_path, bases, seeds=3)) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("chart (tiny, exact_match): with 20 test examples and 3 seeds, a difference below ±")
+    report = json.loads((tmp_path / "out" / "power.json").read_text())
+    assert report["mde"] == pytest.approx(power.minimum_detectable_effect(np.var(correct(10), ddof=1), 20, 3))
+    assert report["variance_source"] == power.VARIANCE_FROM_BASE and report["line"] == line
+    assert "Miller 2024" in (tmp_path / "out" / "power.md").read_text()
+
+
+def test_min_detectable_effect_stops_before_training_naming_what_would_fit(tmp_path):
+    bases = base_dirs(tmp_path / "results", {"baseline": correct(10)})
+    comparison = {**COMPARISON, "min_detectable_effect": 0.1}
+    with pytest.raises(WorkflowError) as caught:
+        power_stage.main(stage_argv(tmp_path, bases, comparison=comparison))
+    variance = np.var(correct(10), ddof=1)
+    message = str(caught.value)
+    assert "dataset 'chart'" in message and "comparison.min_detectable_effect 0.1" in message
+    assert f"at least {power.examples_needed(variance, 1, 0.1)} test examples with 1 seed(s)" in message
+    assert f"or {power.seeds_needed(variance, 20, 0.1)} seeds with 20 test examples" in message
+    assert not (tmp_path / "out").exists()  # no report: sanity (and training) cannot start
+    # a threshold the design meets lets it through
+    assert power_stage.main(stage_argv(tmp_path, bases, comparison={**comparison, "min_detectable_effect": 0.9})) == 0
+
+
+@pytest.mark.parametrize("value", [0, -0.1, "0.1", True])
+def test_a_bad_threshold_is_named(tmp_path, value):
+    bases = base_dirs(tmp_path / "results", {"baseline": correct(10)})
+    with pytest.raises(ConfigError, match="comparison.min_detectable_effect"):
+        power_stage.main(stage_argv(tmp_path, bases, comparison={**COMPARISON, "min_detectable_effect": value}))
+
+
+def test_a_malformed_prediction_row_is_named_by_file_and_line(tmp_path):
+    (base,) = base_dirs(tmp_path / "results", {"baseline": correct(10)})
+    predictions = tmp_path / "results" / "tiny" / "chart" / "baseline" / "base" / "predictions.jsonl"
+    lines = predictions.read_text().splitlines()
+    lines[4] = json.dumps({"id": "ex004", "score": None})
+    predictions.write_text("\n".join(lines) + "\n")
+    with pytest.raises(WorkflowError, match=r"predictions.jsonl line 5: field 'score'"):
+        power_stage.main(stage_argv(tmp_path, [base]))
+
+
+def test_compare_marks_an_unresolved_delta_and_repeats_the_achieved_mde(tmp_path, results):
+    rows, text = run(tmp_path, results)  # mtup beats baseline on every resample: resolved
+    assert "not resolved at this size" not in text.split("\n\n")[1]
+    mtup = rows[1]
+    achieved = power.achieved_mde(float(mtup["difference_ci_low"]), float(mtup["difference_ci_high"]))
+    assert f"mtup vs baseline on chart, tiny: ±{achieved:.3f}" in text
+
+    root = tmp_path / "close"
+    for seed in (1, 2):  # a one-example difference either way: the interval spans zero
+        write_experiment(root, "chart", "baseline", seed, correct(10))
+        write_experiment(root, "chart", "mtup", seed, correct(11) if seed == 1 else correct(9))
+    _, text = run(tmp_path, root, with_base=False)
+    (mtup_line,) = [line for line in text.splitlines() if line.startswith("| tiny | chart | exact_match | mtup")]
+    assert "not resolved at this size" in mtup_line
+
+
+@pytest.mark.parametrize("evaluate_base", [True, False])
+def test_the_gate_waits_for_the_power_report_of_the_untrained_model(tmp_path, evaluate_base):
+    """A dry run for one gate: the power rule (and the untrained model's evaluation it reads) come before sanity."""
+    from test_dag import absolute_demo_config, config_file, job_counts, snakemake
+
+    config = absolute_demo_config(datasets=["chartqa_demo"])
+    config["evaluation"]["evaluate_base_model"] = evaluate_base
+    code, output = snakemake(tmp_path, "-n", "-p", "--configfile", str(config_file(tmp_path, config)),
+                             "--replace-workflow-config", "--cores", "2",
+                             "results/tiny-llama/chartqa_demo/baseline/seed1/sanity.json")
+    assert code == 0, output
+    counts = job_counts(output)
+    if evaluate_base:
+        assert counts["power"] == 1 and counts["evaluate_base"] == 2 and counts["sanity"] == 1
+        assert "--base baseline=results/tiny-llama/chartqa_demo/baseline/base" in output
+        assert "--base mtup=results/tiny-llama/chartqa_demo/mtup/base" in output
+    else:
+        assert "power" not in counts and "evaluate_base" not in counts and counts["sanity"] == 1
+
+
+def test_smatchpp_contributions_give_the_variance_of_its_micro_f1():
+    """Smatch++'s statistic [a, b, c, d] (a != b possible) through the numerical delta method."""
+    from workflow_scripts.tasks import smatchpp_metric
+
+    rng = np.random.default_rng(1)
+    n = 300
+    c, d = rng.integers(3, 15, n), rng.integers(3, 15, n)
+    a = np.round(np.minimum(c, d) * rng.uniform(0.2, 1.0, n))
+    b = np.minimum(d, a + rng.integers(0, 2, n))
+    counts = np.stack([a, b, c, d], axis=1).astype(int)
+    contributions = power.example_contributions("smatchpp", [{"counts": row.tolist()} for row in counts])
+    draws = rng.integers(0, n, (4000, n))
+    f1 = smatchpp_metric.micro_f1(counts[draws].sum(axis=1))
+    assert np.var(contributions, ddof=1) / n == pytest.approx(np.var(f1), rel=0.1)
