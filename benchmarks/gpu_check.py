@@ -116,8 +116,13 @@ def collect_workflow(context: Context, exit_code: int, seconds: float) -> dict:
         summary = json.loads(path.read_text())
         evaluations[str(path.parent.relative_to(results))] = {key: summary.get(key) for key in
                                                              ("score", "device", "dtype", "n_examples")}
+    job_seconds = {}  # each job's wall time, from the rules' benchmark: files (Snakemake's first column, s)
+    for path in sorted((results / "benchmarks").rglob("*.tsv")):
+        lines = path.read_text().splitlines()
+        if len(lines) > 1:
+            job_seconds[str(path.relative_to(results / "benchmarks").with_suffix(""))] = float(lines[1].split("\t")[0])
     return {"command": " ".join(WORKFLOW_COMMAND), "wall_seconds": seconds, "comparison": comparison.exists(),
-            "train_jobs": jobs, "evaluations": evaluations}
+            "train_jobs": jobs, "evaluations": evaluations, "job_seconds": job_seconds}
 
 
 PHASES = [
@@ -271,9 +276,12 @@ def render_summary(rows: list[dict]) -> str:
     tests = [r for r in rows if "test" in r]
     bench = [r for r in rows if r.get("check") == "gpu_lora_bf16"]
     devices = sorted({r["device"] for r in rows if r.get("device")})
+    versions = next((r["versions"] for r in rows if r.get("check") == "environment"), [])
     lines = ["# make gpu-check", "", f"Device: {', '.join(devices) or 'none recorded'}. "
-             f"{len(rows)} records (benchmarks/gpu_check.py; rebuilt from measurements.jsonl).", "",
-             "| phase | status | seconds (expected) | note |", "|---|---|---|---|"]
+             f"{len(rows)} records (benchmarks/gpu_check.py; rebuilt from measurements.jsonl).", ""]
+    if versions:
+        lines += ["Environment: " + "; ".join(versions) + ".", ""]
+    lines += ["| phase | status | seconds (expected) | note |", "|---|---|---|---|"]
     for r in phases:
         note = r.get("reason") or r.get("collect_error") or (f"exit {r['exit_code']}, see {r['log']}"
                                                              if r.get("exit_code") else "")
@@ -291,16 +299,16 @@ def render_summary(rows: list[dict]) -> str:
                          f"{_seconds(r.get('seconds_from_stage_start'))} | {_mib(r.get('peak_memory_bytes'))} / "
                          f"{_mib(r.get('estimated_bytes'))} | {json.dumps(other)} |")
     if bench:
-        lines += ["", "| benchmark side | run | status | non-padding tokens/s | MFU | padding share |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "| benchmark side | run | status | non-padding tokens/s | MFU | padding share | "
+                  "stage start -> first step s |", "|---|---|---|---|---|---|---|"]
         for r in bench:
             if r.get("status") == "measured":
                 mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
                 lines.append(f"| {r['side']} | {r['repetition']} | measured | {r['tokens_per_second']:,.0f} | {mfu} | "
-                             f"{r['padding_share']:.1%} |")
+                             f"{r['padding_share']:.1%} | {_seconds(r.get('seconds_from_stage_start'))} |")
             else:
                 lines.append(f"| {r['side']} | {r['repetition']} | {r.get('status')} | - | - | "
-                             f"{str(r.get('error', ''))[:200]} |")
+                             f"{str(r.get('error', ''))[:200]} | - |")
     for r in phases:
         if r.get("phase") == "workflow" and "wall_seconds" in r:
             lines += ["", f"Workflow (`{r['command']}`): {r['wall_seconds']:.0f} s wall, exit {r['exit_code']}, "
@@ -308,6 +316,8 @@ def render_summary(rows: list[dict]) -> str:
             for job, facts in r.get("train_jobs", {}).items():
                 lines.append(f"- train {job}: stage start -> first step {_seconds(facts['seconds_from_stage_start'])} s, "
                              f"final loss {facts['final_loss']}, devices {facts['devices']}")
+            if r.get("job_seconds"):
+                lines.append("- job wall seconds: " + ", ".join(f"{job} {value:.1f}" for job, value in r["job_seconds"].items()))
             for job, facts in r.get("evaluations", {}).items():
                 lines.append(f"- evaluate {job}: score {facts['score']}, device {facts['device']}, dtype {facts['dtype']}")
     return "\n".join(lines) + "\n"

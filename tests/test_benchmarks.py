@@ -448,3 +448,33 @@ def test_the_gpu_upload_stays_within_60_mib():
     project = sum((REPO / name).stat().st_size for name in tracked.split("\0") if name and (REPO / name).is_file())
     total = project + sum(wheel.stat().st_size for wheel in wheels)
     assert total <= 60 * 2**20, f"project {project / 2**20:.1f} MiB + wheels = {total / 2**20:.1f} MiB > 60 MiB"
+
+
+def test_the_workflow_phase_collects_wall_time_start_up_and_the_comparison(tmp_path, monkeypatch):
+    """What the workflow phase reads from what Snakemake left (the layout of rules/*.smk), planted here."""
+    from benchmarks import check_records, gpu_check as driver
+
+    run = tmp_path / "results" / "tiny-llama" / "amr_demo" / "mtup" / "seed1"
+    run.mkdir(parents=True)
+    (run / "train_log.jsonl").write_text(json.dumps({"step": 1, "loss": 7.0, "seconds_from_stage_start": 21.5}) + "\n"
+                                         + json.dumps({"step": 2, "loss": 6.0}) + "\n")
+    (run / "run_manifest.json").write_text(json.dumps({"final_loss": 6.0, "devices": ["cuda:0"], "peak_memory_bytes": 5}))
+    (run / "eval.json").write_text(json.dumps({"score": 0.25, "device": "cuda:0", "dtype": "bfloat16", "n_examples": 72}))
+    (tmp_path / "results" / "comparison.md").write_text("# comparison\n")
+    (tmp_path / "results" / "benchmarks" / "train").mkdir(parents=True)
+    (tmp_path / "results" / "benchmarks" / "train" / "mtup.tsv").write_text("s\th:m:s\tmax_rss\n31.25\t0:00:31\t100\n")
+    monkeypatch.setattr(driver, "REPO", tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    context = driver.Context(out=out, python="python3", wheels=tmp_path, cpu=False)
+    record = driver.collect_workflow(context, 0, 123.0)
+    job = record["train_jobs"]["tiny-llama/amr_demo/mtup/seed1"]
+    assert job["seconds_from_stage_start"] == 21.5 and job["steps_logged"] == 2 and job["devices"] == ["cuda:0"]
+    assert record["evaluations"]["tiny-llama/amr_demo/mtup/seed1"]["device"] == "cuda:0"
+    assert record["job_seconds"] == {"train/mtup": 31.25} and record["comparison"]
+    assert (out / "comparison.md").read_text() == "# comparison\n"
+    assert driver._workflow_reason(context) is not None  # a second run here would have nothing to do
+    check_records.append({"check": "phase", "phase": "workflow", "status": "passed", "expected_seconds": 190,
+                          "seconds": 123.0, "exit_code": 0, "log": "workflow.log", **record}, out / "measurements.jsonl")
+    summary = driver.render_summary(check_records.read(out / "measurements.jsonl"))
+    assert "123 s wall" in summary and "stage start -> first step 21.5 s" in summary and "train/mtup 31.2" in summary
