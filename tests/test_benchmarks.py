@@ -250,7 +250,8 @@ def gpu_check(*args, cwd=REPO, env=None, **popen):
     import sys
 
     command = [sys.executable, "-m", "benchmarks.gpu_check", *map(str, args)]
-    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                   **(env or {})}
     environment.pop("GPU_CHECK_REPORT", None)
     if popen:
         return subprocess.Popen(command, cwd=cwd, env=environment, **popen)
