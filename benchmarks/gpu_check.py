@@ -37,6 +37,7 @@ DEFAULT_MINUTES = 8.0
 RESERVE_SECONDS = 5.0  # left at the end for the last summary
 PREFLIGHT_SECONDS = 5.0  # before the phases: does the python import torch and see a CUDA device
 GPU_CONFIG = "config/gpu_smoke.yaml"
+LOG_NAME = "checks.log"  # every phase's output, each under a header
 WORKFLOW_COMMAND = ["snakemake", "--configfile", GPU_CONFIG, "--profile", "profiles/local", "--cores", "all",
                     "--resources", "gpu=1"]
 
@@ -240,10 +241,13 @@ def run_phases(context: Context, phases: list[Phase], budget_seconds: float, log
             continue
         log(f"gpu-check [{phase.name}] {phase.what} (expected {phase.expected_seconds:.0f} s, {left:.0f} s left)")
         limit = min(left, phase.limit_seconds)
-        exit_code, seconds = _run_streaming(command, context.out / f"{phase.name}.log", _phase_env(context), limit)
+        # One log for all phases: a GPU machine hands back only a few files (the device tool: 8).
+        with open(context.out / LOG_NAME, "a", encoding="utf-8") as log_file:
+            log_file.write(f"\n===== gpu-check [{phase.name}]: {' '.join(command)}\n")
+        exit_code, seconds = _run_streaming(command, context.out / LOG_NAME, _phase_env(context), limit)
         outcome = "cut_off" if exit_code is None else ("passed" if exit_code == 0 else "failed")
         record = {**base, "status": outcome, "seconds": round(seconds, 1), "exit_code": exit_code,
-                  "log": f"{phase.name}.log"}
+                  "log": LOG_NAME}
         if outcome == "cut_off":
             record["reason"] = (f"stopped at the end of the budget after {seconds:.0f} s" if limit == left else
                                 f"stopped after {seconds:.0f} s, twice its expected time and 30 s more")
@@ -407,8 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = out / "measurements.jsonl"
     report.unlink(missing_ok=True)
-    for old in out.glob("*.log"):
-        old.unlink()
+    (out / LOG_NAME).unlink(missing_ok=True)
     site = tempfile.mkdtemp(prefix="gpu-check-site-")
     python_bin = tempfile.mkdtemp(prefix="gpu-check-bin-")  # `python` for the rules' shell commands
     wrapper = Path(python_bin) / "python"  # a script, not a link: a link to a venv's python loses the venv

@@ -321,6 +321,8 @@ def test_gpu_check_phases_run_in_order_skip_what_will_not_fit_and_stop_at_the_bu
     assert phases_seen["overruns"]["status"] == "cut_off" and "end of the budget" in phases_seen["overruns"]["reason"]
     summary = (out / "summary.md").read_text()
     assert "| too_long | skipped |" in summary and "| overruns | cut_off |" in summary
+    log = (out / driver.LOG_NAME).read_text()  # one log, each phase under its header
+    assert "===== gpu-check [fails]" in log and "===== gpu-check [too_long]" not in log
 
 
 @pytest.mark.parametrize("relative", [True, False])
