@@ -163,34 +163,58 @@ def plan(phases: list[Phase], minutes: float) -> str:
     return "\n".join(lines)
 
 
+class Stopped(Exception):
+    """The driver was asked to stop (SIGTERM, SIGINT): the running phase is stopped, the records kept."""
+
+
+def _stop_requested(signum, _frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
+def _own_group_dying_with_the_driver() -> None:
+    """In the phase's process, before it runs: its own process group (stopped as one at the budget's end;
+    the same session, so whoever ends the driver's session ends it too), and SIGTERM if the driver dies."""
+    os.setpgrp()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+
+
 def _run_streaming(command: list[str], log_path: Path, env: dict, timeout: float) -> tuple[int | None, float]:
     """Run ``command`` in its own process group, its output to stdout and ``log_path``; stop the whole
-    group at ``timeout``. Returns (exit code, or None when stopped; seconds)."""
+    group at ``timeout`` or when the driver is stopped. Returns (exit code, or None when stopped; seconds)."""
     started = time.monotonic()
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   preexec_fn=_own_group_dying_with_the_driver)
         deadline = started + timeout
         os.set_blocking(process.stdout.fileno(), False)
         stopped = False
-        while True:
-            chunk = process.stdout.read()
-            if chunk:
-                log.write(chunk)
-                log.flush()
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
-            if process.poll() is not None:
-                rest = process.stdout.read()
-                if rest:
-                    log.write(rest)
-                    sys.stdout.buffer.write(rest)
+        try:
+            while True:
+                chunk = process.stdout.read()
+                if chunk:
+                    log.write(chunk)
+                    log.flush()
+                    sys.stdout.buffer.write(chunk)
                     sys.stdout.flush()
-                break
-            if time.monotonic() > deadline and not stopped:
-                stopped = True
+                if process.poll() is not None:
+                    rest = process.stdout.read()
+                    if rest:
+                        log.write(rest)
+                        sys.stdout.buffer.write(rest)
+                        sys.stdout.flush()
+                    break
+                if time.monotonic() > deadline and not stopped:
+                    stopped = True
+                    _stop_group(process)
+                time.sleep(0.2)
+        finally:
+            if process.poll() is None:  # the driver itself is being stopped
                 _stop_group(process)
-            time.sleep(0.2)
     return (None if stopped else process.returncode), time.monotonic() - started
 
 
@@ -244,7 +268,13 @@ def run_phases(context: Context, phases: list[Phase], budget_seconds: float, log
         # One log for all phases: a GPU machine hands back only a few files (the device tool: 8).
         with open(context.out / LOG_NAME, "a", encoding="utf-8") as log_file:
             log_file.write(f"\n===== gpu-check [{phase.name}]: {' '.join(command)}\n")
-        exit_code, seconds = _run_streaming(command, context.out / LOG_NAME, _phase_env(context), limit)
+        phase_started = time.monotonic()
+        try:
+            exit_code, seconds = _run_streaming(command, context.out / LOG_NAME, _phase_env(context), limit)
+        except Stopped as stop:
+            check_records.append({**base, "status": "stopped", "reason": f"the check was stopped ({stop})",
+                                  "seconds": round(time.monotonic() - phase_started, 1), "log": LOG_NAME}, report)
+            raise
         outcome = "cut_off" if exit_code is None else ("passed" if exit_code == 0 else "failed")
         record = {**base, "status": outcome, "seconds": round(seconds, 1), "exit_code": exit_code,
                   "log": LOG_NAME}
@@ -424,8 +454,14 @@ def main(argv: list[str] | None = None) -> int:
     check_records.append({"check": "start", "budget_minutes": args.minutes, "python": args.python,
                           "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                           "cpu_harness": args.cpu}, report)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP"):
+        signal.signal(getattr(signal, name), _stop_requested)
     try:
         status = run_phases(context, phases, 60 * args.minutes - (time.monotonic() - started))
+    except Stopped as stop:
+        check_records.append({"check": "stopped", "signal": str(stop)}, report)
+        print(f"gpu-check: stopped by {stop}; the records so far are kept in {report}", file=sys.stderr)
+        status = 1
     finally:
         shutil.rmtree(site, ignore_errors=True)
         shutil.rmtree(python_bin, ignore_errors=True)

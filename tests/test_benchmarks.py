@@ -405,7 +405,16 @@ def test_a_killed_gpu_check_keeps_every_record_and_the_summary_is_rebuilt(tmp_pa
                 break
             time.sleep(0.5)
     finally:
-        os.killpg(process.pid, signal.SIGKILL)
+        # As a machine's end or a timeout ends a run: every process of the driver's session, at once.
+        import psutil
+
+        session = os.getsid(process.pid)
+        for child in psutil.process_iter():
+            try:
+                if os.getsid(child.pid) == session:
+                    child.kill()
+            except (ProcessLookupError, psutil.Error):
+                continue
         process.wait()
     rows = check_records.read(out / "measurements.jsonl")
     assert any(r.get("side") == "ours" and r["status"] == "measured" for r in rows), rows
@@ -415,6 +424,37 @@ def test_a_killed_gpu_check_keeps_every_record_and_the_summary_is_rebuilt(tmp_pa
     assert result.returncode == 0, result.stderr
     summary = (out / "summary.md").read_text()
     assert "| ours | 1 | measured |" in summary
+
+
+def test_a_stopped_gpu_check_stops_its_phase_and_keeps_the_records(tmp_path):
+    """SIGTERM to the driver (a timeout, a user's Ctrl-C): the running phase's process group is stopped,
+    not left running on the GPU, and the records and summary so far are written."""
+    import signal
+    import subprocess
+
+    import psutil
+
+    from benchmarks import check_records
+
+    out = tmp_path / "out"
+    process = gpu_check("--cpu", "--only", "environment", "benchmark", "--wheels", tmp_path / "no-wheels", "--out", out,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not any(r.get("phase") == "environment"
+                                                   for r in check_records.read(out / "measurements.jsonl")):
+        time.sleep(0.5)
+    time.sleep(2)  # the benchmark phase has started
+    children = psutil.Process(process.pid).children(recursive=True)
+    assert children, "the benchmark phase should be running"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 1
+    gone, alive = psutil.wait_procs(children, timeout=20)
+    assert not alive, alive
+    rows = check_records.read(out / "measurements.jsonl")
+    assert any(r.get("phase") == "environment" and r["status"] == "passed" for r in rows)
+    assert rows[-1] == {"check": "stopped", "signal": "SIGTERM"}
+    assert rows[-2]["phase"] == "benchmark" and rows[-2]["status"] == "stopped"
+    assert "| environment | passed |" in (out / "summary.md").read_text()
 
 
 def test_gpu_wheels_pin_the_versions_the_tests_run_here():
