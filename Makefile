@@ -32,9 +32,11 @@ demo: install
 bench: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m benchmarks.run
 
-# On a GPU machine (its own python with torch, transformers, peft): every CUDA check in one call.
+# On a GPU machine (its own python with torch, transformers, peft): every CUDA check in one call, in
+# priority order within GPU_CHECK_MINUTES (default 8). PLAN=1: the phases and expected times, run nothing.
 gpu-check:
-	GPU_PYTHON="$(or $(GPU_PYTHON),python3)" bash benchmarks/gpu_check.sh $(or $(GPU_CHECK_OUT),benchmarks/gpu_check)
+	$(or $(GPU_PYTHON),python3) -m benchmarks.gpu_check --out "$(or $(GPU_CHECK_OUT),benchmarks/gpu_check)" \
+	  --minutes $(or $(GPU_CHECK_MINUTES),8) $(if $(PLAN),--plan)
 
 # Where pip reaches a registry: the packages a registry-less GPU machine lacks, as wheels in .whl/.
 gpu-wheels:

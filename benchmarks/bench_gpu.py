@@ -14,12 +14,15 @@ convention, attention not halved for the causal mask; padding and recomputation 
 """
 from __future__ import annotations
 
+import json
+import os
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks import bench_training, synthetic
+from benchmarks import bench_training, check_records, synthetic
 from benchmarks.records import Goal, Series, not_run, record
 
 NAME = "gpu_lora_bf16"
@@ -34,11 +37,16 @@ QWEN25_05B = {
 }
 # Dense bf16 peak, TFLOP/s. H100: the figure issue 6 sets (about 790); others from vendor sheets.
 PEAK_TFLOPS = {"H100": 790.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+LONG_TAIL = {"low": 32, "high": 1024, "median": 200, "sigma": 0.8}
 SCALES = {
     "full": {"epoch_steps": 30, "steps": 60, "repetitions": 3, "effective_batch": 32, "micro_batch": 8, "precision": "bf16", "gpus": 1,
-             "dataloader_workers": 2, "length": {"low": 32, "high": 1024, "median": 200, "sigma": 0.8}},
+             "dataloader_workers": 2, "length": LONG_TAIL},
+    # make gpu-check: one pair of runs that fits its time budget (benchmarks/gpu_check.py), workers on as at full size.
+    "check": {"epoch_steps": 12, "steps": 24, "repetitions": 1, "effective_batch": 32, "micro_batch": 8, "precision": "bf16", "gpus": 1,
+              "dataloader_workers": 2, "length": LONG_TAIL},
+    # The harness in seconds; DataLoader workers on, as at the sizes that count (counts must cross processes).
     "tiny": {"epoch_steps": 2, "steps": 4, "repetitions": 1, "effective_batch": 4, "micro_batch": 2, "precision": "bf16", "gpus": 1,
-             "dataloader_workers": 0, "length": {"low": 16, "high": 64, "median": 24, "sigma": 0.6}},
+             "dataloader_workers": 1, "length": {"low": 16, "high": 64, "median": 24, "sigma": 0.6}},
 }
 GOAL_MFU = 0.45
 
@@ -98,11 +106,26 @@ def measure(settings: dict, config, device_name: str, work: Path, log=print) -> 
     peak = peak_flops(device_name)
 
     runs: dict[str, list[dict]] = {"ours": [], "trainer": []}
+    failures: dict[str, str] = {}
+    sides = {"ours": lambda seed: bench_training.run_ours(model_dir, data_dir, settings, seed, work),
+             "trainer": lambda seed: bench_training.run_trainer(model_dir, data_dir, settings, seed, False, work)}
     for repetition in range(settings["repetitions"]):
-        runs["ours"].append(bench_training.run_ours(model_dir, data_dir, settings, repetition + 1, work))
-        runs["trainer"].append(bench_training.run_trainer(model_dir, data_dir, settings, repetition + 1, False, work))
-        for side in runs:
-            log(f"  gpu {side} #{repetition + 1}: {runs[side][-1]['tokens_per_second']:.0f} tokens/s")
+        for side, run_side in sides.items():
+            # Each side's figure is kept the moment it exists: a failing or killed other side loses none of it.
+            base = {"check": NAME, "side": side, "repetition": repetition + 1, "device": device_name}
+            try:
+                result = run_side(repetition + 1)
+            except Exception as error:
+                failures.setdefault(side, f"{type(error).__name__}: {error}")
+                log(f"  gpu {side} #{repetition + 1} failed: {failures[side][:300]}")
+                check_records.append({**base, "status": "failed", "error": f"{type(error).__name__}: {error}"[-2000:]})
+                continue
+            runs[side].append(result)
+            log(f"  gpu {side} #{repetition + 1}: {result['tokens_per_second']:.0f} tokens/s")
+            check_records.append({**base, "status": "measured", **result,
+                                  "mfu": result["tokens_per_second"] * per_token / peak if peak else None})
+    if not runs["ours"]:
+        raise RuntimeError("; ".join(f"{side}: {error}" for side, error in failures.items()))
 
     def series(side: str, label: str) -> Series:
         results = runs[side]
@@ -114,19 +137,23 @@ def measure(settings: dict, config, device_name: str, work: Path, log=print) -> 
         })
 
     ours = series("ours", "ours: train stage (length-grouped), bf16 autocast")
-    reference = series("trainer", "reference: HF Trainer + PEFT, defaults, bf16=True")
+    reference = series("trainer", "reference: HF Trainer + PEFT, defaults, bf16=True") if runs["trainer"] else None
     ours_attention = attention_implementation(config)
     context = (f"measured context: ours {ours.median:.0f} tokens/s x {per_token / 1e9:.2f} GFLOP per token = "
                f"{ours.median * per_token / 1e12:.0f} TFLOP/s; padding ours {np.median(ours.details['padding_share']):.1%}, "
-               f"Trainer {np.median(reference.details['padding_share']):.1%}; attention '{ours_attention}', fused AdamW, "
+               + (f"Trainer {np.median(reference.details['padding_share']):.1%}" if reference else "Trainer not measured")
+               + f"; attention '{ours_attention}', fused AdamW, "
                "no torch.compile, no packing across sequences; a profile on the GPU would name the bottleneck")
-    goals = [Goal("ours tokens/s / Trainer >= 1.0x (ahead of Trainer)", ours.median / reference.median, 1.0, True,
-                  why=context)]
+    goals = []
+    if reference:
+        goals.append(Goal("ours tokens/s / Trainer >= 1.0x (ahead of Trainer)", ours.median / reference.median, 1.0,
+                          True, why=context))
     if peak:
         goals.insert(0, Goal(f"ours MFU >= {GOAL_MFU:.0%} (peak {peak / 1e12:.0f} TFLOP/s dense bf16)",
                              ours.median * per_token / peak, GOAL_MFU, True, why=context))
+    failed_sides = "; ".join(f"{side} failed: {error}" for side, error in failures.items()) or None
     return record(
-        NAME, TITLE, ours, reference, higher_is_better=True, goals=goals,
+        NAME, TITLE, ours, reference, higher_is_better=True, goals=goals, message=failed_sides,
         setup={"device": device_name, "model": "Qwen2.5-0.5B architecture, random weights" if config.hidden_size == 896
                else "tiny Qwen2 (harness check)", "model_config": config.to_diff_dict(),
                "lora": bench_training.LORA, "effective_batch": settings["effective_batch"],
@@ -135,9 +162,9 @@ def measure(settings: dict, config, device_name: str, work: Path, log=print) -> 
                "peak_flops": peak, "target_share": target_share,
                "kernels": {"ours": {"attention": ours_attention, "fused_adamw": settings["gpus"] > 0,
                                     "torch_compile": False},
-                           "trainer": {"attention": runs["trainer"][0].get("attention"),
-                                       "optimizer": runs["trainer"][0].get("optimizer"),
-                                       "torch_compile": runs["trainer"][0].get("torch_compile")}}},
+                           "trainer": {key: runs["trainer"][0].get(key) for key in ("attention", "optimizer", "torch_compile")}
+                           if runs["trainer"] else None},
+               "dataloader_workers": settings["dataloader_workers"], "failures": failures},
         notes=["MFU counts model FLOPs of non-padding tokens only (see bench_gpu.py's docstring for the formula).",
                "Ours: fused AdamW on CUDA (training_setup.build_optimizer_and_scheduler), attention as loaded by "
                "transformers' default implementation, no torch.compile."],
@@ -154,14 +181,62 @@ def attention_implementation(config) -> str:
     return str(model.config._attn_implementation)
 
 
-def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: float | None = None) -> dict:
+def cpu_settings(scale: str) -> dict:
+    """The harness on CPU (tests, ``make gpu-check`` without a GPU in its test mode): the same runs at a
+    scale's sizes, fp32 on the CPU, DataLoader workers as the scale has them. Measures nothing about GPUs."""
+    return {**SCALES[scale], "gpus": 0, "precision": "fp32", "torch_threads": 1}
+
+
+def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: float | None = None,
+        on_cpu: bool = False) -> dict:
     import torch
 
-    if not torch.cuda.is_available():
+    if on_cpu:
+        settings, device_name = cpu_settings(scale), "cpu"
+    elif not torch.cuda.is_available():
         return not_run(NAME, TITLE, "skipped",
                        "no CUDA device visible (torch.cuda.is_available() is False); run `make bench` on a GPU "
                        "machine to measure it", setup={"model_config": QWEN25_05B, "goal_mfu": GOAL_MFU})
-    settings = SCALES[scale]
-    device_name = torch.cuda.get_device_name(0)
+    else:
+        settings, device_name = SCALES[scale], torch.cuda.get_device_name(0)
     with tempfile.TemporaryDirectory(prefix="bench-gpu-", dir=work_dir) as tmp:
         return measure(settings, model_config(tiny=scale == "tiny"), device_name, Path(tmp), log)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One run of this benchmark for ``make gpu-check``: each side's figure goes to $GPU_CHECK_REPORT as it
+    is measured; the whole record to OUT/gpu_benchmark.json and .md. Exit 1 when a side failed."""
+    import argparse
+    import datetime
+
+    from benchmarks import report
+    from workflow_scripts.core.atomic_output import atomic_path, write_json
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_gpu", description=main.__doc__.splitlines()[0])
+    parser.add_argument("--scale", choices=sorted(SCALES), default="check")
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--cpu", action="store_true", help="the harness on CPU (tests); tiny scale only")
+    args = parser.parse_args(argv)
+    if args.cpu and args.scale != "tiny":
+        parser.error("--cpu runs the harness at --scale tiny only")
+    started = time.perf_counter()
+    load = os.getloadavg()[0]
+    try:
+        result = run(args.scale, work_dir=None, on_cpu=args.cpu)
+    except Exception as error:  # recorded, as make bench records it; the sides' own lines are already written
+        result = not_run(NAME, TITLE, "failed", f"{type(error).__name__}: {error}")
+    result["seconds"] = time.perf_counter() - started
+    run_info = {"scale": args.scale, "total_seconds": result["seconds"], "load_average_start": load,
+                "finished": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "hardware": result["hardware"], "packages": result["packages"]}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    document = json.loads(json.dumps(result, default=str))
+    write_json(args.out_dir / "gpu_benchmark.json", document)
+    with atomic_path(args.out_dir / "gpu_benchmark.md") as path:
+        path.write_text(report.render([document], run_info))
+    print(f"gpu benchmark: {result['status']}" + (f" ({result['message']})" if result.get("message") else ""))
+    return 0 if result["status"] in {"measured", "skipped"} and not result.get("message") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

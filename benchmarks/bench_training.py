@@ -96,7 +96,8 @@ def log_window(steps: list[dict], skip: int = 1) -> dict:
     durations = np.diff([0.0] + ends)
     real = [s["tokens_per_second"] * d for s, d in zip(steps, durations)]
     padded = [r * s["padding_share"] / max(1.0 - s["padding_share"], 1e-12) for r, s in zip(real, steps)]
-    return window(ends, real, padded, skip)
+    # The stage's start-up: its process start (torchrun's too) to the end of the first step.
+    return {**window(ends, real, padded, skip), "seconds_from_stage_start": steps[0].get("seconds_from_stage_start")}
 
 
 # --- reference: HF Trainer + PEFT --------------------------------------------------------------------
@@ -118,23 +119,25 @@ def trainer_probe(model_dir: str, data_dir: str, settings: dict, seed: int, grou
                                              target_modules=LORA["target_modules"], task_type="CAUSAL_LM"))
     data = load_from_disk(data_dir)["train"].remove_columns(["id"])
     pad_collator = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100)
-    counts = {"real": 0, "padded": 0}
+    # Counted where the batches arrive, in this process: the collator runs inside the DataLoader's worker
+    # processes when there are any, and counts kept there never reach this process. Kept as tensors and
+    # read after training, so counting adds no host sync to the timed steps.
+    micro_batches: list[tuple] = []  # (real tokens as a tensor, tokens with padding)
 
-    def collate(rows):
-        batch = pad_collator(rows)
-        real = int(batch["attention_mask"].sum())
-        counts["real"] += real
-        counts["padded"] += batch["attention_mask"].numel() - real
-        return batch
+    class CountingTrainer(Trainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            mask = inputs["attention_mask"]
+            micro_batches.append((mask.sum(), mask.numel()))
+            return super().training_step(model, inputs, *args, **kwargs)
 
-    marks: list[tuple[float, int, int]] = []
+    marks: list[tuple[float, int]] = []  # (seconds since the loop started, micro-batches seen) at each step's end
 
     class StepTimes(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             self.started = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            marks.append((time.perf_counter() - self.started, counts["real"], counts["padded"]))
+            marks.append((time.perf_counter() - self.started, len(micro_batches)))
 
     arguments = TrainingArguments(
         output_dir=out_dir, per_device_train_batch_size=settings["micro_batch"],
@@ -145,12 +148,16 @@ def trainer_probe(model_dir: str, data_dir: str, settings: dict, seed: int, grou
         use_cpu=not on_gpu, bf16=bf16, seed=seed, dataloader_num_workers=settings.get("dataloader_workers", 0),
         disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=arguments, train_dataset=data, data_collator=collate,
+    trainer = CountingTrainer(model=model, args=arguments, train_dataset=data, data_collator=pad_collator,
                       callbacks=[StepTimes()])
     trainer.train()
     ends = [m[0] for m in marks]
-    real = np.diff([0] + [m[1] for m in marks]).tolist()
-    padded = np.diff([0] + [m[2] for m in marks]).tolist()
+    real, padded, first = [], [], 0
+    for _, last in marks:
+        step_real = sum(int(tokens) for tokens, _ in micro_batches[first:last])
+        real.append(step_real)
+        padded.append(sum(total for _, total in micro_batches[first:last]) - step_real)
+        first = last
     result = window(ends, real, padded, skip=settings["epoch_steps"])
     result["optimizer"] = str(getattr(arguments.optim, "value", arguments.optim))
     result["attention"] = str(model.config._attn_implementation)
@@ -306,8 +313,9 @@ def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: 
                "padding_share_of_batch_plans": {"rows": settings["plan_rows"], **plans,
                                                 "lengths": synthetic.length_summary(plan_lengths)}},
         notes=["Same rows for every run: two epochs over the same set; the second is timed.",
-               "Ours' per-step tokens come from its train_log.jsonl (tokens/s x step time); the Trainer's from a "
-               "counting wrapper around its collator and a step-end callback.",
+               "Ours' per-step tokens come from its train_log.jsonl (tokens/s x step time); the Trainer's are counted "
+               "from each batch its training_step receives (in the main process, DataLoader workers or not) and "
+               "read by a step-end callback.",
                "Ours also computes the LM head only at target positions (tasks.generation.TargetTokenLoss); "
                "the Trainer computes logits at every position."],
     )

@@ -36,6 +36,9 @@ def render(records: Sequence[Mapping[str, Any]], run_info: Mapping[str, Any]) ->
         "",
         "Packages: " + ", ".join(f"{k} {v}" for k, v in sorted(run_info["packages"].items()) if v) + ".",
         "",
+        "GPU figures come from `make gpu-check` on a lent GPU machine (README, \"Checking a GPU machine\"): "
+        "one JSON line per check in its `measurements.jsonl`, the device named.",
+        "",
         "Every figure is the median of the repetitions listed; ratios are ours / reference from those "
         "medians. Raw samples, settings and per-process details are in `benchmarks/results.json`.",
         "",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 
 import numpy as np
@@ -244,21 +245,216 @@ def test_vision_batches_benchmark_runs_at_tiny_size(tmp_path, monkeypatch):
 
 
 # --- make gpu-check: its harness, checked where there is no GPU ---
-def test_gpu_check_without_cuda_says_so_and_checks_nothing(tmp_path):
+def gpu_check(*args, cwd=REPO, env=None, **popen):
     import subprocess
     import sys
 
+    command = [sys.executable, "-m", "benchmarks.gpu_check", *map(str, args)]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                   **(env or {})}
+    environment.pop("GPU_CHECK_REPORT", None)
+    if popen:
+        return subprocess.Popen(command, cwd=cwd, env=environment, **popen)
+    return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=600)
+
+
+def test_gpu_check_without_cuda_says_so_and_checks_nothing(tmp_path):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: make gpu-check runs the checks here")
-    result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(tmp_path / "out")],
-                            env={**os.environ, "GPU_PYTHON": sys.executable}, capture_output=True, text=True)
+    result = gpu_check("--out", tmp_path / "out")
     assert result.returncode == 2 and "no CUDA device visible" in result.stderr
-    assert not list((tmp_path / "out").iterdir())  # no half report that looks like a run
-    result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(tmp_path / "out")],
-                            env={**os.environ, "GPU_PYTHON": "/bin/true-python-missing"}, capture_output=True, text=True)
+    assert not (tmp_path / "out").exists()  # no half report that looks like a run
+    result = gpu_check("--out", tmp_path / "out", "--python", "/bin/true-python-missing")
     assert result.returncode == 2 and "cannot import torch" in result.stderr
+
+
+def test_gpu_check_plan_lists_the_phases_within_eight_minutes():
+    """`make gpu-check PLAN=1` runs nothing and needs no GPU; the expected times sum to the budget or less."""
+    import subprocess
+    import sys
+
+    from benchmarks import gpu_check as driver
+
+    result = subprocess.run(["make", "-s", "gpu-check", "PLAN=1", f"GPU_PYTHON={sys.executable}"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for phase in driver.PHASES:
+        assert phase.name in result.stdout
+    assert [p.name for p in driver.PHASES][:2] == ["wheels", "environment"]  # installation counts in the budget
+    total = driver.PREFLIGHT_SECONDS + driver.RESERVE_SECONDS + sum(p.expected_seconds for p in driver.PHASES)
+    assert total <= 8 * 60 and f"total expected {total:.0f} s" in result.stdout
+
+
+def test_gpu_check_phases_run_in_order_skip_what_will_not_fit_and_stop_at_the_budget(tmp_path):
+    """The budget: a phase expected to take longer than what is left is skipped with the reason; a phase
+    that overruns is stopped (its whole process group) when the budget ends; each leaves a record, and
+    a child's own records (through $GPU_CHECK_REPORT, from the repository's directory) land in OUT."""
+    import sys
+
+    from benchmarks import check_records, gpu_check as driver
+
+    writes = ("from benchmarks import check_records; check_records.append({'check': 'child', 'value': 7})")
+    phases = [
+        driver.Phase("first", 1, "writes a record", False, lambda c: [sys.executable, "-c", writes]),
+        driver.Phase("too_long", 600, "never fits", False, lambda c: [sys.executable, "-c", "raise SystemExit(9)"]),
+        driver.Phase("fails", 1, "exits 3", False, lambda c: [sys.executable, "-c", "raise SystemExit(3)"]),
+        driver.Phase("overruns", 1, "sleeps", False,
+                     lambda c: ["bash", "-c", "sleep 120 & wait"]),  # a grandchild too: the group is stopped
+    ]
+    out = tmp_path / "out"
+    out.mkdir()
+    context = driver.Context(out=out, python=sys.executable, wheels=tmp_path, cpu=False,
+                             env={check_records.VARIABLE: str(out / "measurements.jsonl"), "GPU_CHECK_SITE": str(tmp_path)})
+    started = time.monotonic()
+    status = driver.run_phases(context, phases, budget_seconds=driver.RESERVE_SECONDS + 12, log=lambda m: None)
+    assert time.monotonic() - started < 40
+    assert status == 1
+    rows = check_records.read(out / "measurements.jsonl")
+    assert {"check": "child", "value": 7} in rows
+    phases_seen = {r["phase"]: r for r in rows if r.get("check") == "phase"}
+    assert list(phases_seen) == ["first", "too_long", "fails", "overruns"]
+    assert phases_seen["first"]["status"] == "passed"
+    assert phases_seen["too_long"]["status"] == "skipped" and "would not fit: expected 600 s" in phases_seen["too_long"]["reason"]
+    assert phases_seen["fails"]["status"] == "failed" and phases_seen["fails"]["exit_code"] == 3
+    assert phases_seen["overruns"]["status"] == "cut_off" and "end of the budget" in phases_seen["overruns"]["reason"]
+    summary = (out / "summary.md").read_text()
+    assert "| too_long | skipped |" in summary and "| overruns | cut_off |" in summary
+    log = (out / driver.LOG_NAME).read_text()  # one log, each phase under its header
+    assert "===== gpu-check [fails]" in log and "===== gpu-check [too_long]" not in log
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_gpu_check_writes_into_a_relative_or_absolute_out(tmp_path, relative):
+    """Issue 24: with an absolute GPU_CHECK_OUT every record went to $PWD/$out. Both spellings work,
+    from a directory other than the repository, and the children's records land there too."""
+    from benchmarks import check_records
+
+    target = tmp_path / "checks" / "out"
+    result = gpu_check("--cpu", "--only", "environment", "--wheels", tmp_path / "no-wheels",
+                       "--out", "checks/out" if relative else target, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = check_records.read(target / "measurements.jsonl")
+    checks = [r["check"] for r in rows]
+    assert checks[0] == "start" and "environment" in checks  # the environment record comes from a child process
+    assert any(r.get("phase") == "environment" and r["status"] == "passed" for r in rows)
+    assert (target / "environment.txt").read_text().startswith("") and "torch" in (target / "environment.txt").read_text()
+    assert "| environment | passed |" in (target / "summary.md").read_text()
+
+
+def test_gpu_benchmark_harness_with_dataloader_workers_keeps_each_side(tmp_path, monkeypatch):
+    """Issue 24: with DataLoader workers (as at full size) the Trainer reference counted zero tokens in
+    the main process and failed with ZeroDivisionError, losing ours too. Tiny scale, workers on, on CPU:
+    both sides measured, each appended as its own record the moment it ended."""
+    from benchmarks import check_records
+
+    report = tmp_path / "measurements.jsonl"
+    monkeypatch.setenv(check_records.VARIABLE, str(report))
+    assert bench_gpu.cpu_settings("tiny")["dataloader_workers"] >= 1
+    rec = bench_gpu.run("tiny", work_dir=tmp_path, log=lambda m: None, on_cpu=True)
+    json.dumps(rec)
+    assert rec["status"] == "measured" and rec["message"] is None, rec["message"]
+    assert rec["reference"] is not None and rec["reference"]["median"] > 0 and rec["ratio"] > 0
+    sides = [r for r in check_records.read(report) if r.get("check") == bench_gpu.NAME]
+    assert [(r["side"], r["status"]) for r in sides] == [("ours", "measured"), ("trainer", "measured")]
+    trainer = sides[1]
+    assert trainer["window_real_tokens"] > 0 and 0 <= trainer["padding_share"] < 1
+    assert sides[0]["seconds_from_stage_start"] > 0  # the train stage's start-up, from its first log record
+
+
+def test_a_failing_reference_keeps_ours(tmp_path, monkeypatch):
+    from benchmarks import check_records
+
+    report = tmp_path / "measurements.jsonl"
+    monkeypatch.setenv(check_records.VARIABLE, str(report))
+    ours = {"tokens_per_second": 1000.0, "padding_share": 0.1, "window_seconds": 1.0, "window_real_tokens": 1000.0,
+            "all_real_tokens": 2000.0, "steps": 4, "seconds_from_stage_start": 3.0}
+    monkeypatch.setattr(bench_training, "run_ours", lambda *args: dict(ours))
+
+    def broken(*args):
+        raise ZeroDivisionError("float division by zero")
+
+    monkeypatch.setattr(bench_training, "run_trainer", broken)
+    rec = bench_gpu.run("tiny", work_dir=tmp_path, log=lambda m: None, on_cpu=True)
+    assert rec["status"] == "measured" and rec["ours"]["median"] == 1000.0
+    assert rec["reference"] is None and rec["ratio"] is None
+    assert "trainer failed: ZeroDivisionError" in rec["message"]
+    sides = [(r["side"], r["status"]) for r in check_records.read(report) if r.get("check") == bench_gpu.NAME]
+    assert sides == [("ours", "measured"), ("trainer", "failed")]
+    monkeypatch.setattr(bench_training, "run_ours", broken)
+    with pytest.raises(RuntimeError, match="ours: ZeroDivisionError"):
+        bench_gpu.run("tiny", work_dir=tmp_path, log=lambda m: None, on_cpu=True)
+
+
+def test_a_killed_gpu_check_keeps_every_record_and_the_summary_is_rebuilt(tmp_path):
+    """Kill the whole check (SIGKILL, its children too) right after the benchmark's first side is
+    recorded; the record survives and --summary rebuilds the summary from it."""
+    import signal
+    import subprocess
+
+    from benchmarks import check_records
+
+    out = tmp_path / "out"
+    process = gpu_check("--cpu", "--only", "benchmark", "--wheels", tmp_path / "no-wheels", "--out", out,
+                        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and process.poll() is None:
+            if any(r.get("side") == "ours" for r in check_records.read(out / "measurements.jsonl")):
+                break
+            time.sleep(0.5)
+    finally:
+        # As a machine's end or a timeout ends a run: every process of the driver's session, at once.
+        import psutil
+
+        session = os.getsid(process.pid)
+        for child in psutil.process_iter():
+            try:
+                if os.getsid(child.pid) == session:
+                    child.kill()
+            except (ProcessLookupError, psutil.Error):
+                continue
+        process.wait()
+    rows = check_records.read(out / "measurements.jsonl")
+    assert any(r.get("side") == "ours" and r["status"] == "measured" for r in rows), rows
+    assert not any(r.get("check") == "phase" and r["phase"] == "benchmark" for r in rows)  # killed mid-phase
+    (out / "summary.md").unlink(missing_ok=True)
+    result = gpu_check("--summary", out)
+    assert result.returncode == 0, result.stderr
+    summary = (out / "summary.md").read_text()
+    assert "| ours | 1 | measured |" in summary
+
+
+def test_a_stopped_gpu_check_stops_its_phase_and_keeps_the_records(tmp_path):
+    """SIGTERM to the driver (a timeout, a user's Ctrl-C): the running phase's process group is stopped,
+    not left running on the GPU, and the records and summary so far are written."""
+    import signal
+    import subprocess
+
+    import psutil
+
+    from benchmarks import check_records
+
+    out = tmp_path / "out"
+    process = gpu_check("--cpu", "--only", "environment", "benchmark", "--wheels", tmp_path / "no-wheels", "--out", out,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not any(r.get("phase") == "environment"
+                                                   for r in check_records.read(out / "measurements.jsonl")):
+        time.sleep(0.5)
+    time.sleep(2)  # the benchmark phase has started
+    children = psutil.Process(process.pid).children(recursive=True)
+    assert children, "the benchmark phase should be running"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 1
+    gone, alive = psutil.wait_procs(children, timeout=20)
+    assert not alive, alive
+    rows = check_records.read(out / "measurements.jsonl")
+    assert any(r.get("phase") == "environment" and r["status"] == "passed" for r in rows)
+    assert rows[-1] == {"check": "stopped", "signal": "SIGTERM"}
+    assert rows[-2]["phase"] == "benchmark" and rows[-2]["status"] == "stopped"
+    assert "| environment | passed |" in (out / "summary.md").read_text()
 
 
 def test_gpu_wheels_pin_the_versions_the_tests_run_here():
@@ -278,3 +474,50 @@ def test_gpu_wheels_pin_the_versions_the_tests_run_here():
         except metadata.PackageNotFoundError:
             continue  # an optional extra not installed here (then its tests skip here too)
         assert installed == version, f"benchmarks/gpu_requirements.txt pins {name}=={version}, installed {installed}"
+
+
+def test_the_gpu_upload_stays_within_60_mib():
+    """The project (its tracked files) plus `make gpu-wheels` output, as it travels to the GPU machine."""
+    import subprocess
+
+    wheels = sorted((REPO / ".whl").glob("*.whl"))
+    if not wheels:
+        pytest.skip("no .whl/ here: run `make gpu-wheels` to measure the upload")
+    pins = {line.split("#")[0].split("==")[0].strip().lower().replace("-", "_")
+            for line in (REPO / "benchmarks" / "gpu_requirements.txt").read_text().splitlines() if line.split("#")[0].strip()}
+    names = {wheel.name.split("-")[0].lower().replace("-", "_") for wheel in wheels}
+    assert names <= pins, f"wheels in .whl/ that gpu_requirements.txt does not pin: {sorted(names - pins)}"
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    project = sum((REPO / name).stat().st_size for name in tracked.split("\0") if name and (REPO / name).is_file())
+    total = project + sum(wheel.stat().st_size for wheel in wheels)
+    assert total <= 60 * 2**20, f"project {project / 2**20:.1f} MiB + wheels = {total / 2**20:.1f} MiB > 60 MiB"
+
+
+def test_the_workflow_phase_collects_wall_time_start_up_and_the_comparison(tmp_path, monkeypatch):
+    """What the workflow phase reads from what Snakemake left (the layout of rules/*.smk), planted here."""
+    from benchmarks import check_records, gpu_check as driver
+
+    run = tmp_path / "results" / "tiny-llama" / "amr_demo" / "mtup" / "seed1"
+    run.mkdir(parents=True)
+    (run / "train_log.jsonl").write_text(json.dumps({"step": 1, "loss": 7.0, "seconds_from_stage_start": 21.5}) + "\n"
+                                         + json.dumps({"step": 2, "loss": 6.0}) + "\n")
+    (run / "run_manifest.json").write_text(json.dumps({"final_loss": 6.0, "devices": ["cuda:0"], "peak_memory_bytes": 5}))
+    (run / "eval.json").write_text(json.dumps({"score": 0.25, "device": "cuda:0", "dtype": "bfloat16", "n_examples": 72}))
+    (tmp_path / "results" / "comparison.md").write_text("# comparison\n")
+    (tmp_path / "results" / "benchmarks" / "train").mkdir(parents=True)
+    (tmp_path / "results" / "benchmarks" / "train" / "mtup.tsv").write_text("s\th:m:s\tmax_rss\n31.25\t0:00:31\t100\n")
+    monkeypatch.setattr(driver, "REPO", tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    context = driver.Context(out=out, python="python3", wheels=tmp_path, cpu=False)
+    record = driver.collect_workflow(context, 0, 123.0)
+    job = record["train_jobs"]["tiny-llama/amr_demo/mtup/seed1"]
+    assert job["seconds_from_stage_start"] == 21.5 and job["steps_logged"] == 2 and job["devices"] == ["cuda:0"]
+    assert record["evaluations"]["tiny-llama/amr_demo/mtup/seed1"]["device"] == "cuda:0"
+    assert record["job_seconds"] == {"train/mtup": 31.25} and record["comparison"]
+    assert (out / "comparison.md").read_text() == "# comparison\n"
+    assert driver._workflow_reason(context) is not None  # a second run here would have nothing to do
+    check_records.append({"check": "phase", "phase": "workflow", "status": "passed", "expected_seconds": 190,
+                          "seconds": 123.0, "exit_code": 0, "log": "workflow.log", **record}, out / "measurements.jsonl")
+    summary = driver.render_summary(check_records.read(out / "measurements.jsonl"))
+    assert "123 s wall" in summary and "stage start -> first step 21.5 s" in summary and "train/mtup 31.2" in summary

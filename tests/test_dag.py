@@ -200,3 +200,45 @@ def test_a_second_experiment_set_in_the_same_directory_runs_and_an_unchanged_one
     assert "amr_demo" in (tmp_path / "results/comparison.md").read_text()
     assert len(list((tmp_path / "results/experiment_sets").glob("*.json"))) == 1
     assert nothing_to_do(run(first, "-n"))
+
+
+def test_gpu_smoke_config_builds_its_dag_for_one_gpu(tmp_path):
+    """config/gpu_smoke.yaml, the workflow phase of `make gpu-check`, as that phase runs it (dry): one
+    generation dataset, two variants, one GPU for training and evaluation, to results/comparison.md."""
+    config = yaml.safe_load((ROOT / "config" / "gpu_smoke.yaml").read_text())
+    assert config["training"]["gpus"] == 1 and config["training"]["precision"] == "bf16"
+    assert config["evaluation"]["gpus"] == 1 and len(config["datasets"]) == 1 and len(config["variants"]) == 2
+    for dataset in config["datasets"].values():  # this dry run runs outside the repository
+        dataset["source"]["path"] = str(ROOT / dataset["source"]["path"])
+    code, output = snakemake(tmp_path, "-n", "-p", "--configfile", str(config_file(tmp_path, config)),
+                             "--profile", str(ROOT / "profiles" / "local"), "--cores", "all", "--resources", "gpu=1")
+    assert code == 0, output
+    counts = job_counts(output)
+    assert {k: counts[k] for k in ("download", "normalise", "prepare_model", "pretokenise", "train", "compare")} == {
+        "download": 1, "normalise": 1, "prepare_model": 1, "pretokenise": 2, "train": 2, "compare": 1}
+    assert "results/comparison.md" in output
+    assert re.search(r"--training '[^']*\"gpus\": 1", output) or '"gpus": 1' in output
+
+
+def test_without_pulp_snakemake_schedules_greedily(tmp_path):
+    """`make gpu-wheels` leaves PuLP out (16 MiB of CBC binaries; the upload must stay under 60 MiB):
+    Snakemake then falls back to its greedy scheduler and runs, as the GPU check's workflow phase will."""
+    import os
+
+    blocker = tmp_path / "no-pulp" / "pulp"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('pulp is not installed on the GPU machine')\n")
+    config = yaml.safe_load((ROOT / "config" / "gpu_smoke.yaml").read_text())
+    for dataset in config["datasets"].values():
+        dataset["source"]["path"] = str(ROOT / dataset["source"]["path"])
+    work = tmp_path / "work"
+    work.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(work),
+         "--configfile", str(config_file(tmp_path, config)), "--cores", "1", "--until", "download"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker.parent), str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Falling back to greedy scheduler" in output
+    assert (work / "results" / "data" / "amr_demo").exists()

@@ -5,20 +5,28 @@ test asserts what must hold on CUDA as on CPU (the loss falls, the gate passes, 
 the same kind) and records what it measured as one JSON line in the file named by $GPU_CHECK_REPORT
 (peak memory against the gate's estimate, step times, repeatability), which ``make gpu-check``
 summarises for benchmarks/RESULTS.md.
+
+The stages run in this test process (a world of one, as torchrun's worker would see it), so the CUDA
+tests pay Python's imports and CUDA's start-up once, not twice per test; the one test marked
+``launcher`` goes through the launcher and torchrun exactly as the rules do. Each records the time from
+its stage's start to the end of the first training step (``seconds_from_stage_start``).
 """
 from __future__ import annotations
 
+import gc
 import json
-import os
 import statistics
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks import check_records
 from conftest import tiny_training_settings, training_json
 from test_train import adapter, log_rows, train_argv
 from workflow_scripts import sanity, train
+from workflow_scripts.launch import launcher
 
 pytestmark = [
     pytest.mark.cuda,
@@ -29,20 +37,36 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 @pytest.fixture
 def record(request):
-    """A dict the test fills with measurements; written as one JSON line to $GPU_CHECK_REPORT."""
+    """A dict the test fills with measurements; appended as one JSON line to $GPU_CHECK_REPORT."""
     measured: dict = {}
     yield measured
-    path = os.environ.get("GPU_CHECK_REPORT")
-    if path and measured:
-        with open(path, "a") as report:
-            report.write(json.dumps({"test": request.node.name, "device": torch.cuda.get_device_name(0),
-                                     **measured}) + "\n")
+    if measured:
+        check_records.append({"test": request.node.name, "device": torch.cuda.get_device_name(0), **measured})
 
 
 @pytest.fixture(autouse=True)
 def _private_leases(tmp_path, monkeypatch):
     # GPU stages take a lease on their device (launch/device_leases.py); keep the tests' leases apart.
     monkeypatch.setenv("LORA_WORKFLOW_LEASE_DIR", str(tmp_path / "leases"))
+
+
+@pytest.fixture(autouse=True)
+def _stages_in_this_process(request, monkeypatch):
+    """A world of one as torchrun's environment describes it: the stages' main runs its worker here, in
+    this process, instead of starting torchrun (tests marked ``launcher`` go through torchrun)."""
+    if request.node.get_closest_marker("launcher") is None:
+        for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+            monkeypatch.setenv(name, value)
+    # What an earlier test left in reference cycles (a PEFT model) would still count in this test's
+    # peak allocation, which is checked against the gate's estimate: free it first.
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def stage_starts_now(monkeypatch) -> None:
+    """The next stage's start-up is counted from now (through torchrun too: the launcher hands it on)."""
+    monkeypatch.setenv(launcher.STAGE_STARTED_VARIABLE, repr(time.time()))
 
 
 def run_summary(out: Path) -> dict:
@@ -59,6 +83,7 @@ def run_summary(out: Path) -> dict:
         "estimated_bytes": manifest["memory_estimate"]["total"],
         "devices": manifest["devices"],
         "skipped_updates": manifest["skipped_updates"],
+        "seconds_from_stage_start": rows[0].get("seconds_from_stage_start"),
     }
 
 
@@ -71,9 +96,10 @@ def assert_trained_on_cuda(summary: dict) -> None:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_generation_gate_and_training_on_cuda(precision, tmp_path, tiny_model_dir, tiny_tokenised_dir, record):
+def test_generation_gate_and_training_on_cuda(precision, tmp_path, tiny_model_dir, tiny_tokenised_dir, record,
+                                              monkeypatch):
     """bf16 autocast over bf16 frozen weights, and fp16 with fp32 master weights and the GradScaler
-    (the classification seed's AMP path); the gate first, then training, as the rules run them."""
+    (the classification seed's AMP path); the gate first, then training, in this process."""
     settings = tiny_training_settings(max_steps=30, learning_rate=3e-2, gpus=1, precision=precision,
                                       checkpoint_every=100, lora={"target_modules": ALL_LINEAR})
     common = ["--model", str(tiny_model_dir), "--data", str(tiny_tokenised_dir), "--training", training_json(settings),
@@ -81,12 +107,39 @@ def test_generation_gate_and_training_on_cuda(precision, tmp_path, tiny_model_di
     assert sanity.main([*common, "--out", str(tmp_path / "sanity.json")]) == 0
     gate = json.loads((tmp_path / "sanity.json").read_text())
     assert gate["passed"], gate
+    stage_starts_now(monkeypatch)
     assert train.main(train_argv(tmp_path, tiny_model_dir, tiny_tokenised_dir, settings)) == 0
     summary = run_summary(tmp_path)
-    record.update(precision=precision, gate_checks=len(gate["checks"]), **summary)
+    record.update(precision=precision, gate_checks=len(gate["checks"]), in_process=True, **summary)
     assert_trained_on_cuda(summary)
     if precision == "fp16":
         assert summary["skipped_updates"] <= 3, summary  # a few at the start while the scale settles
+
+
+@pytest.mark.launcher
+def test_gate_and_training_through_the_launcher_and_torchrun(tmp_path, tiny_model_dir, tiny_tokenised_dir, record,
+                                                             monkeypatch):
+    """The one check that starts the stages as the rules do: the launcher leases the GPU (its
+    CUDA_VISIBLE_DEVICES and rendezvous port) and starts torchrun, whose worker trains in bf16. Records each
+    stage's wall time and training's start-up (launcher + torchrun + imports + CUDA + model, to step 1)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    settings = tiny_training_settings(max_steps=30, learning_rate=3e-2, gpus=1, precision="bf16",
+                                      checkpoint_every=100, lora={"target_modules": ALL_LINEAR})
+    common = ["--model", str(tiny_model_dir), "--data", str(tiny_tokenised_dir), "--training", training_json(settings),
+              "--seed", "1"]
+    assert launcher.needs_launch(settings.gpus, settings.cpu_processes)  # not a world-of-one shortcut
+    started = time.perf_counter()
+    assert sanity.main([*common, "--out", str(tmp_path / "sanity.json")]) == 0
+    gate_seconds = time.perf_counter() - started
+    assert json.loads((tmp_path / "sanity.json").read_text())["passed"]
+    stage_starts_now(monkeypatch)
+    started = time.perf_counter()
+    assert train.main(train_argv(tmp_path, tiny_model_dir, tiny_tokenised_dir, settings)) == 0
+    train_seconds = time.perf_counter() - started
+    summary = run_summary(tmp_path)
+    record.update(in_process=False, gate_wall_seconds=gate_seconds, train_wall_seconds=train_seconds, **summary)
+    assert_trained_on_cuda(summary)
+    assert summary["seconds_from_stage_start"] is not None and 0 < summary["seconds_from_stage_start"] < train_seconds
 
 
 def test_the_same_seed_gives_the_same_adapter_on_cuda(tmp_path, tiny_model_dir, tiny_tokenised_dir, record):
@@ -106,7 +159,7 @@ def test_the_same_seed_gives_the_same_adapter_on_cuda(tmp_path, tiny_model_dir, 
     assert difference <= 1e-2 * scale, (difference, scale)
 
 
-def test_vision_language_trains_in_bf16_on_cuda(tmp_path, record):
+def test_vision_language_trains_in_bf16_on_cuda(tmp_path, record, monkeypatch):
     """Issue 12: one VLM family trains in bf16 on CUDA: the frozen tower in bf16, pixel values in the
     training precision, the projector trained whole; then evaluation generates on the GPU."""
     import test_vision_language_chain as vlm
@@ -131,6 +184,7 @@ def test_vision_language_trains_in_bf16_on_cuda(tmp_path, record):
     gate = json.loads((tmp_path / "sanity.json").read_text())
     assert gate["passed"], gate
     out = tmp_path / "run"
+    stage_starts_now(monkeypatch)
     assert train.main(train_argv(out, model_dir, tokenised, training)) == 0
     summary = run_summary(out)
     result = vlm.run_evaluate(tmp_path, model_dir, data, vlm.VISION, "vision", "1", out / "adapter",

@@ -152,3 +152,21 @@ def test_multinode_needs_slurm_and_the_node_count_it_declared(fake_scontrol):
 def test_needs_launch():
     assert not launcher.needs_launch(0, 1, 1)
     assert launcher.needs_launch(1, 1, 1) and launcher.needs_launch(0, 2, 1) and launcher.needs_launch(0, 1, 2)
+
+
+def test_the_launcher_hands_the_stage_start_to_torchrun(monkeypatch, tmp_path):
+    """A stage's start-up (train_log's seconds_from_stage_start) counts from the launcher's own start,
+    not the worker's: torchrun's start and the worker's imports are part of what the stage costs."""
+    import psutil
+
+    started: dict = {}
+    monkeypatch.setenv("LORA_WORKFLOW_LEASE_DIR", str(tmp_path / "leases"))
+    monkeypatch.delenv(launcher.STAGE_STARTED_VARIABLE, raising=False)
+    monkeypatch.setattr(launcher, "run_forwarding_signals",
+                        lambda command, env, fds=(): started.setdefault("at", env[launcher.STAGE_STARTED_VARIABLE]) and 0)
+    assert launcher.launch("workflow_scripts.train", [], gpus=0, cpu_processes=2) == 0
+    assert float(started["at"]) == pytest.approx(psutil.Process().create_time())
+    monkeypatch.setenv(launcher.STAGE_STARTED_VARIABLE, "1234.5")  # a harness timing an in-process call says when
+    started.clear()
+    assert launcher.launch("workflow_scripts.train", [], gpus=0, cpu_processes=2) == 0
+    assert started["at"] == "1234.5" and launcher.stage_started_at() == 1234.5

@@ -52,7 +52,9 @@ def test_train_writes_peft_adapter_log_and_manifest(tmp_path, tiny_model_dir, ti
                                                                "up_proj", "down_proj"]})
     assert train.main(train_argv(tmp_path, tiny_model_dir, tiny_tokenised_dir, settings)) == 0
     rows = log_rows(tmp_path)
-    assert [r["step"] for r in rows] == list(range(1, 25)) and all(set(r) == LOG_FIELDS for r in rows)
+    assert [r["step"] for r in rows] == list(range(1, 25)) and all(set(r) == LOG_FIELDS for r in rows[1:])
+    # The first step also says what start-up cost the stage: from its process start to that step's end.
+    assert set(rows[0]) == LOG_FIELDS | {"seconds_from_stage_start"} and rows[0]["seconds_from_stage_start"] > 0
     first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-4:]) / 4
     assert last < first - 0.1, (first, last)
     assert max(r["padding_share"] for r in rows) < 0.2

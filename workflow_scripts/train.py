@@ -244,6 +244,7 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
     loader = batching.build_loader(dataset, sampler, collator, training.dataloader_workers, device.type == "cuda", args.seed)
     batches = iter(loader)
     last_checkpoint = None
+    stage_started = launcher.stage_started_at()
     started = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -299,6 +300,8 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
             if selection.update(completed, record["validation_loss"], metrics, checks.criterion,
                                 scorer is not None and scorer.lower_is_better):
                 validation.save_best(setup, args.checkpoint_dir, completed)
+        if step == start_step:  # what start-up cost this stage: process (or torchrun) start to this step's end
+            record["seconds_from_stage_start"] = time.time() - stage_started
         log.write({**record,
             "step": completed,
             "loss": loss,

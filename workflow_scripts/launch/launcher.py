@@ -31,6 +31,22 @@ from workflow_scripts.core.settings import TrainingSettings
 FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
+# When the stage's first process started (seconds since the epoch), handed on to torchrun's workers so
+# that a stage can report what start-up cost it: launcher, torchrun, imports, CUDA, model loading.
+STAGE_STARTED_VARIABLE = "LORA_WORKFLOW_STAGE_STARTED"
+
+
+def stage_started_at() -> float:
+    """Wall-clock time the stage started: set by whoever started it (the launcher for torchrun's workers,
+    a harness timing an in-process call), else this process's own start."""
+    given = os.environ.get(STAGE_STARTED_VARIABLE)
+    if given:
+        return float(given)
+    import psutil
+
+    return psutil.Process().create_time()
+
+
 def is_worker() -> bool:
     """True inside a torchrun-launched process."""
     return "LOCAL_RANK" in os.environ
@@ -208,6 +224,7 @@ def launch(module: str, argv: Sequence[str], gpus: int, cpu_processes: int, node
     """Run ``module`` under torchrun (through srun on several nodes) and return its exit code."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env[STAGE_STARTED_VARIABLE] = str(stage_started_at())
     if nodes > 1:
         port, fds = multinode_port(env)
         command = multinode_command(module, argv, gpus, cpu_processes, nodes, port, env)
