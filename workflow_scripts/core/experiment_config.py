@@ -572,6 +572,9 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
                               "several tasks give a mapping, e.g. {generation: baseline, classification: plain}", source)
         for model in models(config):
             _check_fair_training(config, task_name, reference, source, model)
+    if config["evaluation"]["gpus"] > 1:  # evaluate decodes on cuda:0 alone; the rest would sit reserved
+        raise ConfigError("evaluation.gpus", f"is {config['evaluation']['gpus']}, but evaluation runs on one GPU "
+                          "(the others would be reserved and idle); set evaluation.gpus: 1 (or 0 for the CPU)", source)
 
 
 def _check_validation_metric(config: Mapping[str, Any], entry: str, validation: "ValidationSettings",
