@@ -1,6 +1,5 @@
 """Training by epochs, the held-out validation loss, the best adapter and early stopping (training.validation)."""
 import json
-import os
 import signal
 from pathlib import Path
 import subprocess
@@ -170,11 +169,14 @@ def test_two_processes_with_fewer_validation_batches_than_ranks_finish_with_the_
             job = subprocess.Popen([sys.executable, "-m", "workflow_scripts.train",
                                     *train_argv(out, tiny_model_dir, data_dir, settings)],
                                    cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, start_new_session=True)
+                                   text=True)
             try:
                 output = job.communicate(timeout=90)[0]
             except subprocess.TimeoutExpired:
-                os.killpg(job.pid, signal.SIGKILL)  # the launcher, torchrun and both hung ranks
+                import psutil
+
+                for process in [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]:
+                    process.kill()  # the launcher, torchrun and both hung ranks (torchrun starts them in their own sessions)
                 job.communicate()
                 pytest.fail("two processes with one validation batch between them did not finish (collectives out of step)")
             assert job.returncode == 0, output[-3000:]

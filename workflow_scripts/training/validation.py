@@ -28,7 +28,7 @@ from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.core.settings import ValidationSettings
 from workflow_scripts.model import model_loading
-from workflow_scripts.training import distributed, training_setup
+from workflow_scripts.training import distributed, fsdp, training_setup
 
 BEST_DIR = re.compile(r"^best-step-(\d{8})$")
 METRIC_KEY = "validation_metric"  # the train_log field of the criterion's metric (a mixture: the mean)
@@ -135,13 +135,14 @@ def best_dirs(checkpoint_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def save_best(setup: training_setup.TrainingSetup, checkpoint_dir: str | Path, step: int) -> None:
-    """The adapter of a new best step, in the PEFT format (main process)."""
+    """The adapter of a new best step, in the PEFT format (every rank calls it; the main process writes)."""
+    state = fsdp.gather_adapter(setup.peft_model)  # collective under FSDP (the shards gathered); None otherwise
     if setup.context.is_main:
         with atomic_path(Path(checkpoint_dir, f"best-step-{step:08d}"), directory=True) as directory:
             if setup.training.full:  # the whole model, as train's output holds it
                 model_loading.save_full_model(setup.peft_model, directory)
             else:
-                setup.peft_model.save_pretrained(str(directory), safe_serialization=True)
+                setup.peft_model.save_pretrained(str(directory), safe_serialization=True, state_dict=state)
 
 
 def prune(checkpoint_dir: str | Path, selection: Selection, resumed_step: int | None = None) -> None:
