@@ -29,7 +29,7 @@ from workflow_scripts.core.settings import TrainingSettings
 # What SLURM sends before a time limit or preemption (USR1 via --signal) and on cancel (TERM):
 # torchrun must hand them on to the workers, which checkpoint, instead of dying of them.
 FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
-DEFAULT_GRACE_SECONDS = 270  # the schema's training.signal_grace_seconds: inside --signal=B:USR1@300
+DEFAULT_GRACE_SECONDS = 270  # the schema's training.signal_grace_seconds: inside the SLURM profile's --signal=USR1@300
 
 
 def is_worker() -> bool:
