@@ -154,9 +154,16 @@ def tracking_json(wildcards):
 
 
 def training_gpu_total(wildcards):
-    """GPUs of the whole job (the SLURM plugin's --gpus): per node x nodes."""
+    """GPUs of a one-node job (the SLURM plugin's --gpus, and what --resources gpu=N counts). A job on
+    several nodes asks per node instead (training_gpus_per_node): --gpus=16 may come as 6 + 2 + 8."""
     training = training_settings(wildcards)
-    return training.gpus * training.nodes
+    return training.gpus if training.nodes == 1 else 0
+
+
+def training_gpus_per_node(wildcards):
+    """--gres=gpu:N, which SLURM counts per node: every node gets training.gpus (one torchrun each)."""
+    training = training_settings(wildcards)
+    return f"gpu:{training.gpus}" if training.nodes > 1 and training.gpus > 0 else ""
 
 
 def check_gpu_requests():
@@ -187,18 +194,23 @@ def training_nodes(wildcards):
     return training_settings(wildcards).nodes
 
 
-# With several nodes the rule's own command starts one torchrun per node through srun (mpi), so
-# the plugin must not wrap it in `srun -n1`; all variants then use this launch mode.
+# With several nodes the rule's own command starts one torchrun per node through srun (mpi), so the
+# plugin must not wrap it in `srun -n1`. The resources are per job: a one-node job beside them gets an
+# empty mpi (the plugin then asks no task count of it, which it refuses as tasks=1 under mpi) and runs
+# in the batch step too. Without multi-node variants the rules carry none of these keys.
 MULTI_NODE_LAUNCH = (
-    {"mpi": "srun", "tasks": training_nodes}
+    {"mpi": lambda w: "srun" if training_nodes(w) > 1 else "", "tasks": training_nodes,
+     "gres": training_gpus_per_node}
     if any(training.nodes > 1 for training in TRAINING.values())
     else {}
 )
 
 
 def training_threads(wildcards):
+    """Cores per node (the plugin's --cpus-per-task; one task per node): each rank's main process and
+    its DataLoader workers, i.e. processes per node x (training.dataloader_workers + 1)."""
     training = training_settings(wildcards)
-    return max(training.gpus, training.cpu_processes, 1)
+    return max(training.gpus, training.cpu_processes, 1) * (training.dataloader_workers + 1)
 
 
 def local_source(wildcards):

@@ -2,7 +2,8 @@
 
 Usage: python -m launcher_probe REPORT_DIR JOB_NAME PEERS  (each rank writes REPORT_DIR/JOB_NAME-rank<r>.json;
 every rank then waits until PEERS other jobs have started (and while REPORT_DIR/JOB_NAME.hold exists), so the jobs provably run at the same time).
-On SIGUSR1 a rank writes REPORT_DIR/JOB_NAME-rank<r>.signal and exits 75, as training does.
+On SIGUSR1 a rank writes REPORT_DIR/JOB_NAME-rank<r>.signal and exits 75, as training does; with
+PROBE_CHECKPOINT_SECONDS set it first spends that long "checkpointing" (a slow checkpoint).
 """
 import json
 import os
@@ -21,6 +22,7 @@ def main() -> int:
     rank = int(os.environ["RANK"])
 
     def on_signal(signum, _frame):
+        time.sleep(float(os.environ.get("PROBE_CHECKPOINT_SECONDS", "0")))
         (report_dir / f"{job}-rank{rank}.signal").write_text(signal.Signals(signum).name)
         sys.exit(75)
 

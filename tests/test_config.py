@@ -71,6 +71,8 @@ def edit(path, value):
     ("variants.baseline.prompt", "Title: {title}\n{question}", "variants.baseline.prompt", "refers to ['title']"),
     ("training.micro_batch", 5, "training.effective_batch", "not a multiple of micro_batch"),
     ("comparison.reference_variant", "plain", "comparison.reference_variant", "not one of the generation variants"),
+    # evaluate decodes on one device: two GPUs reserved, one idle (issue 23)
+    ("evaluation.gpus", 2, "evaluation.gpus", "evaluation runs on one GPU"),
 ])
 def test_bad_config_names_the_key(tmp_path, path, value, key, message):
     with pytest.raises(ConfigError) as caught:

@@ -242,8 +242,10 @@ def table() -> list:
                   lambda t: f"config: config key '{MICRO_BATCH.get(t.name, 'training')}.effective_batch': 16 is not a multiple of micro_batch (5) x processes (1); choose an effective batch divisible by 5 or change micro_batch"),
         *per_task("gpus-above-resources", ALL, lambda t: Mistake(edits(at("models.{model}.training.gpus", 8), at("models.{model}.training.micro_batch", 2)), args=("--resources", "gpu=2")),
                   lambda t: GPU),
-        *per_task("evaluation-gpus-above-resources", ("generation",), lambda t: Mistake(at("evaluation.gpus", 2), args=("--resources", "gpu=1")),
-                  lambda t: "evaluation.gpus is 2 but --resources gpu=1: Snakemake would silently count each evaluation as 1 GPUs; lower evaluation.gpus or raise --resources gpu"),
+        *per_task("evaluation-gpus-above-resources", ("generation",), lambda t: Mistake(at("evaluation.gpus", 1), args=("--resources", "gpu=0")),
+                  lambda t: "evaluation.gpus is 1 but --resources gpu=0: Snakemake would silently count each evaluation as 0 GPUs; lower evaluation.gpus or raise --resources gpu"),
+        *per_task("evaluation-gpus-above-one", ("generation",), lambda t: Mistake(at("evaluation.gpus", 2)),
+                  lambda t: "config: config key 'evaluation.gpus': is 2, but evaluation runs on one GPU (the others would be reserved and idle); set evaluation.gpus: 1 (or 0 for the CPU)"),
         # the dataset's files: a split file under another name
         *per_task("split-file-missing", ALL, lambda t: Mistake(plant=rename_split_file("validation", "val")),
                   lambda t: f"config: config key 'datasets.{{dataset}}.splits.validation': {{data}}/validation{t.data_suffix} is missing (the directory holds {split_files(t)}); if val{t.data_suffix} is the validation split, map it: splits: {{train: train, validation: val, test: test}}"),

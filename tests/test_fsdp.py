@@ -183,7 +183,6 @@ def test_bf16_trains_under_fsdp_in_one_process(tmp_path, tiny_model_dir, tiny_to
 
 @pytest.mark.parametrize("overrides, named", [
     ({"precision": "fp16"}, "precision fp16"),
-    ({"validation": {"every_steps": 2}}, "training.validation"),
 ])
 def test_what_fsdp_cannot_run_is_refused(tmp_path, tiny_model_dir, tiny_tokenised_dir, overrides, named):
     training = settings("fsdp", 1, **overrides)
@@ -191,6 +190,32 @@ def test_what_fsdp_cannot_run_is_refused(tmp_path, tiny_model_dir, tiny_tokenise
     with pytest.raises(WorkflowError, match=r"^training\.strategy: fsdp .*Fix: .*training\.strategy: ddp$") as caught:
         train.main(train_argv(tmp_path, tiny_model_dir, data, training))
     assert named in str(caught.value) and not torch.distributed.is_initialized()
+
+
+def test_fsdp_refuses_the_validation_metric():  # it generates on the main process alone
+    training = settings("fsdp", 2, validation={"every_steps": 2, "metric_examples": 4})
+    with pytest.raises(WorkflowError, match=r"^training\.strategy: fsdp does not support training\.validation\.metric_examples"):
+        fsdp.check_settings(training, "generation")
+
+
+def test_fsdp_validation_with_fewer_batches_than_ranks_matches_one_process(tmp_path, tiny_model_dir):
+    # One validation batch for two ranks: the other rank runs a zero-weight forward, as every sharded
+    # forward gathers parameters from all ranks (issue 23, point 1).
+    data = build_tiny_tokenised(tmp_path / "data", validation_rows=8)
+    checks = {"every_steps": 2, "max_examples": 2, "keep": "best"}  # best: gathered from the shards
+    losses = []
+    for strategy, processes in (("ddp", 1), ("fsdp", 2)):
+        out = tmp_path / strategy
+        training = settings(strategy, processes, max_steps=4, validation=checks)
+        if processes == 1:
+            assert train.main(train_argv(out, tiny_model_dir, data, training)) == 0
+        else:
+            run_train(out, tiny_model_dir, data, training)
+        losses.append([r["validation_loss"] for r in log_rows(out) if "validation_loss" in r])
+    assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-4)
+    kept = [adapter(tmp_path / strategy) for strategy in ("ddp", "fsdp")]
+    for name in kept[0]:
+        assert torch.allclose(kept[0][name], kept[1][name], atol=1e-5), name
 
 
 def test_a_model_without_findable_decoder_layers_is_refused():

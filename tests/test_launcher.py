@@ -84,6 +84,39 @@ def test_a_signal_reaches_the_workers_and_killing_the_launcher_frees_its_gpus(si
     device_leases.release(lease)
 
 
+@pytest.mark.parametrize("grace, survives", [(2, False), (20, True)])
+def test_torchrun_gives_a_signalled_checkpoint_the_configured_grace(simulated_gpus, tmp_path, grace, survives):
+    # A 6 s checkpoint after SIGUSR1: killed under a 2 s grace, finished under 20 s. Before the launcher passed
+    # --shutdown-timeout, torchrun's own 30 s applied whatever the setting (issue 23, point 4).
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    (reports / "slow.hold").touch()
+    launch = ("import sys; from workflow_scripts.launch import launcher; "
+              f"sys.exit(launcher.launch('launcher_probe', sys.argv[1:], 0, 2, grace_seconds={grace}))")
+    process = subprocess.Popen([sys.executable, "-c", launch, str(reports), "slow", "0"], cwd=ROOT,
+                               env={**simulated_gpus, "PROBE_CHECKPOINT_SECONDS": "6"},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for rank in (0, 1):
+        wait_for(reports / f"slow-rank{rank}.json", 120, process)
+    process.send_signal(signal.SIGUSR1)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode != 0, output
+    written = [(reports / f"slow-rank{r}.signal").exists() for r in (0, 1)]
+    assert written == [survives, survives], output[-3000:]
+
+
+def test_the_grace_comes_from_the_training_settings(monkeypatch):
+    from conftest import tiny_training_settings
+
+    seen = {}
+    monkeypatch.setattr(launcher, "launch", lambda *args, **kwargs: seen.update(args=args) or 0)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    launcher.run_here_or_launch("m", [], tiny_training_settings(cpu_processes=2, signal_grace_seconds=123), lambda: 1)
+    assert seen["args"][-1] == 123
+    command = launcher.torchrun_command("m", [], nproc=2)
+    assert command[command.index("--shutdown-timeout") + 1] == "270"  # the schema's default, inside USR1@300
+
+
 def test_torchrun_command_uses_the_leased_port_and_forwards_slurm_signals():
     command = launcher.torchrun_command("workflow_scripts.train", ["--seed", "1"], nproc=4, rendezvous_port=41234)
     assert command[command.index("--rdzv-endpoint") + 1] == "127.0.0.1:41234"

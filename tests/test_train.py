@@ -225,7 +225,8 @@ def test_more_wall_time_and_other_runtime_settings_resume(tmp_path, tiny_model_d
     settings = tiny_training_settings(max_steps=4, checkpoint_every=2)
     plant_checkpoint(tmp_path, tiny_model_dir, tiny_tokenised_dir, settings)
     changed = {**settings.to_dict(), "runtime_minutes": settings.runtime_minutes * 4, "mem_mb": 128000, "log_every": 2,
-               "checkpoint_every": 3, "dataloader_workers": 1, "memory_headroom": 0.8, "sanity_batches": 3}
+               "checkpoint_every": 3, "dataloader_workers": 1, "memory_headroom": 0.8, "sanity_batches": 3,
+               "signal_grace_seconds": 60}
     capsys.readouterr()
     assert train.main(train_argv(tmp_path, tiny_model_dir, tiny_tokenised_dir, changed)) == 0
     assert "at step 2" in capsys.readouterr().out

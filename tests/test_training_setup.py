@@ -43,3 +43,23 @@ def test_padding_does_not_change_a_rows_loss(setup):
     first = collate([ROWS[0]])
     only_a = setup.model(first)
     assert float(both) == pytest.approx(float(only_a) + float(only_b), rel=1e-5)
+
+
+def test_the_base_model_loads_straight_onto_its_one_device(monkeypatch, tiny_model_dir):
+    # transformers 5 ignores low_cpu_mem_usage: without a device map every rank first builds the whole model in
+    # host memory (8 ranks x 16 GB for an 8B model), then copies it to its GPU (issue 23, point 3).
+    import transformers
+
+    from workflow_scripts.model import model_loading
+
+    seen = {}
+    original = transformers.AutoModelForCausalLM.from_pretrained
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", recording)
+    model = model_loading.load_base_model(tiny_model_dir, torch.device("cpu"))
+    assert seen["device_map"] == {"": "cpu"}  # one device for the whole model: never "auto", never offload
+    assert {p.device.type for p in model.parameters()} == {"cpu"}

@@ -151,3 +151,34 @@ def test_the_config_refuses_validation_for_a_dataset_without_that_split():
     validate_schema(config)
     with pytest.raises(ConfigError, match="dataset 'amr_demo' has no validation split"):
         check_config(config)
+
+
+def test_two_processes_with_fewer_validation_batches_than_ranks_finish_with_the_same_loss(tmp_path, tiny_model_dir,
+                                                                                          data_dir):
+    # max_examples 4 at micro_batch 4: one validation batch for two ranks. Under DDP, the forward after a
+    # synced step broadcasts buffers (RoPE's inv_freq); a rank with no batch skipped it and went straight to
+    # the all_reduce, and both ranks hung (issue 23, point 1).
+    losses = []
+    for processes in (1, 2):
+        settings = tiny_training_settings(max_steps=4, cpu_processes=processes, checkpoint_every=100,
+                                          validation={"every_steps": 2, "max_examples": 4})
+        out = tmp_path / f"p{processes}"
+        if processes == 1:
+            assert train.main(train_argv(out, tiny_model_dir, data_dir, settings)) == 0
+        else:
+            job = subprocess.Popen([sys.executable, "-m", "workflow_scripts.train",
+                                    *train_argv(out, tiny_model_dir, data_dir, settings)],
+                                   cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True)
+            try:
+                output = job.communicate(timeout=90)[0]
+            except subprocess.TimeoutExpired:
+                import psutil
+
+                for process in [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]:
+                    process.kill()  # the launcher, torchrun and both hung ranks (torchrun starts them in their own sessions)
+                job.communicate()
+                pytest.fail("two processes with one validation batch between them did not finish (collectives out of step)")
+            assert job.returncode == 0, output[-3000:]
+        losses.append([r["validation_loss"] for r in log_rows(out) if "validation_loss" in r])
+    assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-5)

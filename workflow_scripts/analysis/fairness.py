@@ -28,7 +28,7 @@ from workflow_scripts.core.errors import WorkflowError
 
 RUNTIME_ONLY_TRAINING_KEYS = frozenset({
     "gpus", "cpu_processes", "nodes", "dataloader_workers", "checkpoint_every", "log_every",
-    "runtime_minutes", "mem_mb", "sanity_batches", "memory_headroom",
+    "runtime_minutes", "mem_mb", "sanity_batches", "memory_headroom", "signal_grace_seconds",
     "strategy",  # ddp and fsdp compute the same update (tests/test_fsdp.py); checkpoints resume under either
 })
 MODEL_FIELDS = ("model_dir", "model_manifest_sha256")

@@ -578,6 +578,9 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
             raise ConfigError("model" if "model" in config else f"models.{name}", f"no dataset or mixture trains "
                               f"on '{name}' (their models: lists leave it out), so it would silently drop out of the "
                               f"matrix; add '{name}' to the models: list of a dataset or mixture, or remove it", source)
+    if config["evaluation"]["gpus"] > 1:  # evaluate decodes on cuda:0 alone; the rest would sit reserved
+        raise ConfigError("evaluation.gpus", f"is {config['evaluation']['gpus']}, but evaluation runs on one GPU "
+                          "(the others would be reserved and idle); set evaluation.gpus: 1 (or 0 for the CPU)", source)
 
 
 def _check_validation_metric(config: Mapping[str, Any], entry: str, validation: "ValidationSettings",

@@ -85,6 +85,7 @@ class TrainingSettings:
     memory_headroom: float
     runtime_minutes: int
     mem_mb: int
+    signal_grace_seconds: int  # torchrun's --shutdown-timeout: the checkpoint's time after a signal
 
     @classmethod
     def parse(cls, value: Any, key: str = "training", source: str | None = None,

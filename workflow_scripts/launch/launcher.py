@@ -29,6 +29,7 @@ from workflow_scripts.core.settings import TrainingSettings
 # What SLURM sends before a time limit or preemption (USR1 via --signal) and on cancel (TERM):
 # torchrun must hand them on to the workers, which checkpoint, instead of dying of them.
 FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+DEFAULT_GRACE_SECONDS = 270  # the schema's training.signal_grace_seconds: inside the SLURM profile's --signal=USR1@300
 
 
 # When the stage's first process started (seconds since the epoch), handed on to torchrun's workers so
@@ -67,7 +68,16 @@ def _torchrun() -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run"]
 
 
-def torchrun_command(module: str, argv: Sequence[str], nproc: int, rendezvous_port: int | None = None) -> list[str]:
+def signal_handling(grace_seconds: int = DEFAULT_GRACE_SECONDS) -> list[str]:
+    """torchrun's options for a scheduler's signal: forward it to the workers, then give them
+    ``grace_seconds`` (``training.signal_grace_seconds``) to checkpoint and exit before SIGKILL; torchrun's
+    own default of 30 s is too short to write a large adapter with its optimizer state."""
+    return ["--max-restarts", "0", "--signals-to-handle", ",".join(FORWARDED_SIGNALS),
+            "--shutdown-timeout", str(grace_seconds)]
+
+
+def torchrun_command(module: str, argv: Sequence[str], nproc: int, rendezvous_port: int | None = None,
+                     grace_seconds: int = DEFAULT_GRACE_SECONDS) -> list[str]:
     """A single-node torchrun command for ``python -m module argv``."""
     command = [*_torchrun(), "--nnodes", "1", "--nproc-per-node", str(nproc)]
     if rendezvous_port is None:
@@ -75,7 +85,7 @@ def torchrun_command(module: str, argv: Sequence[str], nproc: int, rendezvous_po
     else:
         command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rendezvous_port}",
                     "--rdzv-id", f"local-{os.getpid()}"]
-    command += ["--max-restarts", "0", "--signals-to-handle", ",".join(FORWARDED_SIGNALS)]
+    command += signal_handling(grace_seconds)
     return command + ["-m", module, *argv]
 
 
@@ -158,7 +168,8 @@ def allocation(environ: Mapping[str, str]) -> tuple[str, list[str], int | None]:
 
 
 def multinode_command(module: str, argv: Sequence[str], gpus: int, cpu_processes: int, nodes: int,
-                      rendezvous_port: int, environ: Mapping[str, str] | None = None) -> list[str]:
+                      rendezvous_port: int, environ: Mapping[str, str] | None = None,
+                      grace_seconds: int = DEFAULT_GRACE_SECONDS) -> list[str]:
     """``srun`` one torchrun per node, rendezvous (c10d) on the first host of the allocation."""
     environ = os.environ if environ is None else environ
     job_id, hosts, cpus_per_task = allocation(environ)
@@ -176,7 +187,7 @@ def multinode_command(module: str, argv: Sequence[str], gpus: int, cpu_processes
         *srun, *_torchrun(),
         "--nnodes", str(nodes), "--nproc-per-node", str(processes_per_node(gpus, cpu_processes)),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0]}:{rendezvous_port}", "--rdzv-id", job_id,
-        "--max-restarts", "0", "--signals-to-handle", ",".join(FORWARDED_SIGNALS),
+        *signal_handling(grace_seconds),
         "-m", module, *argv,
     ]
 
@@ -220,14 +231,15 @@ def run_forwarding_signals(command: Sequence[str], env: Mapping[str, str], pass_
             process.wait()
 
 
-def launch(module: str, argv: Sequence[str], gpus: int, cpu_processes: int, nodes: int = 1) -> int:
+def launch(module: str, argv: Sequence[str], gpus: int, cpu_processes: int, nodes: int = 1,
+           grace_seconds: int = DEFAULT_GRACE_SECONDS) -> int:
     """Run ``module`` under torchrun (through srun on several nodes) and return its exit code."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env[STAGE_STARTED_VARIABLE] = str(stage_started_at())
     if nodes > 1:
         port, fds = multinode_port(env)
-        command = multinode_command(module, argv, gpus, cpu_processes, nodes, port, env)
+        command = multinode_command(module, argv, gpus, cpu_processes, nodes, port, env, grace_seconds)
         print(f"launcher: {' '.join(command)}", file=sys.stderr, flush=True)
         try:
             return run_forwarding_signals(command, env, fds)
@@ -236,7 +248,7 @@ def launch(module: str, argv: Sequence[str], gpus: int, cpu_processes: int, node
                 os.close(fd)
     with device_leases.leased(gpus, label=module) as lease:
         env.update(lease.environment())
-        command = torchrun_command(module, argv, processes_per_node(gpus, cpu_processes), lease.port)
+        command = torchrun_command(module, argv, processes_per_node(gpus, cpu_processes), lease.port, grace_seconds)
         devices = "as allocated by the scheduler" if lease.gpu_ids is None else (",".join(lease.gpu_ids) or "none")
         print(f"launcher: GPUs {devices}, rendezvous port {lease.port}: {' '.join(command)}", file=sys.stderr, flush=True)
         # torchrun inherits the lock descriptors: the lease lasts as long as it or this process lives.
@@ -249,5 +261,6 @@ def run_here_or_launch(module: str, argv: Sequence[str], training: TrainingSetti
     ``training`` gives the job's ``gpus``, ``cpu_processes`` and ``nodes``.
     """
     if needs_launch(training.gpus, training.cpu_processes, training.nodes):
-        return launch(module, argv, training.gpus, training.cpu_processes, training.nodes)
+        return launch(module, argv, training.gpus, training.cpu_processes, training.nodes,
+                      training.signal_grace_seconds)
     return worker()

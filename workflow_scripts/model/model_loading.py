@@ -1,7 +1,9 @@
 """Loading the base model, its tokenizer and LoRA adapters — one code path for sanity, train and evaluate.
 
 Placement rule (seeds: meta tensors with CPU offload, ``device_map="auto"`` under DDP): the whole
-model is materialised on exactly one device per process. No ``device_map`` is ever passed.
+model is materialised on exactly one device per process, loaded straight onto it with
+``device_map={"": device}`` (never ``"auto"``, never offload): transformers 5 ignores
+``low_cpu_mem_usage``, so without it each of 8 ranks on a node would first build a full copy in host memory.
 
 ``training.finetune: full`` trains every parameter without PEFT (:func:`prepare_full`); its output
 directory holds the whole model (``save_pretrained`` safetensors) and :data:`FULL_MODEL_MARKER`, and
@@ -146,7 +148,7 @@ def load_base_model(
     model_kwargs: Mapping[str, Any] | None = None,
     seed: int = 0,
 ):
-    """Load the model fully onto ``device`` (never a device map, never offload).
+    """Load the model fully onto ``device`` (one device for the whole model, never offload).
 
     ``auto_class`` is the task's transformers Auto class (``tasks.base.Task.auto_model_class``);
     ``model_kwargs`` the task's extra ``from_pretrained`` arguments (a classifier's labels). With
@@ -165,10 +167,8 @@ def load_base_model(
             torch.manual_seed(seed)
             model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
         return model.to(device)
-    model = auto.from_pretrained(
-        str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code, low_cpu_mem_usage=False,
-        **dict(model_kwargs or {}),
-    )
+    kwargs = {"device_map": {"": str(device)}, **dict(model_kwargs or {})}  # QLoRA passes the same map
+    model = auto.from_pretrained(str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     return model.to(device)
 
 

@@ -42,10 +42,12 @@ def check_settings(training: TrainingSettings, task_name: str) -> None:
     if training.quantization is not None:
         raise refusal("cannot shard quantised base weights (bitsandbytes 4/8-bit tensors are not DTensors)",
                       "set training.quantization: null")
-    if training.validating:
-        # validation.held_out_loss gives ranks unequal numbers of batches; each FSDP forward is collective.
-        raise refusal("does not support training.validation yet (ranks evaluate unequal numbers of "
-                      "batches, and every sharded forward needs all ranks)", "remove training.validation.every_steps")
+    # The held-out loss runs the same number of (collective) forwards on every rank and the best adapter is
+    # gathered by all of them; the metric's generation runs on the main process alone.
+    if training.validation.metric_examples is not None:
+        raise refusal("does not support training.validation.metric_examples yet (the metric generates on the "
+                      "main process alone, and every sharded forward needs all ranks)",
+                      "remove training.validation.metric_examples")
     if task_name == "vision_language":
         raise refusal("does not support the vision_language task (its loss reads the image path's parameters "
                       "outside the model's forward, where they are still sharded)", "train it with DDP")

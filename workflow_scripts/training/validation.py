@@ -28,7 +28,7 @@ from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.core.settings import ValidationSettings
 from workflow_scripts.model import model_loading
-from workflow_scripts.training import distributed, training_setup
+from workflow_scripts.training import distributed, fsdp, training_setup
 
 BEST_DIR = re.compile(r"^best-step-(\d{8})$")
 METRIC_KEY = "validation_metric"  # the train_log field of the criterion's metric (a mixture: the mean)
@@ -91,6 +91,14 @@ def open_split(data_dir: str, settings: ValidationSettings, columns) -> Any:
     return batching.TokenisedSplit(data_dir, "validation", columns)
 
 
+def rank_share(batches: list, rank: int, world_size: int) -> list[tuple[Any, float]]:
+    """This rank's (batch, weight) pairs: batches rank, rank + W, ..., padded with the first batch at
+    weight 0 so every rank runs the same number of forwards (a sharded model's forward is collective)."""
+    share = [(indices, 1.0) for indices in batches[rank::world_size]]
+    forwards = -(-len(batches) // world_size)
+    return share + [(batches[0], 0.0)] * (forwards - len(share))
+
+
 @torch.no_grad()
 def held_out_loss(setup: training_setup.TrainingSetup, dataset, collator, settings: ValidationSettings) -> float:
     """Mean loss per target token over the (capped) validation split, the same on every process."""
@@ -99,17 +107,20 @@ def held_out_loss(setup: training_setup.TrainingSetup, dataset, collator, settin
     size = setup.training.micro_batch
     batches = [list(range(start, min(start + size, rows))) for start in range(0, rows, size)]
     summed = torch.zeros(2, dtype=torch.float64, device=context.device)  # loss, target tokens
-    was_training = setup.model.training
-    setup.model.eval()
+    # The loss module without DDP: after a synced step DDP's forward broadcasts the buffers (RoPE's
+    # inv_freq), a collective that a rank without a batch would skip (issue 23: both ranks hung).
+    model = setup.model.module if isinstance(setup.model, torch.nn.parallel.DistributedDataParallel) else setup.model
+    was_training = model.training
+    model.eval()
     try:
-        for indices in batches[context.rank::context.world_size]:
+        for indices, weight in rank_share(batches, context.rank, context.world_size):
             batch = training_setup.to_device(collator(dataset.__getitems__(indices)), context.device)
             with setup.autocast():
-                loss = setup.model(batch)
-            summed += torch.tensor([float(loss), float(batch["target_tokens"])], dtype=torch.float64,
-                                   device=context.device)
+                loss = model(batch)
+            summed += weight * torch.tensor([float(loss), float(batch["target_tokens"])], dtype=torch.float64,
+                                            device=context.device)
     finally:
-        setup.model.train(was_training)
+        model.train(was_training)
     distributed.all_reduce_sum(summed, context)
     loss, targets = summed.tolist()
     if targets == 0:
@@ -124,13 +135,14 @@ def best_dirs(checkpoint_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def save_best(setup: training_setup.TrainingSetup, checkpoint_dir: str | Path, step: int) -> None:
-    """The adapter of a new best step, in the PEFT format (main process)."""
+    """The adapter of a new best step, in the PEFT format (every rank calls it; the main process writes)."""
+    state = fsdp.gather_adapter(setup.peft_model)  # collective under FSDP (the shards gathered); None otherwise
     if setup.context.is_main:
         with atomic_path(Path(checkpoint_dir, f"best-step-{step:08d}"), directory=True) as directory:
             if setup.training.full:  # the whole model, as train's output holds it
                 model_loading.save_full_model(setup.peft_model, directory)
             else:
-                model_loading.save_adapter(setup.peft_model, directory)
+                model_loading.save_adapter(setup.peft_model, directory, state)
 
 
 def prune(checkpoint_dir: str | Path, selection: Selection, resumed_step: int | None = None) -> None:
