@@ -1,7 +1,9 @@
 """What produced an output: package versions, git commit, host, devices and the settings hash."""
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import platform
 import re
 import subprocess
@@ -10,7 +12,11 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from workflow_scripts.core.experiment_config import config_hash
+
+def config_hash(value: Any) -> str:
+    """A stable sha256 of any JSON-serialisable value (key order ignored)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
 
 PACKAGES = (
     "torch", "transformers", "peft", "accelerate", "datasets", "tokenizers",
