@@ -77,10 +77,10 @@ MEMORY_WORKERS = (1, 2)  # PSS with 1 and with 2 workers: the difference is what
 
 # --- the data: generated images through the workflow's own stages ---
 def draw(side: int, rng: random.Random) -> tuple[bytes, str, int]:
-    """A ``side`` x ``side`` PNG of 1-4 discs of one colour (make_demo_images' palette) with pixel noise."""
+    """A ``side`` x ``side`` PNG of 1-4 discs of one colour (make_images' palette) with pixel noise."""
     from PIL import Image, ImageDraw
 
-    from workflow_scripts import make_demo_images as demo
+    from workflow_scripts.demo import make_images as demo
 
     image = Image.new("RGB", (side, side), demo.BACKGROUND)
     pen = ImageDraw.Draw(image)

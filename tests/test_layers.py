@@ -174,3 +174,25 @@ def test_a_planted_circle_and_upward_import_are_caught(tmp_path, lazy):
 def test_the_layer_order_is_written_in_the_architecture_doc():
     text = (ROOT / "docs" / "architecture.md").read_text()
     assert "## Layers" in text and "tests/test_layers.py" in text
+
+
+def test_demo_generators_sit_apart_from_the_stage_modules():
+    """A rule runs each top-level module; the demo's data generators, which no rule runs, live in demo/."""
+    top = {path.stem for path in (ROOT / PACKAGE).glob("*.py")} - {"__init__"}
+    assert not {name for name in top if name.startswith("make_")}, "demo generators belong in workflow_scripts/demo/"
+    assert {path.stem for path in (ROOT / PACKAGE / "demo").glob("make_*.py")} == {
+        "make_data", "make_images", "make_corpus", "make_classification"}
+
+
+def test_every_module_the_docs_rules_and_tests_run_exists():
+    import re
+
+    modules = module_files(ROOT)
+    places = [ROOT / "README.md", ROOT / "Snakefile", ROOT / "Makefile", *(ROOT / "docs").glob("*.md"),
+              *(ROOT / "rules").glob("*.smk"), *(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+    named = {(path.name, module) for path in places if path.exists()
+             for module in re.findall(r"-m (workflow_scripts(?:\.\w+)+)", path.read_text())}
+    named |= {(path.name, module) for path in places if path.exists()
+              for module in re.findall(r'"-m", "(workflow_scripts(?:\.\w+)+)"', path.read_text())}
+    missing = sorted((where, module) for where, module in named if module not in modules)
+    assert named and not missing, missing

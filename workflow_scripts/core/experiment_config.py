@@ -17,7 +17,6 @@ import yaml
 
 from workflow_scripts.core.config_schema import SCHEMA_PATH, _validator_with_defaults, schema_error
 from workflow_scripts.core.errors import ConfigError
-from workflow_scripts.core.run_manifest import config_hash
 
 if TYPE_CHECKING:
     from workflow_scripts.core.settings import TrainingSettings, ValidationSettings

@@ -15,7 +15,7 @@ from torch import nn
 from workflow_scripts.model import model_loading
 from workflow_scripts.training import fsdp
 from workflow_scripts.training.distributed import DistributedContext
-from workflow_scripts.core.settings import TrainingSettings, finetune_problem  # noqa: F401 (callers' old name)
+from workflow_scripts.core.settings import TrainingSettings, finetune_problem
 
 WRAPPER_PREFIXES = ("module.", "wrapped.")  # DDP's prefix, then the task loss module's attribute
 
