@@ -31,14 +31,8 @@ KNOWN_UPWARD = {
         "check_config's fairness guard at parse time (_check_fair_training)",
     ("workflow_scripts.core.experiment_config", "workflow_scripts.data.transforms"):
         "_check_dataset refuses an unknown derived-field transform",
-    ("workflow_scripts.data.batching", "workflow_scripts.tasks"):
-        "stored_columns reads the task's tokenised features",
     ("workflow_scripts.model.config_memory_estimate", "workflow_scripts.tasks"):
         "check_declared_memory estimates causal-LM tasks only (auto_model_class)",
-    ("workflow_scripts.model.vision_language_model", "workflow_scripts.training.preflight_checks"):
-        "the VLM gate checks raise PreflightError",
-    ("workflow_scripts.model.vision_language_model", "workflow_scripts.training.training_setup"):
-        "the VLM gate checks unwrap the trained model",
     ("workflow_scripts.training.validation_metric", "workflow_scripts.evaluate"):
         "the validation metric reuses evaluate's row loading and template checks",
 }

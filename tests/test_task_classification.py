@@ -293,7 +293,7 @@ def test_loss_module_works_under_ddp(llama_tokenizer):
         model = tiny_llama(llama_tokenizer).train()
         batch = collate(llama_tokenizer, demo_rows(count=4))
         wrapped = torch.nn.parallel.DistributedDataParallel(TASK.loss_module(model, [1.0, 1.0, 2.0]))
-        assert wrapped.module.wrapped is model  # training_setup.unwrap finds the model under ``wrapped``
+        assert wrapped.module.wrapped is model  # parameter_names.unwrap finds the model under ``wrapped``
         loss = wrapped(batch)
         loss.backward()
         assert torch.isfinite(loss) and model.score.weight.grad is not None

@@ -337,7 +337,7 @@ class MaskedTokenLoss(nn.Module):
 
     def __init__(self, wrapped: nn.Module):
         super().__init__()
-        self.wrapped = wrapped  # training_setup.unwrap finds the model under this name
+        self.wrapped = wrapped  # parameter_names.unwrap finds the model under this name
 
     def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
         logits = masked_logits(self.wrapped, batch["input_ids"], batch["attention_mask"], batch["target_index"])

@@ -17,7 +17,6 @@ from workflow_scripts.training import fsdp
 from workflow_scripts.training.distributed import DistributedContext
 from workflow_scripts.core.settings import TrainingSettings, finetune_problem
 
-WRAPPER_PREFIXES = ("module.", "wrapped.")  # DDP's prefix, then the task loss module's attribute
 
 
 @dataclass
@@ -51,34 +50,6 @@ class TrainingSetup:
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.peft_model.parameters() if p.requires_grad]
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The PEFT model inside DDP and the task's loss module (which keeps it as ``wrapped``)."""
-    while isinstance(model, nn.parallel.DistributedDataParallel) or hasattr(model, "wrapped"):
-        model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model.wrapped
-    return model
-
-
-def strip_wrapper_prefix(name: str) -> str:
-    """A parameter name as the PEFT model spells it, whether or not DDP (``module.``) wraps it."""
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, stripped = name[len(prefix):], True
-    return name
-
-
-def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Parameters under PEFT-relative names, for plain and wrapped models alike (seed: lookups failed
-    after DDP added its ``module.`` prefix)."""
-    return {strip_wrapper_prefix(name): p for name, p in model.named_parameters()}
-
-
-def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    return {name: p for name, p in named_parameters(model).items() if "lora_" in name}
 
 
 def bf16_supported(device: torch.device) -> bool:
