@@ -353,7 +353,7 @@ def prepare_model(model: nn.Module, pad_token_id: int | None, label_names: Seque
 
 # --- the gate's checks (sanity, through ClassificationTask.check_model / check_batch / check_gradients) ---
 def _refuse(check: str, cause: str, fix: str):
-    from workflow_scripts.training.preflight_checks import PreflightError  # lazily: the gate's module imports tasks
+    from workflow_scripts.core.errors import PreflightError
 
     raise PreflightError(check, cause, fix)
 

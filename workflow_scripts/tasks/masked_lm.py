@@ -435,7 +435,7 @@ def evaluate(model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict],
 
 # Gate checks --------------------------------------------------------------------------------------
 def _refuse(check: str, cause: str, fix: str):
-    from workflow_scripts.training.preflight_checks import PreflightError  # lazily: the gate's module imports tasks
+    from workflow_scripts.core.errors import PreflightError
 
     raise PreflightError(check, cause, fix)
 
