@@ -77,10 +77,10 @@ MEMORY_WORKERS = (1, 2)  # PSS with 1 and with 2 workers: the difference is what
 
 # --- the data: generated images through the workflow's own stages ---
 def draw(side: int, rng: random.Random) -> tuple[bytes, str, int]:
-    """A ``side`` x ``side`` PNG of 1-4 discs of one colour (make_demo_images' palette) with pixel noise."""
+    """A ``side`` x ``side`` PNG of 1-4 discs of one colour (make_images' palette) with pixel noise."""
     from PIL import Image, ImageDraw
 
-    from workflow_scripts import make_demo_images as demo
+    from workflow_scripts.demo import make_images as demo
 
     image = Image.new("RGB", (side, side), demo.BACKGROUND)
     pen = ImageDraw.Draw(image)
@@ -304,11 +304,11 @@ def probe_loader(data_dir: str, mode: str, workers: int, repetitions: int, rows:
                  cache: str | None = None, sample_memory: bool = False) -> dict:
     """Epochs of the train stage's loader; examples/s counted from the first batch to the last."""
     from workflow_scripts.data import batching
-    from workflow_scripts.tasks import task_named
+    from workflow_scripts.tasks import stored_columns, task_named
 
     meta = batching.read_meta(data_dir)
     if mode == "compute":  # the train stage's own objects (train.py: TokenisedSplit, task.collator, build_loader)
-        dataset = batching.TokenisedSplit(data_dir, "train", batching.stored_columns(meta))
+        dataset = batching.TokenisedSplit(data_dir, "train", stored_columns(meta))
         collator = task_named(meta["task"]).collator(meta, meta["vocab_size"], seed=0)
     else:
         dataset = batching.TokenisedSplit(data_dir, "train", ("labels",))
@@ -362,11 +362,11 @@ def probe_limits(data_dir: str, repetitions: int, rows: int, settings: dict) -> 
     """One core: the read of the rows + text padding, PIL decode, and the image processor, timed apart
     over the loader's micro-batches (each repetition a different epoch's first ``rows`` rows)."""
     from workflow_scripts.data import batching
-    from workflow_scripts.tasks import task_named
+    from workflow_scripts.tasks import stored_columns, task_named
     from workflow_scripts.tasks.vision_language import open_images
 
     meta = batching.read_meta(data_dir)
-    dataset = batching.TokenisedSplit(data_dir, "train", batching.stored_columns(meta))
+    dataset = batching.TokenisedSplit(data_dir, "train", stored_columns(meta))
     collator = task_named(meta["task"]).collator(meta, meta["vocab_size"], seed=0)
     processor = collator.image_processor
     plan = batch_plan(dataset, settings, seed=0)
@@ -407,9 +407,10 @@ def probe_mapping(data_dir: str, rows: int) -> dict:
     """How much of the memory-mapped file reading one row maps into the process: rows far apart, in a
     set this process has not read before."""
     from workflow_scripts.data import batching
+    from workflow_scripts.tasks import stored_columns
 
     meta = batching.read_meta(data_dir)
-    dataset = batching.TokenisedSplit(data_dir, "train", batching.stored_columns(meta))
+    dataset = batching.TokenisedSplit(data_dir, "train", stored_columns(meta))
     mapped, row_bytes = [], []
     for index in np.linspace(0, len(dataset) - 1, rows).astype(int).tolist():
         before = rss_file()
@@ -424,10 +425,10 @@ def probe_build_cache(data_dir: str, cache: str, settings: dict) -> dict:
     import torch
 
     from workflow_scripts.data import batching
-    from workflow_scripts.tasks import task_named
+    from workflow_scripts.tasks import stored_columns, task_named
 
     meta = batching.read_meta(data_dir)
-    dataset = batching.TokenisedSplit(data_dir, "train", batching.stored_columns(meta))
+    dataset = batching.TokenisedSplit(data_dir, "train", stored_columns(meta))
     collator = task_named(meta["task"]).collator(meta, meta["vocab_size"], seed=0)
     started = time.perf_counter()
     chunk, pixels = 64, None

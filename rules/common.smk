@@ -22,6 +22,7 @@ try:
     # seconds of torch/transformers imports: once, not again in each job that re-reads the Snakefile).
     if workflow.is_main_process:
         from workflow_scripts.model.config_memory_estimate import check_declared_memory
+
         check_declared_memory(config)
 except ConfigError as error:
     raise WorkflowError(str(error)) from None
@@ -65,8 +66,13 @@ def dataset_task(wildcards):
 def evaluation_json(wildcards):
     """evaluate's --evaluation: the evaluation section with this dataset's split, and training's max_length
     (inputs are cut at evaluation as in training: a classifier's texts)."""
-    return as_json({**config["evaluation"], "split": xc.evaluation_split(config, wildcards.dataset),
-                    "max_length": training_settings(wildcards).max_length})
+    return as_json(
+        {
+            **config["evaluation"],
+            "split": xc.evaluation_split(config, wildcards.dataset),
+            "max_length": training_settings(wildcards).max_length,
+        }
+    )
 
 
 def mixture_json(wildcards):
@@ -75,8 +81,10 @@ def mixture_json(wildcards):
 
 def mixture_components(wildcards):
     """The components' tokenised data, in the mixture's order, for the mix rule."""
-    return {name: f"results/data/{name}/tokenised/{wildcards.model}/{wildcards.variant}"
-            for name in MIXTURES[wildcards.dataset]["datasets"]}
+    return {
+        name: f"results/data/{name}/tokenised/{wildcards.model}/{wildcards.variant}"
+        for name in MIXTURES[wildcards.dataset]["datasets"]
+    }
 
 
 def component_arguments(wildcards, input):
@@ -85,8 +93,9 @@ def component_arguments(wildcards, input):
 
 
 # Every (model, variant)'s training settings, validated and typed once when the workflow is read.
-TRAINING = {(model, variant): xc.training_settings(config, variant, model)
-            for model in MODELS for variant in config["variants"]}
+TRAINING = {
+    (model, variant): xc.training_settings(config, variant, model) for model in MODELS for variant in config["variants"]
+}
 
 
 # The check across datasets (a mixture's components, evaluation-only datasets) -----------------------
@@ -103,17 +112,26 @@ def cross_contamination_inputs(wildcards):
 
 def cross_contamination_arguments(wildcards):
     trained, checked = xc.cross_contamination_datasets(config, wildcards.dataset)
+
     def argument(flag, name):
         return f"{flag} {shlex.quote(f'{name}=results/data/{name}/normalised')}"
 
-    return " ".join([*(argument("--train", name) for name in trained), *(argument("--checked", name) for name in checked)])
+    return " ".join(
+        [*(argument("--train", name) for name in trained), *(argument("--checked", name) for name in checked)]
+    )
 
 
 def cross_contamination_settings(wildcards):
     trained, checked = xc.cross_contamination_datasets(config, wildcards.dataset)
-    return as_json({name: {"contamination": config["datasets"][name]["contamination"],
-                           "derived": sorted(config["datasets"][name].get("derived", {}))}
-                    for name in dict.fromkeys(trained + checked)})
+    return as_json(
+        {
+            name: {
+                "contamination": config["datasets"][name]["contamination"],
+                "derived": sorted(config["datasets"][name].get("derived", {})),
+            }
+            for name in dict.fromkeys(trained + checked)
+        }
+    )
 
 
 def training_settings(wildcards):
@@ -149,8 +167,13 @@ class RuntimeOnly:
 
 def tracking_json(wildcards):
     """train's --tracking: the config's tracking block with this experiment's run name filled in."""
-    return RuntimeOnly(as_json(trackers.workflow_tracking(
-        config["tracking"], wildcards.model, wildcards.dataset, wildcards.variant, int(wildcards.seed))))
+    return RuntimeOnly(
+        as_json(
+            trackers.workflow_tracking(
+                config["tracking"], wildcards.model, wildcards.dataset, wildcards.variant, int(wildcards.seed)
+            )
+        )
+    )
 
 
 def training_gpu_total(wildcards):
@@ -180,11 +203,13 @@ def check_gpu_requests():
                 f"variant '{variant}' on model '{model}' asks for {total} GPUs (training.gpus {training.gpus} x "
                 f"training.nodes {training.nodes}) but --resources gpu={limit}: Snakemake would silently count "
                 f"the job as {limit} GPUs while it starts {total} processes; lower training.gpus (accumulation "
-                "grows, the effective batch stays) or raise --resources gpu")
+                "grows, the effective batch stays) or raise --resources gpu"
+            )
     if config["evaluation"]["gpus"] > limit:
         raise WorkflowError(
             f"evaluation.gpus is {config['evaluation']['gpus']} but --resources gpu={limit}: Snakemake would "
-            f"silently count each evaluation as {limit} GPUs; lower evaluation.gpus or raise --resources gpu")
+            f"silently count each evaluation as {limit} GPUs; lower evaluation.gpus or raise --resources gpu"
+        )
 
 
 check_gpu_requests()
@@ -199,8 +224,11 @@ def training_nodes(wildcards):
 # empty mpi (the plugin then asks no task count of it, which it refuses as tasks=1 under mpi) and runs
 # in the batch step too. Without multi-node variants the rules carry none of these keys.
 MULTI_NODE_LAUNCH = (
-    {"mpi": lambda w: "srun" if training_nodes(w) > 1 else "", "tasks": training_nodes,
-     "gres": training_gpus_per_node}
+    {
+        "mpi": lambda w: "srun" if training_nodes(w) > 1 else "",
+        "tasks": training_nodes,
+        "gres": training_gpus_per_node,
+    }
     if any(training.nodes > 1 for training in TRAINING.values())
     else {}
 )
@@ -245,8 +273,10 @@ def experiment_outputs(file_name):
 
 def evaluation_outputs(file_name):
     """One path per evaluation: the run's own directory, or its on_<dataset>/ for another dataset."""
-    return [os.path.join(f"results/{m}/{t}/{v}/seed{s}", xc.evaluation_subdirectory(t, d), file_name)
-            for m, t, v, s, d in xc.evaluations(config)]
+    return [
+        os.path.join(f"results/{m}/{t}/{v}/seed{s}", xc.evaluation_subdirectory(t, d), file_name)
+        for m, t, v, s, d in xc.evaluations(config)
+    ]
 
 
 def base_eval_outputs(file_name):
@@ -269,9 +299,13 @@ def loss_plots():
 def experiment_set_stamp():
     """compare's stamp, named by a hash of what it compares (core/experiment_set.py): a config whose set
     differs from the one the comparison holds reruns compare, and every missing job before it."""
-    return experiment_set.stamp_path({
-        "experiments": [list(e) for e in xc.evaluations(config)], "comparison": config["comparison"],
-        "with_base": bool(config["evaluation"]["evaluate_base_model"])})
+    return experiment_set.stamp_path(
+        {
+            "experiments": [list(e) for e in xc.evaluations(config)],
+            "comparison": config["comparison"],
+            "with_base": bool(config["evaluation"]["evaluate_base_model"]),
+        }
+    )
 
 
 def final_outputs():
@@ -310,10 +344,15 @@ def validation_metric_argument(wildcards):
     spec = {
         "task": xc.entry_task(config, wildcards.dataset),
         "variant": xc.variant_settings(config["variants"][wildcards.variant]),
-        "evaluation": {"max_new_tokens": evaluation["max_new_tokens"], "batch_size": evaluation["batch_size"],
-                       "max_length": training_settings(wildcards).max_length},
-        "datasets": [{"name": name, "data": f"results/data/{name}/normalised",
-                      "metric": config["datasets"][name]["metric"]} for name in names],
+        "evaluation": {
+            "max_new_tokens": evaluation["max_new_tokens"],
+            "batch_size": evaluation["batch_size"],
+            "max_length": training_settings(wildcards).max_length,
+        },
+        "datasets": [
+            {"name": name, "data": f"results/data/{name}/normalised", "metric": config["datasets"][name]["metric"]}
+            for name in names
+        ],
     }
     return f"--validation-metric {shlex.quote(as_json(spec))}"
 
@@ -329,5 +368,7 @@ def power_reports(wildcards):
     untrained model's evaluation, which the estimate needs)."""
     if not config["evaluation"]["evaluate_base_model"]:
         return []
-    return [f"results/{wildcards.model}/{name}/power.json"
-            for name in xc.evaluated_datasets(config, wildcards.dataset, wildcards.model)]
+    return [
+        f"results/{wildcards.model}/{name}/power.json"
+        for name in xc.evaluated_datasets(config, wildcards.dataset, wildcards.model)
+    ]

@@ -12,9 +12,6 @@ rule download:
     output:
         raw=directory("results/data/{dataset}/raw"),
         manifest="results/data/{dataset}/download_manifest.json",
-    params:
-        dataset=dataset_settings,
-        source_sha256=local_source_sha256,  # content, not clocks, decides a rerun
     log:
         "logs/download/{dataset}.log",
     benchmark:
@@ -22,6 +19,9 @@ rule download:
     conda:
         "../envs/data.yaml"
     threads: 1
+    params:
+        dataset=dataset_settings,
+        source_sha256=local_source_sha256,  # content, not clocks, decides a rerun
     shell:
         "python -m workflow_scripts.download --name {wildcards.dataset:q} --dataset {params.dataset:q}"
         " --out {output.raw:q} --manifest {output.manifest:q} > {log:q} 2>&1"
@@ -37,8 +37,6 @@ rule normalise:
             caption="../report/normalise.rst",
             category="Data",
         ),
-    params:
-        dataset=dataset_settings,
     log:
         "logs/normalise/{dataset}.log",
     benchmark:
@@ -46,6 +44,8 @@ rule normalise:
     conda:
         "../envs/data.yaml"
     threads: 1
+    params:
+        dataset=dataset_settings,
     shell:
         "python -m workflow_scripts.normalise --name {wildcards.dataset:q} --dataset {params.dataset:q}"
         " --raw {input.raw:q} --out {output.data:q} --report {output.report:q} > {log:q} 2>&1"
@@ -56,8 +56,6 @@ rule prepare_model:
         corpus=tiny_model_corpus,
     output:
         directory(MODEL_DIR),
-    params:
-        model=model_json,
     log:
         "logs/prepare_model/{model}.log",
     benchmark:
@@ -65,31 +63,33 @@ rule prepare_model:
     conda:
         "../envs/data.yaml"
     threads: 1
+    params:
+        model=model_json,
     shell:
         "python -m workflow_scripts.prepare_model --model {params.model:q} --out {output:q}"
         " --corpus {input.corpus:q} > {log:q} 2>&1"
 
 
 rule pretokenise:
-    wildcard_constraints:
-        dataset="|".join(config["datasets"]),  # a mixture's tokenised data come from the mix rule
     input:
         data="results/data/{dataset}/normalised",
         model=MODEL_DIR,
     output:
         data=directory("results/data/{dataset}/tokenised/{model}/{variant}"),
         report="results/data/{dataset}/tokenised/{model}/{variant}_report.json",
-    params:
-        task=dataset_task,
-        variant=variant_templates,
-        max_length=lambda wildcards: training_settings(wildcards).max_length,
     log:
         "logs/pretokenise/{dataset}/{model}/{variant}.log",
     benchmark:
         "results/benchmarks/pretokenise/{dataset}/{model}/{variant}.tsv"
+    wildcard_constraints:
+        dataset="|".join(config["datasets"]),  # a mixture's tokenised data come from the mix rule
     conda:
         "../envs/data.yaml"
     threads: 8  # the fast tokenizer's thread pool; Snakemake scales it down to --cores
+    params:
+        task=dataset_task,
+        variant=variant_templates,
+        max_length=lambda wildcards: training_settings(wildcards).max_length,
     shell:
         "python -m workflow_scripts.pretokenise --model {input.model:q} --data {input.data:q}"
         " --task {params.task} --variant {params.variant:q} --max-length {params.max_length} --threads {threads}"
@@ -99,23 +99,23 @@ rule pretokenise:
 # A mixture's training data: its components' tokenised train (and validation) rows, drawn in the
 # mixture's proportions (workflow_scripts/data/mixture.py).
 rule mix:
-    wildcard_constraints:
-        dataset="|".join(MIXTURES) or "(?!)",  # no mixtures: the rule matches nothing
     input:
         unpack(mixture_components),
     output:
         data=directory("results/data/{dataset}/tokenised/{model}/{variant}"),
         report="results/data/{dataset}/tokenised/{model}/{variant}_report.json",
-    params:
-        mixture=mixture_json,
-        components=component_arguments,
     log:
         "logs/mix/{dataset}/{model}/{variant}.log",
     benchmark:
         "results/benchmarks/mix/{dataset}/{model}/{variant}.tsv"
+    wildcard_constraints:
+        dataset="|".join(MIXTURES) or "(?!)",  # no mixtures: the rule matches nothing
     conda:
         "../envs/data.yaml"
     threads: 1
+    params:
+        mixture=mixture_json,
+        components=component_arguments,
     shell:
         "python -m workflow_scripts.mix --mixture {wildcards.dataset:q} --settings {params.mixture:q}"
         " {params.components} --out {output.data:q} --report {output.report:q} > {log:q} 2>&1"
@@ -128,9 +128,6 @@ rule cross_contamination:
         unpack(cross_contamination_inputs),
     output:
         "results/data/{dataset}/cross_contamination.json",
-    params:
-        datasets=cross_contamination_arguments,
-        settings=cross_contamination_settings,
     log:
         "logs/cross_contamination/{dataset}.log",
     benchmark:
@@ -138,6 +135,9 @@ rule cross_contamination:
     conda:
         "../envs/data.yaml"
     threads: 1
+    params:
+        datasets=cross_contamination_arguments,
+        settings=cross_contamination_settings,
     shell:
         "python -m workflow_scripts.cross_contamination {params.datasets} --settings {params.settings:q}"
         " --out {output:q} > {log:q} 2>&1"

@@ -9,6 +9,15 @@ rule evaluate:
     output:
         predictions="results/{model}/{dataset}/{variant}/seed{seed}/predictions.jsonl",
         summary="results/{model}/{dataset}/{variant}/seed{seed}/eval.json",
+    log:
+        "logs/{model}/{dataset}/{variant}/seed{seed}/evaluate.log",
+    benchmark:
+        "results/benchmarks/{model}/{dataset}/{variant}/seed{seed}/evaluate.tsv"
+    conda:
+        "../envs/evaluation.yaml"
+    threads: 1
+    resources:
+        gpu=config["evaluation"]["gpus"],
     params:
         task=dataset_task,
         variant=variant_templates,
@@ -17,15 +26,6 @@ rule evaluate:
         trust_remote_code=trust_remote_code,
         adapter=lambda wildcards, input: f"--adapter {shlex.quote(input.adapter)}",
         seed=lambda wildcards: wildcards.seed,
-    resources:
-        gpu=config["evaluation"]["gpus"],
-    log:
-        "logs/{model}/{dataset}/{variant}/seed{seed}/evaluate.log",
-    benchmark:
-        "results/benchmarks/{model}/{dataset}/{variant}/seed{seed}/evaluate.tsv"
-    conda:
-        "../envs/evaluation.yaml"
-    threads: 1
     shell:
         "python -m workflow_scripts.evaluate --model {input.model:q} {params.adapter}"
         " --data {input.data:q} --task {params.task} --variant {params.variant:q} --metric {params.metric}"
@@ -42,6 +42,10 @@ use rule evaluate as evaluate_base with:
     output:
         predictions="results/{model}/{dataset}/{variant}/base/predictions.jsonl",
         summary="results/{model}/{dataset}/{variant}/base/eval.json",
+    log:
+        "logs/{model}/{dataset}/{variant}/base/evaluate.log",
+    benchmark:
+        "results/benchmarks/{model}/{dataset}/{variant}/base/evaluate.tsv"
     params:
         task=dataset_task,
         variant=variant_templates,
@@ -50,10 +54,6 @@ use rule evaluate as evaluate_base with:
         trust_remote_code=trust_remote_code,
         adapter="",
         seed="base",
-    log:
-        "logs/{model}/{dataset}/{variant}/base/evaluate.log",
-    benchmark:
-        "results/benchmarks/{model}/{dataset}/{variant}/base/evaluate.tsv"
 
 
 # An adapter scored on another dataset than the one it trained on: a mixture's components and the
@@ -93,10 +93,6 @@ rule compare:
             report(path, caption="../report/loss_plot.rst", category="Comparison", subcategory="Training loss")
             for path in [f"results/plots/{name}" for name in loss_plots()]
         ],
-    params:
-        comparison=as_json(config["comparison"]),
-        experiments=as_json([list(e) for e in xc.evaluations(config)]),
-        with_base="--with-base" if config["evaluation"]["evaluate_base_model"] else "",
     log:
         "logs/compare.log",
     benchmark:
@@ -104,6 +100,10 @@ rule compare:
     conda:
         "../envs/evaluation.yaml"
     threads: 1
+    params:
+        comparison=as_json(config["comparison"]),
+        experiments=as_json([list(e) for e in xc.evaluations(config)]),
+        with_base="--with-base" if config["evaluation"]["evaluate_base_model"] else "",
     shell:
         "python -m workflow_scripts.compare --results-dir results --experiments {params.experiments:q}"
         " --comparison {params.comparison:q} {params.with_base} --normalise-reports {input.normalise_reports:q}"

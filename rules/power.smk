@@ -10,12 +10,6 @@ rule power:
     output:
         json="results/{model}/{dataset}/power.json",
         markdown="results/{model}/{dataset}/power.md",
-    params:
-        bases=lambda w: " ".join(f"--base {shlex.quote(f'{v}=results/{w.model}/{w.dataset}/{v}/base')}"
-                                 for v in power_variants(w)),
-        seeds=len(config["seeds"]),
-        # only the threshold: another bootstrap setting must not rerun the estimate
-        comparison=as_json({"min_detectable_effect": config["comparison"].get("min_detectable_effect")}),
     log:
         "logs/{model}/{dataset}/power.log",
     benchmark:
@@ -23,6 +17,13 @@ rule power:
     conda:
         "../envs/evaluation.yaml"
     threads: 1
+    params:
+        bases=lambda w: " ".join(
+            f"--base {shlex.quote(f'{v}=results/{w.model}/{w.dataset}/{v}/base')}" for v in power_variants(w)
+        ),
+        seeds=len(config["seeds"]),
+        # only the threshold: another bootstrap setting must not rerun the estimate
+        comparison=as_json({"min_detectable_effect": config["comparison"].get("min_detectable_effect")}),
     # The one-line estimate goes to the terminal as well as the log: it is read before training starts
     # (pipefail: the stage's refusal must fail the job, not tee's success; common.smk's prefix replaces
     # Snakemake's default strict-mode one).

@@ -8,9 +8,6 @@
 
 
 rule predict:
-    wildcard_constraints:
-        split="train|validation|test",
-        fmt="json|jsonl",
     input:
         data="results/data/{dataset}/normalised",
         model=MODEL_DIR,
@@ -19,6 +16,18 @@ rule predict:
         submission="results/{model}/{dataset}/{variant}/seed{seed}/submission_{split}.{fmt}",
         predictions="results/{model}/{dataset}/{variant}/seed{seed}/submission_{split}.{fmt}.predictions.jsonl",
         manifest="results/{model}/{dataset}/{variant}/seed{seed}/submission_{split}.{fmt}.manifest.json",
+    log:
+        "logs/{model}/{dataset}/{variant}/seed{seed}/predict_{split}_{fmt}.log",
+    benchmark:
+        "results/benchmarks/{model}/{dataset}/{variant}/seed{seed}/predict_{split}_{fmt}.tsv"
+    wildcard_constraints:
+        split="train|validation|test",
+        fmt="json|jsonl",
+    conda:
+        "../envs/evaluation.yaml"
+    threads: 1
+    resources:
+        gpu=config["evaluation"]["gpus"],
     params:
         task=dataset_task,
         variant=variant_templates,
@@ -27,15 +36,6 @@ rule predict:
         # The dataset's submission settings (the stage fills in the defaults).
         submission=lambda wildcards: as_json(config["datasets"][wildcards.dataset]["submission"]),
         trust_remote_code=trust_remote_code,
-    resources:
-        gpu=config["evaluation"]["gpus"],
-    log:
-        "logs/{model}/{dataset}/{variant}/seed{seed}/predict_{split}_{fmt}.log",
-    benchmark:
-        "results/benchmarks/{model}/{dataset}/{variant}/seed{seed}/predict_{split}_{fmt}.tsv"
-    conda:
-        "../envs/evaluation.yaml"
-    threads: 1
     shell:
         "python -m workflow_scripts.predict --model {input.model:q} --adapter {input.adapter:q}"
         " --data {input.data:q} --split {wildcards.split} --task {params.task} --variant {params.variant:q}"

@@ -5,8 +5,11 @@ def submission_outputs():
     """One submission per evaluation of a dataset with unlabelled splits, per unlabelled split:
     results/{model}/{trained}/{variant}/seed{seed}/[on_{dataset}/]submission_{split}.{format}."""
     return [
-        os.path.join(f"results/{m}/{t}/{v}/seed{s}", xc.evaluation_subdirectory(t, d),
-                     f"submission_{split}.{config['datasets'][d]['submission'].get('format', 'json')}")
+        os.path.join(
+            f"results/{m}/{t}/{v}/seed{s}",
+            xc.evaluation_subdirectory(t, d),
+            f"submission_{split}.{config['datasets'][d]['submission'].get('format', 'json')}",
+        )
         for m, t, v, s, d in xc.evaluations(config)
         for split in config["datasets"][d].get("unlabelled", [])
     ]

@@ -21,17 +21,6 @@ rule sanity:
             category="Sanity checks",
             subcategory="{dataset}",
         ),
-    params:
-        training=training_json,
-        trust_remote_code=trust_remote_code,
-    resources:
-        # gpu is the job's total (the SLURM plugin's --gpus); nodes > 1 hands the launch to the
-        # rule's own srun (mpi), one torchrun per node (workflow_scripts/launch/launcher.py).
-        gpu=training_gpu_total,
-        nodes=training_nodes,
-        runtime=lambda w: min(training_settings(w).runtime_minutes, 60),
-        mem_mb=lambda w: training_settings(w).mem_mb,
-        **MULTI_NODE_LAUNCH,
     log:
         "logs/{model}/{dataset}/{variant}/seed{seed}/sanity.log",
     benchmark:
@@ -39,6 +28,17 @@ rule sanity:
     conda:
         "../envs/training.yaml"
     threads: training_threads
+    resources:
+        **MULTI_NODE_LAUNCH,
+        # gpu is the job's total (the SLURM plugin's --gpus); nodes > 1 hands the launch to the
+        # rule's own srun (mpi), one torchrun per node (workflow_scripts/launch/launcher.py).
+        gpu=training_gpu_total,
+        nodes=training_nodes,
+        runtime=lambda w: min(training_settings(w).runtime_minutes, 60),
+        mem_mb=lambda w: training_settings(w).mem_mb,
+    params:
+        training=training_json,
+        trust_remote_code=trust_remote_code,
     shell:
         "python -m workflow_scripts.sanity --model {input.model:q} --data {input.data:q}"
         " --training {params.training:q} --seed {wildcards.seed} {params.trust_remote_code}"
@@ -56,19 +56,6 @@ rule train:
         adapter=directory("results/{model}/{dataset}/{variant}/seed{seed}/adapter"),
         train_log="results/{model}/{dataset}/{variant}/seed{seed}/train_log.jsonl",
         manifest="results/{model}/{dataset}/{variant}/seed{seed}/run_manifest.json",
-    params:
-        training=training_json,
-        checkpoints="results/{model}/{dataset}/{variant}/seed{seed}/checkpoints",
-        tensorboard="results/{model}/{dataset}/{variant}/seed{seed}/tensorboard",
-        tracking=tracking_json,
-        trust_remote_code=trust_remote_code,
-        validation_metric=validation_metric_argument,
-    resources:
-        gpu=training_gpu_total,
-        nodes=training_nodes,
-        runtime=lambda w: training_settings(w).runtime_minutes,
-        mem_mb=lambda w: training_settings(w).mem_mb,
-        **MULTI_NODE_LAUNCH,
     log:
         "logs/{model}/{dataset}/{variant}/seed{seed}/train.log",
     benchmark:
@@ -76,6 +63,19 @@ rule train:
     conda:
         "../envs/training.yaml"
     threads: training_threads
+    resources:
+        **MULTI_NODE_LAUNCH,
+        gpu=training_gpu_total,
+        nodes=training_nodes,
+        runtime=lambda w: training_settings(w).runtime_minutes,
+        mem_mb=lambda w: training_settings(w).mem_mb,
+    params:
+        training=training_json,
+        checkpoints="results/{model}/{dataset}/{variant}/seed{seed}/checkpoints",
+        tensorboard="results/{model}/{dataset}/{variant}/seed{seed}/tensorboard",
+        tracking=tracking_json,
+        trust_remote_code=trust_remote_code,
+        validation_metric=validation_metric_argument,
     shell:
         "python -m workflow_scripts.train --model {input.model:q} --data {input.data:q}"
         " --training {params.training:q} --seed {wildcards.seed} {params.trust_remote_code}"

@@ -1,15 +1,15 @@
-"""The committed demo data is what make_demo_data generates, and each set runs the rejection path
+"""The committed demo data is what make_data generates, and each set runs the rejection path
 while staying under the configured threshold."""
 import json
 
 import pytest
 
 from data_helpers import ROOT, default_config, demo_settings, run_download, run_normalise
-from workflow_scripts import make_demo_data, make_demo_images
+from workflow_scripts.demo import make_data, make_images
 
 
 def test_committed_demo_data_is_reproduced_byte_for_byte(tmp_path):
-    assert make_demo_data.main(["--out", str(tmp_path)]) == 0
+    assert make_data.main(["--out", str(tmp_path)]) == 0
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.jsonl"))
     committed = sorted(p.relative_to(ROOT / "demo_data") for p in (ROOT / "demo_data").rglob("*.jsonl")
                        if p.parent.name != "shapes")
@@ -17,7 +17,7 @@ def test_committed_demo_data_is_reproduced_byte_for_byte(tmp_path):
     for path in generated:
         assert (tmp_path / path).read_bytes() == (ROOT / "demo_data" / path).read_bytes(), path
     assert sum((ROOT / "demo_data" / p).stat().st_size for p in committed) < 400_000
-    for split in ("train", "validation", "test"):  # the masked-LM corpus (make_demo_corpus), plain text
+    for split in ("train", "validation", "test"):  # the masked-LM corpus (make_corpus), plain text
         path = f"corpus/{split}.txt"
         assert (tmp_path / path).read_bytes() == (ROOT / "demo_data" / path).read_bytes(), path
 
@@ -33,8 +33,8 @@ def test_each_demo_set_has_rejections_below_its_threshold_and_enough_rows(tmp_pa
 
 
 def test_committed_shapes_are_reproduced_byte_for_byte(tmp_path):
-    """The image QA demo (make_demo_images): records and PNGs as the generator writes them."""
-    assert make_demo_images.main(["--out", str(tmp_path / "shapes")]) == 0
+    """The image QA demo (make_images): records and PNGs as the generator writes them."""
+    assert make_images.main(["--out", str(tmp_path / "shapes")]) == 0
     committed = ROOT / "demo_data" / "shapes"
     files = sorted(p.relative_to(committed) for p in committed.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(tmp_path / "shapes") for p in (tmp_path / "shapes").rglob("*") if p.is_file())

@@ -163,11 +163,11 @@ def test_vision_language_trains_in_bf16_on_cuda(tmp_path, record, monkeypatch):
     """Issue 12: one VLM family trains in bf16 on CUDA: the frozen tower in bf16, pixel values in the
     training precision, the projector trained whole; then evaluation generates on the GPU."""
     import test_vision_language_chain as vlm
-    from workflow_scripts import make_demo_images
+    from workflow_scripts.demo import make_images
     from workflow_scripts.core.experiment_config import validate_section
     from data_helpers import run_download, run_normalise
 
-    assert make_demo_images.main(["--out", str(tmp_path / "shapes"), "--train", "96", "--validation", "16",
+    assert make_images.main(["--out", str(tmp_path / "shapes"), "--train", "96", "--validation", "16",
                                   "--test", "32"]) == 0
     settings = validate_section({**vlm.SHAPES_SETTINGS, "source": {"type": "local", "path": str(tmp_path / "shapes")}},
                                 "datasets", "datasets.shapes")

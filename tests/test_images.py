@@ -14,7 +14,7 @@ import pytest
 from PIL import Image, ImageFile
 
 import vlm_layouts
-from workflow_scripts import make_demo_images
+from workflow_scripts.demo import make_images
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.data.images import (
     IMAGE_REASONS, ImageFacts, ImageStats, check_image, default_base_dirs, image_field_bytes, resolve_image,
@@ -245,25 +245,25 @@ def read_split(directory: Path, split: str, planted: bool = False) -> list[dict]
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo") / "shapes"
-    assert make_demo_images.main(["--out", str(out), "--seed", "0"]) == 0
+    assert make_images.main(["--out", str(out), "--seed", "0"]) == 0
     return out
 
 
 def test_demo_is_byte_identical_for_the_same_seed(shapes, tmp_path):
     again = tmp_path / "shapes"
-    make_demo_images.main(["--out", str(again), "--seed", "0"])
+    make_images.main(["--out", str(again), "--seed", "0"])
     files = sorted(path.relative_to(shapes) for path in shapes.rglob("*") if path.is_file())
     assert files == sorted(path.relative_to(again) for path in again.rglob("*") if path.is_file())
     assert all((shapes / name).read_bytes() == (again / name).read_bytes() for name in files)
     other = tmp_path / "other"
-    make_demo_images.main(["--out", str(other), "--seed", "1"])
+    make_images.main(["--out", str(other), "--seed", "1"])
     assert (other / "train.jsonl").read_bytes() != (shapes / "train.jsonl").read_bytes()
 
 
 def test_demo_layout_and_images(shapes):
     assert sorted(path.name for path in shapes.iterdir()) == ["images", "test.jsonl", "train.jsonl", "validation.jsonl"]
     ids = set()
-    for split, size in make_demo_images.SPLIT_SIZES.items():
+    for split, size in make_images.SPLIT_SIZES.items():
         rows = read_split(shapes, split)
         assert len(rows) == size
         for row in rows:
@@ -271,27 +271,27 @@ def test_demo_layout_and_images(shapes):
             facts = check_image(resolve_image(row["image"], base_dirs=default_base_dirs(shapes)))
             assert (facts.width, facts.height, facts.format, facts.mode) == (32, 32, "PNG", "RGB")
             ids.add(row["id"])
-    assert len(ids) == sum(make_demo_images.SPLIT_SIZES.values())
+    assert len(ids) == sum(make_images.SPLIT_SIZES.values())
     # the planted records: a missing file (no image written), a truncated PNG, an empty question
-    planted = [row for split in make_demo_images.FAULTS for row in read_split(shapes, split, planted=True)]
-    assert len(planted) == sum(len(faults) for faults in make_demo_images.FAULTS.values())
+    planted = [row for split in make_images.FAULTS for row in read_split(shapes, split, planted=True)]
+    assert len(planted) == sum(len(faults) for faults in make_images.FAULTS.values())
     written = sum((shapes / row["image"]).exists() for row in planted)
     assert len(list((shapes / "images").iterdir())) == len(ids) + written
 
 
 def question_kind(question: str) -> str:
-    return next(kind for kind, texts in make_demo_images.QUESTIONS.items() if question in texts)
+    return next(kind for kind, texts in make_images.QUESTIONS.items() if question in texts)
 
 
 def test_demo_answers_are_balanced_per_question_type_and_text(shapes):
-    for split in make_demo_images.SPLIT_SIZES:
+    for split in make_images.SPLIT_SIZES:
         rows = read_split(shapes, split)
         by_kind, by_text = defaultdict(Counter), defaultdict(Counter)
         for row in rows:
             by_kind[question_kind(row["question"])][row["answer"]] += 1
             by_text[row["question"]][row["answer"]] += 1
         for kind, counts in by_kind.items():
-            assert set(counts) == set(make_demo_images.ANSWERS[kind]), (split, kind)
+            assert set(counts) == set(make_images.ANSWERS[kind]), (split, kind)
             assert max(counts.values()) - min(counts.values()) <= 1, (split, kind, counts)
         for text, counts in by_text.items():  # no question text predicts its answer
             assert max(counts.values()) - min(counts.values()) <= 1, (split, text, counts)
@@ -315,14 +315,14 @@ def _answers_by_text(rows):
 
 def test_demo_images_show_their_answer(shapes):
     """The answer is in the pixels: the shape colour is the only non-background colour; shapes = occupied quadrants."""
-    colours = {rgb: name for name, rgb in make_demo_images.COLOURS.items()}
+    colours = {rgb: name for name, rgb in make_images.COLOURS.items()}
     for row in read_split(shapes, "validation"):
         image = Image.open(shapes / row["image"]).convert("RGB")
-        present = {colour for _, colour in image.getcolors()} - {make_demo_images.BACKGROUND}
+        present = {colour for _, colour in image.getcolors()} - {make_images.BACKGROUND}
         assert len(present) == 1
-        half = make_demo_images.CELL
+        half = make_images.CELL
         quadrants = sum(
-            any(image.getpixel((x, y)) != make_demo_images.BACKGROUND
+            any(image.getpixel((x, y)) != make_images.BACKGROUND
                 for x in range(qx * half, (qx + 1) * half) for y in range(qy * half, (qy + 1) * half))
             for qx in range(2) for qy in range(2))
         truth = {"colour": colours[present.pop()], "count": str(quadrants)}
@@ -331,22 +331,22 @@ def test_demo_images_show_their_answer(shapes):
 
 def test_demo_sizes_and_refusing_a_directory_with_other_files(tmp_path):
     out = tmp_path / "small"
-    make_demo_images.main(["--out", str(out), "--train", "10", "--validation", "3", "--test", "5"])
+    make_images.main(["--out", str(out), "--train", "10", "--validation", "3", "--test", "5"])
     assert [len(read_split(out, split)) for split in ("train", "validation", "test")] == [10, 3, 5]
-    make_demo_images.main(["--out", str(out), "--train", "4", "--validation", "1", "--test", "1"])  # replaces its own output
+    make_images.main(["--out", str(out), "--train", "4", "--validation", "1", "--test", "1"])  # replaces its own output
     assert len(list((out / "images").iterdir())) == 6 + 2  # + the planted truncated and empty-question images
     (tmp_path / "keep.txt").write_text("mine")
     with pytest.raises(WorkflowError, match=r"holds \['keep.txt', 'small'\] besides this generator's files"):
-        make_demo_images.main(["--out", str(tmp_path)])
+        make_images.main(["--out", str(tmp_path)])
     assert (tmp_path / "keep.txt").read_text() == "mine"
     with pytest.raises(WorkflowError, match="is a file, not a directory"):
-        make_demo_images.main(["--out", str(tmp_path / "keep.txt")])
-    with pytest.raises(SystemExit):
-        make_demo_images.main(["--out", str(out), "--train", "0"])
+        make_images.main(["--out", str(tmp_path / "keep.txt")])
+    with pytest.raises(WorkflowError, match="argument --train: must be at least 1, got 0"):
+        make_images.main(["--out", str(out), "--train", "0"])
 
 
 def test_demo_runs_as_a_module(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "workflow_scripts.make_demo_images", "--out", str(tmp_path / "s"),
+    done = subprocess.run([sys.executable, "-m", "workflow_scripts.demo.make_images", "--out", str(tmp_path / "s"),
                            "--train", "8", "--validation", "2", "--test", "2"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "wrote 12 examples" in done.stdout

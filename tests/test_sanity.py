@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import build_tiny_tokenised, tiny_training_settings, training_json
-from workflow_scripts.model import memory_estimate, model_loading
+from workflow_scripts.model import memory_estimate, model_loading, parameter_names
 from workflow_scripts.training import preflight_checks, training_setup
 from workflow_scripts import sanity
 from workflow_scripts.tasks import generation
@@ -158,14 +158,14 @@ def test_name_lookup_with_real_ddp(monkeypatch, tiny_model_dir, gloo_world_of_on
     setup = training_setup.build(tiny_model_dir, tiny_training_settings(), gloo_world_of_one)
     assert isinstance(setup.model, torch.nn.parallel.DistributedDataParallel)
     assert next(iter(dict(setup.model.named_parameters()))).startswith("module.")
-    plain = training_setup.lora_parameters(setup.peft_model)
-    wrapped = training_setup.lora_parameters(setup.model)
+    plain = parameter_names.lora_parameters(setup.peft_model)
+    wrapped = parameter_names.lora_parameters(setup.model)
     assert set(plain) == set(wrapped) and len(plain) == 12
     assert all(plain[n] is wrapped[n] for n in plain)
     assert "through DistributedDataParallel" in preflight_checks.check_name_lookup(setup.model)
     preflight_checks.check_trainable(setup.model)
     # Plant the seed's bug: matching names without stripping DDP's prefix.
-    monkeypatch.setattr(training_setup, "strip_wrapper_prefix", lambda name: name)
+    monkeypatch.setattr(parameter_names, "strip_wrapper_prefix", lambda name: name)
     with pytest.raises(PreflightError, match="name_lookup: .* finds 0 of 12 LoRA parameters.*'module.' prefix"):
         preflight_checks.check_name_lookup(setup.model)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workflow_scripts import make_demo_classification
+from workflow_scripts.demo import make_classification
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.normalise import Rejected
 from workflow_scripts.tasks import classification
@@ -21,7 +21,7 @@ PLAIN = {"input": "{text}"}
 def demo_rows(split: str = "train", count: int | None = None) -> list[dict]:
     """Clean canonical rows of the demo dataset (its malformed records left out)."""
     rows = []
-    for record in make_demo_classification.build(0)[split]:
+    for record in make_classification.build(0)[split]:
         try:
             rows.append(TASK.normalise_fields(record, {**SETTINGS, "labels": LABELS}))
         except Rejected:
@@ -293,7 +293,7 @@ def test_loss_module_works_under_ddp(llama_tokenizer):
         model = tiny_llama(llama_tokenizer).train()
         batch = collate(llama_tokenizer, demo_rows(count=4))
         wrapped = torch.nn.parallel.DistributedDataParallel(TASK.loss_module(model, [1.0, 1.0, 2.0]))
-        assert wrapped.module.wrapped is model  # training_setup.unwrap finds the model under ``wrapped``
+        assert wrapped.module.wrapped is model  # parameter_names.unwrap finds the model under ``wrapped``
         loss = wrapped(batch)
         loss.backward()
         assert torch.isfinite(loss) and model.score.weight.grad is not None
@@ -397,8 +397,8 @@ def test_evaluate_records_and_scores_independent_of_batch_size(kind, llama_token
 
 # --- demo data ---
 def test_demo_dataset_is_deterministic_learnable_and_exercises_rejections(tmp_path):
-    assert make_demo_classification.main(["--out", str(tmp_path / "a")]) == 0
-    make_demo_classification.main(["--out", str(tmp_path / "b")])
+    assert make_classification.main(["--out", str(tmp_path / "a")]) == 0
+    make_classification.main(["--out", str(tmp_path / "b")])
     for split, size in (("train", 300), ("validation", 60), ("test", 60)):
         text = (tmp_path / "a" / f"{split}.jsonl").read_text()
         assert text == (tmp_path / "b" / f"{split}.jsonl").read_text() and len(text.splitlines()) == size
@@ -411,7 +411,7 @@ def test_demo_dataset_is_deterministic_learnable_and_exercises_rejections(tmp_pa
             reasons.append(rejected.reason)
             continue
         # One keyword decides the label: exactly one topic's keywords occur in the sentence.
-        found = [topic for topic, words in make_demo_classification.KEYWORDS.items() if any(w in row["text"] for w in words)]
+        found = [topic for topic, words in make_classification.KEYWORDS.items() if any(w in row["text"] for w in words)]
         assert found == [row["label"]]
     assert sorted(reasons) == ["empty_value", "missing_field", "wrong_type"]
     names = classification.label_set([TASK.normalise_fields(r, SETTINGS)["label"] for r in train if r.get("topic") and

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workflow_scripts.core.errors import ConfigError, WorkflowError
-from workflow_scripts.tasks import masked_lm
+from workflow_scripts.tasks import masked_lm, stored_columns
 from workflow_scripts.tasks.masked_lm import TASK
 
 WORDS = ("the quick brown fox jumps over the lazy dog while unbelievable things happen to "
@@ -197,7 +197,7 @@ def saved_split(tokenizer, tmp_path, lines, variant=None, max_length=24):
     columns = tokenise(tokenizer, lines, variant, max_length)
     rows = {key: [value for value, dropped in zip(columns[key], columns["dropped"]) if not dropped] for key in columns}
     Dataset.from_dict(rows, features=TASK.tokenised_features()).save_to_disk(str(tmp_path / "train"))
-    return batching.TokenisedSplit(tmp_path, "train", batching.stored_columns({"task": "masked_lm"}))
+    return batching.TokenisedSplit(tmp_path, "train", stored_columns({"task": "masked_lm"}))
 
 
 def masks_by_row_and_epoch(dataset, collate, micro_batch, world_size, start_step, max_steps, workers=0):

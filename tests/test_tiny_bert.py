@@ -1,4 +1,4 @@
-"""The masked-LM demo: the generated corpus (``make_demo_corpus``) and the tiny random BERT built from it
+"""The masked-LM demo: the generated corpus (``make_corpus``) and the tiny random BERT built from it
 (``model/tiny_bert``), then the real stages in-process (download -> normalise -> pretokenise -> train
 -> evaluate) showing that LoRA on it learns the corpus under both masking variants."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ import torch
 
 from conftest import tiny_training_settings, training_json
 from data_helpers import run_download, run_normalise
-from workflow_scripts import evaluate, make_demo_corpus, pretokenise, sanity, train
+from workflow_scripts import evaluate, pretokenise, sanity, train
+from workflow_scripts.demo import make_corpus
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.model import tiny_bert
 
@@ -32,7 +33,7 @@ def corpus(tmp_path_factory):
     """The generated corpus, downloaded and normalised as the rules do, and the tiny BERT built on it."""
     torch.set_num_threads(1)  # the test machines' cores are shared
     tmp = tmp_path_factory.mktemp("tiny_bert")
-    assert make_demo_corpus.main(["--out", str(tmp / "corpus")]) == 0
+    assert make_corpus.main(["--out", str(tmp / "corpus")]) == 0
     settings = {"task": "masked_lm", "source": {"type": "local", "path": str(tmp / "corpus")}, "format": "text",
                 "splits": {"train": "train", "validation": "validation", "test": "test"}, "metric": "masked_accuracy"}
     data, _ = run_normalise("corpus", settings, run_download("corpus", settings, tmp), tmp)
@@ -42,12 +43,12 @@ def corpus(tmp_path_factory):
 
 def test_the_corpus_is_deterministic_and_its_test_lines_are_held_out(tmp_path):
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
-        assert make_demo_corpus.main(["--out", str(tmp_path / name), "--seed", str(seed)]) == 0
+        assert make_corpus.main(["--out", str(tmp_path / name), "--seed", str(seed)]) == 0
     files = {name: {p.name: p.read_bytes() for p in (tmp_path / name).iterdir()} for name in "abc"}
     assert sorted(files["a"]) == ["test.txt", "train.txt", "validation.txt"]
     assert files["a"] == files["b"] and files["a"]["train.txt"] != files["c"]["train.txt"]
     lines = {name.removesuffix(".txt"): text.decode().splitlines() for name, text in files["a"].items()}
-    assert {split: len(rows) for split, rows in lines.items()} == make_demo_corpus.SPLIT_SIZES
+    assert {split: len(rows) for split, rows in lines.items()} == make_corpus.SPLIT_SIZES
     # normalise refuses validation/test lines that repeat train lines (contamination)
     assert not (set(lines["test"]) | set(lines["validation"])) & set(lines["train"])
     assert all(8 <= len(line.split()) <= 20 and line == line.strip().lower()
@@ -104,7 +105,7 @@ def test_it_loads_offline_as_a_bert_masked_lm_with_its_special_tokens(corpus):
 def test_its_tokenizer_learns_the_text_but_not_the_row_ids(corpus):
     _, data, _ = corpus
     texts = list(tiny_bert.corpus_texts([data]))
-    assert len(texts) == make_demo_corpus.SPLIT_SIZES["train"] and not any(t.startswith("train-") for t in texts)
+    assert len(texts) == make_corpus.SPLIT_SIZES["train"] and not any(t.startswith("train-") for t in texts)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -1,7 +1,7 @@
 """Vision-language LoRA end to end: the stages as the rules call them (download -> normalise ->
 prepare_model -> pretokenise -> sanity -> train -> evaluate) for tiny LLaVA and Idefics3 models.
 
-- the demo shapes data (``make_demo_images``, small) through the gate, a few training steps and the
+- the demo shapes data (``make_images``, small) through the gate, a few training steps and the
   evaluation, for both model families, and what the adapter holds;
 - the hub layouts (tests/vlm_layouts.py: ChartQA Parquet, InfographicVQA and OCR-VQA JSONL) driven
   only by dataset settings written as YAML, their planted faults rejected with reasons, then ChartQA
@@ -13,7 +13,7 @@ prepare_model -> pretokenise -> sanity -> train -> evaluate) for tiny LLaVA and 
 - a run killed mid-way resumes to the same adapter;
 - the text-only control (``images: false``): no image tokens, no pixel values.
 
-Learnability is the demo's business (``make_demo_images`` + config.yaml's 150 steps), not this file's:
+Learnability is the demo's business (``make_images`` + config.yaml's 150 steps), not this file's:
 the steps here are few. Helpers for DDP and kill-and-resume are tests/test_train.py's.
 """
 from __future__ import annotations
@@ -32,7 +32,8 @@ from conftest import tiny_training_settings, training_json
 from data_helpers import run_download, run_normalise
 from test_train import REPO, adapter, log_rows, start_slow, subprocess_env, train_argv, wait_for
 from vlm_layouts import write_chartqa, write_infographicvqa, write_ocrvqa
-from workflow_scripts import evaluate, make_demo_images, prepare_model, pretokenise, sanity, train
+from workflow_scripts import evaluate, prepare_model, pretokenise, sanity, train
+from workflow_scripts.demo import make_images
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.core.experiment_config import validate_section
 from workflow_scripts.data import batching
@@ -132,7 +133,7 @@ def prompt_lengths(tokenised: Path, split: str = "train") -> list[int]:
 def shapes(tmp_path_factory) -> Path:
     """The demo's shapes data, small, through download and normalise."""
     tmp = tmp_path_factory.mktemp("shapes")
-    assert make_demo_images.main(["--out", str(tmp / "shapes"), "--train", "96", "--validation", "16",
+    assert make_images.main(["--out", str(tmp / "shapes"), "--train", "96", "--validation", "16",
                                   "--test", "32"]) == 0
     settings = validate_section({**SHAPES_SETTINGS, "source": {"type": "local", "path": str(tmp / "shapes")}},
                                 "datasets", "datasets.shapes")

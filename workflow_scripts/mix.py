@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def mixture_fingerprint(metas, settings) -> str:
-    from workflow_scripts.core.experiment_config import config_hash
+    from workflow_scripts.core.run_manifest import config_hash
 
     return config_hash({"components": {name: meta.get("input_fingerprint") for name, meta in metas.items()},
                         "settings": settings})

@@ -36,7 +36,7 @@ from workflow_scripts.data.normalised_data import read_task_meta
 from workflow_scripts.tasks import task_named
 from workflow_scripts.core.atomic_output import atomic_path, scratch_directory, stop_signals_exit, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
-from workflow_scripts.core.experiment_config import config_hash
+from workflow_scripts.core.run_manifest import config_hash
 from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
 
 TRAINING_SPLITS = ("train", "validation")

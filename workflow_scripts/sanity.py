@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from workflow_scripts.data import batching
+from workflow_scripts.tasks import stored_columns
 from workflow_scripts.training import distributed, preflight_checks as checks, training_setup, validation
 from workflow_scripts.launch import launcher
 from workflow_scripts.model import memory_estimate, model_loading
@@ -67,9 +68,9 @@ def run_gate(args: argparse.Namespace, training: TrainingSettings) -> int:
             if training.precision == "fp16" else None, training_setup.bf16_supported))
         meta = batching.read_meta(args.data)
         model_loading.check_tokenised_for_model(args.data, meta, args.model)
-        dataset = batching.TokenisedSplit(args.data, "train", batching.stored_columns(meta))
+        dataset = batching.TokenisedSplit(args.data, "train", stored_columns(meta))
         training = training.with_length(len(dataset))
-        held_out = validation.open_split(args.data, training.validation, batching.stored_columns(meta))
+        held_out = validation.open_split(args.data, training.validation, stored_columns(meta))
         if held_out is not None:
             report.record("validation_split", f"{len(held_out)} rows for the held-out loss every "
                                               f"{training.validation.every_steps} steps")

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from workflow_scripts.data import batching
+from workflow_scripts.tasks import stored_columns
 from workflow_scripts.training import checkpointing, distributed, fsdp, preflight_checks, training_setup, validation
 from workflow_scripts.training import validation_metric
 from workflow_scripts.analysis import fairness
@@ -145,9 +146,9 @@ def train(args: argparse.Namespace, training: TrainingSettings) -> int:
         tracking = trackers.load_tracking_settings(args.tracking)
         meta = batching.read_meta(args.data)
         model_loading.check_tokenised_for_model(args.data, meta, args.model)
-        dataset = batching.TokenisedSplit(args.data, "train", batching.stored_columns(meta))
+        dataset = batching.TokenisedSplit(args.data, "train", stored_columns(meta))
         training = training.with_length(len(dataset))  # epochs -> steps, for the schedule too
-        held_out = validation.open_split(args.data, training.validation, batching.stored_columns(meta))
+        held_out = validation.open_split(args.data, training.validation, stored_columns(meta))
         scorer = validation_metric.open_metric(args.validation_metric, training.validation, args.model,
                                                args.trust_remote_code)
         setup = training_setup.build(args.model, training, context, args.trust_remote_code, meta, seed=args.seed)

@@ -18,6 +18,22 @@ class ConfigError(WorkflowError):
         self.key, self.problem = key, message
 
 
+class PreflightError(WorkflowError):
+    """A failed check of the sanity gate (training/preflight_checks.py, a task's gate hooks): the check's
+    name, the cause and the fix, in one line."""
+
+    def __init__(self, check: str, cause: str, fix: str):
+        super().__init__(f"{check}: {cause}. Fix: {fix}")
+        self.check = check
+
+
+def few_names(names, limit: int = 5) -> str:
+    """The first ``limit`` names, sorted, and how many more (for one-line messages)."""
+    names = sorted(names)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> None:
     """Run a stage's ``main`` as a command: a WorkflowError becomes one line on stderr and exit code 2."""
     try:

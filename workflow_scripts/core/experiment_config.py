@@ -9,36 +9,20 @@ The Snakefile first calls :func:`check_workflow_config` (each config file re-rea
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 import yaml
 
-from workflow_scripts.tasks import templates
+from workflow_scripts.core.config_schema import SCHEMA_PATH, _validator_with_defaults, schema_error
 from workflow_scripts.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from workflow_scripts.core.settings import TrainingSettings, ValidationSettings
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 CANONICAL_FIELDS = ("id", "question", "answers", "answer")
 BATCH_SHAPE_KEYS = ("effective_batch", "micro_batch", "gpus", "nodes", "cpu_processes")
-
-
-def _validator_with_defaults():
-    """A Draft 2020-12 validator that fills ``default`` values, as snakemake.utils.validate does."""
-    from jsonschema import Draft202012Validator, validators
-
-    def set_defaults(validator, properties, instance, schema):
-        if isinstance(instance, dict):
-            for name, sub in properties.items():
-                if isinstance(sub, dict) and "default" in sub:
-                    instance.setdefault(name, copy.deepcopy(sub["default"]))
-        yield from Draft202012Validator.VALIDATORS["properties"](validator, properties, instance, schema)
-
-    return validators.extend(Draft202012Validator, {"properties": set_defaults})
 
 
 def validate_schema(config: dict, source: str | None = None) -> dict:
@@ -56,57 +40,6 @@ def validate_schema(config: dict, source: str | None = None) -> dict:
                           "not both" if "model" in config else "required, but missing: give the base model under "
                           f"model: (one) or models: (several, by name) (the config has keys {sorted(config)})", source)
     return config
-
-
-def _looks_secret(name: Any) -> bool:
-    from workflow_scripts.core.run_manifest import is_secret_key
-
-    return is_secret_key(name)
-
-
-def _secret_values(value: Any, secret: bool = False) -> Iterator[Any]:
-    """Every scalar inside ``value`` that sits under a secret-looking key (all of it when ``secret``)."""
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _secret_values(item, secret or _looks_secret(key))
-    elif isinstance(value, list):
-        for item in value:
-            yield from _secret_values(item, secret)
-    elif secret and value is not None and not isinstance(value, bool):
-        yield value
-
-
-def schema_error(error, prefix: str | None = None, source: str | None = None) -> ConfigError:
-    """One line for a jsonschema error: the key path, what was expected and what was found.
-
-    A missing required key is named in the key path; a value under a key that looks like a secret
-    (token, secret, password, api_key) is never echoed, however jsonschema's message quotes it.
-    """
-    if error.validator == "unevaluatedProperties":  # task-dependent keys (if/then): same words as any unknown key
-        error.message = error.message.replace("Unevaluated properties", "Additional properties")
-    path = [str(part) for part in error.absolute_path]
-    instance = error.instance
-    if error.validator == "required" and isinstance(instance, Mapping):
-        missing = next((name for name in error.validator_value
-                        if name not in instance and error.message.startswith(repr(name))), None)
-        if missing is not None:
-            key = ".".join(filter(None, [prefix, *path, str(missing)]))
-            where = ".".join(filter(None, [prefix, *path])) or "the config"
-            return ConfigError(key, f"required, but missing ({where} has keys {sorted(map(str, instance))})", source)
-    key = ".".join(filter(None, [prefix, *path])) or "<top level>"
-    message = error.message
-    secret = any(_looks_secret(part) for part in path)
-    if secret:
-        message = message.replace(repr(instance), "<redacted>")
-    else:
-        from workflow_scripts.core.run_manifest import redact
-
-        message = message.replace(repr(instance), repr(redact(instance)))
-    for value in _secret_values(instance, secret):
-        message = message.replace(repr(value), "<redacted>")
-        if isinstance(value, str) and len(value) >= 4:
-            message = message.replace(value, "<redacted>")
-    return ConfigError(key, " ".join(message.split("\n")), source)
 
 
 class DuplicateKeyError(yaml.MarkedYAMLError):
@@ -467,11 +400,6 @@ def plot_names(model: str, trained: str, dataset: str) -> tuple[str, str]:
     return scores, f"loss_{model}_{trained}.png"
 
 
-def template_fields(template: str) -> set[str]:
-    """Field names a template refers to; ValueError for anything but plain ``{name}`` fields."""
-    return set(templates.template_fields(template))
-
-
 def dataset_fields(dataset: Mapping[str, Any]) -> set[str]:
     """Fields a normalised row of this dataset offers to templates."""
     return set(CANONICAL_FIELDS) | set(dataset.get("extra_fields", {})) | set(dataset.get("derived", {}))
@@ -499,11 +427,6 @@ def gold_fields(dataset: Mapping[str, Any]) -> dict[str, str]:
                 gold[name] = f"is derived from the gold answer ({chains[name]})"
                 changed = True
     return gold
-
-
-def config_hash(value: Any) -> str:
-    """A stable sha256 of any JSON-serialisable value (key order ignored)."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
@@ -717,7 +640,7 @@ def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, s
 def _check_finetune(training: "TrainingSettings", model: Mapping[str, Any], task: str, where: str,
                     model_key: str, source: str | None) -> None:
     """training.finetune against model.initialise, quantization, strategy and the task (training_setup's rule)."""
-    from workflow_scripts.training.training_setup import finetune_problem
+    from workflow_scripts.core.settings import finetune_problem
 
     problem = finetune_problem(training, model.get("initialise", "pretrained"), task)
     if problem is not None:

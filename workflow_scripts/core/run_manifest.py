@@ -1,7 +1,9 @@
 """What produced an output: package versions, git commit, host, devices and the settings hash."""
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import platform
 import re
 import subprocess
@@ -10,7 +12,11 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from workflow_scripts.core.experiment_config import config_hash
+
+def config_hash(value: Any) -> str:
+    """A stable sha256 of any JSON-serialisable value (key order ignored)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
 
 PACKAGES = (
     "torch", "transformers", "peft", "accelerate", "datasets", "tokenizers",
@@ -61,9 +67,30 @@ def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]
     return versions
 
 
+WORKFLOW_ROOT = Path(__file__).resolve().parents[2]
+
+
+def workflow_version(root: str | Path = WORKFLOW_ROOT) -> str | None:
+    """This workflow's version: pyproject.toml's ``project.version`` beside the code (CHANGELOG.md lists
+    each), else the installed package's; None when neither is found."""
+    pyproject = Path(root) / "pyproject.toml"
+    if pyproject.is_file():
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10: read the [project] table's version line
+            table = re.search(r"(?ms)^\[project\]\n(.*?)(?=^\[)", pyproject.read_text() + "\n[")
+            found = table and re.search(r'(?m)^version\s*=\s*"([^"]+)"', table.group(1))
+            return found.group(1) if found else None
+        return tomllib.loads(pyproject.read_text()).get("project", {}).get("version")
+    try:
+        return importlib.metadata.version("lora-experiment-workflow")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def git_commit(directory: str | Path | None = None) -> str | None:
     """The workflow's git commit (with '-dirty' when it has uncommitted changes), or None outside git."""
-    directory = Path(directory or Path(__file__).resolve().parents[2])
+    directory = Path(directory or WORKFLOW_ROOT)
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=directory, capture_output=True, text=True, check=True).stdout.strip()
@@ -88,6 +115,7 @@ def build_manifest(stage: str, settings: Mapping[str, Any], **extra: Any) -> dic
     """A manifest for one stage run; ``extra`` adds stage-specific facts (seed, world size, devices...)."""
     return {
         "stage": stage,
+        "workflow_version": workflow_version(),
         "settings": redact(settings),
         "settings_sha256": config_hash(settings),
         "packages": package_versions(),

@@ -102,7 +102,7 @@ class TrainingSettings:
         if errors:
             from jsonschema.exceptions import best_match
 
-            from workflow_scripts.core.experiment_config import schema_error
+            from workflow_scripts.core.config_schema import schema_error
 
             raise schema_error(best_match(errors), key, source)
         nested = {"lora": LoraSettings(**_tuples(checked.pop("lora"))),
@@ -217,6 +217,31 @@ class TrainingSettings:
                               "or train longer", source)
 
 
+# Task types whose full fine-tuning is sound; vision_language's gate and loss assume a frozen, LoRA-wrapped tower.
+FULL_TASKS = ("generation", "conversation", "classification", "masked_lm")
+
+
+def finetune_problem(training: TrainingSettings, initialise: str, task_name: str | None = None) -> tuple[str, str] | None:
+    """(key, one-line problem) when ``training.finetune`` cannot run with these settings, else None.
+
+    Shared by the config check (experiment_config) and ``training_setup.build``, so both refuse alike."""
+    if not training.full:
+        if initialise == "random":
+            return ("model.initialise", "random (pretraining from scratch) trains every weight, which needs "
+                    "training.finetune: full; set it, or use initialise: pretrained for LoRA")
+        return None
+    if training.quantization is not None:
+        return ("training.quantization", "full fine-tuning trains every weight, and quantised (bitsandbytes) "
+                "weights cannot train; set training.quantization: null, or training.finetune: lora (QLoRA)")
+    if training.sharded:
+        return ("training.strategy", "fsdp shards LoRA training only; with training.finetune: full use "
+                "strategy: ddp (every process holds the whole model)")
+    if task_name is not None and task_name not in FULL_TASKS:
+        return ("training.finetune", f"full fine-tuning is not supported for task '{task_name}' (its gate and loss "
+                "assume a frozen vision tower under LoRA); set training.finetune: lora")
+    return None
+
+
 def _tuples(mapping: dict[str, Any]) -> dict[str, Any]:
     return {name: tuple(value) if isinstance(value, list) else value for name, value in mapping.items()}
 
@@ -226,7 +251,7 @@ def _training_validator():
     """The schema's ``training_settings`` with its ``$defs``, read once per process."""
     import yaml
 
-    from workflow_scripts.core.experiment_config import SCHEMA_PATH, _validator_with_defaults
+    from workflow_scripts.core.config_schema import SCHEMA_PATH, _validator_with_defaults
 
     schema = yaml.safe_load(SCHEMA_PATH.read_text())
     part = {**schema["$defs"]["training_settings"], "$defs": schema["$defs"]}

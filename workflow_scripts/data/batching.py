@@ -40,21 +40,13 @@ def read_meta(data_dir: str | Path) -> dict:
     return meta
 
 
-def stored_columns(meta: dict) -> list[str]:
-    """The task's own columns in the pre-tokenised data (what its collator reads), from the task's features."""
-    from workflow_scripts.tasks import task_named
-
-    features = task_named(meta["task"]).tokenised_features()
-    return [name for name in features if name not in ("id", "input_ids", "length", "truncated", "dropped")]
-
-
 class TokenisedSplit(torch.utils.data.Dataset):
     """One split of the pre-tokenised data, opened lazily from disk (memory-mapped) in each process."""
 
     def __init__(self, data_dir: str | Path, split: str = "train", columns: Sequence[str] = ("labels",)):
         self.data_dir = str(data_dir)
         self.split = split
-        self.columns = tuple(columns)  # the task's own columns (``stored_columns``), checked on opening
+        self.columns = tuple(columns)  # the task's own columns (``tasks.stored_columns``), checked on opening
         self._table = None
         self._length = len(self.table)
 

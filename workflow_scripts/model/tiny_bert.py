@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.model import tiny_model
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MAX_POSITIONS = 512  # BERT's own: longer inputs than any masked_lm max_length the demo uses
@@ -126,10 +127,7 @@ def build_model(tiny: Mapping[str, Any], tokenizer):
     import torch
     from transformers import BertConfig, BertForMaskedLM
 
-    if tiny["hidden_size"] % tiny["num_heads"]:
-        raise WorkflowError(
-            f"model.tiny.hidden_size {tiny['hidden_size']} is not divisible by model.tiny.num_heads {tiny['num_heads']}"
-        )
+    tiny_model.check_heads(tiny)
     config = BertConfig(
         vocab_size=len(tokenizer),
         hidden_size=tiny["hidden_size"],
@@ -155,16 +153,4 @@ def build(tiny: Mapping[str, Any], corpus_dirs: Sequence[str | Path], out: Path)
     """Write config, safetensors weights and tokenizer into ``out``; return facts for the manifest."""
     if tiny["architecture"] != "bert":
         raise WorkflowError(f"model.tiny.architecture '{tiny['architecture']}' is built by tiny_model, not tiny_bert")
-    if not corpus_dirs:
-        raise WorkflowError("model.source 'tiny' needs --corpus: the normalised datasets to train its tokenizer on")
-    tokenizer = train_tokenizer(corpus_texts(corpus_dirs), tiny["vocab_size"])
-    model = build_model(tiny, tokenizer)
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    return {
-        "architecture": tiny["architecture"],
-        "vocab_size": len(tokenizer),
-        "requested_vocab_size": tiny["vocab_size"],
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "corpus": [str(d) for d in corpus_dirs],
-    }
+    return tiny_model.save_built(tiny, corpus_dirs, out, train_tokenizer, build_model, corpus_texts)

@@ -4,7 +4,7 @@ tokenizer trained on the normalised demo corpus. Same seed and corpus give the s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from workflow_scripts.core.errors import WorkflowError
 
@@ -64,17 +64,16 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int):
     return wrapped
 
 
-def build_model(tiny: Mapping[str, Any], tokenizer):
-    """A randomly initialised causal LM, seeded by ``tiny.seed``."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
+def check_heads(tiny: Mapping[str, Any]) -> None:
     if tiny["hidden_size"] % tiny["num_heads"]:
         raise WorkflowError(
             f"model.tiny.hidden_size {tiny['hidden_size']} is not divisible by model.tiny.num_heads {tiny['num_heads']}"
         )
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[tiny["architecture"]]
-    config = config_class(
+
+
+def decoder_settings(tiny: Mapping[str, Any], tokenizer) -> dict[str, Any]:
+    """The Llama/Qwen2 config arguments of the tiny decoder (also tiny_vlm's language model)."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=tiny["hidden_size"],
         intermediate_size=tiny["intermediate_size"],
@@ -90,12 +89,29 @@ def build_model(tiny: Mapping[str, Any], tokenizer):
         # layer caps every logit near +-1.3, so no adapter could make a confident prediction.
         initializer_range=tiny["hidden_size"] ** -0.5,
     )
+
+
+def build_model(tiny: Mapping[str, Any], tokenizer):
+    """A randomly initialised causal LM, seeded by ``tiny.seed``."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    check_heads(tiny)
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[tiny["architecture"]]
+    config = config_class(**decoder_settings(tiny, tokenizer))
     torch.manual_seed(tiny["seed"])
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def build(tiny: Mapping[str, Any], corpus_dirs: Sequence[str | Path], out: Path) -> dict[str, Any]:
     """Write config, safetensors weights and tokenizer into ``out``; return facts for the manifest."""
+    return save_built(tiny, corpus_dirs, out, train_tokenizer, build_model)
+
+
+def save_built(tiny: Mapping[str, Any], corpus_dirs: Sequence[str | Path], out: Path,
+               train_tokenizer: Callable[[Iterator[str], int], Any], build_model: Callable[[Mapping[str, Any], Any], Any],
+               corpus_texts: Callable[[Sequence[str | Path]], Iterator[str]] = corpus_texts) -> dict[str, Any]:
+    """A tiny model's files from its tokenizer trainer and model builder (tiny_bert's too)."""
     if not corpus_dirs:
         raise WorkflowError("model.source 'tiny' needs --corpus: the normalised datasets to train its tokenizer on")
     tokenizer = train_tokenizer(corpus_texts(corpus_dirs), tiny["vocab_size"])

@@ -65,21 +65,7 @@ def text_config(tiny: Mapping[str, Any], tokenizer):
     """The language model: tiny_model's Llama settings (same initializer_range reasoning)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=tiny["hidden_size"],
-        intermediate_size=tiny["intermediate_size"],
-        num_hidden_layers=tiny["num_layers"],
-        num_attention_heads=tiny["num_heads"],
-        num_key_value_heads=tiny["num_heads"],
-        max_position_embeddings=tiny_model.MAX_POSITIONS,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        # 1/sqrt(hidden), not 0.02: see tiny_model.build_model (a 0.02 output layer caps logits near +-1.3).
-        initializer_range=tiny["hidden_size"] ** -0.5,
-    )
+    return LlamaConfig(**tiny_model.decoder_settings(tiny, tokenizer))
 
 
 def llava_parts(tiny: Mapping[str, Any], tokenizer):

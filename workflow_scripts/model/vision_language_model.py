@@ -142,7 +142,7 @@ def modules_to_save(model: nn.Module, *, train_projector: bool) -> list[str]:
 
 def tower_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The vision tower's parameters under PEFT-relative names (DDP's and the loss module's wrappers removed)."""
-    from workflow_scripts.training.training_setup import named_parameters, unwrap
+    from workflow_scripts.model.parameter_names import named_parameters, unwrap
 
     prefix = components(unwrap(model))["vision_tower"]
     return {name: p for name, p in named_parameters(model).items() if under(name, prefix)}
@@ -150,8 +150,9 @@ def tower_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def check_frozen_tower(peft_model: nn.Module, *, train_tower: bool) -> str:
     """Every LoRA parameter trainable; the tower's own weights frozen, and its adapters only with ``train_tower``."""
-    from workflow_scripts.training.preflight_checks import PreflightError, _names
-    from workflow_scripts.training.training_setup import lora_parameters
+    from workflow_scripts.core.errors import PreflightError
+    from workflow_scripts.core.errors import few_names as _names
+    from workflow_scripts.model.parameter_names import lora_parameters
 
     lora = lora_parameters(peft_model)
     frozen = [n for n, p in lora.items() if not p.requires_grad]
@@ -186,7 +187,8 @@ def check_frozen_tower(peft_model: nn.Module, *, train_tower: bool) -> str:
 
 def check_tower_gradients(peft_model: nn.Module, *, train_tower: bool) -> str:
     """After one backward: a frozen tower holds no gradient; an adapted tower's lora_B gradients are non-zero."""
-    from workflow_scripts.training.preflight_checks import PreflightError, _names
+    from workflow_scripts.core.errors import PreflightError
+    from workflow_scripts.core.errors import few_names as _names
 
     tower = tower_parameters(peft_model)
     with_grad = [n for n, p in tower.items() if p.grad is not None and p.grad.any()]
@@ -211,7 +213,7 @@ def check_tower_gradients(peft_model: nn.Module, *, train_tower: bool) -> str:
 
 def image_features_per_image(model: nn.Module, height: int, width: int) -> int:
     """How many features the model's tower + projector make for one image of ``height`` x ``width`` pixels."""
-    from workflow_scripts.training.training_setup import unwrap
+    from workflow_scripts.model.parameter_names import unwrap
 
     base, _ = base_of(unwrap(model))
     config = base.config
@@ -237,8 +239,8 @@ def count_images(pixel_values: torch.Tensor) -> int:
 def check_image_tokens(batch: Mapping[str, Any], model: nn.Module) -> str:
     """The image-token ids in ``input_ids`` equal the image features the model makes for ``pixel_values``
     (a truncated prompt that cut an image's tokens fails inside the forward otherwise, far from the cause)."""
-    from workflow_scripts.training.preflight_checks import PreflightError
-    from workflow_scripts.training.training_setup import unwrap
+    from workflow_scripts.core.errors import PreflightError
+    from workflow_scripts.model.parameter_names import unwrap
 
     base, _ = base_of(unwrap(model))
     image_token_id = base.config.image_token_id
@@ -263,7 +265,7 @@ def check_image_tokens(batch: Mapping[str, Any], model: nn.Module) -> str:
 
 def check_pixel_dtype(batch: Mapping[str, Any], dtype: torch.dtype) -> str:
     """``pixel_values`` are finite and in the dtype the vision tower computes in."""
-    from workflow_scripts.training.preflight_checks import PreflightError
+    from workflow_scripts.core.errors import PreflightError
 
     pixel_values = batch.get("pixel_values")
     if pixel_values is None:

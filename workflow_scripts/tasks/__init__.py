@@ -22,3 +22,10 @@ def task_named(name: str, where: str | None = None):
     if name not in TASK_MODULES:
         raise WorkflowError(f"{where + ': ' if where else ''}unknown task {name!r}; known: {sorted(TASK_MODULES)}")
     return importlib.import_module(TASK_MODULES[name]).TASK
+
+
+def stored_columns(meta: dict) -> list[str]:
+    """The task's own columns in the pre-tokenised data (what its collator reads), from the task's features;
+    ``meta`` is the data's ``tokenise_meta.json``."""
+    features = task_named(meta["task"]).tokenised_features()
+    return [name for name in features if name not in ("id", "input_ids", "length", "truncated", "dropped")]

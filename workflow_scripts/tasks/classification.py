@@ -306,7 +306,7 @@ class ClassificationLoss(nn.Module):
 
     def __init__(self, wrapped: nn.Module, class_weights: Sequence[float] | None = None):
         super().__init__()
-        self.wrapped = wrapped  # the PEFT model (training_setup.unwrap finds it under this name)
+        self.wrapped = wrapped  # the PEFT model (parameter_names.unwrap finds it under this name)
         device = next(wrapped.parameters()).device
         weights = None if class_weights is None else torch.tensor(list(class_weights), dtype=torch.float32, device=device)
         self.register_buffer("class_weights", weights)
@@ -353,14 +353,14 @@ def prepare_model(model: nn.Module, pad_token_id: int | None, label_names: Seque
 
 # --- the gate's checks (sanity, through ClassificationTask.check_model / check_batch / check_gradients) ---
 def _refuse(check: str, cause: str, fix: str):
-    from workflow_scripts.training.preflight_checks import PreflightError  # lazily: the gate's module imports tasks
+    from workflow_scripts.core.errors import PreflightError
 
     raise PreflightError(check, cause, fix)
 
 
 def _inner(model: nn.Module) -> nn.Module:
     """The PEFT model, also when handed the DDP-wrapped loss module."""
-    from workflow_scripts.training.training_setup import unwrap
+    from workflow_scripts.model.parameter_names import unwrap
 
     return unwrap(model)
 

@@ -510,7 +510,7 @@ class ConversationTask:
 
     def check_tokenizer(self, tokenizer) -> str | None:
         """The gate: a chat template that renders turns incrementally, with an end-of-turn token to learn."""
-        from workflow_scripts.training.preflight_checks import PreflightError  # lazily: the gate's module imports tasks
+        from workflow_scripts.core.errors import PreflightError
 
         try:
             return probe_tokenizer(tokenizer)

@@ -76,7 +76,7 @@ class TargetTokenLoss(nn.Module):
 
     def __init__(self, wrapped: nn.Module):
         super().__init__()
-        self.wrapped = wrapped  # the PEFT model (training_setup.unwrap finds it under this name)
+        self.wrapped = wrapped  # the PEFT model (parameter_names.unwrap finds it under this name)
 
     def model_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """Further inputs of the model's forward taken from the batch (a VLM's pixel values); none here."""

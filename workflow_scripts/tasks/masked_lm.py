@@ -337,7 +337,7 @@ class MaskedTokenLoss(nn.Module):
 
     def __init__(self, wrapped: nn.Module):
         super().__init__()
-        self.wrapped = wrapped  # training_setup.unwrap finds the model under this name
+        self.wrapped = wrapped  # parameter_names.unwrap finds the model under this name
 
     def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
         logits = masked_logits(self.wrapped, batch["input_ids"], batch["attention_mask"], batch["target_index"])
@@ -435,7 +435,7 @@ def evaluate(model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict],
 
 # Gate checks --------------------------------------------------------------------------------------
 def _refuse(check: str, cause: str, fix: str):
-    from workflow_scripts.training.preflight_checks import PreflightError  # lazily: the gate's module imports tasks
+    from workflow_scripts.core.errors import PreflightError
 
     raise PreflightError(check, cause, fix)
 

@@ -12,24 +12,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 from torch import nn
 
-from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.core.errors import PreflightError
+from workflow_scripts.core.errors import few_names as _names
 from workflow_scripts.model import memory_estimate
-from workflow_scripts.training.training_setup import lora_parameters, named_parameters, strip_wrapper_prefix, unwrap
+from workflow_scripts.model.parameter_names import lora_parameters, named_parameters, strip_wrapper_prefix, unwrap
 
 if TYPE_CHECKING:
     from workflow_scripts.core.settings import TrainingSettings
-
-
-class PreflightError(WorkflowError):
-    def __init__(self, check: str, cause: str, fix: str):
-        super().__init__(f"{check}: {cause}. Fix: {fix}")
-        self.check = check
-
-
-def _names(names, limit: int = 5) -> str:
-    names = sorted(names)
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
 
 
 def is_full(model: nn.Module) -> bool:
@@ -158,7 +147,7 @@ def check_name_lookup(model: nn.Module) -> str:
             "name_lookup",
             f"looking parameters up by name on the {type(model).__name__} finds {len(set(found) & expected)} of "
             f"{len(expected)} {'' if full else 'LoRA '}parameters (names seen: {_names(found)})",
-            "strip DDP's 'module.' prefix before matching names (training_setup.named_parameters does)",
+            "strip DDP's 'module.' prefix before matching names (parameter_names.named_parameters does)",
         )
     by_name = dict(inner.named_parameters())
     wrong = [n for n, p in found.items() if by_name[n] is not p]

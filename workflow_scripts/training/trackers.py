@@ -83,7 +83,7 @@ def load_tracking_settings(text: str | None) -> dict:
     import yaml
     from jsonschema.exceptions import best_match
 
-    from workflow_scripts.core.experiment_config import SCHEMA_PATH, _validator_with_defaults, schema_error
+    from workflow_scripts.core.config_schema import SCHEMA_PATH, _validator_with_defaults, schema_error
 
     value = {} if text is None else json_setting(text, "--tracking")
     if not isinstance(value, dict):

@@ -15,9 +15,8 @@ from torch import nn
 from workflow_scripts.model import model_loading
 from workflow_scripts.training import fsdp
 from workflow_scripts.training.distributed import DistributedContext
-from workflow_scripts.core.settings import TrainingSettings
+from workflow_scripts.core.settings import TrainingSettings, finetune_problem
 
-WRAPPER_PREFIXES = ("module.", "wrapped.")  # DDP's prefix, then the task loss module's attribute
 
 
 @dataclass
@@ -53,34 +52,6 @@ class TrainingSetup:
         return [p for p in self.peft_model.parameters() if p.requires_grad]
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The PEFT model inside DDP and the task's loss module (which keeps it as ``wrapped``)."""
-    while isinstance(model, nn.parallel.DistributedDataParallel) or hasattr(model, "wrapped"):
-        model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model.wrapped
-    return model
-
-
-def strip_wrapper_prefix(name: str) -> str:
-    """A parameter name as the PEFT model spells it, whether or not DDP (``module.``) wraps it."""
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, stripped = name[len(prefix):], True
-    return name
-
-
-def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Parameters under PEFT-relative names, for plain and wrapped models alike (seed: lookups failed
-    after DDP added its ``module.`` prefix)."""
-    return {strip_wrapper_prefix(name): p for name, p in model.named_parameters()}
-
-
-def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    return {name: p for name, p in named_parameters(model).items() if "lora_" in name}
-
-
 def bf16_supported(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
@@ -97,31 +68,6 @@ def build_optimizer_and_scheduler(parameters, training: TrainingSettings, device
     scheduler = get_scheduler(name, optimizer, num_warmup_steps=training.warmup_steps,
                               num_training_steps=training.max_steps)
     return optimizer, scheduler
-
-
-# Task types whose full fine-tuning is sound; vision_language's gate and loss assume a frozen, LoRA-wrapped tower.
-FULL_TASKS = ("generation", "conversation", "classification", "masked_lm")
-
-
-def finetune_problem(training: TrainingSettings, initialise: str, task_name: str | None = None) -> tuple[str, str] | None:
-    """(key, one-line problem) when ``training.finetune`` cannot run with these settings, else None.
-
-    Shared by the config check (experiment_config) and :func:`build`, so both refuse alike."""
-    if not training.full:
-        if initialise == "random":
-            return ("model.initialise", "random (pretraining from scratch) trains every weight, which needs "
-                    "training.finetune: full; set it, or use initialise: pretrained for LoRA")
-        return None
-    if training.quantization is not None:
-        return ("training.quantization", "full fine-tuning trains every weight, and quantised (bitsandbytes) "
-                "weights cannot train; set training.quantization: null, or training.finetune: lora (QLoRA)")
-    if training.sharded:
-        return ("training.strategy", "fsdp shards LoRA training only; with training.finetune: full use "
-                "strategy: ddp (every process holds the whole model)")
-    if task_name is not None and task_name not in FULL_TASKS:
-        return ("training.finetune", f"full fine-tuning is not supported for task '{task_name}' (its gate and loss "
-                "assume a frozen vision tower under LoRA); set training.finetune: lora")
-    return None
 
 
 def check_finetune(training: TrainingSettings, initialise: str, task_name: str | None = None) -> None:

@@ -6,18 +6,16 @@ a few hundred steps. Four malformed rows exercise normalisation's rejection path
 an empty text, a number as text, and a test label outside the train split's label set), each split
 staying below the 5% rejection threshold.
 
-    python -m workflow_scripts.make_demo_classification --out demo_data/topics
+    python -m workflow_scripts.demo.make_classification --out demo_data/topics
 """
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Sequence
 
-from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import run_main
-from workflow_scripts.core.stage_arguments import StageArgumentParser
+from workflow_scripts.demo.common import run_generator, write_jsonl
 
 SPLIT_SIZES = {"train": 300, "validation": 60, "test": 60}
 KEYWORDS = {
@@ -69,17 +67,11 @@ def build(seed: int = 0) -> dict[str, list[dict]]:
 
 def write(out_dir: Path, seed: int = 0) -> None:
     for split, rows in build(seed).items():
-        with atomic_path(out_dir / f"{split}.jsonl") as path:
-            path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        write_jsonl(out_dir / f"{split}.jsonl", rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = StageArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="Directory to write train/validation/test.jsonl into.")
-    parser.add_argument("--seed", type=int, default=0, help="Random seed (the demo uses 0).")
-    args = parser.parse_args(argv)
-    write(args.out, args.seed)
-    return 0
+    return run_generator(argv, __doc__.splitlines()[0], "Directory to write train/validation/test.jsonl into.", write)
 
 
 if __name__ == "__main__":

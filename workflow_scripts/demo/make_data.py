@@ -6,19 +6,17 @@ A few malformed records (missing field, empty string, wrong type, mismatched que
 lists, an unparseable graph) make the demo exercise normalisation's rejection path while staying
 below the 5% rejection threshold of config/config.yaml.
 
-    python -m workflow_scripts.make_demo_data --out demo_data
+    python -m workflow_scripts.demo.make_data --out demo_data
 """
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from workflow_scripts import make_demo_classification, make_demo_corpus
-from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import run_main
-from workflow_scripts.core.stage_arguments import StageArgumentParser
+from workflow_scripts.demo import make_classification, make_corpus
+from workflow_scripts.demo.common import run_generator, write_jsonl
 
 SPLIT_SIZES = {"train": 520, "validation": 60, "test": 72}
 
@@ -205,19 +203,18 @@ def build(seed: int = 0) -> dict[str, dict[str, list[dict]]]:
 def write(out_dir: Path, seed: int = 0) -> None:
     for name, splits in build(seed).items():
         for split, rows in splits.items():
-            with atomic_path(out_dir / name / f"{split}.jsonl") as path:
-                path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            write_jsonl(out_dir / name / f"{split}.jsonl", rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = StageArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="Directory to write <dataset>/<split>.jsonl into.")
-    parser.add_argument("--seed", type=int, default=0, help="Random seed (the committed demo uses 0).")
-    args = parser.parse_args(argv)
-    write(args.out, args.seed)
-    make_demo_classification.write(args.out / "topics", args.seed)
-    make_demo_corpus.write(args.out / "corpus", args.seed)
-    return 0
+    return run_generator(argv, __doc__.splitlines()[0], "Directory to write <dataset>/<split>.jsonl into.", write_all)
+
+
+def write_all(out_dir: Path, seed: int = 0) -> None:
+    """The text sets, the topics (classification) and the plain-text corpus (masked LM)."""
+    write(out_dir, seed)
+    make_classification.write(out_dir / "topics", seed)
+    make_corpus.write(out_dir / "corpus", seed)
 
 
 if __name__ == "__main__":

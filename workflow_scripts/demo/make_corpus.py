@@ -8,7 +8,7 @@ random BERT with LoRA learns it in a few hundred steps. With a small WordPiece v
 500 tokens) the three-digit numbers and the rarer inflected words are split into several pieces, so
 token and whole-word masking differ.
 
-    python -m workflow_scripts.make_demo_corpus --out demo_data/corpus
+    python -m workflow_scripts.demo.make_corpus --out demo_data/corpus
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import run_main
-from workflow_scripts.core.stage_arguments import StageArgumentParser
+from workflow_scripts.demo.common import run_generator
 
 SPLIT_SIZES = {"train": 4000, "validation": 400, "test": 400}
 # singular -> (plural, verb with it, verb with they, food, place)
@@ -123,12 +123,7 @@ def write(out_dir: Path, seed: int = 0) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = StageArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="Directory to write train/validation/test.txt into.")
-    parser.add_argument("--seed", type=int, default=0, help="Random seed (the demo uses 0).")
-    args = parser.parse_args(argv)
-    write(args.out, args.seed)
-    return 0
+    return run_generator(argv, __doc__.splitlines()[0], "Directory to write train/validation/test.txt into.", write)
 
 
 if __name__ == "__main__":

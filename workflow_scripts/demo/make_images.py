@@ -12,7 +12,7 @@ Layout: ``<split>.jsonl`` rows ``{"id", "question", "answer", "image": "images/<
 ``images/`` folder; the whole directory is written at once (atomic). The same seed gives
 byte-identical files with the same Pillow/zlib versions (fixed PNG settings, no metadata chunks).
 
-    python -m workflow_scripts.make_demo_images --out demo_data/shapes
+    python -m workflow_scripts.demo.make_images --out demo_data/shapes
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.errors import WorkflowError, run_main
+from workflow_scripts.demo.common import generator_parser
 
 SPLIT_SIZES = {"train": 600, "validation": 64, "test": 128}  # multiples of 8: every answer equally often
 IMAGE_SIZE = 32
@@ -174,9 +175,7 @@ def _positive(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="Directory to write <split>.jsonl and images/ into.")
-    parser.add_argument("--seed", type=int, default=0, help="Random seed (the demo uses 0).")
+    parser = generator_parser(__doc__.splitlines()[0], "Directory to write <split>.jsonl and images/ into.")
     for split, size in SPLIT_SIZES.items():
         parser.add_argument(f"--{split}", type=_positive, default=size, help=f"Rows in {split} (default {size}).")
     args = parser.parse_args(argv)
