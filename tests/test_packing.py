@@ -194,6 +194,8 @@ def test_supports_packing_accepts_mask_honouring_paths_and_refuses_the_others():
         for attn in ("sdpa", "eager"):
             ok, reason = packing.supports_packing(tiny(family, attn))
             assert ok, reason
+    ok, reason = packing.supports_packing(tiny("llama", "flex_attention"))  # training.flex_attention's BlockMask
+    assert ok, reason
     flash = tiny("llama")
     flash.config._attn_implementation = "flash_attention_2"
     ok, reason = packing.supports_packing(flash)
