@@ -142,3 +142,27 @@ def test_the_memory_estimate_counts_what_offloading_and_fused_cross_entropy_save
     tokens = 4 * 64  # micro_batch x max_length
     assert plain - offloaded == tokens * config.hidden_size * config.num_hidden_layers * 4  # fp32 layer inputs
     assert plain - fused == tokens * (config.vocab_size - config.hidden_size) * 4 * 2  # logits and their gradient
+
+
+def test_the_train_stage_runs_the_switches_and_logs_compile_time_apart(tmp_path, tiny_model_dir, tiny_tokenised_dir):
+    """Through train.main (build, micro_step, the log): activation offloading gives the very losses of a
+    run without it (bit-identical copies); compile_layers logs compile_seconds, the first step's larger than
+    the later ones' (no recompiles), and keeps it out of tokens_per_second."""
+    from test_train import log_rows, train_argv
+    from workflow_scripts import train
+
+    torch.set_num_threads(1)
+    base = dict(max_steps=3, checkpoint_every=100, micro_batch=4, packing=True)
+    runs = {}
+    for name, switches in (("off", {}), ("offload", {"activation_offloading": True}),
+                           ("compile", {"compile_layers": True})):
+        out = tmp_path / name
+        assert train.main(train_argv(out, tiny_model_dir, tiny_tokenised_dir, tiny_training_settings(**base, **switches))) == 0
+        runs[name] = log_rows(out)
+    assert [r["loss"] for r in runs["offload"]] == [r["loss"] for r in runs["off"]]
+    assert "compile_seconds" not in runs["off"][0]
+    compiled = runs["compile"]
+    assert compiled[0]["compile_seconds"] > 0 and all(r["compile_seconds"] < compiled[0]["compile_seconds"]
+                                                      for r in compiled[1:])
+    for row, reference in zip(compiled, runs["off"]):
+        assert row["loss"] == pytest.approx(reference["loss"], rel=1e-4)  # Inductor's float reordering
