@@ -184,11 +184,14 @@ def build(model_dir, training: TrainingSettings, context: DistributedContext,
     model: nn.Module = task.loss_module(peft_model)
     fused = kernels.fused_cross_entropy(peft_model, training, device)  # training.fused_cross_entropy
     if fused is not None:
-        if not hasattr(model, "fused_cross_entropy"):
+        from workflow_scripts.tasks.generation import TargetTokenLoss
+
+        # The fused path calls the decoder alone: a loss that feeds the model more (a VLM's pixels) cannot use it.
+        if not isinstance(model, TargetTokenLoss) or type(model).model_inputs is not TargetTokenLoss.model_inputs:
             from workflow_scripts.core.errors import WorkflowError
 
             raise WorkflowError(f"training.fused_cross_entropy: task '{task.name}' computes its loss without the "
-                                "target-token head it fuses. Fix: set training.fused_cross_entropy: false")
+                                "text-only target-token head it fuses. Fix: set training.fused_cross_entropy: false")
         model.fused_cross_entropy = fused
     if training.sharded:  # sharded in place, before the optimizer takes the parameters
         fsdp.shard(peft_model, training, context, task.name)
