@@ -395,10 +395,11 @@ def measure(scale: str, on_cpu: bool, seconds: float, sides: list[str] | None = 
             continue
         record = {**common, "side": label, "rank": rank, "switches": switches}
         left = deadline - time.monotonic()
-        needs_cuda = side in LIGER_SIDES or switches.get("fused_cross_entropy") or switches.get("use_liger_kernel")
+        needs_cuda = side in LIGER_SIDES or any(switches.get(k) for k in ("fused_cross_entropy", "use_liger_kernel",
+                                                                         "flex_attention"))
         budget = expected if not on_cpu else 0
         if needs_cuda and on_cpu:
-            reason = "needs CUDA (Liger's Triton kernels); refused on CPU"
+            reason = "needs CUDA (Liger's Triton kernels; FlexAttention has no backward on CPU); refused on CPU"
         elif budget > left:
             reason = f"would not fit: about {budget} s expected, {left:.0f} s left (run --only benchmark_7b for all sides)"
         else:

@@ -536,7 +536,7 @@ def test_the_7b_benchmark_harness_runs_tiny_on_cpu(tmp_path, monkeypatch):
     __import__("torch").set_num_threads(1)
     try:
         status = bench_gpu.main(["--scale", "7b-tiny", "--cpu", "--out-dir", str(tmp_path / "out"),
-                                 "--sides", "ours_off", "trainer", "ours_fast"])
+                                 "--sides", "ours_off", "trainer", "ours_fast", "ours_flex"])
     finally:
         __import__("torch").set_num_threads(torch_threads)
     assert status == 0
@@ -544,6 +544,7 @@ def test_the_7b_benchmark_harness_runs_tiny_on_cpu(tmp_path, monkeypatch):
     sides = {(r["side"], r["status"]) for r in rows}
     assert {("ours_off r4", "measured"), ("trainer r4", "measured"), ("trainer r8", "measured")} <= sides
     assert ("ours_fast r4", "skipped") in sides and ("ours_fast r8", "skipped") in sides
+    assert ("ours_flex r4", "skipped") in sides  # FlexAttention has no backward on CPU
     skipped = next(r for r in rows if r["side"] == "ours_fast r4")
     assert "CUDA" in skipped["reason"]
     ours = next(r for r in rows if r["side"] == "ours_off r4")

@@ -46,7 +46,9 @@ def test_switches_are_off_by_default_and_refused_where_they_cannot_work():
     for overrides, key, words in (
             ({"fused_cross_entropy": True}, "training.fused_cross_entropy", "CUDA"),
             ({"liger_kernels": True}, "training.liger_kernels", "CUDA"),
-            ({"flex_attention": True}, "training.flex_attention", "packing: true"),
+            ({"flex_attention": True, "gpus": 1}, "training.flex_attention", "packing: true"),
+            # FlexAttention's forward runs on CPU (tests/test_packing.py checks it), its backward does not
+            ({"flex_attention": True, "packing": True}, "training.flex_attention", "no backward on CPU"),
             ({"activation_offloading": True, "gradient_checkpointing": False}, "training.activation_offloading",
              "gradient_checkpointing: true")):
         with pytest.raises(ConfigError) as caught:
@@ -58,6 +60,10 @@ def test_switches_are_off_by_default_and_refused_where_they_cannot_work():
         kernels.fused_cross_entropy(lora_model(), on_gpu, torch.device("cpu"))
     with pytest.raises(WorkflowError, match=r"training\.liger_kernels: .*CUDA"):
         kernels.apply_before_lora(tiny("llama"), on_gpu, torch.device("cpu"))
+    flex = tiny_training_settings(gpus=1, packing=True, flex_attention=True)
+    assert kernels.attn_implementation(flex, torch.device("cuda")) == "flex_attention"
+    with pytest.raises(WorkflowError, match=r"training\.flex_attention: .*no backward on cpu"):
+        kernels.attn_implementation(flex, torch.device("cpu"))
 
 
 def test_fused_cross_entropy_refuses_a_head_it_cannot_fuse():

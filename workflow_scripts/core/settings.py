@@ -219,6 +219,7 @@ class TrainingSettings:
         """Speed switches that cannot work with these settings (training/kernels.py checks the model)."""
         needs = (("flex_attention", not self.packing, "packing: true (it is how packed rows keep a fused "
                   "attention kernel)"),
+                 ("flex_attention", self.gpus == 0, "gpus > 0: PyTorch's FlexAttention has no backward on CPU"),
                  ("activation_offloading", not self.gradient_checkpointing, "gradient_checkpointing: true (only "
                   "the layer inputs that checkpointing keeps are moved to host memory)"),
                  ("fused_cross_entropy", self.gpus == 0, "gpus > 0: Liger's kernels are Triton, CUDA only"),

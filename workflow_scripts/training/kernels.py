@@ -4,7 +4,8 @@ built model. One place, so the gate (sanity) and training build the same thing t
 
 * ``flex_attention``: packed rows through PyTorch FlexAttention with a document BlockMask
   (data/packing.py: ``document_block_mask``); the model is loaded with ``attn_implementation=
-  'flex_attention'``. Exact: the same mask predicate as the dense 4D mask (tests/test_kernels.py).
+  'flex_attention'``. Exact: the same mask predicate as the dense 4D mask (tests/test_packing.py, forward
+  on CPU). CUDA only for training: FlexAttention has no backward on CPU.
 * ``fused_cross_entropy``: Liger's fused linear cross-entropy (``LigerFusedLinearCrossEntropyLoss``)
   on the target positions only (tasks/generation.py's ``TargetTokenLoss``): the logits are computed
   and consumed chunk by chunk, never held whole. Triton, so CUDA only.
@@ -35,9 +36,15 @@ LIGER_INSTALL = "pip install liger-kernel (the `gpu` extra)"
 LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "final_logit_softcapping")
 
 
-def attn_implementation(training: TrainingSettings) -> str | None:
-    """The attention implementation to load the model with (None: transformers' default)."""
-    return "flex_attention" if training.flex_attention else None
+def attn_implementation(training: TrainingSettings, device: torch.device | None = None) -> str | None:
+    """The attention implementation to load the model with (None: transformers' default). FlexAttention
+    has no backward on CPU (torch 2.13: NotImplementedError), so a CPU process is refused here."""
+    if not training.flex_attention:
+        return None
+    if device is not None and device.type != "cuda":
+        raise WorkflowError(f"training.flex_attention: PyTorch's FlexAttention has no backward on {device.type}; "
+                            "Fix: set training.flex_attention: false (packing keeps the dense mask) or train on a GPU")
+    return "flex_attention"
 
 
 def _require_cuda(key: str, device: torch.device) -> None:

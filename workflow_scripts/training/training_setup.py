@@ -156,8 +156,8 @@ def build(model_dir, training: TrainingSettings, context: DistributedContext,
     base = model_loading.load_base_model(model_dir, device, dtype, trust_remote_code, task.auto_model_class,
                                          model_kwargs, seed=seed)
     task.prepare_model(base, data_meta.get("pad_token_id"), task_meta)
-    if kernels.attn_implementation(training):  # training.flex_attention: packed rows keep a fused kernel
-        base.set_attn_implementation(kernels.attn_implementation(training))
+    if kernels.attn_implementation(training, device):  # training.flex_attention: packed rows keep a fused kernel
+        base.set_attn_implementation(kernels.attn_implementation(training, device))
     kernels.apply_before_lora(base, training, device)  # training.liger_kernels
     vocab_size = base.get_input_embeddings().num_embeddings
     if training.full:
