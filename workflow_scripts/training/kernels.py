@@ -78,7 +78,7 @@ def apply_before_lora(base: nn.Module, training: TrainingSettings, device: torch
         return
     _require_cuda("liger_kernels", device)
     _liger("liger_kernels")
-    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance  # as transformers.integrations.liger
 
     ok, reason = liger_supports(base.config.model_type)
     if not ok:
