@@ -52,7 +52,8 @@ def loss_alone(model, row) -> torch.Tensor:
 
 
 def packed_logits(model, batch, attention_mask=None):
-    mask = batch["attention_mask"] if attention_mask is None else attention_mask
+    # flex_attention: the collator sends no dense mask; the BlockMask is built from segment_ids (as the loss does)
+    mask = packing.attention_mask_of(batch) if attention_mask is None else attention_mask
     return model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"]).logits
 
 
@@ -66,7 +67,8 @@ def per_example_losses(logits, batch, rows) -> dict[str, torch.Tensor]:
     return losses
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+# flex_attention (training.flex_attention) compiles its kernel with Inductor, also on CPU (about a minute there).
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "flex_attention"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_every_packed_example_has_its_unpacked_loss(family, attn):
     torch.set_num_threads(1)
@@ -192,6 +194,8 @@ def test_supports_packing_accepts_mask_honouring_paths_and_refuses_the_others():
         for attn in ("sdpa", "eager"):
             ok, reason = packing.supports_packing(tiny(family, attn))
             assert ok, reason
+    ok, reason = packing.supports_packing(tiny("llama", "flex_attention"))  # training.flex_attention's BlockMask
+    assert ok, reason
     flash = tiny("llama")
     flash.config._attn_implementation = "flash_attention_2"
     ok, reason = packing.supports_packing(flash)

@@ -25,7 +25,7 @@ import torch
 from workflow_scripts.data import batching
 from workflow_scripts.tasks import stored_columns
 from workflow_scripts.training import checkpointing, distributed, fsdp, preflight_checks, training_setup, validation
-from workflow_scripts.training import validation_metric
+from workflow_scripts.training import kernels, validation_metric
 from workflow_scripts.analysis import fairness
 from workflow_scripts.launch import launcher
 from workflow_scripts.model import memory_estimate, model_loading, quantization
@@ -250,6 +250,7 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     setup.model.train()
+    compiled = kernels.compile_seconds()
     for step in range(start_step, training.max_steps):
         step_started = time.perf_counter()
         micro_batches = [next(batches) for _ in range(setup.accumulation)]
@@ -303,12 +304,16 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
                 validation.save_best(setup, args.checkpoint_dir, completed)
         if step == start_step:  # what start-up cost this stage: process (or torchrun) start to this step's end
             record["seconds_from_stage_start"] = time.time() - stage_started
+        # training.compile_layers: compilation (first steps, recompiles) is logged apart and not counted as step time
+        compiling, compiled = kernels.compile_seconds() - compiled, kernels.compile_seconds()
+        if training.compile_layers:
+            record["compile_seconds"] = compiling
         log.write({**record,
             "step": completed,
             "loss": loss,
             "learning_rate": learning_rate,
             "grad_norm": norm,
-            "tokens_per_second": real_tokens / max(now - step_started, 1e-9),
+            "tokens_per_second": real_tokens / max(now - step_started - compiling, 1e-9),
             "padding_share": padded_tokens / max(real_tokens + padded_tokens, 1.0),
             "peak_memory_bytes": memory_estimate.peak_memory_bytes(device),
             "elapsed_seconds": now - started,

@@ -86,6 +86,13 @@ class TrainingSettings:
     runtime_minutes: int
     mem_mb: int
     signal_grace_seconds: int  # torchrun's --shutdown-timeout: the checkpoint's time after a signal
+    # Speed switches (training/kernels.py). No schema defaults (as validation.metric_examples): the
+    # settings JSON of runs that leave them out stays as it was, so Snakemake reruns nothing.
+    flex_attention: bool = False
+    fused_cross_entropy: bool = False
+    liger_kernels: bool = False
+    compile_layers: bool = False
+    activation_offloading: bool = False
 
     @classmethod
     def parse(cls, value: Any, key: str = "training", source: str | None = None,
@@ -114,6 +121,7 @@ class TrainingSettings:
         settings._check_batch_shape(batch_key or key, source)
         settings._check_length(key, source)
         settings._check_schedule(key, source)
+        settings._check_kernels(key, source)
         return settings
 
     @classmethod
@@ -207,6 +215,20 @@ class TrainingSettings:
             raise ConfigError(f"{key}.packing", "is true but micro_batch is 1: packing joins the examples of one "
                               "micro-batch, so it would pack nothing; raise micro_batch (accumulation shrinks, the "
                               "effective batch stays) or set packing: false", source)
+
+    def _check_kernels(self, key: str, source: str | None) -> None:
+        """Speed switches that cannot work with these settings (training/kernels.py checks the model)."""
+        needs = (("flex_attention", not self.packing, "packing: true (it is how packed rows keep a fused "
+                  "attention kernel)"),
+                 ("flex_attention", self.gpus == 0, "gpus > 0: PyTorch's FlexAttention has no backward on CPU"),
+                 ("activation_offloading", not self.gradient_checkpointing, "gradient_checkpointing: true (only "
+                  "the layer inputs that checkpointing keeps are moved to host memory)"),
+                 ("fused_cross_entropy", self.gpus == 0, "gpus > 0: Liger's kernels are Triton, CUDA only"),
+                 ("liger_kernels", self.gpus == 0, "gpus > 0: Liger's kernels are Triton, CUDA only"))
+        for name, missing, what in needs:
+            if getattr(self, name) and missing:
+                raise ConfigError(f"{key}.{name}", f"is true but needs {what}; set {name}: false or change the "
+                                  "setting named", source)
 
     def _check_warmup(self, key: str, source: str | None, steps: str | None = None) -> None:
         """Known when the workflow is read under max_steps; under epochs, once the train split's rows are."""

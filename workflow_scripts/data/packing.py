@@ -19,7 +19,12 @@ Exactness, per attention implementation (transformers 5.x, ``masking_utils``):
 * flash_attention_2/3: kernels take no dense mask; transformers un-pads by a 2D mask, or derives
   ``cu_seqlens`` from restarting ``position_ids`` only when the batch has ONE row (``_is_packed_sequence``).
   Exact packing there means one [1, N] row of all examples (or ``cu_seq_lens_q/k`` + ``max_length_q/k``
-  kwargs); not wired here, so :func:`supports_packing` refuses it. flex_attention needs a BlockMask: refused.
+  kwargs); not wired here, so :func:`supports_packing` refuses it.
+* flex_attention (``training.flex_attention: true``): the collator sends no dense mask; the loss module
+  builds a FlexAttention ``BlockMask`` from ``segment_ids`` on the device (:func:`document_block_mask`),
+  which ``create_causal_mask`` returns unchanged (its 4D early exit takes a BlockMask too). The kernel skips
+  the blocks the mask empties, so packing keeps a fused attention kernel; the dense 4D mask moves SDPA off
+  its flash kernel.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import torch
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.data.batching import IGNORE_INDEX
 
-MASK_FORMS = {"sdpa": "bool", "eager": "additive"}  # implementations whose forward honours a 4D mask
+MASK_FORMS = {"sdpa": "bool", "eager": "additive", "flex_attention": "block"}  # implementations that honour our mask
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -96,6 +101,8 @@ def mask_for(mask: torch.Tensor, attn_implementation: str) -> torch.Tensor:
                             f"use one of {sorted(MASK_FORMS)} (see packing.supports_packing)")
     if form == "bool":
         return mask
+    if form == "block":
+        return None  # built on the device from segment_ids by document_block_mask (a BlockMask is no tensor)
     # float32 whatever the compute dtype: eager adds it to bf16/fp16 scores, which promotes to float32.
     return torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, torch.finfo(torch.float32).min)
 
@@ -177,6 +184,29 @@ class PackingCollator:
         }
 
 
+def document_block_mask(segment_ids: torch.Tensor):
+    """FlexAttention's BlockMask for a packed batch: query q attends key k in the same segment, k <= q.
+
+    The same predicate as :func:`block_causal_mask` (padding is segment -1 of its row and attends to
+    itself), built on ``segment_ids``' device; heads share it (H=None)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    rows, width = segment_ids.shape
+
+    def same_document_causal(b, h, q, k):
+        return (segment_ids[b, q] == segment_ids[b, k]) & (k <= q)
+
+    return create_block_mask(same_document_causal, rows, None, width, width, device=segment_ids.device)
+
+
+def attention_mask_of(batch) -> object:
+    """The mask a packed or padded batch hands the model: its own, or the BlockMask of a flex batch."""
+    mask = batch["attention_mask"]
+    if mask is None and "segment_ids" in batch:
+        return document_block_mask(batch["segment_ids"])
+    return mask
+
+
 def supports_packing(model: torch.nn.Module, max_length: int | None = None) -> tuple[bool, str]:
     """Whether exact packing works for this loaded (optionally PEFT-wrapped) model, and why (not).
 
@@ -190,7 +220,8 @@ def supports_packing(model: torch.nn.Module, max_length: int | None = None) -> t
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in MASK_FORMS:
         return False, (f"attention implementation '{implementation}' ignores a dense 4D mask (flash: varlen needs one "
-                       "[1, N] row or cu_seqlens; flex: a BlockMask); load the model with attn_implementation='sdpa'")
+                       "[1, N] row or cu_seqlens); load the model with attn_implementation='sdpa', or set "
+                       "training.flex_attention: true")
     if "position_ids" not in inspect.signature(base.forward).parameters:
         return False, f"{type(base).__name__}.forward takes no position_ids"
     # A 4D mask replaces every layer's mask, windowed ones included. Without layer_types (Mistral) a set
@@ -219,7 +250,9 @@ def supports_packing(model: torch.nn.Module, max_length: int | None = None) -> t
                 return base(**{k: v.to(device) for k, v in inputs.items()}, use_cache=False).logits.float()
             alone = logits(input_ids=second[None])[0]
             ids = batch["input_ids"][row:row + 1]
-            packed = logits(input_ids=ids, attention_mask=batch["attention_mask"][row:row + 1],
+            mask = attention_mask_of({**batch, "segment_ids": batch["segment_ids"][row:row + 1].to(device)})
+            packed = logits(input_ids=ids, attention_mask=mask if mask is None or implementation == "flex_attention"
+                            else mask[row:row + 1],
                             position_ids=batch["position_ids"][row:row + 1])[0, start:start + n]
             leaky = logits(input_ids=ids)[0, start:start + n]
     except Exception as error:  # a forward that cannot take these inputs at all is a refusal, with its cause
@@ -231,4 +264,4 @@ def supports_packing(model: torch.nn.Module, max_length: int | None = None) -> t
     if not error < 0.1 * leak:
         return False, (f"{type(base).__name__} does not honour a custom 4D mask and position_ids: a packed example's "
                        f"logits differ from its own by {error:.3g} (a plain causal mask: {leak:.3g})")
-    return True, f"{implementation}: 4D block mask honoured (probe difference {error:.2g} against leak {leak:.2g})"
+    return True, f"{implementation}: block mask honoured (probe difference {error:.2g} against leak {leak:.2g})"

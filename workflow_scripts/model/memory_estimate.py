@@ -28,8 +28,14 @@ def _config_value(config, *names, default=None):
 
 
 def activation_bytes(config, micro_batch: int, max_length: int, activation_dtype_bytes: int,
-                     gradient_checkpointing: bool, lora_rank: int, lora_targets: int) -> int:
-    """Saved activations of one micro-batch of full-length rows, plus the target-token logits."""
+                     gradient_checkpointing: bool, lora_rank: int, lora_targets: int,
+                     activation_offloading: bool = False, fused_cross_entropy: bool = False) -> int:
+    """Saved activations of one micro-batch of full-length rows, plus the target-token logits.
+
+    ``activation_offloading`` (with checkpointing): the layer inputs checkpointing keeps live in host
+    memory, so the device holds only the layer being recomputed. ``fused_cross_entropy``: Liger's fused
+    loss computes the logits in chunks of about tokens / ceil(vocab / hidden) rows, so it holds about
+    tokens x hidden fp32 logits (and their gradient) instead of tokens x vocab."""
     hidden = _config_value(config, "hidden_size", "n_embd", "d_model")
     inter = _config_value(config, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)
     layers = _config_value(config, "num_hidden_layers", "n_layer", "num_layers")
@@ -42,12 +48,12 @@ def activation_bytes(config, micro_batch: int, max_length: int, activation_dtype
     if getattr(config, "_attn_implementation", "sdpa") == "eager":
         per_layer += 2 * heads * max_length  # attention scores and probabilities
     if gradient_checkpointing:
-        # Each layer keeps its input; one layer at a time is recomputed in full during backward.
-        elements = tokens * (hidden * layers + per_layer)
+        # Each layer keeps its input (on the host when offloaded); one layer at a time is recomputed in full.
+        elements = tokens * ((0 if activation_offloading else hidden * layers) + per_layer)
     else:
         elements = tokens * per_layer * layers
     # fp32 logits and their gradient, for target tokens (at most every token).
-    logits = tokens * vocab * FP32 * 2
+    logits = tokens * (min(hidden, vocab) if fused_cross_entropy else vocab) * FP32 * 2
     return elements * activation_dtype_bytes + logits
 
 
@@ -122,6 +128,7 @@ def estimate(peft_model: nn.Module, training: TrainingSettings, device: torch.de
     activations = activation_bytes(
         language, training.micro_batch, training.max_length, activation_dtype_bytes,
         training.gradient_checkpointing, training.lora.rank, max(1, lora_targets // max(1, layers)),
+        training.activation_offloading, training.fused_cross_entropy,
     )
     vision = getattr(config, "vision_config", None)
     if vision is not None:

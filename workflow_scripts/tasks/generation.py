@@ -74,16 +74,21 @@ class TargetTokenLoss(nn.Module):
     so every token weighs the same whatever the micro-batch split or the number of processes.
     """
 
-    def __init__(self, wrapped: nn.Module):
+    def __init__(self, wrapped: nn.Module, fused_cross_entropy=None):
         super().__init__()
         self.wrapped = wrapped  # the PEFT model (parameter_names.unwrap finds it under this name)
+        # training.fused_cross_entropy: fn(hidden [n, h], head weight [V, h], targets [n]) -> summed CE, which
+        # never holds the (n x V) logits (training/kernels.py: Liger's fused linear cross-entropy).
+        self.fused_cross_entropy = fused_cross_entropy
 
     def model_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """Further inputs of the model's forward taken from the batch (a VLM's pixel values); none here."""
         return {}
 
     def forward(self, batch: Mapping[str, Any]):
-        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        from workflow_scripts.data.packing import attention_mask_of
+
+        input_ids, attention_mask = batch["input_ids"], attention_mask_of(batch)  # a flex batch: its BlockMask
         target_index, target_ids = batch["target_index"], batch["target_ids"]
         # A packed batch (data/packing.py) carries position_ids restarting per example, and its
         # attention_mask is the 4D block mask; a padded one has none and the model counts from 0.
@@ -96,6 +101,13 @@ class TargetTokenLoss(nn.Module):
                                   **positions).logits
             logits = logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, target_index)
             return F.cross_entropy(logits.float(), target_ids, reduction="sum")
+
+        if self.fused_cross_entropy is not None:  # the decoder's hidden states, the head fused into the loss
+            base = self.wrapped.get_base_model() if hasattr(self.wrapped, "get_base_model") else self.wrapped
+            hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                        **positions).last_hidden_state
+            kept = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, target_index)
+            return self.fused_cross_entropy(kept, head.weight, target_ids)
 
         def keep_target_positions(module, args, kwargs):
             hidden = args[0] if args else kwargs.pop("input")

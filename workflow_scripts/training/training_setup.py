@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from workflow_scripts.model import model_loading
-from workflow_scripts.training import fsdp
+from workflow_scripts.training import fsdp, kernels
 from workflow_scripts.training.distributed import DistributedContext
 from workflow_scripts.core.settings import TrainingSettings, finetune_problem
 
@@ -102,6 +102,9 @@ def build(model_dir, training: TrainingSettings, context: DistributedContext,
     base = model_loading.load_base_model(model_dir, device, dtype, trust_remote_code, task.auto_model_class,
                                          model_kwargs, seed=seed)
     task.prepare_model(base, data_meta.get("pad_token_id"), task_meta)
+    if kernels.attn_implementation(training, device):  # training.flex_attention: packed rows keep a fused kernel
+        base.set_attn_implementation(kernels.attn_implementation(training, device))
+    kernels.apply_before_lora(base, training, device)  # training.liger_kernels
     vocab_size = base.get_input_embeddings().num_embeddings
     if training.full:
         peft_model = model_loading.prepare_full(base, training.gradient_checkpointing)
@@ -112,6 +115,7 @@ def build(model_dir, training: TrainingSettings, context: DistributedContext,
         base = quantization.prepare(base, training, lora, task.peft_task_type)  # no-op when off
         peft_model = model_loading.add_lora(base, lora, training.gradient_checkpointing, task.peft_task_type)
     peft_model.train()
+    kernels.apply_after_lora(peft_model, training)  # training.compile_layers
     packing = None
     if training.packing:
         from workflow_scripts.core.errors import WorkflowError
@@ -124,6 +128,17 @@ def build(model_dir, training: TrainingSettings, context: DistributedContext,
             raise WorkflowError(f"training.packing: {reason}. Fix: set training.packing: false")
         packing = (training.max_length, base.config._attn_implementation)
     model: nn.Module = task.loss_module(peft_model)
+    fused = kernels.fused_cross_entropy(peft_model, training, device)  # training.fused_cross_entropy
+    if fused is not None:
+        from workflow_scripts.tasks.generation import TargetTokenLoss
+
+        # The fused path calls the decoder alone: a loss that feeds the model more (a VLM's pixels) cannot use it.
+        if not isinstance(model, TargetTokenLoss) or type(model).model_inputs is not TargetTokenLoss.model_inputs:
+            from workflow_scripts.core.errors import WorkflowError
+
+            raise WorkflowError(f"training.fused_cross_entropy: task '{task.name}' computes its loss without the "
+                                "text-only target-token head it fuses. Fix: set training.fused_cross_entropy: false")
+        model.fused_cross_entropy = fused
     if training.sharded:  # sharded in place, before the optimizer takes the parameters
         fsdp.shard(peft_model, training, context, task.name)
     elif context.is_distributed:
@@ -168,7 +183,7 @@ def micro_step(setup: TrainingSetup, batch: Mapping[str, Any], loss_scale, last_
     """
     seed_micro_batch(*randomness)
     with setup.no_sync(last_micro_step):
-        with setup.autocast():
+        with setup.autocast(), kernels.offloading(setup.training, setup.context.device):
             loss_sum = setup.model(batch)
         loss = loss_sum * loss_scale
         if setup.scaler is not None:
