@@ -26,8 +26,17 @@ def test_lines_of_many_files_plain_and_gzip(tmp_path):
         ("a.txt", 1, "first line"), ("a.txt", 4, "second\u2028same line"),  # BOM and \r gone; U+2028 kept
         ("b.txt.gz", 1, "x"), ("b.txt.gz", 3, "y é"), ("c.txt", 1, "no newline at the end"),
     ]
-    assert counts.as_report()["files"][str(paths[0])] == {"lines": 4, "kept": 2, "blank": 2}
+    assert counts.as_report()["files"][str(paths[0])] == {"lines": 4, "kept": 2, "blank": 2, "blank_lines": [2, 3]}
+    assert counts.as_report()["files"][str(paths[1])]["blank_lines"] == [2]  # counted and named
     assert (counts.total("lines"), counts.total("kept"), counts.total("blank")) == (8, 5, 3)
+
+
+def test_blank_lines_are_named_up_to_twenty_per_file(tmp_path):
+    (tmp_path / "a.txt").write_text("text\n" + "\n" * 30 + "more\n")
+    counts = text_lines.LineCounts()
+    list(text_lines.iter_lines([tmp_path / "a.txt"], counts))
+    entry = counts.as_report()["files"][str(tmp_path / "a.txt")]
+    assert entry["blank"] == 30 and entry["blank_lines"] == list(range(2, 22))
 
 
 def test_invalid_utf8_names_file_and_line(tmp_path):

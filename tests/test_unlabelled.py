@@ -133,6 +133,8 @@ def test_a_bare_string_among_list_answers_is_one_answer_counted_per_split(tmp_pa
                                             "test": [{"id": "t", "q": "Unseen?"}]})
     assert report["splits"]["train"]["answers_as_bare_string"] == 2
     assert report["splits"]["validation"]["answers_as_bare_string"] == 1
+    assert report["splits"]["train"]["answers_as_bare_string_ids"] == [train[1]["id"], train[4]["id"]]  # named
+    assert report["splits"]["validation"]["answers_as_bare_string_ids"] == ["v0"]
     assert "answers_as_bare_string" not in report["splits"]["test"]  # no gold read there
     answers = {row["id"]: row["answers"] for row in split_rows(data, "train")}
     assert answers["r1"] == ["1"] and answers["r4"] == ["four"] and answers["r0"] == ["0", "0 bars"]

@@ -37,6 +37,7 @@ BOM = "\ufeff"
 # Rows per Arrow record batch: ~2 MB of text per batch for 200-byte lines; the writer holds at most
 # this many rows in memory.
 WRITER_BATCH_ROWS = 10_000
+NAMED_PER_COUNT = 20  # the report names the first blank lines of each file (``blank_lines``), not only their count
 
 
 def _features():
@@ -47,9 +48,10 @@ def _features():
 
 @dataclass
 class LineCounts:
-    """What :func:`iter_lines` saw, per file: ``lines`` read, ``kept`` (yielded), ``blank`` (skipped)."""
+    """What :func:`iter_lines` saw, per file: ``lines`` read, ``kept`` (yielded), ``blank`` (skipped) and
+    ``blank_lines``, the first :data:`NAMED_PER_COUNT` of them (1-based line numbers)."""
 
-    files: dict[str, dict[str, int]] = field(default_factory=dict)
+    files: dict[str, dict] = field(default_factory=dict)
 
     def total(self, key: str) -> int:
         return sum(counts[key] for counts in self.files.values())
@@ -112,6 +114,7 @@ def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = N
     check_unique_stems(paths)
     for path in map(Path, paths):
         number = kept = 0
+        blank_lines: list[int] = []
         with _open_bytes(path) as handle:
             try:
                 for raw in handle:
@@ -120,6 +123,8 @@ def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = N
                     if number == 1:
                         text = text.removeprefix(BOM)
                     if text.isspace() or not text:
+                        if len(blank_lines) < NAMED_PER_COUNT:
+                            blank_lines.append(number)
                         continue
                     kept += 1
                     yield str(path), number, text
@@ -128,7 +133,8 @@ def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = N
                                     "download the file again") from None
             finally:  # counted once per file, not per line (the loop runs millions of times)
                 if counts is not None:
-                    counts.files[str(path)] = {"lines": number, "kept": kept, "blank": number - kept}
+                    counts.files[str(path)] = {"lines": number, "kept": kept, "blank": number - kept,
+                                               "blank_lines": blank_lines}
 
 
 def _write_split(split: str, files: list[str], directory: Path, writer_batch_size: int) -> LineCounts:
