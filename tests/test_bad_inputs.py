@@ -141,9 +141,9 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "split-file-absent", source_files("train.jsonl", "test.jsonl"), "download", "split 'validation': {tmp}/source/validation.jsonl is missing (the directory holds ['test.jsonl', 'train.jsonl']); add validation.jsonl, or leave validation out: splits: {train: train, test: test}"),
         case("data", "split-file-in-another-format", source_files("train.json", "validation.json", "test.json"), "download", "split 'train': {tmp}/source/train.jsonl is missing (the directory holds ['test.json', 'train.json', 'validation.json']); train.json is there: set format: json"),
         case("data", "raw-directory-missing", normalise_args({"--raw": "{tmp}/nowhere"}), "normalise", "{tmp}/nowhere: raw data directory not found; run the download rule first"),
-        case("data", "not-utf8", raw_file("train.jsonl", b'{"q": "caf\xe9?", "a": "x"}\n'), "normalise", "{source}/train.jsonl line 1: " + NOT_UTF8 % 10),
-        case("data", "not-utf8-far-into-the-file", raw_file("train.jsonl", b'{"q": "ok?", "a": "x"}\n' * 3000 + b'{"q": "caf\xe9?", "a": "x"}\n'), "normalise", "{source}/train.jsonl line 3001: " + NOT_UTF8 % 69010),
-        case("data", "csv-not-utf8", raw_file("train.csv", b"q,a\nok?,x\ncaf\xe9?,y\n", fmt="csv"), "normalise", "{source}/train.csv line 3: " + NOT_UTF8 % 13),
+        case("data", "not-utf8", raw_file("train.jsonl", b'{"q": "caf\xe9?", "a": "x"}\n'), "normalise", "{source}/train.jsonl line 1: " + NOT_UTF8_ROWS % 10),
+        case("data", "not-utf8-far-into-the-file", raw_file("train.jsonl", b'{"q": "ok?", "a": "x"}\n' * 3000 + b'{"q": "caf\xe9?", "a": "x"}\n'), "normalise", "{source}/train.jsonl line 3001: " + NOT_UTF8_ROWS % 69010),
+        case("data", "csv-not-utf8", raw_file("train.csv", b"q,a\nok?,x\ncaf\xe9?,y\n", fmt="csv"), "normalise", "{source}/train.csv line 3: " + NOT_UTF8_ROWS % 13),
         case("data", "json-not-utf8", raw_file("train.json", b'[{"q": "ok?",\n  "a": "caf\xe9"}]', fmt="json"), "normalise", "{source}/train.json line 2: " + NOT_UTF8 % 25),
         case("data", "csv-empty-cell", csv_rows("ok?,"), "normalise", rejected("empty_value", "a", "is empty", line=7, fmt="csv")),
         case("data", "csv-missing-column", csv_rows(header="question,a"), "normalise", "{source}/train.csv: field 'q' (datasets.d.fields.question) is absent from every row of split 'train'; the rows have fields ['a', 'question']"),
@@ -272,6 +272,7 @@ LEAK = ("so evaluation would put the gold answer into every test prompt; remove 
         "(a field computed from the answer belongs in the target, as MTUP's aux does)")
 TWICE = "YAML would silently keep only the last, so remove or rename one"
 NOT_UTF8 = "not UTF-8 text (byte 0xe9 at byte offset %d of the file); re-save the file as UTF-8"
+NOT_UTF8_ROWS = NOT_UTF8 + ", or set the dataset's on_invalid_text: reject_row to reject and count such rows"
 NOT_PARQUET = "not a readable Parquet file (%s); it is truncated or corrupt: download or export it again"
 UNFAIR = ("sets {new!r} where the reference variant 'baseline' uses {old!r}, so the comparison would not be fair; "
           "make them equal, or list it under comparison.intended_differences: [{key}] if the difference is the point")

@@ -326,8 +326,8 @@ def test_a_byte_order_mark_is_not_part_of_the_first_column_name(tmp_path):
 
 
 @pytest.mark.parametrize("fmt, train, message", [
-    ("jsonl", '{"q": "café?", "a": "x"}\n'.encode("latin-1"), r"train\.jsonl line 1: not UTF-8 text \(byte 0xe9 at byte offset 10 of the file\); re-save the file as UTF-8"),
-    ("csv", "q,a\nGrüße?,x\n".encode("cp1252"), r"train\.csv line 2: not UTF-8 text \(byte 0xfc at byte offset 6 of the file\); re-save the file as UTF-8"),
+    ("jsonl", '{"q": "café?", "a": "x"}\n'.encode("latin-1"), r"train\.jsonl line 1: not UTF-8 text \(byte 0xe9 at byte offset 10 of the file\); re-save the file as UTF-8, or set the dataset's on_invalid_text: reject_row to reject and count such rows"),
+    ("csv", "q,a\nGrüße?,x\n".encode("cp1252"), r"train\.csv line 2: not UTF-8 text \(byte 0xfc at byte offset 6 of the file\); re-save the file as UTF-8, or set the dataset's on_invalid_text: reject_row to reject and count such rows"),
     ("parquet", b"PAR1", r"train\.parquet: not a readable Parquet file \(.*\); it is truncated or corrupt: download or export it again"),
 ])
 def test_a_file_that_cannot_be_read_downloads_then_fails_normalise_naming_it(tmp_path, fmt, train, message):
@@ -341,3 +341,34 @@ def test_a_file_that_cannot_be_read_downloads_then_fails_normalise_naming_it(tmp
     with pytest.raises(WorkflowError, match="^" + re.escape(str(tmp_path / "src")) + "/" + message + "$"):
         normalise.main(args(settings, raw, tmp_path))
     assert leftovers(tmp_path / "out") == []
+
+
+# --- bytes that are not UTF-8: stop naming the line, or reject and count it (on_invalid_text: reject_row) ---
+def test_a_jsonl_row_that_is_not_utf8_is_rejected_and_counted_under_reject_row(tmp_path):
+    lines = [json.dumps(good(i)).encode() for i in range(30)]
+    lines.insert(7, '{"q": "café?", "a": "x"}'.encode("latin-1"))
+    settings = source_files(tmp_path, "jsonl", b"\n".join(lines) + b"\n", b'{"q": "x?", "a": "1"}\n')
+    raw = run_download("d", settings, tmp_path)
+    with pytest.raises(WorkflowError, match="train.jsonl line 8: not UTF-8 text .*on_invalid_text: reject_row"):
+        normalise.main(args(settings, raw, tmp_path))
+    settings["on_invalid_text"] = "reject_row"
+    out, report_path = run_normalise("d", settings, raw, tmp_path)
+    report = json.loads(report_path.read_text())
+    assert report["splits"]["train"]["reasons"] == {"unparseable_record": 1}
+    example = report["reasons"]["unparseable_record"]["examples"][0]
+    assert (example["file"], example["line"]) == (str(tmp_path / "src" / "train.jsonl"), 8)
+    assert load_from_disk(str(out))["train"].num_rows == 30
+
+
+def test_a_corpus_line_that_is_not_utf8_is_counted_under_reject_row(tmp_path):
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "train.txt").write_bytes(b"first line\ncaf\xe9 au lait\n\nlast line\n")
+    (src / "test.txt").write_text("held out\n")
+    settings = {"task": "masked_lm", "source": {"type": "local", "path": str(src)}, "format": "text",
+                "splits": {"train": "train", "test": "test"}, "metric": "masked_accuracy", "on_invalid_text": "reject_row"}
+    out, report_path = run_normalise("m", settings, run_download("m", settings, tmp_path), tmp_path)
+    train = json.loads(report_path.read_text())["splits"]["train"]
+    entry = train["files"][str(src / "train.txt")]  # the user's file, not the raw copy
+    assert (train["invalid_text"], entry["invalid_text_lines"], entry["blank_lines"]) == (1, [2], [3])
+    assert load_from_disk(str(out))["train"]["id"] == ["train-1", "train-4"]

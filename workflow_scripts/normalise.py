@@ -102,7 +102,8 @@ def describe(example: Mapping[str, Any]) -> str:
 
 
 def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_split: str,
-                    rejections: Rejections, key: str, names: SourceNames) -> tuple[list[dict], SplitTally]:
+                    rejections: Rejections, key: str, names: SourceNames,
+                    on_invalid_text: str = "stop") -> tuple[list[dict], SplitTally]:
     location = names.shown(raw_records.split_location(raw_dir, source_split, fmt))  # the user's file
     unlabelled = canonical in getattr(mapper, "unlabelled", ())
     tally = SplitTally(source_split=source_split, file=location, unlabelled=unlabelled)
@@ -111,7 +112,7 @@ def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_spli
     gold = mapper.gold_source if unlabelled else None
     if gold is not None:  # an unlabelled split may lack its gold field in every row
         source_fields = {key: name for key, name in source_fields.items() if name != gold}
-    for place, record in raw_records.iter_placed_records(raw_dir, source_split, fmt):
+    for place, record in raw_records.iter_placed_records(raw_dir, source_split, fmt, on_invalid_text):
         row = place.index
         if isinstance(record, Mapping):
             tally.seen_keys.update(record)
@@ -311,7 +312,8 @@ def normalise(args: argparse.Namespace, settings: Mapping[str, Any], key: str, n
     for canonical in CANONICAL_SPLITS:
         if canonical not in settings["splits"]:
             continue
-        rows, tally = normalise_split(mapper, args.raw, fmt, canonical, settings["splits"][canonical], rejections, key, names)
+        rows, tally = normalise_split(mapper, args.raw, fmt, canonical, settings["splits"][canonical], rejections, key, names,
+                                     settings.get("on_invalid_text", "stop"))
         splits[canonical], tallies[canonical] = rows, tally
         check_submission_ids(rows, tally, settings, key)
         mapper.split_done(canonical, rows)  # train first: a later split may be checked against it
