@@ -8,6 +8,7 @@ from datasets import load_from_disk
 from data_helpers import demo_settings, leftovers, local_dataset, run_download, run_normalise
 from workflow_scripts import normalise
 from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.core.experiment_config import validate_section
 
 
 def good(i):
@@ -372,3 +373,16 @@ def test_a_corpus_line_that_is_not_utf8_is_counted_under_reject_row(tmp_path):
     entry = train["files"][str(src / "train.txt")]  # the user's file, not the raw copy
     assert (train["invalid_text"], entry["invalid_text_lines"], entry["blank_lines"]) == (1, [2], [3])
     assert load_from_disk(str(out))["train"]["id"] == ["train-1", "train-4"]
+
+
+def test_an_evaluation_only_masked_lm_corpus_is_normalised(tmp_path):
+    """No train split: the held-out lines are normalised (the check against trained datasets is cross_contamination's)."""
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "test.txt").write_text("held out line one\n\nheld out line two\n")
+    settings = validate_section({"task": "masked_lm", "source": {"type": "local", "path": str(src)}, "format": "text",
+                                 "splits": {"test": "test"}, "metric": "masked_accuracy"}, "datasets", "datasets.m")
+    out, report_path = run_normalise("m", settings, run_download("m", settings, tmp_path), tmp_path)
+    assert load_from_disk(str(out))["test"]["id"] == ["test-1", "test-3"]
+    report = json.loads(report_path.read_text())
+    assert report["splits"]["test"]["kept"] == 2 and report["contamination"]["splits"] == {}

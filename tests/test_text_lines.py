@@ -103,8 +103,9 @@ def test_write_normalised_ids_report_and_nothing_left_on_failure(tmp_path):
     with pytest.raises(WorkflowError, match=r"bad\.txt line 2: invalid UTF-8"):
         text_lines.write_normalised({"train": [tmp_path / "bad.txt"]}, tmp_path / "other")
     assert not (tmp_path / "other").exists()
-    with pytest.raises(WorkflowError, match="'train' split is required"):
-        text_lines.write_normalised({"test": [tmp_path / "test.txt"]}, tmp_path / "other")
+    # an evaluation-only corpus: held-out lines and no train split
+    assert text_lines.write_normalised({"test": [tmp_path / "test.txt"]}, tmp_path / "other")["test"]["kept"] == 1
+    assert list(load_from_disk(str(tmp_path / "other"))) == ["test"]
 
 
 MEMORY_PROBE = textwrap.dedent("""

@@ -81,6 +81,17 @@ def test_null_and_missing_answers_of_an_unlabelled_split_are_kept_without_gold(t
     assert stored["test"].features["answers"] == stored["train"].features["answers"]  # same column types
 
 
+def test_a_test_split_without_answers_not_declared_unlabelled_suggests_declaring_it(tmp_path):
+    test = [{"id": "t0", "q": "What is the title?", "a": None}, {"id": "t1", "q": "Which year?", "a": None}]
+    with pytest.raises(WorkflowError) as failure:
+        normalised(tmp_path, {"train": train_rows(), "validation": held_out(), "test": test}, unlabelled=[])
+    message = str(failure.value)
+    assert message.startswith(f"{tmp_path / 'source' / 'test.jsonl'}: 2 of 2 rows of split 'test' rejected")
+    assert message.endswith("every row lacks its answers ('a'), as in a test set whose answers are withheld: declare "
+                            "it with datasets.ds.unlabelled: [test] (predicted for a submission, never scored), or fix "
+                            "the rows")
+
+
 def test_a_partly_labelled_unlabelled_split_is_an_error_naming_the_row(tmp_path):
     test = [{"id": "t0", "q": "What is the title?", "a": None}, {"id": "t1", "q": "Which year?", "a": ["1999"]},
             {"id": "t2", "q": "Who wrote it?"}]

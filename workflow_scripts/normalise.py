@@ -163,8 +163,10 @@ def check_submission_ids(rows: list[dict], tally: SplitTally, settings: Mapping[
                               f"set {key}.submission.id_type: string, or give integer ids") from None
 
 
-def tally_problem(tally: SplitTally, threshold: float, key: str) -> str | None:
-    """Why a split stops the stage (no rows, or too many rejected), or None."""
+def tally_problem(tally: SplitTally, threshold: float, key: str, canonical: str = "",
+                  gold: str | None = None) -> str | None:
+    """Why a split stops the stage (no rows, or too many rejected), or None. A held-out split whose every row
+    lacks the gold (``gold``, the source field) is most likely a leaderboard's test set: say how to declare it."""
     if tally.examined == 0:
         return f"{tally.file}: split '{tally.source_split}' has no rows"
     share = tally.rejected / tally.examined
@@ -175,6 +177,11 @@ def tally_problem(tally: SplitTally, threshold: float, key: str) -> str | None:
     limit, fix = ((f"more than {key}.max_rejected_fraction = {threshold}",
                    f"fix the rows or raise {key}.max_rejected_fraction") if tally.kept else
                   ("so no row is left", "fix the rows (or the field mapping, if every row fails alike)"))
+    withheld = (not tally.kept and canonical in ("validation", "test") and not tally.unlabelled and gold
+                and set(tally.reasons) == {"missing_field"} and tally.first["missing_field"]["field"] == gold)
+    if withheld:
+        fix = (f"every row lacks its answers ('{gold}'), as in a test set whose answers are withheld: declare it "
+               f"with {key}.unlabelled: [{canonical}] (predicted for a submission, never scored), or fix the rows")
     return (f"{tally.file}: {tally.rejected} of {tally.examined} rows of split '{tally.source_split}' rejected "
             f"({share:.1%}), {limit}; reasons: {reasons}; for example {example}; {fix}")
 
@@ -253,11 +260,12 @@ def normalise_by_task(normalise_source, args: argparse.Namespace, settings: Mapp
         extras = json.loads(names.translate(json.dumps(extras)))  # the report names the user's files
         report = {"dataset": args.name, "raw": str(args.raw), "task": settings["task"], **extras}
         data = load_from_disk(str(staging))
-        columns = {name: None for name in data["train"].column_names}
+        columns = {name: None for name in next(iter(data.values())).column_names}
         keyed = contamination.keyed_batches
+        # An evaluation-only dataset has no train split here (cross_contamination checks it against the trained ones).
         results = contamination.check(functools.partial(keyed, data["train"]),
                                       {split: functools.partial(keyed, data[split]) for split in data
-                                       if split in contamination.CHECKED_SPLITS})
+                                       if split in contamination.CHECKED_SPLITS}) if "train" in data else []
         files = {split: report.get("splits", {}).get(split, {}).get("file", str(args.raw)) for split in data}
         report["contamination"], message = contamination_outcome(
             results, contamination.key_fields(columns), contamination.gold_fields(columns), settings, files, key)
@@ -345,8 +353,9 @@ def normalise(args: argparse.Namespace, settings: Mapping[str, Any], key: str, n
         ),
         "contamination": overlap,
     }
-    problems = [problem for tally in tallies.values()
-                if (problem := tally_problem(tally, settings["max_rejected_fraction"], key))]
+    problems = [problem for canonical, tally in tallies.items()
+                if (problem := tally_problem(tally, settings["max_rejected_fraction"], key, canonical,
+                                             getattr(mapper, "gold_source", None)))]
     if overlap_problem:  # after the rejections: a file with bad rows is fixed first
         problems.append(overlap_problem)
     if problems:

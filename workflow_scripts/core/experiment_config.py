@@ -647,8 +647,12 @@ def _check_evaluated(config: Mapping[str, Any], source: str | None) -> None:
         split = evaluation_split(config, name)
         if split not in dataset["splits"]:
             where = f"datasets.{name}.evaluation_split" if dataset.get("evaluation_split") else "evaluation.split"
+            held_out = [s for s in ("validation", "test") if s in dataset["splits"]]  # what the schema accepts
+            fix = (f"set datasets.{name}.evaluation_split to {' or '.join(held_out)}" if held_out else
+                   f"it has no held-out split to score; add one to datasets.{name}.splits (e.g. test: <the source "
+                   "split of held-out rows>)")
             raise ConfigError(where, f"'{split}' is not a split of dataset '{name}' (its splits: "
-                              f"{sorted(dataset['splits'])}); set datasets.{name}.evaluation_split to one of them", source)
+                              f"{sorted(dataset['splits'])}); {fix}", source)
         if name not in scored:
             raise ConfigError(f"datasets.{name}", f"no model trained on a dataset or mixture of task "
                               f"'{dataset['task']}' runs on its models ({sorted(dataset_models(config, name))}), so it "
