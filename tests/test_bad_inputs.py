@@ -139,6 +139,10 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "missing-split-file", rows(settings={"splits": {"train": "train", "validation": "dev", "test": "test"}}), "normalise", "{source}: no split 'dev' (found ['test', 'train']); check the dataset's splits mapping in the config"),
         case("data", "split-file-under-another-name", source_files("train.jsonl", "val.jsonl", "test.jsonl"), "download", "split 'validation': {tmp}/source/validation.jsonl is missing (the directory holds ['test.jsonl', 'train.jsonl', 'val.jsonl']); if val.jsonl is the validation split, map it: splits: {train: train, validation: val, test: test}"),
         case("data", "split-file-absent", source_files("train.jsonl", "test.jsonl"), "download", "split 'validation': {tmp}/source/validation.jsonl is missing (the directory holds ['test.jsonl', 'train.jsonl']); add validation.jsonl, or leave validation out: splits: {train: train, test: test}"),
+        case("data", "masked-lm-corpus-given-as-jsonl", source_files("train.jsonl", "validation.jsonl", "test.jsonl", settings={"task": "masked_lm", "format": "text", "fields": {}, "metric": "masked_accuracy"}), "download", "split 'train': {source}/train.txt is missing (the directory holds ['test.jsonl', 'train.jsonl', 'validation.jsonl']); train.jsonl is there, but task masked_lm reads plain text only: write its examples one per line to train.txt (or train.txt.gz)"),
+        case("cli", "normalise-out-under-a-file", output_under_a_file(rows(), "--out", "{tmp}/afile/normalised"), "normalise", "{tmp}/afile/normalised: cannot be written here ({tmp}/afile is a file, not a folder); choose another output path or make its folder writable"),
+        case("cli", "normalise-report-under-a-file", output_under_a_file(rows(), "--report", "{tmp}/afile/normalise_report.json"), "normalise", "{tmp}/afile/normalise_report.json: cannot be written here ({tmp}/afile is a file, not a folder); choose another output path or make its folder writable"),
+        case("cli", "download-out-under-a-file", output_under_a_file(source_files("train.jsonl", "validation.jsonl", "test.jsonl"), "--out", "{tmp}/afile/raw"), "download", "{tmp}/afile/raw: cannot be written here ({tmp}/afile is a file, not a folder); choose another output path or make its folder writable"),
         case("data", "split-file-in-another-format", source_files("train.json", "validation.json", "test.json"), "download", "split 'train': {tmp}/source/train.jsonl is missing (the directory holds ['test.json', 'train.json', 'validation.json']); train.json is there: set format: json"),
         case("data", "raw-directory-missing", normalise_args({"--raw": "{tmp}/nowhere"}), "normalise", "{tmp}/nowhere: raw data directory not found; run the download rule first"),
         case("data", "not-utf8", raw_file("train.jsonl", b'{"q": "caf\xe9?", "a": "x"}\n'), "normalise", "{source}/train.jsonl line 1: " + NOT_UTF8_ROWS % 10),
@@ -507,12 +511,12 @@ def normalise_args(changes: dict | None = None, fmt: str = "jsonl", settings: di
                               "--report": str(w.out / "normalise_report.json")}, changes, plant)
 
 
-def source_files(*names: str):
+def source_files(*names: str, settings: dict | None = None):
     """download from a local source holding ``names`` (one good row each), the default splits expected."""
     def plant(w: Workspace) -> None:
         for name in names:
             write_jsonl(w.tmp / "source" / name, [{"q": "x?", "a": "1"}])
-    return command(lambda w: {"--name": "d", "--dataset": {**dataset_settings(w), "splits": {"train": "train", "validation": "validation", "test": "test"}},
+    return command(lambda w: {"--name": "d", "--dataset": {**dataset_settings(w), "splits": {"train": "train", "validation": "validation", "test": "test"}, **(settings or {})},
                               "--out": "{out}/raw", "--manifest": "{out}/download_manifest.json"}, None, plant)
 
 
@@ -544,6 +548,16 @@ def rows(bad: Any = None, copies: int = 1, good: int = 9, ids: bool = False, ext
         write_jsonl(w.raw / "train.jsonl", train)
         write_jsonl(w.raw / "test.jsonl", test)
     return normalise_args(settings=changes, plant=plant)
+
+
+def output_under_a_file(setup: Callable, flag: str, value: str):
+    """``setup``'s argv with ``flag`` set to ``value``, a path under {tmp}/afile, which is a plain file."""
+    def wrapped(w: Workspace) -> list[str]:
+        argv = setup(w)
+        (w.tmp / "afile").write_text("not a folder\n")
+        argv[argv.index(flag) + 1] = w.substitute(value)
+        return argv
+    return wrapped
 
 
 def unlabelled_ids(test_ids: list[str]):

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 
 from workflow_scripts.data import raw_records, split_names, text_lines
 from workflow_scripts.data.source_paths import SourceNames
-from workflow_scripts.core.atomic_output import atomic_path, write_json
+from workflow_scripts.core.atomic_output import atomic_path, check_writable, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.experiment_config import validate_section
 from workflow_scripts.core.run_manifest import build_manifest
@@ -254,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings["format"] == text_lines.TEXT_FORMAT and kind != "local":
         raise ConfigError(f"datasets.{args.name}.format", f"'text' is read from local directories only, not a {kind} source")
 
+    check_writable(args.out, args.manifest)
     with atomic_path(args.out, directory=True) as out:
         try:
             origin, files, rows = fetch(settings, out, args.out)

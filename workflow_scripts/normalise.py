@@ -40,7 +40,7 @@ from typing import Any, Mapping, Sequence
 from workflow_scripts.data import contamination, raw_records
 from workflow_scripts.data.source_paths import SourceNames
 from workflow_scripts.data.rows import Rejected
-from workflow_scripts.core.atomic_output import atomic_path, write_json
+from workflow_scripts.core.atomic_output import atomic_path, check_writable, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.experiment_config import validate_section
 from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
@@ -298,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = validate_section(json_setting(args.dataset, "--dataset"), "datasets", key, "--dataset")
     if not args.raw.is_dir():
         raise WorkflowError(f"{args.raw}: raw data directory not found; run the download rule first")
+    check_writable(args.out, args.report)
     names = SourceNames(args.raw, settings)
     try:
         return normalise(args, settings, key, names)
