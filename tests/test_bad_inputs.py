@@ -143,6 +143,8 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("cli", "normalise-out-under-a-file", output_under_a_file(rows(), "--out", "{tmp}/afile/normalised"), "normalise", "{tmp}/afile/normalised: cannot be written here ({tmp}/afile is a file, not a folder); choose another output path or make its folder writable"),
         case("cli", "normalise-report-under-a-file", output_under_a_file(rows(), "--report", "{tmp}/afile/normalise_report.json"), "normalise", "{tmp}/afile/normalise_report.json: cannot be written here ({tmp}/afile is a file, not a folder); choose another output path or make its folder writable"),
         case("cli", "download-out-under-a-file", output_under_a_file(source_files("train.jsonl", "validation.jsonl", "test.jsonl"), "--out", "{tmp}/afile/raw"), "download", "{tmp}/afile/raw: cannot be written here ({tmp}/afile is a file, not a folder); choose another output path or make its folder writable"),
+        case("model", "generation-dataset-on-a-bert", pretok({"--model": "{model_copy}"}, plant=copy_model(replace={"config.json": BERT_CONFIG})), "pretokenise", "{model_copy}: task 'generation' needs a model that AutoModelForCausalLM loads, but this is a 'bert' model: this model cannot generate (it has no causal language-model head, e.g. an encoder such as BERT); run the dataset on another model (the dataset's models: list)"),
+        case("model", "vision-language-dataset-on-a-text-only-model", pretok({"--task": "vision_language", "--variant": {"prompt": "<image>Question: {question}\nAnswer:", "target": " {answer}"}}), "pretokenise", "{model}: task 'vision_language' needs a model that AutoModelForImageTextToText loads, but this is a 'llama' model: this model has no vision part (it reads text only); run the dataset on another model (the dataset's models: list)"),
         case("data", "split-file-in-another-format", source_files("train.json", "validation.json", "test.json"), "download", "split 'train': {tmp}/source/train.jsonl is missing (the directory holds ['test.json', 'train.json', 'validation.json']); train.json is there: set format: json"),
         case("data", "raw-directory-missing", normalise_args({"--raw": "{tmp}/nowhere"}), "normalise", "{tmp}/nowhere: raw data directory not found; run the download rule first"),
         case("data", "not-utf8", raw_file("train.jsonl", b'{"q": "caf\xe9?", "a": "x"}\n'), "normalise", "{source}/train.jsonl line 1: " + NOT_UTF8_ROWS % 10),
@@ -548,6 +550,10 @@ def rows(bad: Any = None, copies: int = 1, good: int = 9, ids: bool = False, ext
         write_jsonl(w.raw / "train.jsonl", train)
         write_jsonl(w.raw / "test.jsonl", test)
     return normalise_args(settings=changes, plant=plant)
+
+
+BERT_CONFIG = json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": 300, "hidden_size": 32,
+                          "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}).encode()
 
 
 def output_under_a_file(setup: Callable, flag: str, value: str):

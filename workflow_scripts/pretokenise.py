@@ -322,6 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def tokenise_all(args, task, variant) -> int:
     data, tokenizer_dir = open_inputs(args.data, args.model)
+    from workflow_scripts.model.model_loading import check_task_architecture
+
+    check_task_architecture(args.model, task)  # e.g. a generation dataset on a BERT: one message, not a traceback
     splits = [split for split in TRAINING_SPLITS if split in data]
     processes = process_count(args.threads, [len(data[split]) for split in splits])
     use_tokenizer_threads(1 if processes > 1 else args.threads)
