@@ -446,3 +446,26 @@ def check_task_architecture(model_dir: str | Path, task) -> None:
     raise WorkflowError(
         f"{model_dir}: task '{task.name}' needs a model that {task.auto_model_class} loads, but this is a "
         f"'{config.model_type}' model: {reason}; run the dataset on another model (the dataset's models: list)")
+
+
+def check_remote_code(model_dir: str | Path, trust_remote_code: bool, where: str) -> None:
+    """A model whose ``config.json`` needs its own Python code (``auto_map``, or a ``model_type`` this
+    transformers does not know) is refused at prepare_model unless ``model.trust_remote_code`` is set,
+    instead of a long transformers traceback at the first stage that loads it."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if trust_remote_code:
+        return
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # check_model_dir names a missing or broken config.json
+    model_type, auto_map = config.get("model_type"), config.get("auto_map")
+    unknown = model_type is not None and model_type not in CONFIG_MAPPING_NAMES
+    if not (unknown or auto_map):
+        return
+    why = (f"model_type '{model_type}', which this transformers does not know" if unknown else
+           f"its own code for {sorted(auto_map)} (auto_map)")
+    raise WorkflowError(f"{where}: config.json needs {why}, so loading it would run Python code shipped with the "
+                        "model; set model.trust_remote_code: true if you trust that code (or models.<name>."
+                        "trust_remote_code), else choose a model that transformers supports")
