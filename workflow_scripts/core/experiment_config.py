@@ -760,6 +760,12 @@ def _check_dataset(name: str, dataset: Mapping[str, Any], source: str | None,
     section's), when the whole config is known; alone, the dataset's own ``evaluation_split`` if set."""
     _check_unlabelled(name, dataset, source, evaluated_split or dataset.get("evaluation_split"))
     src = dataset["source"]
+    for canonical, split in dataset["splits"].items():  # a split is one file <split>.<format> (or a hub split)
+        if "/" in split or "\\" in split or split.startswith(".") or not split.strip():
+            raise ConfigError(f"datasets.{name}.splits.{canonical}", f"'{split}' cannot be a split name: a split is "
+                              "one file <split>.<format> in the source directory (or a hub split), so it holds no "
+                              "folder, no '/' and does not start with '.'; put the split's file beside the others "
+                              "and name it by its file name without the suffix", source)
     needs = {"hub": ("id", "revision"), "url": ("url", "sha256"), "local": ("path",)}[src["type"]]
     _require(src, needs, f"datasets.{name}.source", f"when source.type is '{src['type']}'", source)
     if src["type"] == "hub":
