@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from workflow_scripts.core.errors import WorkflowError
 
 # Where a path in a message ends: the separators messages put after a file name.
-_PATH_TAIL = r"(?:/[^\s:;,'\"()\[\]]*)?"
+_PATH_TAIL = r"(?:/[^\s:;,'\"()\[\]]*|(?![\w.-]))"  # a path inside the copy, or the copy itself (not raw_other)
 
 
 class SourceNames:
