@@ -88,5 +88,6 @@ def run_normalise(name: str, settings: dict, raw: Path, tmp: Path) -> tuple[Path
 
 
 def leftovers(directory: Path) -> list[str]:
-    """Files or folders left in ``directory`` (temporary '.partial' ones included)."""
-    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+    """Files or folders left in ``directory`` (temporary '.partial' ones included); a failed normalise's
+    report (``*.failed.json``, its account of the failure, not an output) is not counted."""
+    return sorted(p.name for p in directory.iterdir() if not p.name.endswith(".failed.json")) if directory.exists() else []

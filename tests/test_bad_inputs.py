@@ -8,7 +8,7 @@ Every row of :func:`table` is one mistake::
   (for ``config``: the config file's path);
 - ``stage`` is the entry point called: ``config`` (``load_config``) or a stage module's ``main``;
 - ``expected`` is the exact one-line message, or ``rx(...)`` a regex it must match in full. Both may name
-  the workspace's paths as ``{config}``, ``{raw}``, ``{out}``, ``{model}``... (see ``Workspace.paths``);
+  the workspace's paths as ``{config}``, ``{raw}``, ``{source}`` (the dataset's source.path), ``{out}``, ``{model}``... (see ``Workspace.paths``);
 - ``gap`` is set where the stage does not give that message today: the case is then a strict xfail whose
   reason says what happens instead, so the table documents the gap and fails loudly once it is fixed.
 
@@ -52,6 +52,8 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("config", "string-for-list", cfg("training.lora.target_modules", "q_proj"), "config", "{config}: config key 'training.lora.target_modules': 'q_proj' is not of type 'array'"),
         case("config", "missing-key", cfg("model.name", DROP), "config", "{config}: config key 'model.name': required, but missing (model has keys ['source', 'tiny', 'training', 'trust_remote_code'])"),
         case("config", "missing-metric", cfg("datasets.amr_demo.metric", DROP), "config", rx(r"\{config\}: config key 'datasets\.amr_demo\.metric': required, but missing \(datasets\.amr_demo has keys \['contamination', 'derived', .*'source', 'splits', .*'task'.*\]\)")),  # the schema's defaults come and go
+        case("config", "classification-variant-without-task", cfg("variants.head_only", {"training": {"learning_rate": 0.001}}), "config", "{config}: config key 'variants.head_only.prompt': required, but missing (variants.head_only has keys ['chat_template', 'extractor', 'task', 'training']); a variant without task: is a generation variant (prompt and target); for another task's datasets set variants.head_only.task (e.g. task: classification)"),
+        case("config", "split-name-with-a-folder", cfg("datasets.amr_demo.splits", {"train": "train/metadata", "test": "test"}), "config", "{config}: config key 'datasets.amr_demo.splits.train': 'train/metadata' cannot be a split name: a split is one file <split>.<format> in the source directory (or a hub split), so it holds no folder, no '/' and does not start with '.'; put the split's file beside the others and name it by its file name without the suffix"),
         case("config", "missing-target", cfg("variants.baseline.target", DROP), "config", "{config}: config key 'variants.baseline.target': required, but missing (variants.baseline has keys ['chat_template', 'extractor', 'prompt', 'task', 'training'])"),
         case("config", "unknown-top-level-key", cfg("trainig", {"max_steps": 5}), "config", "{config}: config key '<top level>': Additional properties are not allowed ('trainig' was unexpected)"),
         case("config", "unknown-training-key", cfg("training.learning_rat", 1e-4), "config", "{config}: config key 'training': Additional properties are not allowed ('learning_rat' was unexpected)"),
@@ -123,7 +125,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "number-for-question", rows({"q": 42, "a": "x"}), "normalise", rejected("wrong_type", "q", "expected a string, got int 42")),
         case("data", "object-for-answers", rows({"q": "ok?", "a": {"text": "x"}}), "normalise", rejected("wrong_type", "a", "expected a string or a list of strings, got dict")),
         case("data", "row-is-a-list", rows(["q", "a"]), "normalise", rejected("wrong_type", None, "the row is a list, not an object with fields")),
-        case("data", "submission-integer-ids-not-integers", unlabelled_ids(["7", "q-1"]), "normalise", "config key 'datasets.d.submission.id_type': is integer, but split 'test' of {raw}/test.jsonl has id 'q-1' (its kept row 1), which is not an integer; set datasets.d.submission.id_type: string, or give integer ids"),
+        case("data", "submission-integer-ids-not-integers", unlabelled_ids(["7", "q-1"]), "normalise", "config key 'datasets.d.submission.id_type': is integer, but split 'test' of {source}/test.jsonl has id 'q-1' (its kept row 1), which is not an integer; set datasets.d.submission.id_type: string, or give integer ids"),
         case("data", "unparseable-jsonl-line", rows('{"q": "ok?", "a": }'), "normalise", rejected("unparseable_record", None, "not valid JSON: line 6 column 19: Expecting value")),
         case("data", "unparseable-jsonl-line-cut-short", rows('{"q": "broken'), "normalise", rejected("unparseable_record", None, "not valid JSON: line 6 column 7: Unterminated string starting here")),
         case("data", "jsonl-line-with-a-raw-tab", rows('{"q": "tab\there", "a": "x"}'), "normalise", rejected("unparseable_record", None, "not valid JSON: line 6 column 11: Invalid control character here")),
@@ -132,34 +134,41 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "flattened-length-mismatch", rows({"id": "r", "q": ["a?", "b?"], "a": ["1"]}, flat=True), "normalise", rejected("length_mismatch", "q/a", "2 questions but 1 answers; pairs cannot be matched")),
         case("data", "question-list-without-flatten", rows({"q": ["a?", "b?"], "a": ["1", "2"]}), "normalise", rejected("wrong_type", "q", "expected a string, got list ['a?', 'b?']; a record holding several questions, with a parallel list of answers, needs the dataset's flatten: true")),
         case("data", "flatten-needs-a-list", rows({"id": "r", "q": "a?", "a": ["1"]}, flat=True), "normalise", rejected("wrong_type", "q", "flatten needs a list, got str")),
-        case("data", "field-absent-from-every-row", rows(settings={"fields": {"question": "query", "answers": "a"}}), "normalise", "{raw}/train.jsonl: field 'query' (datasets.d.fields.question) is absent from every row of split 'train'; the rows have fields ['a', 'q']"),
-        case("data", "too-many-rejections", rows({"q": "", "a": "x"}, copies=3, good=97), "normalise", "{raw}/train.jsonl: 3 of 100 rows of split 'train' rejected (3.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: empty_value 3; for example {raw}/train.jsonl line 6: field 'q': is empty"),
-        case("data", "every-row-rejected", rows({"q": "", "a": "x"}, good=0, settings={"max_rejected_fraction": 1.0}), "normalise", "{raw}/train.jsonl: 1 of 1 rows of split 'train' rejected (100.0%), so no row is left; reasons: empty_value 1; for example {raw}/train.jsonl line 1: field 'q': is empty"),
-        case("data", "empty-split-file", rows(good=0), "normalise", "{raw}/train.jsonl: split 'train' has no rows"),
-        case("data", "missing-split-file", rows(settings={"splits": {"train": "train", "validation": "dev", "test": "test"}}), "normalise", "{raw}: no split 'dev' (found ['test', 'train']); check the dataset's splits mapping in the config"),
+        case("data", "field-absent-from-every-row", rows(settings={"fields": {"question": "query", "answers": "a"}}), "normalise", "{source}/train.jsonl: field 'query' (datasets.d.fields.question) is absent from every row of split 'train'; the rows have fields ['a', 'q']"),
+        case("data", "too-many-rejections", rows({"q": "", "a": "x"}, copies=3, good=97), "normalise", "{source}/train.jsonl: 3 of 100 rows of split 'train' rejected (3.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: empty_value 3; for example {source}/train.jsonl line 6: field 'q': is empty; fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("data", "every-row-rejected", rows({"q": "", "a": "x"}, good=0, settings={"max_rejected_fraction": 1.0}), "normalise", "{source}/train.jsonl: 1 of 1 rows of split 'train' rejected (100.0%), so no row is left; reasons: empty_value 1; for example {source}/train.jsonl line 1: field 'q': is empty; fix the rows (or the field mapping, if every row fails alike)"),
+        case("data", "empty-split-file", rows(good=0), "normalise", "{source}/train.jsonl: split 'train' has no rows"),
+        case("data", "missing-split-file", rows(settings={"splits": {"train": "train", "validation": "dev", "test": "test"}}), "normalise", "{source}: no split 'dev' (found ['test', 'train']); check the dataset's splits mapping in the config"),
         case("data", "split-file-under-another-name", source_files("train.jsonl", "val.jsonl", "test.jsonl"), "download", "split 'validation': {tmp}/source/validation.jsonl is missing (the directory holds ['test.jsonl', 'train.jsonl', 'val.jsonl']); if val.jsonl is the validation split, map it: splits: {train: train, validation: val, test: test}"),
         case("data", "split-file-absent", source_files("train.jsonl", "test.jsonl"), "download", "split 'validation': {tmp}/source/validation.jsonl is missing (the directory holds ['test.jsonl', 'train.jsonl']); add validation.jsonl, or leave validation out: splits: {train: train, test: test}"),
+        case("data", "masked-lm-corpus-given-as-jsonl", source_files("train.jsonl", "validation.jsonl", "test.jsonl", settings={"task": "masked_lm", "format": "text", "fields": {}, "metric": "masked_accuracy"}), "download", "split 'train': {source}/train.txt is missing (the directory holds ['test.jsonl', 'train.jsonl', 'validation.jsonl']); train.jsonl is there, but task masked_lm reads plain text only: write its examples one per line to train.txt (or train.txt.gz)"),
+        case("cli", "normalise-out-under-a-file", output_under_a_file(rows(), "--out", "{tmp}/afile/normalised"), "normalise", "{tmp}/afile/normalised: cannot be written here ({tmp}/afile is a file, not a folder); choose another output path or make its folder writable"),
+        case("cli", "normalise-report-under-a-file", output_under_a_file(rows(), "--report", "{tmp}/afile/normalise_report.json"), "normalise", "{tmp}/afile/normalise_report.json: cannot be written here ({tmp}/afile is a file, not a folder); choose another output path or make its folder writable"),
+        case("cli", "download-out-under-a-file", output_under_a_file(source_files("train.jsonl", "validation.jsonl", "test.jsonl"), "--out", "{tmp}/afile/raw"), "download", "{tmp}/afile/raw: cannot be written here ({tmp}/afile is a file, not a folder); choose another output path or make its folder writable"),
+        case("model", "generation-dataset-on-a-bert", pretok({"--model": "{model_copy}"}, plant=copy_model(replace={"config.json": BERT_CONFIG})), "pretokenise", "{model_copy}: task 'generation' needs a model that AutoModelForCausalLM loads, but this is a 'bert' model: this model cannot generate (it has no causal language-model head, e.g. an encoder such as BERT); run the dataset on another model (the dataset's models: list)"),
+        case("model", "vision-language-dataset-on-a-text-only-model", pretok({"--task": "vision_language", "--variant": {"prompt": "<image>Question: {question}\nAnswer:", "target": " {answer}"}}), "pretokenise", "{model}: task 'vision_language' needs a model that AutoModelForImageTextToText loads, but this is a 'llama' model: this model has no vision part (it reads text only); run the dataset on another model (the dataset's models: list)"),
+        case("model", "model-needing-remote-code", prepare_local(extra={"config.json": json.dumps({"model_type": "my_custom_lm", "auto_map": {"AutoModelForCausalLM": "modeling_custom.CustomLM"}}).encode()}), "prepare_model", "model.path {tmp}/source_model: config.json needs model_type 'my_custom_lm', which this transformers does not know, so loading it would run Python code shipped with the model; set model.trust_remote_code: true if you trust that code (or models.<name>.trust_remote_code), else choose a model that transformers supports"),
         case("data", "split-file-in-another-format", source_files("train.json", "validation.json", "test.json"), "download", "split 'train': {tmp}/source/train.jsonl is missing (the directory holds ['test.json', 'train.json', 'validation.json']); train.json is there: set format: json"),
         case("data", "raw-directory-missing", normalise_args({"--raw": "{tmp}/nowhere"}), "normalise", "{tmp}/nowhere: raw data directory not found; run the download rule first"),
-        case("data", "not-utf8", raw_file("train.jsonl", b'{"q": "caf\xe9?", "a": "x"}\n'), "normalise", "{raw}/train.jsonl line 1: " + NOT_UTF8 % 10),
-        case("data", "not-utf8-far-into-the-file", raw_file("train.jsonl", b'{"q": "ok?", "a": "x"}\n' * 3000 + b'{"q": "caf\xe9?", "a": "x"}\n'), "normalise", "{raw}/train.jsonl line 3001: " + NOT_UTF8 % 69010),
-        case("data", "csv-not-utf8", raw_file("train.csv", b"q,a\nok?,x\ncaf\xe9?,y\n", fmt="csv"), "normalise", "{raw}/train.csv line 3: " + NOT_UTF8 % 13),
-        case("data", "json-not-utf8", raw_file("train.json", b'[{"q": "ok?",\n  "a": "caf\xe9"}]', fmt="json"), "normalise", "{raw}/train.json line 2: " + NOT_UTF8 % 25),
+        case("data", "not-utf8", raw_file("train.jsonl", b'{"q": "caf\xe9?", "a": "x"}\n'), "normalise", "{source}/train.jsonl line 1: " + NOT_UTF8_ROWS % 10),
+        case("data", "not-utf8-far-into-the-file", raw_file("train.jsonl", b'{"q": "ok?", "a": "x"}\n' * 3000 + b'{"q": "caf\xe9?", "a": "x"}\n'), "normalise", "{source}/train.jsonl line 3001: " + NOT_UTF8_ROWS % 69010),
+        case("data", "csv-not-utf8", raw_file("train.csv", b"q,a\nok?,x\ncaf\xe9?,y\n", fmt="csv"), "normalise", "{source}/train.csv line 3: " + NOT_UTF8_ROWS % 13),
+        case("data", "json-not-utf8", raw_file("train.json", b'[{"q": "ok?",\n  "a": "caf\xe9"}]', fmt="json"), "normalise", "{source}/train.json line 2: " + NOT_UTF8 % 25),
         case("data", "csv-empty-cell", csv_rows("ok?,"), "normalise", rejected("empty_value", "a", "is empty", line=7, fmt="csv")),
-        case("data", "csv-missing-column", csv_rows(header="question,a"), "normalise", "{raw}/train.csv: field 'q' (datasets.d.fields.question) is absent from every row of split 'train'; the rows have fields ['a', 'question']"),
+        case("data", "csv-missing-column", csv_rows(header="question,a"), "normalise", "{source}/train.csv: field 'q' (datasets.d.fields.question) is absent from every row of split 'train'; the rows have fields ['a', 'question']"),
         case("data", "csv-short-row", csv_rows("ok?"), "normalise", rejected("unparseable_record", None, "not valid CSV: line 7 has 1 field where the header (line 1) has 2; every line needs one value per column (an empty value is still separated by a comma)", line=7, fmt="csv")),
         case("data", "csv-unquoted-comma", csv_rows("how many?,1,000"), "normalise", rejected("unparseable_record", None, "not valid CSV: line 7 has 3 fields where the header (line 1) has 2; a value that holds a comma must be in double quotes", line=7, fmt="csv")),
         case("data", "csv-stray-quote", csv_rows('"how" many?,1'), "normalise", rejected("unparseable_record", None, "not valid CSV: line 7: ',' expected after '\"'", line=7, fmt="csv")),
-        case("data", "csv-header-names-a-column-twice", csv_rows(header="q,a,a"), "normalise", "{raw}/train.csv line 1: the header names column ['a'] more than once, so one column's values would be lost; rename the columns apart"),
-        case("data", "json-file-not-a-list", raw_file("train.json", b'{"q": "x?", "a": "1"}', fmt="json"), "normalise", "{raw}/train.json: a json split file must hold a list of records, not a dict"),
-        case("data", "json-file-invalid", raw_file("train.json", b'[{"q": "x?", "a": "1"},]', fmt="json"), "normalise", "{raw}/train.json: not valid JSON (line 1 column 24): Expecting value"),
-        case("data", "parquet-file-corrupt", raw_file("train.parquet", b"PAR1 not really parquet", fmt="parquet"), "normalise", "{raw}/train.parquet: " + NOT_PARQUET % "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file."),
-        case("data", "parquet-file-cut-short", raw_file("train.parquet", lambda: parquet_bytes()[:-100], fmt="parquet"), "normalise", "{raw}/train.parquet: " + NOT_PARQUET % "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file."),
-        case("data", "parquet-file-empty", raw_file("train.parquet", b"", fmt="parquet"), "normalise", "{raw}/train.parquet: " + NOT_PARQUET % "Parquet file size is 0 bytes"),
+        case("data", "csv-header-names-a-column-twice", csv_rows(header="q,a,a"), "normalise", "{source}/train.csv line 1: the header names column ['a'] more than once, so one column's values would be lost; rename the columns apart"),
+        case("data", "json-file-not-a-list", raw_file("train.json", b'{"q": "x?", "a": "1"}', fmt="json"), "normalise", "{source}/train.json: a json split file must hold a list of records, not a dict"),
+        case("data", "json-file-invalid", raw_file("train.json", b'[{"q": "x?", "a": "1"},]', fmt="json"), "normalise", "{source}/train.json: not valid JSON (line 1 column 24): Expecting value"),
+        case("data", "parquet-file-corrupt", raw_file("train.parquet", b"PAR1 not really parquet", fmt="parquet"), "normalise", "{source}/train.parquet: " + NOT_PARQUET % "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file."),
+        case("data", "parquet-file-cut-short", raw_file("train.parquet", lambda: parquet_bytes()[:-100], fmt="parquet"), "normalise", "{source}/train.parquet: " + NOT_PARQUET % "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file."),
+        case("data", "parquet-file-empty", raw_file("train.parquet", b"", fmt="parquet"), "normalise", "{source}/train.parquet: " + NOT_PARQUET % "Parquet file size is 0 bytes"),
         case("data", "dataset-argument-bad-json", normalise_args({"--dataset": "{source: local}"}), "normalise", "argument --dataset: not valid JSON at character 1: Expecting property name enclosed in double quotes"),
         case("data", "dataset-argument-bad-metric", rows(settings={"metric": "accuracy"}), "normalise", rx(r"--dataset: config key 'datasets\.d\.metric': 'accuracy' is not one of \[.*\]")),
         case("data", "derived-from-unknown-field", rows(settings={"derived": {"aux": {"transform": "answer_kind", "field": "label"}}}), "normalise", "config key 'datasets.d.derived.aux.field': 'label' is not a field of the normalised row (choose from ['answer', 'id', 'question'])"),
-        case("data", "test-row-copied-from-train", raw_file("train.jsonl", b'{"q": "ok?", "a": "0"}\n{"q": " X? ", "a": "1"}\n'), "normalise", "{raw}/test.jsonl: 1 of 1 rows of split 'test' (100.0%) repeat a row of split 'train' (same question, ignoring case, spacing and Unicode form; 1 with the same answers too), more than datasets.d.contamination.max_fraction = 0.01; overlapping ids (test = train): 'test-0' = 'train-1'; set datasets.d.contamination.accept: true to run anyway, or deduplicate the splits"),
+        case("data", "test-row-copied-from-train", raw_file("train.jsonl", b'{"q": "ok?", "a": "0"}\n{"q": " X? ", "a": "1"}\n'), "normalise", "{source}/test.jsonl: 1 of 1 rows of split 'test' (100.0%) repeat a row of split 'train' (same question, ignoring case, spacing and Unicode form; 1 with the same answers too), more than datasets.d.contamination.max_fraction = 0.01; overlapping ids (test = train): 'test-0' = 'train-1'; set datasets.d.contamination.accept: true to run anyway, or deduplicate the splits"),
         case("data", "contamination-max-fraction-above-one", rows(settings={"contamination": {"max_fraction": 2}}), "normalise", "--dataset: config key 'datasets.d.contamination.max_fraction': 2 is greater than the maximum of 1"),
 
         # --- stage command lines: pretokenise ---
@@ -272,6 +281,7 @@ LEAK = ("so evaluation would put the gold answer into every test prompt; remove 
         "(a field computed from the answer belongs in the target, as MTUP's aux does)")
 TWICE = "YAML would silently keep only the last, so remove or rename one"
 NOT_UTF8 = "not UTF-8 text (byte 0xe9 at byte offset %d of the file); re-save the file as UTF-8"
+NOT_UTF8_ROWS = NOT_UTF8 + ", or set the dataset's on_invalid_text: reject_row to reject and count such rows"
 NOT_PARQUET = "not a readable Parquet file (%s); it is truncated or corrupt: download or export it again"
 UNFAIR = ("sets {new!r} where the reference variant 'baseline' uses {old!r}, so the comparison would not be fair; "
           "make them equal, or list it under comparison.intended_differences: [{key}] if the difference is the point")
@@ -296,9 +306,10 @@ def rejected(reason: str, field: str | None, detail: str, line: int = 6, fmt: st
     :func:`rows` puts the bad record at row index 5, which is line 6 of train.jsonl; :func:`csv_rows`
     puts it on line 7 of train.csv (the header is line 1).
     """
-    where = f"{{raw}}/train.{fmt} line {line}: " + (f"field '{field}': " if field else "")
-    return (f"{{raw}}/train.{fmt}: 1 of 10 rows of split 'train' rejected (10.0%), more than "
-            f"datasets.d.max_rejected_fraction = 0.01; reasons: {reason} 1; for example {where}{detail}")
+    where = f"{{source}}/train.{fmt} line {line}: " + (f"field '{field}': " if field else "")
+    return (f"{{source}}/train.{fmt}: 1 of 10 rows of split 'train' rejected (10.0%), more than "
+            f"datasets.d.max_rejected_fraction = 0.01; reasons: {reason} 1; for example {where}{detail}; "
+            "fix the rows or raise datasets.d.max_rejected_fraction")
 
 
 # --- the test ---
@@ -410,7 +421,7 @@ class Workspace:
 
     def paths(self) -> dict[str, str]:
         s = self.shared
-        return {"tmp": self.tmp, "out": self.out, "raw": self.raw, "config": self.config, "results": self.results,
+        return {"tmp": self.tmp, "out": self.out, "raw": self.raw, "source": self.tmp / "source", "config": self.config, "results": self.results,
                 "model": s.model, "data": s.data, "tok": s.tok, "test_only": s.test_only,
                 "duplicate_ids": s.duplicate_ids, "tiny_model": s.tiny_model, "tiny_tok": s.tiny_tok,
                 "other_adapter": s.other_adapter, "tok_copy": self.tmp / "tok_copy",
@@ -505,12 +516,12 @@ def normalise_args(changes: dict | None = None, fmt: str = "jsonl", settings: di
                               "--report": str(w.out / "normalise_report.json")}, changes, plant)
 
 
-def source_files(*names: str):
+def source_files(*names: str, settings: dict | None = None):
     """download from a local source holding ``names`` (one good row each), the default splits expected."""
     def plant(w: Workspace) -> None:
         for name in names:
             write_jsonl(w.tmp / "source" / name, [{"q": "x?", "a": "1"}])
-    return command(lambda w: {"--name": "d", "--dataset": {**dataset_settings(w), "splits": {"train": "train", "validation": "validation", "test": "test"}},
+    return command(lambda w: {"--name": "d", "--dataset": {**dataset_settings(w), "splits": {"train": "train", "validation": "validation", "test": "test"}, **(settings or {})},
                               "--out": "{out}/raw", "--manifest": "{out}/download_manifest.json"}, None, plant)
 
 
@@ -542,6 +553,20 @@ def rows(bad: Any = None, copies: int = 1, good: int = 9, ids: bool = False, ext
         write_jsonl(w.raw / "train.jsonl", train)
         write_jsonl(w.raw / "test.jsonl", test)
     return normalise_args(settings=changes, plant=plant)
+
+
+BERT_CONFIG = json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": 300, "hidden_size": 32,
+                          "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}).encode()
+
+
+def output_under_a_file(setup: Callable, flag: str, value: str):
+    """``setup``'s argv with ``flag`` set to ``value``, a path under {tmp}/afile, which is a plain file."""
+    def wrapped(w: Workspace) -> list[str]:
+        argv = setup(w)
+        (w.tmp / "afile").write_text("not a folder\n")
+        argv[argv.index(flag) + 1] = w.substitute(value)
+        return argv
+    return wrapped
 
 
 def unlabelled_ids(test_ids: list[str]):

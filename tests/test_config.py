@@ -62,7 +62,7 @@ def edit(path, value):
     ("model", {"name": "m", "source": "gguf"}, "model.gguf", "required"),
     ("model.name", "bad name!", "model.name", "does not match"),
     ("datasets.amr_demo.derived.aux.transform", "no_such_transform", "datasets.amr_demo.derived.aux.transform", "unknown transform"),
-    ("datasets.chartqa_demo.splits", {"train": "train"}, "evaluation.split", "'test' is not a split of dataset 'chartqa_demo' (its splits: ['train']); set datasets.chartqa_demo.evaluation_split to one of them"),
+    ("datasets.chartqa_demo.splits", {"train": "train"}, "evaluation.split", "'test' is not a split of dataset 'chartqa_demo' (its splits: ['train']); it has no held-out split to score; add one to datasets.chartqa_demo.splits (e.g. test: <the source split of held-out rows>)"),
     ("datasets.chartqa_demo.splits", {}, "datasets.chartqa_demo.splits", "should be non-empty"),
     ("datasets.chartqa_demo.fields", {"question": "query", "answer": "label"}, "datasets.chartqa_demo.fields", ""),
     ("datasets.chartqa_demo.max_rejected_fraction", 1.5, "datasets.chartqa_demo.max_rejected_fraction", "greater than the maximum"),

@@ -65,7 +65,7 @@ def planted(tmp_path, **settings):
 def test_planted_overlap_stops_normalise_naming_the_overlapping_ids(tmp_path):
     settings, raw = planted(tmp_path)
     assert fail("d", settings, raw, tmp_path) == (
-        f"{raw}/test.jsonl: 8 of 10 rows of split 'test' (80.0%) repeat a row of split 'train' (same question, "
+        f"{settings['source']['path']}/test.jsonl: 8 of 10 rows of split 'test' (80.0%) repeat a row of split 'train' (same question, "
         "ignoring case, spacing and Unicode form; 6 with the same answers too), more than "
         "datasets.d.contamination.max_fraction = 0.01; overlapping ids (test = train): 't0' = 'r0', 't1' = 'r1', "
         "'t2' = 'r2', ...; set datasets.d.contamination.accept: true to run anyway, or deduplicate the splits")
@@ -103,7 +103,7 @@ def test_validation_is_checked_against_train_too(tmp_path):
     (tmp_path / "src" / "validation.jsonl").rename(tmp_path / "src" / "dev.jsonl")
     raw = run_download("d", settings, tmp_path)
     assert fail("d", settings, raw, tmp_path).startswith(
-        f"{raw}/dev.jsonl: 1 of 1 rows of split 'validation' (100.0%) repeat a row of split 'train'")
+        f"{settings['source']['path']}/dev.jsonl: 1 of 1 rows of split 'validation' (100.0%) repeat a row of split 'train'")
 
 
 # --- the max_fraction boundary: above it stops, at it is reported ---
@@ -121,7 +121,7 @@ def test_the_max_fraction_boundary(tmp_path, copied, max_fraction, stops):
     raw = run_download("d", settings, tmp_path)
     if stops:
         assert fail("d", settings, raw, tmp_path).startswith(
-            f"{raw}/test.jsonl: {copied} of 100 rows of split 'test' ({copied}.0%) repeat a row of split 'train'")
+            f"{settings['source']['path']}/test.jsonl: {copied} of 100 rows of split 'test' ({copied}.0%) repeat a row of split 'train'")
     else:
         split = report_of("d", settings, raw, tmp_path)["splits"]["test"]
         assert (split["overlapping"], split["fraction"], split["above_max_fraction"], split["accepted"]) == \
@@ -173,7 +173,7 @@ def test_vision_language_same_question_other_image_is_not_contamination_same_ima
     settings = local_dataset(src, {"train": train, "test": test}, task="vision_language", fields=fields)
     raw = run_download("v", settings, tmp_path)
     assert fail("v", settings, raw, tmp_path) == (
-        f"{raw}/test.jsonl: 1 of 3 rows of split 'test' (33.3%) repeat a row of split 'train' (same images + question, "
+        f"{settings['source']['path']}/test.jsonl: 1 of 3 rows of split 'test' (33.3%) repeat a row of split 'train' (same images + question, "
         "ignoring case, spacing and Unicode form; 1 with the same answers too), more than "
         "datasets.v.contamination.max_fraction = 0.01; overlapping ids (test = train): 't1' = 'r0'; "
         "set datasets.v.contamination.accept: true to run anyway, or deduplicate the splits")
@@ -193,7 +193,7 @@ def test_classification_text_overlap_and_text_pair(tmp_path):
                              fields=fields, metric="accuracy", contamination={"max_fraction": 0.5})
     raw = run_download("c", settings, tmp_path)
     assert fail("c", settings, raw, tmp_path) == (
-        f"{raw}/test.jsonl: 2 of 3 rows of split 'test' (66.7%) repeat a row of split 'train' (same text + text_pair, "
+        f"{settings['source']['path']}/test.jsonl: 2 of 3 rows of split 'test' (66.7%) repeat a row of split 'train' (same text + text_pair, "
         "ignoring case, spacing and Unicode form; 1 with the same label too), more than "
         "datasets.c.contamination.max_fraction = 0.5; overlapping ids (test = train): 't0' = 'r3', 't2' = 'r5'; "
         "set datasets.c.contamination.accept: true to run anyway, or deduplicate the splits")
@@ -217,7 +217,7 @@ def test_masked_lm_lines_overlap_stops_and_accepting_reports(tmp_path):
     lines = ["line number 7 of the corpus.", "A new line.", "", "  LINE NUMBER 8 OF THE CORPUS. ", "Another new line."]
     settings, raw = corpus(tmp_path, lines)
     assert fail("m", settings, raw, tmp_path) == (
-        f"{raw}/test.txt: 2 of 4 rows of split 'test' (50.0%) repeat a row of split 'train' (same text, ignoring case, "
+        f"{settings['source']['path']}/test.txt: 2 of 4 rows of split 'test' (50.0%) repeat a row of split 'train' (same text, ignoring case, "
         "spacing and Unicode form), more than datasets.m.contamination.max_fraction = 0.01; overlapping ids "
         "(test = train): 'test-1' = 'train-8', 'test-4' = 'train-9'; set datasets.m.contamination.accept: true to run "
         "anyway, or deduplicate the splits")

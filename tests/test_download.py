@@ -204,3 +204,39 @@ def test_hub_source_lacking_a_configured_split_fails_cleanly(tmp_path, monkeypat
     with pytest.raises(WorkflowError, match=r"org/set: no split \['test'\]"):
         download.main(main_args(settings, tmp_path))
     assert leftovers(tmp_path / "out") == []
+
+
+def test_source_names_map_the_raw_copy_back_to_the_users_files():
+    from workflow_scripts.data.source_paths import SourceNames
+
+    local = SourceNames("results/data/d/raw", {"source": {"type": "local", "path": "data/mine"}})
+    assert local.translate("results/data/d/raw/train.jsonl line 3: bad; see results/data/d/raw") == (
+        "data/mine/train.jsonl line 3: bad; see data/mine")
+    assert local.translate("results/data/d/raw_other/x and xresults/data/d/raw/y") == (
+        "results/data/d/raw_other/x and xresults/data/d/raw/y")  # only the copy itself
+    url = SourceNames("/r/raw", {"source": {"type": "url", "url": "https://x.org/d.zip", "sha256": "0"}})
+    assert url.translate("/r/raw/train.csv: not valid CSV") == "train.csv in https://x.org/d.zip: not valid CSV"
+    hub = SourceNames("/r/raw", {"source": {"type": "hub", "id": "org/ds", "revision": "abc"}})
+    assert hub.shown("/r/raw/train") == "hub dataset org/ds@abc split train"
+
+
+def test_a_damaged_corpus_shard_is_named_by_the_users_path_not_the_staging_copy(tmp_path):
+    import gzip
+    import random
+
+    from workflow_scripts import download
+    from workflow_scripts.core.errors import WorkflowError
+
+    rng = random.Random(0)
+    data = gzip.compress("".join(f"{rng.getrandbits(64):x} line {i}\n" for i in range(5000)).encode())
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "train.txt.gz").write_bytes(data[: len(data) // 2])
+    (src / "test.txt").write_text("held out\n")
+    settings = {"task": "masked_lm", "source": {"type": "local", "path": str(src)}, "format": "text",
+                "splits": {"train": "train", "test": "test"}, "metric": "masked_accuracy"}
+    with pytest.raises(WorkflowError) as caught:
+        download.main(["--name", "m", "--dataset", json.dumps(settings), "--out", str(tmp_path / "raw"),
+                       "--manifest", str(tmp_path / "download_manifest.json")])
+    assert str(caught.value).startswith(f"{src / 'train.txt.gz'}: the gzip stream is damaged or cut short after line ")
+    assert ".partial" not in str(caught.value) and not (tmp_path / "raw").exists()

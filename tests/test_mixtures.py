@@ -187,6 +187,9 @@ def test_the_matrix_trains_datasets_and_mixtures_and_scores_each_on_its_datasets
      r"datasets\.ocrvqa_demo\.train_alone': false, but no mixture holds this dataset"),
     (lambda c: c["datasets"]["chart_eval"].update(evaluation_split="test", splits={"validation": "val"}),
      r"datasets\.chart_eval\.evaluation_split': 'test' is not a split of dataset 'chart_eval'"),
+    (lambda c: c["datasets"]["ocrvqa_demo"].update(splits={"train": "train"}),  # a component without held-out rows
+     r"evaluation\.split': 'test' is not a split of dataset 'ocrvqa_demo' \(its splits: \['train'\]\); it has no "
+     r"held-out split to score; add one to datasets\.ocrvqa_demo\.splits \(e\.g\. test: <the source split of held-out rows>\)$"),
     (lambda c: c["datasets"]["chart_eval"].update(models=["tiny-bert"]),
      r"datasets\.chart_eval': no model trained on a dataset or mixture of task 'generation' runs on its models"),
 ])

@@ -8,6 +8,7 @@ from datasets import load_from_disk
 from data_helpers import demo_settings, leftovers, local_dataset, run_download, run_normalise
 from workflow_scripts import normalise
 from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.core.experiment_config import validate_section
 
 
 def good(i):
@@ -40,7 +41,7 @@ def test_chartqa_layout_renames_fields_and_aliases_val(tmp_path):
     assert report["splits"]["validation"]["reasons"] == {"empty_value": 1}
     example = report["reasons"]["missing_field"]["examples"][0]
     assert (example["split"], example["row"], example["field"]) == ("train", 40, "label")
-    assert example["file"].endswith("raw/train.jsonl")
+    assert example["file"] == settings["source"]["path"] + "/train.jsonl"  # the user's file, not the raw copy
 
 
 def test_ocrvqa_layout_is_flattened_with_stable_ids(tmp_path):
@@ -91,9 +92,9 @@ def test_each_rejection_reason_is_counted_with_an_example(tmp_path, bad, reason,
     assert (raw / "train.jsonl").read_text().splitlines()[30] == (bad if isinstance(bad, str) else json.dumps(bad))
     example = report["reasons"][reason]["examples"][0]
     assert report["reasons"][reason]["examples"] == [
-        {"file": str(raw / "train.jsonl"), "split": "train", "row": 30, "line": 31, "field": field,
+        {"file": str(tmp_path / "src" / "train.jsonl"), "split": "train", "row": 30, "line": 31, "field": field,
          "detail": example["detail"]}]
-    where = f"{raw / 'train.jsonl'} line 31: " + (f"field '{field}': " if field else "")
+    where = f"{tmp_path / 'src' / 'train.jsonl'} line 31: " + (f"field '{field}': " if field else "")
     assert normalise.describe(example) == where + example["detail"]
     train = load_from_disk(str(out))["train"]
     assert len(train) == 30 and all(r["question"].strip() and all(a.strip() for a in r["answers"]) for r in train)
@@ -143,11 +144,37 @@ def test_a_field_absent_from_every_row_fails_naming_file_field_and_key(tmp_path)
     assert leftovers(tmp_path / "out") == []
 
 
+def test_every_failing_split_is_reported_in_one_run_with_the_users_file_and_a_report(tmp_path):
+    """Two failing splits: one message counts both, and the failure's report lists each with its reasons;
+    every file is named as the user gave it (the source directory), never the raw copy."""
+    src = tmp_path / "src"
+    settings, raw = prepare(tmp_path, [good(i) for i in range(8)] + [{"q": "", "a": "x"}] * 2,
+                            test=[good(100), {"q": "x?"}, {"q": 3, "a": "y"}])
+    with pytest.raises(WorkflowError) as caught:
+        normalise.main(args(settings, raw, tmp_path))
+    failed_path = tmp_path / "out" / "report.failed.json"
+    message = str(caught.value)
+    assert message.startswith(f"2 problems, all listed in {failed_path}: (1) {src / 'train.jsonl'}: 2 of 10 rows")
+    assert f"(2) {src / 'test.jsonl'}: 2 of 3 rows of split 'test' rejected" in message
+    assert "missing_field 1, wrong_type 1" in message and str(raw) not in message
+    failed = json.loads(failed_path.read_text())
+    assert {split: entry["reasons"] for split, entry in failed["splits"].items()} == {
+        "train": {"empty_value": 2}, "test": {"missing_field": 1, "wrong_type": 1}}
+    assert len(failed["failed"]) == 2 and failed["splits"]["test"]["file"] == str(src / "test.jsonl")
+    assert not (tmp_path / "out" / "normalised").exists() and not (tmp_path / "out" / "report.json").exists()
+    # fixed, the run succeeds and the stale failure report goes
+    settings, raw = prepare(tmp_path, [good(i) for i in range(8)])
+    normalise.main(args(settings, raw, tmp_path))
+    assert (tmp_path / "out" / "report.json").exists() and not failed_path.exists()
+
+
 def test_rejected_share_above_the_threshold_fails_with_counts_and_an_example(tmp_path):
     settings, raw = prepare(tmp_path, [good(i) for i in range(97)] + [{"q": "", "a": "x"}] * 3)
-    with pytest.raises(WorkflowError, match=r"3 of 100 rows of split 'train' rejected \(3\.0%\), more than datasets\.d\.max_rejected_fraction = 0\.01.*empty_value 3; for example .*train\.jsonl line 98: field 'q': is empty$"):
+    with pytest.raises(WorkflowError, match=r"3 of 100 rows of split 'train' rejected \(3\.0%\), more than datasets\.d\.max_rejected_fraction = 0\.01.*empty_value 3; for example .*train\.jsonl line 98: field 'q': is empty; fix the rows or raise datasets\.d\.max_rejected_fraction$"):
         normalise.main(args(settings, raw, tmp_path))
-    assert leftovers(tmp_path / "out") == []
+    assert leftovers(tmp_path / "out") == []  # no data, no report at the declared path
+    failed = json.loads((tmp_path / "out" / "report.failed.json").read_text())  # but the failure's report
+    assert failed["splits"]["train"]["reasons"] == {"empty_value": 3} and len(failed["failed"]) == 1
 
 
 def test_flatten_length_mismatches_beyond_the_threshold_fail(tmp_path):
@@ -279,18 +306,18 @@ def test_a_rejected_csv_row_is_named_by_its_file_line_and_a_parquet_row_by_its_r
     raw = run_download("d", csv_settings, tmp_path / "csv")
     _, report_path = run_normalise("d", csv_settings, raw, tmp_path / "csv")
     example = json.loads(report_path.read_text())["reasons"]["empty_value"]["examples"][0]
-    assert example == {"file": str(raw / "train.csv"), "split": "train", "row": 1, "line": 4, "field": "q",
-                       "detail": "is empty"}
-    assert normalise.describe(example) == f"{raw / 'train.csv'} line 4: field 'q': is empty"
+    assert example == {"file": str(tmp_path / "csv" / "src" / "train.csv"), "split": "train", "row": 1, "line": 4,
+                       "field": "q", "detail": "is empty"}
+    assert normalise.describe(example) == f"{tmp_path / 'csv' / 'src' / 'train.csv'} line 4: field 'q': is empty"
 
     train, test = pd.DataFrame({"q": ["a?", "", "c?"], "a": ["1", "2", "3"]}), pd.DataFrame({"q": ["x?"], "a": ["1"]})
     parquet_settings = source_files(tmp_path / "parquet", "parquet", train.to_parquet(), test.to_parquet())
     raw = run_download("d", parquet_settings, tmp_path / "parquet")
     _, report_path = run_normalise("d", parquet_settings, raw, tmp_path / "parquet")
     example = json.loads(report_path.read_text())["reasons"]["empty_value"]["examples"][0]
-    assert example == {"file": str(raw / "train.parquet"), "split": "train", "row": 1, "line": None, "field": "q",
-                       "detail": "is empty"}
-    assert normalise.describe(example) == f"{raw / 'train.parquet'} row index 1: field 'q': is empty"
+    assert example == {"file": str(tmp_path / "parquet" / "src" / "train.parquet"), "split": "train", "row": 1,
+                       "line": None, "field": "q", "detail": "is empty"}
+    assert normalise.describe(example) == f"{tmp_path / 'parquet' / 'src' / 'train.parquet'} row index 1: field 'q': is empty"
 
 
 def test_a_byte_order_mark_is_not_part_of_the_first_column_name(tmp_path):
@@ -300,18 +327,62 @@ def test_a_byte_order_mark_is_not_part_of_the_first_column_name(tmp_path):
 
 
 @pytest.mark.parametrize("fmt, train, message", [
-    ("jsonl", '{"q": "café?", "a": "x"}\n'.encode("latin-1"), r"train\.jsonl line 1: not UTF-8 text \(byte 0xe9 at byte offset 10 of the file\); re-save the file as UTF-8"),
-    ("csv", "q,a\nGrüße?,x\n".encode("cp1252"), r"train\.csv line 2: not UTF-8 text \(byte 0xfc at byte offset 6 of the file\); re-save the file as UTF-8"),
+    ("jsonl", '{"q": "café?", "a": "x"}\n'.encode("latin-1"), r"train\.jsonl line 1: not UTF-8 text \(byte 0xe9 at byte offset 10 of the file\); re-save the file as UTF-8, or set the dataset's on_invalid_text: reject_row to reject and count such rows"),
+    ("csv", "q,a\nGrüße?,x\n".encode("cp1252"), r"train\.csv line 2: not UTF-8 text \(byte 0xfc at byte offset 6 of the file\); re-save the file as UTF-8, or set the dataset's on_invalid_text: reject_row to reject and count such rows"),
     ("parquet", b"PAR1", r"train\.parquet: not a readable Parquet file \(.*\); it is truncated or corrupt: download or export it again"),
 ])
 def test_a_file_that_cannot_be_read_downloads_then_fails_normalise_naming_it(tmp_path, fmt, train, message):
     test = {"jsonl": b'{"q": "x?", "a": "1"}\n', "csv": b"q,a\nx?,1\n"}.get(fmt, b"PAR1")
     settings = source_files(tmp_path, fmt, train, test)
     if fmt == "parquet":  # the download manifest counts rows from the footer, so a corrupt file stops download
-        with pytest.raises(WorkflowError, match=message):
-            run_download("d", settings, tmp_path)
+        with pytest.raises(WorkflowError, match="^" + re.escape(str(tmp_path / "src")) + "/" + message):
+            run_download("d", settings, tmp_path)  # the user's file, not download's staging copy
         return
     raw = run_download("d", settings, tmp_path)  # download keeps the bytes; normalise judges them
-    with pytest.raises(WorkflowError, match=re.escape(str(raw)) + "/" + message + "$"):
+    with pytest.raises(WorkflowError, match="^" + re.escape(str(tmp_path / "src")) + "/" + message + "$"):
         normalise.main(args(settings, raw, tmp_path))
     assert leftovers(tmp_path / "out") == []
+
+
+# --- bytes that are not UTF-8: stop naming the line, or reject and count it (on_invalid_text: reject_row) ---
+def test_a_jsonl_row_that_is_not_utf8_is_rejected_and_counted_under_reject_row(tmp_path):
+    lines = [json.dumps(good(i)).encode() for i in range(30)]
+    lines.insert(7, '{"q": "café?", "a": "x"}'.encode("latin-1"))
+    settings = source_files(tmp_path, "jsonl", b"\n".join(lines) + b"\n", b'{"q": "x?", "a": "1"}\n')
+    raw = run_download("d", settings, tmp_path)
+    with pytest.raises(WorkflowError, match="train.jsonl line 8: not UTF-8 text .*on_invalid_text: reject_row"):
+        normalise.main(args(settings, raw, tmp_path))
+    settings["on_invalid_text"] = "reject_row"
+    out, report_path = run_normalise("d", settings, raw, tmp_path)
+    report = json.loads(report_path.read_text())
+    assert report["splits"]["train"]["reasons"] == {"unparseable_record": 1}
+    example = report["reasons"]["unparseable_record"]["examples"][0]
+    assert (example["file"], example["line"]) == (str(tmp_path / "src" / "train.jsonl"), 8)
+    assert load_from_disk(str(out))["train"].num_rows == 30
+
+
+def test_a_corpus_line_that_is_not_utf8_is_counted_under_reject_row(tmp_path):
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "train.txt").write_bytes(b"first line\ncaf\xe9 au lait\n\nlast line\n")
+    (src / "test.txt").write_text("held out\n")
+    settings = {"task": "masked_lm", "source": {"type": "local", "path": str(src)}, "format": "text",
+                "splits": {"train": "train", "test": "test"}, "metric": "masked_accuracy", "on_invalid_text": "reject_row"}
+    out, report_path = run_normalise("m", settings, run_download("m", settings, tmp_path), tmp_path)
+    train = json.loads(report_path.read_text())["splits"]["train"]
+    entry = train["files"][str(src / "train.txt")]  # the user's file, not the raw copy
+    assert (train["invalid_text"], entry["invalid_text_lines"], entry["blank_lines"]) == (1, [2], [3])
+    assert load_from_disk(str(out))["train"]["id"] == ["train-1", "train-4"]
+
+
+def test_an_evaluation_only_masked_lm_corpus_is_normalised(tmp_path):
+    """No train split: the held-out lines are normalised (the check against trained datasets is cross_contamination's)."""
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "test.txt").write_text("held out line one\n\nheld out line two\n")
+    settings = validate_section({"task": "masked_lm", "source": {"type": "local", "path": str(src)}, "format": "text",
+                                 "splits": {"test": "test"}, "metric": "masked_accuracy"}, "datasets", "datasets.m")
+    out, report_path = run_normalise("m", settings, run_download("m", settings, tmp_path), tmp_path)
+    assert load_from_disk(str(out))["test"]["id"] == ["test-1", "test-3"]
+    report = json.loads(report_path.read_text())
+    assert report["splits"]["test"]["kept"] == 2 and report["contamination"]["splits"] == {}

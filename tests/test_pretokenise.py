@@ -76,6 +76,10 @@ def test_truncation_is_counted_and_rows_without_target_are_dropped(inputs, tmp_p
     assert report["splits"]["train"]["dropped"] == dropped > 0
     assert report["splits"]["train"]["kept"] == len(train) == len(source) - dropped
     assert report["splits"]["train"]["truncated"] == len(source)  # every target was cut
+    # counted and named: the first 20 of each count, in row order
+    assert report["splits"]["train"]["truncated_ids"] == source["id"][:20]
+    assert report["splits"]["train"]["dropped_ids"] == [
+        row_id for row_id, length in zip(source["id"], prompt_lengths) if length >= limit][:20]
     assert all(r["length"] <= limit and any(t != -100 for t in r["labels"]) for r in train)
 
 

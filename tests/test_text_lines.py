@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+import zlib
 import json
 import subprocess
 import sys
@@ -26,20 +27,50 @@ def test_lines_of_many_files_plain_and_gzip(tmp_path):
         ("a.txt", 1, "first line"), ("a.txt", 4, "second\u2028same line"),  # BOM and \r gone; U+2028 kept
         ("b.txt.gz", 1, "x"), ("b.txt.gz", 3, "y é"), ("c.txt", 1, "no newline at the end"),
     ]
-    assert counts.as_report()["files"][str(paths[0])] == {"lines": 4, "kept": 2, "blank": 2}
+    assert counts.as_report()["files"][str(paths[0])] == {"lines": 4, "kept": 2, "blank": 2, "blank_lines": [2, 3],
+                                                           "invalid_text": 0, "invalid_text_lines": []}
+    assert counts.as_report()["files"][str(paths[1])]["blank_lines"] == [2]  # counted and named
     assert (counts.total("lines"), counts.total("kept"), counts.total("blank")) == (8, 5, 3)
+
+
+def test_blank_lines_are_named_up_to_twenty_per_file(tmp_path):
+    (tmp_path / "a.txt").write_text("text\n" + "\n" * 30 + "more\n")
+    counts = text_lines.LineCounts()
+    list(text_lines.iter_lines([tmp_path / "a.txt"], counts))
+    entry = counts.as_report()["files"][str(tmp_path / "a.txt")]
+    assert entry["blank"] == 30 and entry["blank_lines"] == list(range(2, 22))
 
 
 def test_invalid_utf8_names_file_and_line(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("fine\nalso fine\ncaf\u00e9\n".encode("latin-1"))
-    with pytest.raises(WorkflowError, match=r"latin1\.txt line 3: invalid UTF-8 at byte 3 .*iconv"):
+    with pytest.raises(WorkflowError) as caught:
         list(text_lines.iter_lines([tmp_path / "latin1.txt"]))
+    assert str(caught.value).endswith(  # no iconv: converting a UTF-8 file with one bad line would damage it
+        "latin1.txt line 3: invalid UTF-8 at byte 3 of the line (unexpected end of data); fix or remove that line, "
+        "or set the dataset's on_invalid_text: reject_row to reject and count such lines")
+
+
+def test_invalid_utf8_lines_are_rejected_and_counted_under_reject_row(tmp_path):
+    (tmp_path / "mixed.txt").write_bytes("fine\ncaf\u00e9\n\nalso fine\n".encode("utf-8") + b"caf\xe9\nend\n")
+    counts = text_lines.LineCounts()
+    lines = list(text_lines.iter_lines([tmp_path / "mixed.txt"], counts, on_invalid_text="reject_row"))
+    assert [(n, t) for _, n, t in lines] == [(1, "fine"), (2, "caf\u00e9"), (4, "also fine"), (6, "end")]
+    entry = counts.as_report()["files"][str(tmp_path / "mixed.txt")]
+    assert (entry["invalid_text"], entry["invalid_text_lines"], entry["blank"], entry["kept"]) == (1, [5], 1, 4)
+    assert text_lines.count_lines(tmp_path / "mixed.txt") == 5  # download counts it; normalise judges it
 
 
 def test_damaged_gzip_and_name_clashes_are_refused(tmp_path):
-    data = gzip.compress(b"one\ntwo\n" * 1000)
+    import random
+
+    rng = random.Random(0)  # text that compresses poorly, so half the file holds thousands of lines
+    text = "".join(f"{rng.getrandbits(64):x} line {i}\n" for i in range(20_000)).encode()
+    data = gzip.compress(text)
     (tmp_path / "cut.txt.gz").write_bytes(data[: len(data) // 2])
-    with pytest.raises(WorkflowError, match="cut.txt.gz line .*damaged or cut short"):
+    whole = len(zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(data[: len(data) // 2]).split(b"\n")) - 1
+    assert whole > 1000
+    with pytest.raises(WorkflowError, match=f"cut.txt.gz: the gzip stream is damaged or cut short after line {whole}, "
+                                            "the last line read whole"):  # not "line 1": the lines before it decode
         list(text_lines.iter_lines([tmp_path / "cut.txt.gz"]))
     (tmp_path / "d1").mkdir()
     (tmp_path / "d2").mkdir()
@@ -72,8 +103,9 @@ def test_write_normalised_ids_report_and_nothing_left_on_failure(tmp_path):
     with pytest.raises(WorkflowError, match=r"bad\.txt line 2: invalid UTF-8"):
         text_lines.write_normalised({"train": [tmp_path / "bad.txt"]}, tmp_path / "other")
     assert not (tmp_path / "other").exists()
-    with pytest.raises(WorkflowError, match="'train' split is required"):
-        text_lines.write_normalised({"test": [tmp_path / "test.txt"]}, tmp_path / "other")
+    # an evaluation-only corpus: held-out lines and no train split
+    assert text_lines.write_normalised({"test": [tmp_path / "test.txt"]}, tmp_path / "other")["test"]["kept"] == 1
+    assert list(load_from_disk(str(tmp_path / "other"))) == ["test"]
 
 
 MEMORY_PROBE = textwrap.dedent("""

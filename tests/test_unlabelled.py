@@ -81,6 +81,17 @@ def test_null_and_missing_answers_of_an_unlabelled_split_are_kept_without_gold(t
     assert stored["test"].features["answers"] == stored["train"].features["answers"]  # same column types
 
 
+def test_a_test_split_without_answers_not_declared_unlabelled_suggests_declaring_it(tmp_path):
+    test = [{"id": "t0", "q": "What is the title?", "a": None}, {"id": "t1", "q": "Which year?", "a": None}]
+    with pytest.raises(WorkflowError) as failure:
+        normalised(tmp_path, {"train": train_rows(), "validation": held_out(), "test": test}, unlabelled=[])
+    message = str(failure.value)
+    assert message.startswith(f"{tmp_path / 'source' / 'test.jsonl'}: 2 of 2 rows of split 'test' rejected")
+    assert message.endswith("every row lacks its answers ('a'), as in a test set whose answers are withheld: declare "
+                            "it with datasets.ds.unlabelled: [test] (predicted for a submission, never scored), or fix "
+                            "the rows")
+
+
 def test_a_partly_labelled_unlabelled_split_is_an_error_naming_the_row(tmp_path):
     test = [{"id": "t0", "q": "What is the title?", "a": None}, {"id": "t1", "q": "Which year?", "a": ["1999"]},
             {"id": "t2", "q": "Who wrote it?"}]
@@ -133,6 +144,8 @@ def test_a_bare_string_among_list_answers_is_one_answer_counted_per_split(tmp_pa
                                             "test": [{"id": "t", "q": "Unseen?"}]})
     assert report["splits"]["train"]["answers_as_bare_string"] == 2
     assert report["splits"]["validation"]["answers_as_bare_string"] == 1
+    assert report["splits"]["train"]["answers_as_bare_string_ids"] == [train[1]["id"], train[4]["id"]]  # named
+    assert report["splits"]["validation"]["answers_as_bare_string_ids"] == ["v0"]
     assert "answers_as_bare_string" not in report["splits"]["test"]  # no gold read there
     answers = {row["id"]: row["answers"] for row in split_rows(data, "train")}
     assert answers["r1"] == ["1"] and answers["r4"] == ["four"] and answers["r0"] == ["0", "0 bars"]

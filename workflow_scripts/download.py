@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from workflow_scripts.data import raw_records, split_names, text_lines
-from workflow_scripts.core.atomic_output import atomic_path, write_json
+from workflow_scripts.data.source_paths import SourceNames
+from workflow_scripts.core.atomic_output import atomic_path, check_writable, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.experiment_config import validate_section
 from workflow_scripts.core.run_manifest import build_manifest
@@ -227,6 +228,20 @@ def file_hashes(directory: Path) -> dict[str, str]:
     }
 
 
+def fetch(settings: Mapping[str, Any], out: Path, final: Path) -> tuple[dict, dict, dict]:
+    """The raw files into ``out`` (the staging directory of ``final``): origin, file hashes, rows per split."""
+    kind = settings["source"]["type"]
+    out.mkdir(parents=True, exist_ok=True)
+    if kind == "hub":
+        origin = download_hub(settings, out)
+    elif kind == "url":
+        with tempfile.TemporaryDirectory(prefix=".download.", dir=final.parent) as work:
+            origin = download_url(settings, out, Path(work))
+    else:
+        origin = copy_local(settings, out)
+    return origin, file_hashes(out), rows_per_split(out, settings)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = StageArgumentParser(description="Download one dataset's raw records and write a manifest.")
     parser.add_argument("--name", required=True, help="Dataset name (the key under datasets in the config).")
@@ -239,17 +254,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings["format"] == text_lines.TEXT_FORMAT and kind != "local":
         raise ConfigError(f"datasets.{args.name}.format", f"'text' is read from local directories only, not a {kind} source")
 
+    check_writable(args.out, args.manifest)
     with atomic_path(args.out, directory=True) as out:
-        out.mkdir(parents=True, exist_ok=True)
-        if kind == "hub":
-            origin = download_hub(settings, out)
-        elif kind == "url":
-            with tempfile.TemporaryDirectory(prefix=".download.", dir=args.out.parent) as work:
-                origin = download_url(settings, out, Path(work))
-        else:
-            origin = copy_local(settings, out)
-        files = file_hashes(out)
-        rows = rows_per_split(out, settings)
+        try:
+            origin, files, rows = fetch(settings, out, args.out)
+        except WorkflowError as error:  # a copied file is named as the user knows it, not by its staging path
+            raise SourceNames(out, settings).reraise(error) from None
         manifest = build_manifest(
             "download", settings, dataset=args.name, source_type=kind, source=origin,
             revision=settings["source"].get("revision"),

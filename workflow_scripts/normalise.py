@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from workflow_scripts.data import contamination, raw_records
+from workflow_scripts.data.source_paths import SourceNames
 from workflow_scripts.data.rows import Rejected
-from workflow_scripts.core.atomic_output import atomic_path, write_json
+from workflow_scripts.core.atomic_output import atomic_path, check_writable, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.experiment_config import validate_section
 from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
@@ -101,16 +102,17 @@ def describe(example: Mapping[str, Any]) -> str:
 
 
 def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_split: str,
-                    rejections: Rejections, key: str) -> tuple[list[dict], SplitTally]:
-    location = raw_records.split_location(raw_dir, source_split, fmt)
+                    rejections: Rejections, key: str, names: SourceNames,
+                    on_invalid_text: str = "stop") -> tuple[list[dict], SplitTally]:
+    location = names.shown(raw_records.split_location(raw_dir, source_split, fmt))  # the user's file
     unlabelled = canonical in getattr(mapper, "unlabelled", ())
-    tally = SplitTally(source_split=source_split, file=str(location), unlabelled=unlabelled)
+    tally = SplitTally(source_split=source_split, file=location, unlabelled=unlabelled)
     kept, ids = [], set()
     source_fields = mapper.source_fields()
     gold = mapper.gold_source if unlabelled else None
     if gold is not None:  # an unlabelled split may lack its gold field in every row
         source_fields = {key: name for key, name in source_fields.items() if name != gold}
-    for place, record in raw_records.iter_placed_records(raw_dir, source_split, fmt):
+    for place, record in raw_records.iter_placed_records(raw_dir, source_split, fmt, on_invalid_text):
         row = place.index
         if isinstance(record, Mapping):
             tally.seen_keys.update(record)
@@ -125,7 +127,8 @@ def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_spli
             if isinstance(result, dict) and result["id"] in ids:
                 result = Rejected("duplicate_id", mapper.fields.get("id", "id"), f"id '{result['id']}' occurs earlier in the split")
             if isinstance(result, Rejected):
-                example = rejections.add(result, str(location), canonical, place)
+                result = Rejected(result.reason, result.field, names.translate(result.detail))  # an image's path
+                example = rejections.add(result, location, canonical, place)
                 tally.first.setdefault(result.reason, example)
                 tally.reasons[result.reason] += 1
             else:
@@ -160,19 +163,45 @@ def check_submission_ids(rows: list[dict], tally: SplitTally, settings: Mapping[
                               f"set {key}.submission.id_type: string, or give integer ids") from None
 
 
-def check_tally(tally: SplitTally, threshold: float, key: str) -> None:
+def tally_problem(tally: SplitTally, threshold: float, key: str, canonical: str = "",
+                  gold: str | None = None) -> str | None:
+    """Why a split stops the stage (no rows, or too many rejected), or None. A held-out split whose every row
+    lacks the gold (``gold``, the source field) is most likely a leaderboard's test set: say how to declare it."""
     if tally.examined == 0:
-        raise WorkflowError(f"{tally.file}: split '{tally.source_split}' has no rows")
+        return f"{tally.file}: split '{tally.source_split}' has no rows"
     share = tally.rejected / tally.examined
     if tally.kept and share <= threshold:
-        return
+        return None
     reasons = ", ".join(f"{reason} {count}" for reason, count in tally.reasons.most_common())
     example = describe(tally.first[tally.reasons.most_common(1)[0][0]])
-    limit = "so no row is left" if not tally.kept else f"more than {key}.max_rejected_fraction = {threshold}"
-    raise WorkflowError(
-        f"{tally.file}: {tally.rejected} of {tally.examined} rows of split '{tally.source_split}' rejected "
-        f"({share:.1%}), {limit}; reasons: {reasons}; for example {example}"
-    )
+    limit, fix = ((f"more than {key}.max_rejected_fraction = {threshold}",
+                   f"fix the rows or raise {key}.max_rejected_fraction") if tally.kept else
+                  ("so no row is left", "fix the rows (or the field mapping, if every row fails alike)"))
+    withheld = (not tally.kept and canonical in ("validation", "test") and not tally.unlabelled and gold
+                and set(tally.reasons) == {"missing_field"} and tally.first["missing_field"]["field"] == gold)
+    if withheld:
+        fix = (f"every row lacks its answers ('{gold}'), as in a test set whose answers are withheld: declare it "
+               f"with {key}.unlabelled: [{canonical}] (predicted for a submission, never scored), or fix the rows")
+    return (f"{tally.file}: {tally.rejected} of {tally.examined} rows of split '{tally.source_split}' rejected "
+            f"({share:.1%}), {limit}; reasons: {reasons}; for example {example}; {fix}")
+
+
+def failure_report_path(report: Path) -> Path:
+    """Where a failed run's report goes: beside the report, not at it, because Snakemake deletes a failed
+    job's declared outputs (and a report at the declared path would read as a finished one)."""
+    return report.with_name(f"{report.stem}.failed{report.suffix}")
+
+
+def fail_with_report(report: dict, problems: list[str], report_path: Path) -> None:
+    """Write the report with every problem (``failed``) beside ``report_path`` and stop with one message that
+    counts them all: a user learns every failing split in one run, not one per run."""
+    failed = failure_report_path(report_path)
+    write_json(failed, {**report, "failed": problems})
+    print(json.dumps(report, indent=2, default=str), file=sys.stderr)  # the log keeps the evidence
+    if len(problems) == 1:
+        raise WorkflowError(problems[0])
+    listed = " ".join(f"({number}) {problem}" for number, problem in enumerate(problems, start=1))
+    raise WorkflowError(f"{len(problems)} problems, all listed in {failed}: {listed}")
 
 
 def contamination_outcome(results, fields: list[str], gold: list[str], settings: Mapping[str, Any],
@@ -214,7 +243,8 @@ def to_dataset(rows: list[dict], location: str, like=None):
         raise WorkflowError(f"{location}: the kept rows cannot be stored as one table: {error}") from None
 
 
-def normalise_by_task(normalise_source, args: argparse.Namespace, settings: Mapping[str, Any]) -> int:
+def normalise_by_task(normalise_source, args: argparse.Namespace, settings: Mapping[str, Any],
+                      names: SourceNames) -> int:
     """A task's own normalisation (``Task.normalise_source``): it writes the normalised data, with
     ``task_meta.json`` inside in the same atomic step, and returns its part of the report.
 
@@ -227,21 +257,23 @@ def normalise_by_task(normalise_source, args: argparse.Namespace, settings: Mapp
     with atomic_path(args.out, directory=True) as staging:
         staging.rmdir()  # the task creates its output itself, as it would at args.out
         extras = normalise_source(args.raw, settings, staging, extra_json={TASK_META: task_meta})
+        extras = json.loads(names.translate(json.dumps(extras)))  # the report names the user's files
         report = {"dataset": args.name, "raw": str(args.raw), "task": settings["task"], **extras}
         data = load_from_disk(str(staging))
-        columns = {name: None for name in data["train"].column_names}
+        columns = {name: None for name in next(iter(data.values())).column_names}
         keyed = contamination.keyed_batches
+        # An evaluation-only dataset has no train split here (cross_contamination checks it against the trained ones).
         results = contamination.check(functools.partial(keyed, data["train"]),
                                       {split: functools.partial(keyed, data[split]) for split in data
-                                       if split in contamination.CHECKED_SPLITS})
+                                       if split in contamination.CHECKED_SPLITS}) if "train" in data else []
         files = {split: report.get("splits", {}).get(split, {}).get("file", str(args.raw)) for split in data}
         report["contamination"], message = contamination_outcome(
             results, contamination.key_fields(columns), contamination.gold_fields(columns), settings, files, key)
         del data  # the memory maps, before the directory is renamed or removed
         if message:
-            print(json.dumps(report, indent=2, default=str), file=sys.stderr)  # the log keeps the evidence
-            raise WorkflowError(message)
+            fail_with_report(report, [message], args.report)
     write_json(args.report, report)
+    failure_report_path(args.report).unlink(missing_ok=True)  # an earlier failure's, now stale
     for canonical, split in report.get("splits", {}).items():
         print(f"{args.name}/{canonical}: {json.dumps({k: v for k, v in split.items() if k != 'files'})}")
     print_contamination(args.name, results, settings)
@@ -254,6 +286,7 @@ def print_contamination(name: str, results, settings: Mapping[str, Any]) -> None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Every message names the user's file (the configured source), never the raw copy."""
     parser = StageArgumentParser(description="Map one dataset's raw records onto the canonical schema.")
     parser.add_argument("--name", required=True, help="Dataset name (the key under datasets in the config).")
     parser.add_argument("--dataset", required=True, help="The dataset's settings as JSON.")
@@ -265,13 +298,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = validate_section(json_setting(args.dataset, "--dataset"), "datasets", key, "--dataset")
     if not args.raw.is_dir():
         raise WorkflowError(f"{args.raw}: raw data directory not found; run the download rule first")
+    check_writable(args.out, args.report)
+    names = SourceNames(args.raw, settings)
+    try:
+        return normalise(args, settings, key, names)
+    except WorkflowError as error:
+        raise names.reraise(error) from None
+
+
+def normalise(args: argparse.Namespace, settings: Mapping[str, Any], key: str, names: SourceNames) -> int:
     fmt = settings["format"]
     task = task_named(settings["task"])
     own_normalisation = getattr(task, "normalise_source", None)
     if own_normalisation is not None:  # the task reads its raw files itself (e.g. plain text, line by line)
         if settings.get("unlabelled"):
             raise ConfigError(f"{key}.unlabelled", f"task '{settings['task']}' has no unlabelled splits; remove the key")
-        return normalise_by_task(own_normalisation, args, settings)
+        return normalise_by_task(own_normalisation, args, settings, names)
     descriptions = {**REASONS, **getattr(task, "rejection_reasons", {})}  # a task's own reasons (images...)
     mapper = task.record_mapper(settings, key)
     mapper.raw_dir = args.raw  # files a record refers to (images) are found beside its split files
@@ -279,7 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for canonical in CANONICAL_SPLITS:
         if canonical not in settings["splits"]:
             continue
-        rows, tally = normalise_split(mapper, args.raw, fmt, canonical, settings["splits"][canonical], rejections, key)
+        rows, tally = normalise_split(mapper, args.raw, fmt, canonical, settings["splits"][canonical], rejections, key, names,
+                                     settings.get("on_invalid_text", "stop"))
         splits[canonical], tallies[canonical] = rows, tally
         check_submission_ids(rows, tally, settings, key)
         mapper.split_done(canonical, rows)  # train first: a later split may be checked against it
@@ -311,14 +354,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         "contamination": overlap,
     }
-    try:
-        for tally in tallies.values():
-            check_tally(tally, settings["max_rejected_fraction"], key)
-        if overlap_problem:  # after the rejections: a file with bad rows is fixed first
-            raise WorkflowError(overlap_problem)
-    except WorkflowError:
-        print(json.dumps(report, indent=2, default=str), file=sys.stderr)  # the log keeps the evidence
-        raise
+    problems = [problem for canonical, tally in tallies.items()
+                if (problem := tally_problem(tally, settings["max_rejected_fraction"], key, canonical,
+                                             getattr(mapper, "gold_source", None)))]
+    if overlap_problem:  # after the rejections: a file with bad rows is fixed first
+        problems.append(overlap_problem)
+    if problems:
+        fail_with_report(report, problems, args.report)
 
     from datasets import DatasetDict
 
@@ -332,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data.save_to_disk(str(out))
         write_json(out / TASK_META, {"task": settings["task"], **mapper.task_meta(), **unlabelled})
     write_json(args.report, report)
+    failure_report_path(args.report).unlink(missing_ok=True)  # an earlier failure's, now stale
     for canonical, tally in tallies.items():
         print(f"{args.name}/{canonical}: kept {tally.kept} of {tally.examined} rows; rejected {dict(tally.reasons)}")
         print_split_notes(args.name, canonical, tally, report["splits"][canonical], mapper)

@@ -132,6 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         facts = prepare(model, args.corpus, out)
         check_model_dir(out, f"prepared model {args.out}", weights=needs_weights(model))
+        if model["source"] in ("hub", "local"):  # the tiny and GGUF builders write configs transformers knows
+            from workflow_scripts.model.model_loading import check_remote_code
+
+            origin = f"model.path {model['path']}" if model["source"] == "local" else f"model.hub_id {model['hub_id']}"
+            check_remote_code(out, model["trust_remote_code"], origin)
         files = {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
         write_json(out / MANIFEST_NAME, build_manifest("prepare_model", model, model_source=model["source"], files=files, **facts))
     print(f"model {model['name']} ({model['source']}) ready in {args.out}: {facts}")

@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -47,6 +47,7 @@ FORMAT_VERSION = 3  # bump when the stored layout, the masking or the prompt ren
 BATCH_SIZE = 2000  # rows per tokenizer call (a chunk): large enough to keep the tokenizer's thread pool busy
 PROCESS_MIN_ROWS = 10 * BATCH_SIZE  # a split this large is shared out between --threads processes
 REPORT_COLUMNS = ("truncated", "dropped")  # counted for the report, not stored
+NAMED_PER_COUNT = 20  # the report names the first rows of each count (truncated_ids, dropped_ids)
 
 
 def cache_key(tokenizer_fp: str, variant: Mapping[str, Any], max_length: int, input_fp: str,
@@ -95,17 +96,23 @@ class SplitStats:
     truncated: int = 0
     max_length_seen: int = 0
     length_sum: int = 0
+    truncated_ids: list = field(default_factory=list)  # the first NAMED_PER_COUNT, in row order
+    dropped_ids: list = field(default_factory=list)
 
     def add(self, other: "SplitStats") -> None:
+        """``other`` holds the rows after this one's (chunks and processes are added in row order)."""
         self.rows += other.rows
         self.dropped += other.dropped
         self.truncated += other.truncated
+        self.truncated_ids = (self.truncated_ids + other.truncated_ids)[:NAMED_PER_COUNT]
+        self.dropped_ids = (self.dropped_ids + other.dropped_ids)[:NAMED_PER_COUNT]
         self.max_length_seen = max(self.max_length_seen, other.max_length_seen)
         self.length_sum += other.length_sum
 
     def report(self) -> dict[str, Any]:
         return {"rows": self.rows, "kept": self.rows - self.dropped, "dropped": self.dropped,
                 "truncated": self.truncated, "max_length_seen": self.max_length_seen,
+                "truncated_ids": self.truncated_ids, "dropped_ids": self.dropped_ids,
                 "mean_length": self.length_sum / self.rows if self.rows else 0.0}
 
 
@@ -147,6 +154,9 @@ class Tokeniser:
                            truncated=int(pc.sum(output["truncated"]).as_py() or 0),
                            max_length_seen=int(pc.max(lengths).as_py() or 0) if rows else 0,
                            length_sum=int(pc.sum(lengths).as_py() or 0))
+        for flag, named in (("truncated", stats.truncated_ids), ("dropped", stats.dropped_ids)):
+            if getattr(stats, flag):  # which rows, not only how many (filtered by Arrow, not per row in Python)
+                named.extend(output["id"].filter(output[flag]).slice(0, NAMED_PER_COUNT).to_pylist())
         kept = output.filter(pc.invert(dropped)) if stats.dropped else output
         return kept.drop_columns(list(REPORT_COLUMNS)), stats
 
@@ -312,6 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def tokenise_all(args, task, variant) -> int:
     data, tokenizer_dir = open_inputs(args.data, args.model)
+    from workflow_scripts.model.model_loading import check_task_architecture
+
+    check_task_architecture(args.model, task)  # e.g. a generation dataset on a BERT: one message, not a traceback
     splits = [split for split in TRAINING_SPLITS if split in data]
     processes = process_count(args.threads, [len(data[split]) for split in splits])
     use_tokenizer_threads(1 if processes > 1 else args.threads)

@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from workflow_scripts.core.errors import WorkflowError
+
 KINDS = ("partial", "work")
 
 
@@ -94,6 +96,30 @@ def current_umask() -> int:
     return mask
 
 
+def _make_beside(final: Path, suffix: str) -> Path:
+    """A new temporary directory beside ``final`` (its parents made); an output that cannot be written there
+    (a file where a folder should be, no permission, a read-only file system) is one message naming it."""
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(final)
+        return Path(tempfile.mkdtemp(prefix=_prefix(final), suffix=suffix, dir=final.parent))
+    except OSError as error:
+        blocking = next((parent for parent in final.parents if parent.exists()), None)
+        if blocking is not None and not blocking.is_dir():
+            reason = f"{blocking} is a file, not a folder"
+        else:
+            reason = f"{error.strerror or type(error).__name__} in {blocking or final.parent}"
+        raise WorkflowError(f"{final}: cannot be written here ({reason}); choose another output path or "
+                            "make its folder writable") from None
+
+
+def check_writable(*finals: str | os.PathLike) -> None:
+    """Refuse, before any work, outputs that could not be written (so a stage never leaves one output
+    written and the next one failed, e.g. normalised data without their report)."""
+    for final in finals:
+        _remove(_make_beside(Path(final), ".partial"))
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | os.PathLike, directory: bool = False) -> Iterator[Path]:
     """Yield a temporary path next to ``final``; on success rename it onto ``final``, on error delete it.
@@ -103,9 +129,7 @@ def atomic_path(final: str | os.PathLike, directory: bool = False) -> Iterator[P
     that was killed is removed first (see the module docstring).
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(final)
-    temporary = Path(tempfile.mkdtemp(prefix=_prefix(final), suffix=".partial", dir=final.parent))
+    temporary = _make_beside(final, ".partial")
     if directory:  # mkdtemp makes it 0700 whatever the umask: a lab's group could not read the output
         temporary.chmod(0o777 & ~current_umask())
     target = temporary if directory else temporary / final.name
@@ -123,9 +147,7 @@ def scratch_directory(final: str | os.PathLike) -> Iterator[Path]:
     """A working directory beside ``final`` (same file system, never ``/tmp`` or ``~/.cache``) for
     intermediate files, deleted on exit; an earlier killed run's is deleted on entry."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(final)
-    work = Path(tempfile.mkdtemp(prefix=_prefix(final), suffix=".work", dir=final.parent))
+    work = _make_beside(final, ".work")
     try:
         yield work
     finally:

@@ -61,7 +61,12 @@ def schema_error(error, prefix: str | None = None, source: str | None = None) ->
         if missing is not None:
             key = ".".join(filter(None, [prefix, *path, str(missing)]))
             where = ".".join(filter(None, [prefix, *path])) or "the config"
-            return ConfigError(key, f"required, but missing ({where} has keys {sorted(map(str, instance))})", source)
+            hint = ""
+            if (len(path) == 2 and path[0] == "variants" and not prefix and missing in ("prompt", "target")
+                    and not {"prompt", "target"} & set(instance)):  # written for another task, task: forgotten
+                hint = (f"; a variant without task: is a generation variant (prompt and target); for another task's "
+                        f"datasets set {where}.task (e.g. task: classification)")
+            return ConfigError(key, f"required, but missing ({where} has keys {sorted(map(str, instance))}){hint}", source)
     key = ".".join(filter(None, [prefix, *path])) or "<top level>"
     message = error.message
     secret = any(_looks_secret(part) for part in path)

@@ -573,8 +573,12 @@ def _check_evaluated(config: Mapping[str, Any], source: str | None) -> None:
         split = evaluation_split(config, name)
         if split not in dataset["splits"]:
             where = f"datasets.{name}.evaluation_split" if dataset.get("evaluation_split") else "evaluation.split"
+            held_out = [s for s in ("validation", "test") if s in dataset["splits"]]  # what the schema accepts
+            fix = (f"set datasets.{name}.evaluation_split to {' or '.join(held_out)}" if held_out else
+                   f"it has no held-out split to score; add one to datasets.{name}.splits (e.g. test: <the source "
+                   "split of held-out rows>)")
             raise ConfigError(where, f"'{split}' is not a split of dataset '{name}' (its splits: "
-                              f"{sorted(dataset['splits'])}); set datasets.{name}.evaluation_split to one of them", source)
+                              f"{sorted(dataset['splits'])}); {fix}", source)
         if name not in scored:
             raise ConfigError(f"datasets.{name}", f"no model trained on a dataset or mixture of task "
                               f"'{dataset['task']}' runs on its models ({sorted(dataset_models(config, name))}), so it "
@@ -677,6 +681,12 @@ def _check_dataset(name: str, dataset: Mapping[str, Any], source: str | None,
     section's), when the whole config is known; alone, the dataset's own ``evaluation_split`` if set."""
     _check_unlabelled(name, dataset, source, evaluated_split or dataset.get("evaluation_split"))
     src = dataset["source"]
+    for canonical, split in dataset["splits"].items():  # a split is one file <split>.<format> (or a hub split)
+        if "/" in split or "\\" in split or split.startswith(".") or not split.strip():
+            raise ConfigError(f"datasets.{name}.splits.{canonical}", f"'{split}' cannot be a split name: a split is "
+                              "one file <split>.<format> in the source directory (or a hub split), so it holds no "
+                              "folder, no '/' and does not start with '.'; put the split's file beside the others "
+                              "and name it by its file name without the suffix", source)
     needs = {"hub": ("id", "revision"), "url": ("url", "sha256"), "local": ("path",)}[src["type"]]
     _require(src, needs, f"datasets.{name}.source", f"when source.type is '{src['type']}'", source)
     if src["type"] == "hub":

@@ -26,6 +26,9 @@ from workflow_scripts.core.errors import WorkflowError
 FORMATS = ("jsonl", "json", "csv", "parquet")
 # Text files are UTF-8; a byte order mark (Excel writes one) is skipped, never read as data.
 TEXT_ENCODING = "utf-8-sig"
+# Bytes that do not decode come through ``surrogateescape`` as these code points, so a JSONL or CSV row
+# that is not UTF-8 can be found and, under the dataset's ``on_invalid_text: reject_row``, rejected alone.
+_UNDECODED = re.compile("[\udc80-\udcff]")
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,10 @@ def iter_records(raw_dir: Path, split: str, fmt: str) -> Iterator[tuple[int, Any
         yield place.index, record
 
 
-def iter_placed_records(raw_dir: Path, split: str, fmt: str) -> Iterator[tuple[Place, Any]]:
-    """(place, record) for every row of one source split."""
+def iter_placed_records(raw_dir: Path, split: str, fmt: str,
+                        on_invalid_text: str = "stop") -> Iterator[tuple[Place, Any]]:
+    """(place, record) for every row of one source split; a JSONL or CSV row that is not UTF-8 stops the
+    read (``on_invalid_text: stop``) or comes back Unparseable (``reject_row``)."""
     raw_dir = Path(raw_dir)
     if split not in available_splits(raw_dir, fmt):
         raise WorkflowError(
@@ -81,7 +86,7 @@ def iter_placed_records(raw_dir: Path, split: str, fmt: str) -> Iterator[tuple[P
         for index, record in _saved_split(raw_dir, split):
             yield Place(index), record
     else:
-        yield from read_placed(split_location(raw_dir, split, fmt), fmt)
+        yield from read_placed(split_location(raw_dir, split, fmt), fmt, on_invalid_text)
 
 
 def read_file(path: Path, fmt: str) -> Iterator[tuple[int, Any]]:
@@ -90,15 +95,15 @@ def read_file(path: Path, fmt: str) -> Iterator[tuple[int, Any]]:
         yield place.index, record
 
 
-def read_placed(path: Path, fmt: str) -> Iterator[tuple[Place, Any]]:
+def read_placed(path: Path, fmt: str, on_invalid_text: str = "stop") -> Iterator[tuple[Place, Any]]:
     """(place, record) for every row of one raw file."""
     if fmt == "jsonl":
-        yield from _jsonl(path)
+        yield from _jsonl(path, on_invalid_text)
     elif fmt == "json":
         for index, record in enumerate(_json_list(path)):
             yield Place(index), record
     elif fmt == "csv":
-        yield from _csv(path)
+        yield from _csv(path, on_invalid_text)
     elif fmt == "parquet":
         for index, record in enumerate(_parquet_rows(path)):
             yield Place(index), record
@@ -131,11 +136,20 @@ def count_rows(path: Path, fmt: str) -> int:
 
 
 # --- the formats ---
-def _jsonl(path: Path) -> Iterator[tuple[Place, Any]]:
+def _not_utf8_row(path: Path, line: int, on_invalid_text: str) -> Unparseable:
+    if on_invalid_text != "reject_row":
+        raise _not_utf8(path, rows=True)
+    return Unparseable(f"not UTF-8 text: line {line} holds bytes that do not decode (on_invalid_text: reject_row)")
+
+
+def _jsonl(path: Path, on_invalid_text: str = "stop") -> Iterator[tuple[Place, Any]]:
     try:
-        with open(path, encoding=TEXT_ENCODING) as handle:
+        with open(path, encoding=TEXT_ENCODING, errors="surrogateescape") as handle:
             for index, line in enumerate(handle):
                 if not line.strip():
+                    continue
+                if _UNDECODED.search(line):
+                    yield Place(index, index + 1), _not_utf8_row(path, index + 1, on_invalid_text)
                     continue
                 try:
                     # Only the line's own end is dropped: the columns json reports stay the editor's.
@@ -162,10 +176,10 @@ def _json_list(path: Path, errors: str = "strict") -> list:
     return records
 
 
-def _csv(path: Path) -> Iterator[tuple[Place, Any]]:
+def _csv(path: Path, on_invalid_text: str = "stop") -> Iterator[tuple[Place, Any]]:
     """Strict CSV: a line with more or fewer fields than the header is Unparseable, never shifted or padded."""
     try:
-        with open(path, encoding=TEXT_ENCODING, newline="") as handle:
+        with open(path, encoding=TEXT_ENCODING, errors="surrogateescape", newline="") as handle:
             reader = csv.reader(handle, strict=True)
             header, header_line = None, 0
             index = 0
@@ -182,6 +196,12 @@ def _csv(path: Path) -> Iterator[tuple[Place, Any]]:
                     index += 1
                     continue
                 if not fields:  # a blank line holds no record
+                    continue
+                if any(_UNDECODED.search(value) for value in fields):
+                    if header is None:
+                        raise _not_utf8(path)
+                    yield Place(index, line), _not_utf8_row(path, line, on_invalid_text)
+                    index += 1
                     continue
                 if header is None:
                     header, header_line = fields, line
@@ -237,8 +257,11 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def _not_utf8(path: Path) -> WorkflowError:
-    """Where a file stops being UTF-8: the first line (1-based) holding a byte that does not decode."""
+def _not_utf8(path: Path, rows: bool = False) -> WorkflowError:
+    """Where a file stops being UTF-8: the first line (1-based) holding a byte that does not decode.
+    ``rows``: the file's rows are lines (JSONL, CSV), so such a row could be rejected alone instead."""
+    fix = "re-save the file as UTF-8" + (
+        ", or set the dataset's on_invalid_text: reject_row to reject and count such rows" if rows else "")
     offset = 0
     with open(path, "rb") as handle:  # split on b"\n" only: in UTF-8 that byte never sits inside a character
         for number, line in enumerate(handle, start=1):
@@ -248,10 +271,10 @@ def _not_utf8(path: Path) -> WorkflowError:
                 bad = line[error.start]
                 return WorkflowError(
                     f"{path} line {number}: not UTF-8 text (byte {bad:#04x} at byte offset {offset + error.start} "
-                    "of the file); re-save the file as UTF-8"
+                    f"of the file); {fix}"
                 )
             offset += len(line)
-    return WorkflowError(f"{path}: not UTF-8 text; re-save the file as UTF-8")
+    return WorkflowError(f"{path}: not UTF-8 text; {fix}")
 
 
 def _not_parquet(path: Path, error: Exception) -> WorkflowError:

@@ -21,6 +21,8 @@ from workflow_scripts.core.errors import ConfigError
 from workflow_scripts.data import raw_records
 from workflow_scripts.data.transforms import TRANSFORMS
 
+NAMED_PER_COUNT = 20  # the report names the first rows of a count (e.g. answers_as_bare_string_ids)
+
 
 class Rejected(Exception):
     def __init__(self, reason: str, field: str | None, detail: str):
@@ -214,7 +216,8 @@ class RecordMapper:
         if not self.list_answers_seen or split in self.unlabelled:
             return {}
         bare = self.bare_string_ids.get(split, set())
-        return {"answers_as_bare_string": sum(row["id"] in bare for row in rows)}
+        named = [row["id"] for row in rows if row["id"] in bare]
+        return {"answers_as_bare_string": len(named), "answers_as_bare_string_ids": named[:NAMED_PER_COUNT]}
 
     # Normalise's train/test overlap check (data/contamination.py): the key is the row's input fields
     # (question, extra fields, images), never a field derived from them or the gold.

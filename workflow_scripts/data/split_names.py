@@ -61,12 +61,23 @@ def missing_split_fix(source_split: str, splits: Mapping[str, str], available: I
     return f"add {shown(source_split)}"
 
 
-def _other_format(directory: Path, split: str, fmt: str) -> str | None:
-    """The fix when ``split``'s file is there in another format than ``fmt`` (``train.json`` for jsonl)."""
+def _other_format(directory: Path, split: str, fmt: str, task: str = "generation") -> str | None:
+    """The fix when ``split``'s file is there in another format than ``fmt`` (``train.json`` for jsonl).
+
+    Only a format the schema accepts for the task is suggested: masked_lm reads text only, and text is masked_lm's.
+    """
     for other, suffixes in SUFFIXES.items():
         for suffix in suffixes:
-            if other != fmt and (directory / (split + suffix)).is_file():
-                return f"{split + suffix} is there: set format: {other}"
+            name = split + suffix
+            if other == fmt or not (directory / name).is_file():
+                continue
+            if (other == text_lines.TEXT_FORMAT) == (task == "masked_lm"):
+                return f"{name} is there: set format: {other}"
+            if task == "masked_lm":
+                return (f"{name} is there, but task masked_lm reads plain text only: write its examples one per line "
+                        f"to {split}.txt (or {split}.txt.gz)")
+            return (f"{name} is there, but format text (one example per line) is read by task masked_lm only; "
+                    f"give task {task} its records as {split}.jsonl, .json, .csv or .parquet")
     return None
 
 
@@ -86,7 +97,7 @@ def local_split_problem(directory: Path, settings: Mapping[str, Any]) -> tuple[s
         if len(present) > 1:
             return canonical, f"{directory} holds both {present[0]} and {present[1]}; keep one"
         holds = sorted(path.name for path in directory.iterdir())
-        fix = _other_format(directory, split, fmt) or missing_split_fix(split, splits, available_splits(directory, fmt), fmt)
+        fix = _other_format(directory, split, fmt, settings.get("task", "generation")) or missing_split_fix(split, splits, available_splits(directory, fmt), fmt)
         return canonical, f"{directory / split_file_names(split, fmt)[0]} is missing (the directory holds {holds}); {fix}"
     return None
 

@@ -12,8 +12,12 @@ Rules:
   Unicode line breaks (U+2028, ``\\x0b``...) stay inside the line, as ``str.splitlines`` would
   otherwise cut a corpus line in two and shift every line number after it.
 - Lines that are empty or whitespace only are skipped and counted (``blank``), never examples.
-- Bytes must be UTF-8; the first invalid line fails the whole read, naming the file and the
-  1-based line (``file.txt line 17: ...``), rather than being replaced or skipped silently.
+- Bytes must be UTF-8; by default (``on_invalid_text: stop``) the first invalid line fails the whole
+  read, naming the file and the 1-based line (``file.txt line 17: ...``), rather than being replaced
+  or skipped silently; with ``on_invalid_text: reject_row`` such a line is skipped and counted
+  (``invalid_text``, the first lines named in ``invalid_text_lines``), as normalise rejects a bad row.
+- A damaged or cut-short gzip stream names the last line that decoded whole (found by decoding the
+  file again in small steps: the buffered reader loses the lines of the read that failed).
 - A UTF-8 byte-order mark at the start of a file is removed (editors on Windows write one).
 - ``.gz`` files are recognised by their magic bytes, not by their name.
 - Ids are ``<file stem>-<line>`` (stem without ``.gz`` and the text suffix; line 1-based), stable as
@@ -37,6 +41,7 @@ BOM = "\ufeff"
 # Rows per Arrow record batch: ~2 MB of text per batch for 200-byte lines; the writer holds at most
 # this many rows in memory.
 WRITER_BATCH_ROWS = 10_000
+NAMED_PER_COUNT = 20  # the report names the first blank lines of each file (``blank_lines``), not only their count
 
 
 def _features():
@@ -47,16 +52,18 @@ def _features():
 
 @dataclass
 class LineCounts:
-    """What :func:`iter_lines` saw, per file: ``lines`` read, ``kept`` (yielded), ``blank`` (skipped)."""
+    """What :func:`iter_lines` saw, per file: ``lines`` read, ``kept`` (yielded), ``blank`` (skipped),
+    ``invalid_text`` (not UTF-8, skipped under ``reject_row``) and the first :data:`NAMED_PER_COUNT`
+    line numbers (1-based) of the last two, ``blank_lines`` and ``invalid_text_lines``."""
 
-    files: dict[str, dict[str, int]] = field(default_factory=dict)
+    files: dict[str, dict] = field(default_factory=dict)
 
     def total(self, key: str) -> int:
         return sum(counts[key] for counts in self.files.values())
 
     def as_report(self) -> dict:
         return {"files": {name: dict(c) for name, c in self.files.items()},
-                **{key: self.total(key) for key in ("lines", "kept", "blank")}}
+                **{key: self.total(key) for key in ("lines", "kept", "blank", "invalid_text")}}
 
 
 def file_stem(path: str | os.PathLike) -> str:
@@ -89,49 +96,85 @@ def _open_bytes(path: Path):
         raise WorkflowError(f"{path}: is a directory, not a text file") from None
 
 
-def _decode(raw: bytes, path: Path, number: int) -> str:
+ON_INVALID_TEXT = ("stop", "reject_row")  # the dataset's ``on_invalid_text``
+
+
+def _invalid_utf8(path: Path, number: int, error: UnicodeDecodeError) -> WorkflowError:
+    # No iconv suggestion: converting a UTF-8 file with one bad line from another encoding would damage the rest.
+    return WorkflowError(
+        f"{path} line {number}: invalid UTF-8 at byte {error.start} of the line ({error.reason}); fix or remove "
+        "that line, or set the dataset's on_invalid_text: reject_row to reject and count such lines")
+
+
+def lines_before_damage(path: Path) -> int:
+    """Lines that decode whole from a damaged gzip file, read again in small steps (error path only)."""
+    lines, decoder = 0, zlib.decompressobj(16 + zlib.MAX_WBITS)
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise WorkflowError(
-            f"{path} line {number}: invalid UTF-8 at byte {error.start} of the line ({error.reason}); "
-            "convert the file to UTF-8 (e.g. iconv -f <its encoding> -t UTF-8)"
-        ) from None
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 14), b""):
+                while block:
+                    lines += decoder.decompress(block).count(b"\n")
+                    block = decoder.unused_data if decoder.eof else b""
+                    if decoder.eof:  # the next member of a multi-member file
+                        decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    except zlib.error:
+        pass
+    return lines
 
 
-def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = None) -> Iterator[tuple[str, int, str]]:
+def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = None,
+               on_invalid_text: str = "stop") -> Iterator[tuple[str, int, str]]:
     """``(file, line number (1-based), text)`` for every non-blank line of ``paths``, in order.
 
     Reads line by line (never a whole file); ``counts`` (optional) is filled as the stream advances.
     The text keeps everything but the line terminator (leading/trailing spaces are the tokenizer's).
+    ``on_invalid_text``: ``stop`` at the first line that is not UTF-8, or ``reject_row`` (skip and count it).
     """
+    if on_invalid_text not in ON_INVALID_TEXT:
+        raise WorkflowError(f"on_invalid_text: unknown value {on_invalid_text!r}; known: {list(ON_INVALID_TEXT)}")
     if isinstance(paths, (str, os.PathLike)):
         raise WorkflowError(f"iter_lines takes a list of files, got the single path {paths!s}")
     if not paths:
         raise WorkflowError("no text files given")
     check_unique_stems(paths)
     for path in map(Path, paths):
-        number = kept = 0
+        number = kept = invalid = 0
+        blank_lines: list[int] = []
+        invalid_lines: list[int] = []
         with _open_bytes(path) as handle:
             try:
                 for raw in handle:
                     number += 1
-                    text = _decode(raw.rstrip(b"\n").removesuffix(b"\r"), path, number)
+                    try:
+                        text = raw.rstrip(b"\n").removesuffix(b"\r").decode("utf-8")
+                    except UnicodeDecodeError as error:
+                        if on_invalid_text == "stop":
+                            raise _invalid_utf8(path, number, error) from None
+                        invalid += 1
+                        if len(invalid_lines) < NAMED_PER_COUNT:
+                            invalid_lines.append(number)
+                        continue
                     if number == 1:
                         text = text.removeprefix(BOM)
                     if text.isspace() or not text:
+                        if len(blank_lines) < NAMED_PER_COUNT:
+                            blank_lines.append(number)
                         continue
                     kept += 1
                     yield str(path), number, text
             except (EOFError, gzip.BadGzipFile, zlib.error) as error:
-                raise WorkflowError(f"{path} line {number + 1}: the gzip stream is damaged or cut short ({error}); "
-                                    "download the file again") from None
+                whole = max(number, lines_before_damage(path))
+                raise WorkflowError(f"{path}: the gzip stream is damaged or cut short after line {whole}, the last line "
+                                    f"read whole ({error}); download or compress the file again") from None
             finally:  # counted once per file, not per line (the loop runs millions of times)
                 if counts is not None:
-                    counts.files[str(path)] = {"lines": number, "kept": kept, "blank": number - kept}
+                    counts.files[str(path)] = {"lines": number, "kept": kept, "blank": number - kept - invalid,
+                                               "blank_lines": blank_lines, "invalid_text": invalid,
+                                               "invalid_text_lines": invalid_lines}
 
 
-def _write_split(split: str, files: list[str], directory: Path, writer_batch_size: int) -> LineCounts:
+def _write_split(split: str, files: list[str], directory: Path, writer_batch_size: int,
+                 on_invalid_text: str = "stop") -> LineCounts:
     """Stream one split's lines into ``directory`` laid out as ``Dataset.save_to_disk`` lays it out
     (``data/arrow_split.SplitWriter``: shards of at most ``datasets.config.MAX_SHARD_SIZE``, ``state.json``,
     ``dataset_info.json``), so ``load_from_disk`` memory-maps it like any saved set.
@@ -159,7 +202,7 @@ def _write_split(split: str, files: list[str], directory: Path, writer_batch_siz
         texts.clear()
 
     try:
-        for path, number, text in iter_lines(files, counts):
+        for path, number, text in iter_lines(files, counts, on_invalid_text):
             ids.append(f"{stems[path]}-{number}")
             texts.append(text)
             if len(texts) >= writer_batch_size:
@@ -173,7 +216,8 @@ def _write_split(split: str, files: list[str], directory: Path, writer_batch_siz
 
 
 def write_normalised(splits: Mapping[str, Sequence[str | os.PathLike]], out_dir: str | os.PathLike,
-                     *, writer_batch_size: int = WRITER_BATCH_ROWS, extra_json: Mapping[str, object] | None = None) -> dict:
+                     *, writer_batch_size: int = WRITER_BATCH_ROWS, extra_json: Mapping[str, object] | None = None,
+                     on_invalid_text: str = "stop") -> dict:
     """Write the normalised ``DatasetDict`` (columns ``id``, ``text``) of text files, split by split.
 
     ``splits`` maps a canonical split name (``train``, ``test``, ``validation``) to its files.
@@ -188,8 +232,8 @@ def write_normalised(splits: Mapping[str, Sequence[str | os.PathLike]], out_dir:
 
     from workflow_scripts.core.atomic_output import atomic_path
 
-    if not splits or "train" not in splits:
-        raise WorkflowError(f"text corpus: a 'train' split is required (got {sorted(splits)})")
+    if not splits:  # an evaluation-only corpus has no train split, only held-out ones
+        raise WorkflowError("text corpus: no split given")
     check_unique_stems([p for files in splits.values() for p in files])
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -197,7 +241,7 @@ def write_normalised(splits: Mapping[str, Sequence[str | os.PathLike]], out_dir:
     with atomic_path(out_dir, directory=True) as out:
         for split, files in splits.items():
             files = [str(p) for p in files]
-            counts = _write_split(split, files, out / split, writer_batch_size)
+            counts = _write_split(split, files, out / split, writer_batch_size, on_invalid_text)
             counts.files = {name: counts.files[name] for name in files}  # input order
             report[split] = counts.as_report()
             if report[split]["kept"] == 0:
@@ -233,5 +277,9 @@ def available_splits(directory: str | os.PathLike) -> list[str]:
 
 
 def count_lines(path: str | os.PathLike) -> int:
-    """Non-blank lines of one file (the rows it will give), read as a stream."""
-    return sum(1 for _ in iter_lines([path]))
+    """Non-blank lines of one file, read as a stream (download's count: a line that is not UTF-8 is counted
+    here and judged by normalise, which knows the dataset's on_invalid_text)."""
+    counts = LineCounts()
+    for _ in iter_lines([path], counts, on_invalid_text="reject_row"):
+        pass
+    return counts.total("kept") + counts.total("invalid_text")

@@ -406,3 +406,66 @@ def _first_mismatch(error: Exception) -> str:
         name, stored, current = found.groups()
         return f"tensor {name} has shape {stored} in the adapter but {current} in the model"
     return " ".join(text.split())[:300]
+
+
+# What a task needs of the model's architecture, said in the user's words (the task's auto class -> why).
+CANNOT_RUN = {
+    "AutoModelForCausalLM": "this model cannot generate (it has no causal language-model head, e.g. an encoder such as BERT)",
+    "AutoModelForImageTextToText": "this model has no vision part (it reads text only)",
+    "AutoModelForMaskedLM": "this model has no masked language-model head",
+    "AutoModelForSequenceClassification": "this model has no sequence-classification form",
+}
+
+
+def check_task_architecture(model_dir: str | Path, task) -> None:
+    """Refuse a model whose architecture the task's Auto class cannot load (a generation dataset on a BERT, a
+    vision_language dataset on a text-only model) before any work, rather than with a traceback later.
+
+    Read from ``config.json`` alone. A model with its own code (``auto_map``) or a config transformers cannot
+    read is left to the loader, which names ``model.trust_remote_code``."""
+    import transformers
+
+    try:
+        config_json = json.loads((Path(model_dir) / "config.json").read_text())
+        config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    except Exception:  # remote code, or an unknown model type: judged where the model is loaded
+        return
+    if task.auto_model_class in (config_json.get("auto_map") or {}):
+        return
+    auto = getattr(transformers, task.auto_model_class, None)
+    mapping = getattr(auto, "_model_mapping", None)
+    loadable = mapping is not None and type(config) in mapping
+    if loadable and task.auto_model_class == "AutoModelForCausalLM":
+        # BERT has a causal form (BertLMHeadModel) that a BERT checkpoint was never trained as: judge by what was saved.
+        saved = config_json.get("architectures") or []
+        loadable = (not saved or config_json.get("is_decoder", False)
+                    or any(re.search(r"(ForCausalLM|LMHeadModel|ForConditionalGeneration)$", name) for name in saved))
+    if mapping is None or loadable:
+        return
+    reason = CANNOT_RUN.get(task.auto_model_class, f"this model has no {task.auto_model_class} form")
+    raise WorkflowError(
+        f"{model_dir}: task '{task.name}' needs a model that {task.auto_model_class} loads, but this is a "
+        f"'{config.model_type}' model: {reason}; run the dataset on another model (the dataset's models: list)")
+
+
+def check_remote_code(model_dir: str | Path, trust_remote_code: bool, where: str) -> None:
+    """A model whose ``config.json`` needs its own Python code (``auto_map``, or a ``model_type`` this
+    transformers does not know) is refused at prepare_model unless ``model.trust_remote_code`` is set,
+    instead of a long transformers traceback at the first stage that loads it."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if trust_remote_code:
+        return
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # check_model_dir names a missing or broken config.json
+    model_type, auto_map = config.get("model_type"), config.get("auto_map")
+    unknown = model_type is not None and model_type not in CONFIG_MAPPING_NAMES
+    if not (unknown or auto_map):
+        return
+    why = (f"model_type '{model_type}', which this transformers does not know" if unknown else
+           f"its own code for {sorted(auto_map)} (auto_map)")
+    raise WorkflowError(f"{where}: config.json needs {why}, so loading it would run Python code shipped with the "
+                        "model; set model.trust_remote_code: true if you trust that code (or models.<name>."
+                        "trust_remote_code), else choose a model that transformers supports")

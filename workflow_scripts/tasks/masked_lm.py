@@ -577,7 +577,8 @@ class MaskedLMTask:
 
         splits = dict(settings["splits"])
         files = {canonical: [text_lines.split_file(raw_dir, source)] for canonical, source in splits.items()}
-        counts = text_lines.write_normalised(files, out_dir, extra_json=extra_json)
+        counts = text_lines.write_normalised(files, out_dir, extra_json=extra_json,
+                                             on_invalid_text=settings.get("on_invalid_text", "stop"))
         return {
             "splits": {canonical: {"source_split": splits[canonical], "file": str(files[canonical][0]), **counts[canonical]}
                        for canonical in files},

@@ -1,0 +1,50 @@
+"""The user's name for a raw file: messages and reports name the file the config points at, never
+the workflow's copy of it (``results/data/<dataset>/raw/<file>``) nor download's staging directory
+(``results/data/<dataset>/.raw.<host>-<pid>-<random>.partial/<file>``).
+
+``download`` keeps local and url files byte for byte under their own names, so a copied file maps back
+one to one: a local source's ``<source.path>/<file>``, a url source's ``<file> in <url>``, a hub
+dataset's ``hub dataset <id>@<revision> split <split>``.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+from workflow_scripts.core.errors import WorkflowError
+
+# Where a path in a message ends: the separators messages put after a file name.
+_PATH_TAIL = r"(?:/[^\s:;,'\"()\[\]]*|(?![\w.-]))"  # a path inside the copy, or the copy itself (not raw_other)
+
+
+class SourceNames:
+    """Maps paths under ``copy_dir`` (the raw copy or its staging directory) to the source's names."""
+
+    def __init__(self, copy_dir: str | Path, settings: Mapping[str, Any]):
+        self.copy_dir = Path(copy_dir)
+        self.source = settings["source"]
+
+    def shown(self, path: str | Path) -> str:
+        """``path`` as the user knows it (``path`` itself when it is not inside the copy)."""
+        try:
+            relative = Path(path).relative_to(self.copy_dir)
+        except ValueError:
+            return str(path)
+        kind = self.source["type"]
+        if kind == "local":
+            return str(Path(self.source["path"]) / relative) if str(relative) != "." else str(self.source["path"])
+        if kind == "url":
+            return self.source["url"] if str(relative) == "." else f"{relative} in {self.source['url']}"
+        where = f"hub dataset {self.source['id']}@{self.source.get('revision')}"
+        return where if str(relative) == "." else f"{where} split {relative}"
+
+    def translate(self, message: str) -> str:
+        """Every path inside the copy that ``message`` names, replaced by the user's name for it."""
+        pattern = r"(?<![\w./-])" + re.escape(str(self.copy_dir)) + _PATH_TAIL
+        return re.sub(pattern, lambda match: self.shown(match.group(0)), message)
+
+    def reraise(self, error: WorkflowError) -> WorkflowError:
+        """``error`` with its message translated (same type, so a ConfigError stays one)."""
+        error.args = (self.translate(str(error)),) + error.args[1:]
+        return error
