@@ -41,6 +41,19 @@ def test_estimate_uses_the_largest_base_variance_over_the_variants_prompts():
                                f"±{estimate.mde:.2f} will not be detectable (alpha 0.05, power 0.8)")
 
 
+def test_an_untrained_model_near_its_floor_takes_the_bound_not_its_own_small_spread():
+    """The demo's untrained AMR model (micro F1 0.003) gave +-0.01 from its own spread, while the trained
+    variants achieved +-0.12: a bounded score takes 1/4 (Var(a - b) <= 1/4 at rho >= 1/2) unless the
+    untrained model's variance is larger."""
+    estimate = power.estimate("chart", "tiny", "exact_match", {"baseline": records(correct(1))}, n_seeds=1)
+    assert 0 < estimate.base_variance < 0.25
+    assert estimate.variance == 0.25 and estimate.variance_source == power.VARIANCE_FROM_BOUND
+    smatch = power.estimate("amr", "tiny", "smatch", {"baseline": [{"counts": [1 if i == 0 else 0, 8, 9]}
+                                                                  for i in range(72)]}, n_seeds=1)
+    assert smatch.mde == pytest.approx(power.z_sum() * math.sqrt(0.25 / 72))
+    assert smatch.mde > 0.16  # not the +-0.01 of the untrained model's own spread
+
+
 def test_an_untrained_model_wrong_everywhere_takes_the_bound_of_a_score_in_0_1():
     estimate = power.estimate("chart", "tiny", "exact_match", {"baseline": records([0.0] * 72)}, n_seeds=1)
     assert estimate.variance == 0.25 and estimate.variance_source == power.VARIANCE_FROM_BOUND

@@ -11,12 +11,15 @@ averages each variant over ``k`` seeds, and the seeds are treated as independent
 example (as Miller's resampling of K answers per question, with K = k), so ``n`` becomes ``n * k``. This
 is optimistic where the examples' difficulty, not the seed, dominates the variance; the report says so.
 
-The paired variance is unknown before training. The assumption used and named in the report: the untrained
-model's per-example variance (the largest over the variants' prompts) stands in for ``Var(d)``. This holds
-when the two variants' per-example scores correlate with rho >= 1/2 and have about the base model's spread
-(Var(a - b) = 2 sigma^2 (1 - rho)). Where the untrained model's scores do not vary at all (an untrained model
-that is wrong everywhere), a score bounded in [0, 1] takes the largest variance such a score can have, 1/4
-(Popoviciu's inequality); an unbounded metric (mlm_loss, perplexity) then has no estimate.
+The paired variance is unknown before training. The assumption used and named in the report: the two
+variants' per-example scores correlate with rho >= 1/2. For a score in [0, 1] (standard deviations x, y <= 1/2)
+that bounds the variance of the difference: Var(a - b) = x^2 + y^2 - 2 rho x y <= x^2 + y^2 - x y
+<= max(x, y)^2 <= 1/4 (Popoviciu). So 1/4 is used, or the untrained model's per-example variance (the largest
+over the variants' prompts) where that is larger (a ratio metric's linearised contributions can be). The
+untrained model's own variance alone is no guide: it scores near its floor (the demo's AMR model: micro F1
+0.003, whose spread gave +-0.01 against the +-0.12 the trained variants achieved). The estimate is therefore
+conservative: the demo's achieved MDEs are 0.5 to 1.0 times it. An unbounded metric (mlm_loss, perplexity)
+takes the untrained model's variance, and has no estimate where that is 0.
 
 Ratio-of-sums metrics (smatch's micro F1, the masked-LM ratios) are not means of per-example scores: each
 example enters through its linearised contribution (delta method), (num_i - R * den_i) / mean(den) for
@@ -40,7 +43,8 @@ POWER = 0.8
 BOUNDED_VARIANCE = 0.25  # the largest variance of a score in [0, 1] (Popoviciu)
 UNBOUNDED_METRICS = ("mlm_loss", "perplexity")
 VARIANCE_FROM_BASE = "untrained model's per-example variance (largest over the variants' prompts)"
-VARIANCE_FROM_BOUND = "1/4, the largest variance of a score in [0, 1]: the untrained model's scores do not vary"
+VARIANCE_FROM_BOUND = ("1/4: for scores in [0, 1] whose variants correlate with rho >= 1/2, Var(a - b) <= 1/4; the "
+                       "untrained model's per-example variance is smaller")
 
 
 def z_sum(alpha: float = ALPHA, power: float = POWER) -> float:
@@ -139,12 +143,12 @@ def estimate(dataset: str, model: str, metric: str, base_records: Mapping[str, S
     variances = [float(np.var(example_contributions(metric, records), ddof=1)) if n_examples > 1 else 0.0
                  for records in base_records.values()]
     base_variance = max(variances)
-    if base_variance > 0:
-        variance, source = base_variance, VARIANCE_FROM_BASE
-    elif metric in UNBOUNDED_METRICS:
-        variance, source = 0.0, "none: the untrained model's scores do not vary and the metric is unbounded"
-    else:
+    if metric not in UNBOUNDED_METRICS and base_variance <= BOUNDED_VARIANCE:
         variance, source = BOUNDED_VARIANCE, VARIANCE_FROM_BOUND
+    elif base_variance > 0:
+        variance, source = base_variance, VARIANCE_FROM_BASE
+    else:
+        variance, source = 0.0, "none: the untrained model's scores do not vary and the metric is unbounded"
     mde = None if variance == 0 else minimum_detectable_effect(variance, n_examples, n_seeds)
     return PowerEstimate(dataset, model, metric, n_examples, n_seeds, base_variance, variance, source, mde)
 
