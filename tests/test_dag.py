@@ -220,6 +220,7 @@ def test_gpu_smoke_config_builds_its_dag_for_one_gpu(tmp_path):
     assert re.search(r"--training '[^']*\"gpus\": 1", output) or '"gpus": 1' in output
 
 
+@pytest.mark.slow  # a real Snakemake run (to download)
 def test_without_pulp_snakemake_schedules_greedily(tmp_path):
     """`make gpu-wheels` leaves PuLP out (16 MiB of CBC binaries; the upload must stay under 60 MiB):
     Snakemake then falls back to its greedy scheduler and runs, as the GPU check's workflow phase will."""
