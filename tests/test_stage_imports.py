@@ -48,4 +48,16 @@ def test_the_data_stages_run_without_peft_or_transformers(tmp_path):
         f"assert normalise.main(['--name', 'amr_demo', '--dataset', {settings!r}, '--raw', {str(raw)!r},"
         f" '--out', {str(normalised)!r}, '--report', {str(tmp_path / 'report.json')!r}]) == 0\n")
     assert (normalised / "dataset_dict.json").exists() or any(normalised.iterdir())
-    assert not {"transformers", *MODEL_CLASSES} & loaded, sorted({"transformers", *MODEL_CLASSES} & loaded)
+    # torch too: the generation task's module is loaded for its row mapping, and keeps torch for training.
+    assert not {"torch", "transformers", *MODEL_CLASSES} & loaded, sorted({"torch", "transformers", *MODEL_CLASSES} & loaded)
+
+
+def test_the_generation_task_loaded_for_its_data_loads_no_torch():
+    """normalise (row mapping, rejection reasons) and compare (comparison note) load a task for data alone;
+    its loss (generation.TargetTokenLoss) still comes with torch when asked for."""
+    loaded = modules_after("from workflow_scripts.tasks import task_named\n"
+                           "task = task_named('generation')\n"
+                           "task.record_mapper, getattr(task, 'comparison_note', None), task.rejection_reasons "
+                           "if hasattr(task, 'rejection_reasons') else None\n")
+    assert "torch" not in loaded
+    assert "torch" in modules_after("from workflow_scripts.tasks import generation\ngeneration.TargetTokenLoss")
