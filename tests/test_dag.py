@@ -78,33 +78,9 @@ def test_a_bad_config_stops_snakemake_with_one_message(tmp_path):
     assert "config key 'datasets.chartqa_demo.source.sha256': required when source.type is 'url'" in output
 
 
-@pytest.mark.slow
-def test_data_chain_runs_once_and_a_template_edit_reruns_only_that_variant(tmp_path):
-    config = absolute_demo_config(["amr_demo"])
-    path = config_file(tmp_path, config)
-    base = ["--configfile", str(path), "--replace-workflow-config", "--cores", "2", "--until", "pretokenise"]
-    code, output = snakemake(tmp_path, *base)
-    assert code == 0, output
-    for variant in ("baseline", "mtup"):
-        assert (tmp_path / f"results/data/amr_demo/tokenised/tiny-llama/{variant}/tokenise_meta.json").exists()
-    assert (tmp_path / "resources/models/tiny-llama/model_manifest.json").exists()
-
-    code, output = snakemake(tmp_path, *base)
-    assert code == 0 and nothing_to_do(output), output
-
-    config["variants"]["mtup"]["prompt"] = "Sentence: {question}\nSolve Task 1 then Task 2.\n"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    code, output = snakemake(tmp_path, "-n", *base)
-    assert code == 0, output
-    assert job_counts(output) == {"pretokenise": 1}
-    assert "variant=mtup" in output and "variant=baseline" not in output
-
-    # a training-only setting must not re-tokenise anything
-    config["variants"]["mtup"]["prompt"] = default_config()["variants"]["mtup"]["prompt"]
-    config["training"]["learning_rate"] = 1.0e-3
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    code, output = snakemake(tmp_path, "-n", *base)
-    assert code == 0 and nothing_to_do(output), output
+# The data chain run once, its rerun and a template edit: test_workflow_e2e.py (the module's run,
+# test_second_run_has_nothing_to_do, test_changed_template_reruns_only_that_variant,
+# test_a_training_only_setting_retokenises_nothing).
 
 
 def test_a_configfile_replaces_the_demo_config_instead_of_merging(tmp_path):
@@ -142,7 +118,7 @@ def test_a_source_file_copied_in_with_its_old_time_still_reruns_download(tmp_pat
     assert code == 0 and job_counts(output).get("download") == 1, output
 
 
-# A second experiment set in the same directory -------------------------------------------------------
+# A second experiment set in the same directory (small_chain_config is used by test_workflow_e2e.py) ---
 def small_chain_config(dataset: str, model: str = "tiny-llama") -> dict:
     """One dataset, the baseline variant, one seed and two steps on a tiny model (named ``model``): the
     whole chain in about a minute."""
@@ -173,33 +149,8 @@ def test_a_comparison_left_from_an_earlier_run_hides_no_experiment(tmp_path):
     assert counts["train"] == counts["evaluate"] == runs and counts["compare"] == 1, counts
 
 
-@pytest.mark.slow
-def test_a_second_experiment_set_in_the_same_directory_runs_and_an_unchanged_one_does_nothing(tmp_path):
-    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
-    first.write_text(yaml.safe_dump(small_chain_config("amr_demo"), sort_keys=False))
-    second.write_text(yaml.safe_dump(small_chain_config("chartqa_demo", model="tiny-llama-b"), sort_keys=False))
-
-    def run(configfile, *args):
-        code, output = snakemake(tmp_path, "--configfile", str(configfile), "--replace-workflow-config",
-                                 "--cores", "2", *args)
-        assert code == 0, output[-4000:]
-        return output
-
-    run(first)
-    assert nothing_to_do(run(first, "-n"))  # unchanged: nothing to do
-    planned = job_counts(run(second, "-n"))  # another model and dataset: its whole chain
-    assert {rule: planned.get(rule) for rule in ("download", "prepare_model", "train", "evaluate", "compare")} == {
-        "download": 1, "prepare_model": 1, "train": 1, "evaluate": 1, "compare": 1}, planned
-    run(second)
-    assert (tmp_path / "results/tiny-llama-b/chartqa_demo/baseline/seed1/eval.json").exists()
-    assert "chartqa_demo" in (tmp_path / "results/comparison.md").read_text()
-    assert nothing_to_do(run(second, "-n"))
-    # Back to the first set: its runs are all here, only its comparison is redone.
-    assert {rule: n for rule, n in job_counts(run(first, "-n")).items() if rule != "all"} == {"compare": 1}
-    run(first)
-    assert "amr_demo" in (tmp_path / "results/comparison.md").read_text()
-    assert len(list((tmp_path / "results/experiment_sets").glob("*.json"))) == 1
-    assert nothing_to_do(run(first, "-n"))
+# A second set run in the same directory: test_workflow_e2e.py::test_a_second_experiment_set_in_the_same_
+# directory_runs_and_an_unchanged_one_does_nothing, whose first set is that module's run.
 
 
 def test_gpu_smoke_config_builds_its_dag_for_one_gpu(tmp_path):
@@ -220,6 +171,7 @@ def test_gpu_smoke_config_builds_its_dag_for_one_gpu(tmp_path):
     assert re.search(r"--training '[^']*\"gpus\": 1", output) or '"gpus": 1' in output
 
 
+@pytest.mark.slow  # a real Snakemake run (to download)
 def test_without_pulp_snakemake_schedules_greedily(tmp_path):
     """`make gpu-wheels` leaves PuLP out (16 MiB of CBC binaries; the upload must stay under 60 MiB):
     Snakemake then falls back to its greedy scheduler and runs, as the GPU check's workflow phase will."""

@@ -24,6 +24,10 @@ from workspace import ROOT, make_workspace, reduced_config, run_snakemake, train
 
 FAKE_GPUS = 4
 # No slurmdbd here: sacct cannot answer, so job states come from squeue (MinJobAge=600 in cluster.py).
+# Every test here needs the cluster (the profile checks that do not are in test_profiles.py):
+# `make test-fast` (-m "not slow and not slurm") leaves them out, `make test` and CI run them.
+pytestmark = pytest.mark.slurm
+
 SLURM_ARGS = ["--profile", "profiles/slurm", "--slurm-status-command", "squeue",
               "--slurm-init-seconds-before-status-checks", "1", "--slurm-keep-successful-logs", "--verbose"]
 
@@ -261,44 +265,3 @@ def _validated_training(workflow_dir: Path, resolved_training) -> dict:
     from workflow_scripts.core.experiment_config import load_config
 
     return resolved_training(load_config(workflow_dir / "config" / "config.yaml"), "baseline")
-
-
-# --- the profiles themselves (no cluster needed) -------------------------------------------------
-
-def _rules_declaring_gpus() -> set[str]:
-    rules, derived = set(), []
-    for smk in (ROOT / "rules").glob("*.smk"):
-        text = smk.read_text()
-        for block in re.split(r"\n(?=rule )", text):
-            name = re.match(r"rule (\w+):", block)
-            if name and re.search(r"resources:\s*\n(\s+#.*\n)*(\s+\w+=.*\n)*?\s+gpu=", block):
-                rules.add(name.group(1))
-        derived += re.findall(r"^use rule (\w+) as (\w+)", text, re.MULTILINE)
-    # `use rule X as Y with:` keeps X's resources unless it overrides them (ours never drop gpu).
-    rules |= {child for parent, child in derived if parent in rules}
-    return rules
-
-
-def test_slurm_profile_keeps_gpu_rules_to_one_task_and_gpus_out_of_slurm_extra():
-    import yaml
-
-    profile = yaml.safe_load((ROOT / "profiles" / "slurm" / "config.yaml").read_text())
-    gpu_rules = _rules_declaring_gpus()
-    assert {"sanity", "train", "evaluate", "evaluate_base"} <= gpu_rules
-    assert profile["executor"] == "slurm"
-    for rule in gpu_rules:
-        assert profile["set-resources"][rule]["tasks_per_gpu"] == 0, rule
-    for rule, resources in profile["set-resources"].items():
-        assert not re.search(r"--(gres|gpus)[=\s]", str(resources.get("slurm_extra", ""))), rule
-    assert profile["preemptible-rules"] == ["train"] and profile["preemptible-retries"] >= 1
-    assert {"runtime", "mem_mb"} <= set(profile["default-resources"])
-    local_rules = re.search(r"localrules:\s*\n((?:\s+\w+,?\n)+)", (ROOT / "rules" / "data.smk").read_text()).group(1)
-    assert {"download", "prepare_model"} <= {r.strip(" ,") for r in local_rules.split()}
-
-
-def test_local_profile_runs_on_every_core_and_counts_gpus():
-    import yaml
-
-    profile = yaml.safe_load((ROOT / "profiles" / "local" / "config.yaml").read_text())
-    assert profile["cores"] == "all" and profile["resources"]["gpu"] == 0
-    assert profile["rerun-incomplete"] and profile["keep-going"]

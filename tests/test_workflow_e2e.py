@@ -106,7 +106,8 @@ def test_changed_template_reruns_only_that_variant(finished_run):
         (finished_run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     rules = {rule for rule, _ in jobs}
     assert {"pretokenise", "sanity", "train", "evaluate", "compare"} <= rules, jobs
-    assert rules <= {"pretokenise", "sanity", "train", "evaluate", "evaluate_base", "compare", "all"}, jobs
+    # power: the dataset's minimum detectable effect, from the untrained model's scores (evaluate_base of mtup)
+    assert rules <= {"pretokenise", "sanity", "train", "evaluate", "evaluate_base", "power", "compare", "all"}, jobs
     for rule, wildcards in jobs:
         if "variant" in wildcards:
             assert wildcards["variant"] == "mtup", (rule, wildcards)
@@ -118,3 +119,51 @@ def test_forcerun_evaluate_reruns_evaluation_and_comparison_only(finished_run):
     assert set(rules) <= {"evaluate", "compare", "all"}, rules
     assert rules.count("evaluate") == len(DATASETS) * len(VARIANTS) * len(SEEDS)
     assert "compare" in rules
+
+
+def test_a_training_only_setting_retokenises_nothing(finished_run):
+    """(Was test_dag's data-chain run; its first run and template edit are the tests above.)"""
+    config = yaml.safe_load((finished_run / "config.yaml").read_text())
+    original = config["training"]["learning_rate"]
+    config["training"]["learning_rate"] = original * 0.5
+    (finished_run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    try:
+        jobs = planned_jobs(snakemake(finished_run, "--dry-run"))
+    finally:
+        config["training"]["learning_rate"] = original
+        (finished_run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    rules = {rule for rule, _ in jobs}
+    assert "train" in rules and not rules & {"download", "normalise", "prepare_model", "pretokenise"}, jobs
+
+
+# Last in this module: it runs a second experiment set in the module's directory and then restores the first.
+def test_a_second_experiment_set_in_the_same_directory_runs_and_an_unchanged_one_does_nothing(finished_run):
+    """The module's run is the first set; the second is another model and dataset with their whole chain.
+    (Was in test_dag.py with a first set of its own: one whole chain fewer.)"""
+    from test_dag import job_counts, nothing_to_do, small_chain_config
+
+    second = finished_run / "second.yaml"
+    second.write_text(yaml.safe_dump(small_chain_config("ocrvqa_demo", model="tiny-llama-b"), sort_keys=False))
+
+    def run_second(*args):
+        command = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--configfile", str(second),
+                   "--replace-workflow-config", "--cores", "2", *args]
+        result = subprocess.run(command, cwd=finished_run, capture_output=True, text=True, timeout=1200)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+        return result.stdout + result.stderr
+
+    assert nothing_to_do(snakemake(finished_run, "-n"))  # the first set, unchanged: nothing to do
+    planned = job_counts(run_second("-n"))  # another model and dataset: its whole chain
+    assert {rule: planned.get(rule) for rule in ("download", "prepare_model", "train", "evaluate", "compare")} == {
+        "download": 1, "prepare_model": 1, "train": 1, "evaluate": 1, "compare": 1}, planned
+    run_second()
+    assert (finished_run / "results/tiny-llama-b/ocrvqa_demo/baseline/seed1/eval.json").exists()
+    assert "ocrvqa_demo" in (finished_run / "results/comparison.md").read_text()
+    assert nothing_to_do(run_second("-n"))
+    # Back to the first set: its runs are all here, only its comparison is redone.
+    assert {rule: n for rule, n in job_counts(snakemake(finished_run, "-n")).items() if rule != "all"} == {"compare": 1}
+    snakemake(finished_run)
+    comparison = (finished_run / "results/comparison.md").read_text()
+    assert "amr_demo" in comparison and "ocrvqa_demo" not in comparison
+    assert len(list((finished_run / "results/experiment_sets").glob("*.json"))) == 1
+    assert nothing_to_do(snakemake(finished_run, "-n"))

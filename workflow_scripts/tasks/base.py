@@ -60,10 +60,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # annotations only: loading a task for its data needs no torch
+    import torch
+    from torch import nn
 
-if TYPE_CHECKING:
     from workflow_scripts.core.settings import TrainingSettings
 
 

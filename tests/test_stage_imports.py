@@ -1,0 +1,63 @@
+"""Each workflow job is a fresh interpreter: what a stage imports before its first useful line is paid once
+per job (issue 25). The light stages must not pull in peft or transformers' model classes (seconds of
+torch._inductor, bitsandbytes and modeling code), and the evaluation module, which evaluate_base also runs,
+must not pull in peft. Checked in a subprocess, where sys.modules starts empty."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from data_helpers import ROOT, demo_settings
+
+LIGHT_STAGES = ("download", "normalise", "compare", "pretokenise", "prepare_model", "mix", "cross_contamination",
+                "power")
+MODEL_CLASSES = ("peft", "transformers.modeling_utils", "bitsandbytes")
+
+
+def modules_after(code: str) -> set[str]:
+    """The names in sys.modules after running ``code`` in a fresh interpreter of this environment."""
+    probe = code + "\nimport json, sys\nprint('MODULES=' + json.dumps(sorted(sys.modules)))\n"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("MODULES="))
+    return set(json.loads(line.removeprefix("MODULES=")))
+
+
+@pytest.mark.parametrize("stage", LIGHT_STAGES)
+def test_importing_a_light_stage_loads_neither_torch_nor_peft_nor_model_classes(stage):
+    loaded = modules_after(f"import workflow_scripts.{stage}")
+    assert not {"torch", "transformers", *MODEL_CLASSES} & loaded, sorted({"torch", "transformers", *MODEL_CLASSES} & loaded)
+
+
+def test_the_evaluation_module_which_evaluate_base_runs_loads_no_peft():
+    loaded = modules_after("import workflow_scripts.evaluate")
+    assert not {"peft", "bitsandbytes"} & loaded
+
+
+def test_the_data_stages_run_without_peft_or_transformers(tmp_path):
+    """Not only the import: download and normalise of a demo dataset, run to the end, never load them."""
+    settings = json.dumps(demo_settings("amr_demo"))
+    raw, normalised = tmp_path / "raw", tmp_path / "normalised"
+    loaded = modules_after(
+        "from workflow_scripts import download, normalise\n"
+        f"assert download.main(['--name', 'amr_demo', '--dataset', {settings!r}, '--out', {str(raw)!r},"
+        f" '--manifest', {str(tmp_path / 'manifest.json')!r}]) == 0\n"
+        f"assert normalise.main(['--name', 'amr_demo', '--dataset', {settings!r}, '--raw', {str(raw)!r},"
+        f" '--out', {str(normalised)!r}, '--report', {str(tmp_path / 'report.json')!r}]) == 0\n")
+    assert (normalised / "dataset_dict.json").exists() or any(normalised.iterdir())
+    # torch too: the generation task's module is loaded for its row mapping, and keeps torch for training.
+    assert not {"torch", "transformers", *MODEL_CLASSES} & loaded, sorted({"torch", "transformers", *MODEL_CLASSES} & loaded)
+
+
+def test_the_generation_task_loaded_for_its_data_loads_no_torch():
+    """normalise (row mapping, rejection reasons) and compare (comparison note) load a task for data alone;
+    its loss (generation.TargetTokenLoss) still comes with torch when asked for."""
+    loaded = modules_after("from workflow_scripts.tasks import task_named\n"
+                           "task = task_named('generation')\n"
+                           "task.record_mapper, getattr(task, 'comparison_note', None), task.rejection_reasons "
+                           "if hasattr(task, 'rejection_reasons') else None\n")
+    assert "torch" not in loaded
+    assert "torch" in modules_after("from workflow_scripts.tasks import generation\ngeneration.TargetTokenLoss")
