@@ -14,7 +14,9 @@ def _rules_declaring_gpus() -> set[str]:
         text = smk.read_text()
         for block in re.split(r"\n(?=rule )", text):
             name = re.match(r"rule (\w+):", block)
-            if name and re.search(r"resources:\s*\n(\s+#.*\n)*(\s+\w+=.*\n)*?\s+gpu=", block):
+            # the resources block: its lines indented below the directive (a **MULTI_NODE_LAUNCH, comments...)
+            resources = re.search(r"\n    resources:\s*\n((?: {8}.*\n)+)", block)
+            if name and resources and re.search(r"^\s+gpu=", resources.group(1), re.MULTILINE):
                 rules.add(name.group(1))
         derived += re.findall(r"^use rule (\w+) as (\w+)", text, re.MULTILINE)
     # `use rule X as Y with:` keeps X's resources unless it overrides them (ours never drop gpu).
