@@ -320,6 +320,12 @@ def final_outputs():
     ]
 
 
+def also_metrics_argument(wildcards):
+    """evaluate's --also-metrics (datasets.<name>.also_metrics); empty when none, so params stay as they were."""
+    names = config["datasets"][wildcards.dataset].get("also_metrics") or []
+    return f"--also-metrics {shlex.quote(as_json(names))}" if names else ""
+
+
 # The task's metric during training (training.validation.metric_examples) ---------------------------
 def validation_metric_datasets(wildcards):
     """The datasets train scores the metric on (a mixture's components), none when the metric is off."""

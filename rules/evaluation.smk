@@ -22,6 +22,7 @@ rule evaluate:
         task=dataset_task,
         variant=variant_templates,
         metric=lambda wildcards: config["datasets"][wildcards.dataset]["metric"],
+        also_metrics=also_metrics_argument,
         evaluation=evaluation_json,
         trust_remote_code=trust_remote_code,
         adapter=lambda wildcards, input: f"--adapter {shlex.quote(input.adapter)}",
@@ -29,7 +30,7 @@ rule evaluate:
     shell:
         "python -m workflow_scripts.evaluate --model {input.model:q} {params.adapter}"
         " --data {input.data:q} --task {params.task} --variant {params.variant:q} --metric {params.metric}"
-        " --evaluation {params.evaluation:q} {params.trust_remote_code}"
+        " --evaluation {params.evaluation:q} {params.trust_remote_code} {params.also_metrics}"
         " --model-name {wildcards.model:q} --dataset-name {wildcards.dataset:q} --variant-name {wildcards.variant:q} --seed {params.seed}"
         " --predictions-out {output.predictions:q} --summary-out {output.summary:q} > {log:q} 2>&1"
 
@@ -50,6 +51,7 @@ use rule evaluate as evaluate_base with:
         task=dataset_task,
         variant=variant_templates,
         metric=lambda wildcards: config["datasets"][wildcards.dataset]["metric"],
+        also_metrics=also_metrics_argument,
         evaluation=evaluation_json,
         trust_remote_code=trust_remote_code,
         adapter="",

@@ -16,14 +16,14 @@ import argparse
 import csv
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from workflow_scripts.analysis import excluded_rows, fairness, paired_bootstrap, plots, power
-from workflow_scripts.tasks import metrics
+from workflow_scripts.tasks import also_metrics, metrics
 from workflow_scripts.core import experiment_set
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.experiment_config import evaluation_subdirectory, plot_names
@@ -157,12 +157,17 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def read_predictions(path: Path, metric: str) -> dict[str, Any]:
+def read_predictions(path: Path, metric: str, also: bool = False) -> dict[str, Any]:
     """id -> per-example score, or the record's ``counts`` for a ratio-of-sums metric (metrics.COUNTS_WIDTH:
-    smatch's (match, test, gold) triples; a masked-LM metric's (numerator, masked tokens))."""
+    smatch's (match, test, gold) triples; a masked-LM metric's (numerator, masked tokens)); ``also``: the
+    values of ``metric`` under the record's ``also_scores`` (a dataset's also_metrics)."""
     values: dict[str, Any] = {}
-    for number, row in read_jsonl(path):
-        example_id = row.get("id")
+    prefix = f"{also_metrics.FIELD}.{metric}." if also else ""
+    for number, record in read_jsonl(path):
+        example_id = record.get("id")
+        row = (record.get(also_metrics.FIELD) or {}).get(metric) if also else record
+        if not isinstance(row, dict):
+            raise WorkflowError(f"{path} line {number}: field '{prefix[:-1]}' is missing; rerun evaluate")
         if not isinstance(example_id, str) or not example_id:
             raise WorkflowError(f"{path} line {number}: field 'id' is missing or not a string")
         if example_id in values:
@@ -171,19 +176,19 @@ def read_predictions(path: Path, metric: str) -> dict[str, Any]:
         if metric in metrics.GRAPH_METRICS:
             counts = row.get("counts")
             if not (isinstance(counts, list) and len(counts) == width and all(isinstance(c, int) and c >= 0 for c in counts)):
-                raise WorkflowError(f"{path} line {number}: field 'counts' must be {width} triple counts "
+                raise WorkflowError(f"{path} line {number}: field '{prefix}counts' must be {width} triple counts "
                                     f"({'match, test, gold' if metric == 'smatch' else 'a, b, c, d'})")
             values[example_id] = counts
         elif width is not None:  # a masked-LM ratio: [correct or summed loss (float), masked tokens]
             counts = row.get("counts")
             if not (isinstance(counts, list) and len(counts) == width
                     and all(_is_number(c) and c >= 0 for c in counts) and isinstance(counts[-1], int)):
-                raise WorkflowError(f"{path} line {number}: field 'counts' must be [non-negative number, masked "
+                raise WorkflowError(f"{path} line {number}: field '{prefix}counts' must be [non-negative number, masked "
                                     f"token count] for {metric}")
             values[example_id] = [float(c) for c in counts]
         else:
             if not _is_number(row.get("score")):
-                raise WorkflowError(f"{path} line {number}: field 'score' is missing or not a finite number")
+                raise WorkflowError(f"{path} line {number}: field '{prefix}score' is missing or not a finite number")
             values[example_id] = float(row["score"])
     return values
 
@@ -237,6 +242,12 @@ def read_evaluation(directory: Path, model: str, dataset: str, variant: str, see
     summary = read_json(directory / "eval.json")
     check_summary(summary, directory / "eval.json", model, dataset, variant, seed)
     values = read_predictions(directory / "predictions.jsonl", summary["metric"])
+    check_recomputed(directory, summary, values)
+    return summary, values
+
+
+def check_recomputed(directory: Path, summary: Mapping[str, Any], values: Mapping[str, Any], where: str = "") -> None:
+    """predictions.jsonl's values must give eval.json's score (``where``: the field it is in, when not 'score')."""
     if len(values) != summary["n_examples"]:
         raise WorkflowError(f"{directory / 'predictions.jsonl'}: {len(values)} rows, but eval.json says n_examples={summary['n_examples']}")
     recomputed = metrics.corpus_score(summary["metric"], [
@@ -244,9 +255,37 @@ def read_evaluation(directory: Path, model: str, dataset: str, variant: str, see
         for v in values.values()
     ])
     if not math.isclose(recomputed, summary["score"], abs_tol=1e-9):
-        raise WorkflowError(f"{directory}: eval.json score {summary['score']} does not match its predictions.jsonl "
-                            f"({recomputed}); the two files come from different runs: rerun evaluate")
+        raise WorkflowError(f"{directory}: eval.json {where or 'score'} {summary['score']} does not match its "
+                            f"predictions.jsonl ({recomputed}); the two files come from different runs: rerun evaluate")
+
+
+def scored_with(directory: Path, summary: Mapping[str, Any], metric: str) -> tuple[dict, dict]:
+    """eval.json and predictions.jsonl as if ``metric``, one of the dataset's also_metrics that evaluate scored
+    on the same predictions (eval.json's ``also_scores``), were the main metric: so compare's rows, intervals
+    and paired bootstrap apply to it unchanged."""
+    also = (summary.get(also_metrics.FIELD) or {}).get(metric)
+    if not (isinstance(also, dict) and _is_number(also.get("score")) and isinstance(also.get("n_unparseable"), int)):
+        raise WorkflowError(f"{directory / 'eval.json'}: field '{also_metrics.FIELD}.{metric}' is missing or not "
+                            "{score, n_unparseable}; rerun evaluate with the dataset's also_metrics")
+    summary = {**summary, "metric": metric, "score": float(also["score"]), "n_unparseable": also["n_unparseable"]}
+    values = read_predictions(directory / "predictions.jsonl", metric, also=True)
+    check_recomputed(directory, summary, values, f"{also_metrics.FIELD}.{metric}.score")
     return summary, values
+
+
+def also_scored_rows(dataset: str, runs: Sequence[Run], reference: str, comparison: Mapping[str, Any],
+                     base: Mapping[str, "BaseRun"] | None, mode: str) -> list[dict]:
+    """Rows of each further metric the runs were scored with on the same predictions (also_metrics), built as
+    the main rows are, from the runs read as if that metric were their main one."""
+    rows = []
+    for metric in dict.fromkeys(name for run in runs for name in run.summary.get(also_metrics.FIELD) or {}):
+        as_metric = [replace(run, summary=summary, values=values) for run in runs
+                     for summary, values in [scored_with(run.directory, run.summary, metric)]]
+        base_as_metric = None if base is None else {
+            variant: BaseRun(run.directory, summary["score"], values) for variant, run in base.items()
+            for summary, values in [scored_with(run.directory, read_json(run.directory / "eval.json"), metric)]}
+        rows.extend(compare_dataset(dataset, as_metric, reference, comparison, base_as_metric, mode))
+    return rows
 
 
 def aligned_ids(runs: Sequence[Run]) -> list[str]:
@@ -418,30 +457,15 @@ def reference_for(comparison: Mapping[str, Any], task: str) -> str:
     return reference
 
 
-def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any], notes: Sequence[str] = ()) -> str:
-    """The table, then how its numbers were made; ``notes``: further lines (excluded rows, tasks' conventions)."""
+def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any], notes: Sequence[str] = (),
+             also_rows: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The table, then how its numbers were made; ``notes``: further lines (excluded rows, tasks' conventions);
+    ``also_rows``: the datasets' also_metrics, in a second table under the main one."""
     reference = " / ".join(dict.fromkeys(row["reference"] for row in rows))
-    # A "trained on" column only where some adapter is scored on another dataset than it trained on
-    # (a mixture's components, evaluation-only datasets).
-    crossed = any(row["trained_on"] != row["dataset"] for row in rows)
-    lines = [
-        "# Comparison of prompt variants",
-        "",
-        f"| model | {'trained on | ' if crossed else ''}dataset | metric | variant | seeds | mean ± std | 95% CI | untrained "
-        f"| gain over untrained [95% CI] | Δ vs {reference} [95% CI] | p |",
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if crossed else ""),
-    ]
-    for row in rows:
-        delta = "—" if row["difference"] is None else (
-            f"{row['difference']:+.4f} [{row['difference_ci_low']:+.4f}, {row['difference_ci_high']:+.4f}]"
-            f"{power.delta_note(row)}")
-        gain = "n/a" if row["gain_over_base"] is None else (
-            f"{row['gain_over_base']:+.4f} [{row['gain_ci_low']:+.4f}, {row['gain_ci_high']:+.4f}]")
-        lines.append(
-            f"| {row['model']} | {row['trained_on'] + ' | ' if crossed else ''}{row['dataset']} | {row['metric']} | {row['variant']} | {row['n_seeds']} | "
-            f"{_cell(row['mean'])} ± {_cell(row['std'])} | [{_cell(row['ci_low'])}, {_cell(row['ci_high'])}] | "
-            f"{_cell(row['base_score'])} | {gain} | {delta} | {'—' if row['p_value'] is None else _cell(row['p_value'])} |"
-        )
+    lines = ["# Comparison of prompt variants", "", *table_lines(rows, reference)]
+    if also_rows:
+        lines += ["", "Also scored on the same predictions (the datasets' also_metrics; same intervals and paired "
+                  "bootstrap):", "", *table_lines(also_rows, reference)]
     intended = comparison["intended_differences"]
     modes = dict.fromkeys(row["bootstrap"] for row in rows)
     lines += ["", *bootstrap_lines(rows, comparison), "", *(line + "\n" for line in power.achieved_lines(rows))]
@@ -461,6 +485,30 @@ def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any], n
         *notes,
     ]
     return "\n".join(lines)
+
+
+def table_lines(rows: Sequence[Mapping[str, Any]], reference: str) -> list[str]:
+    """The Markdown table of ``rows``, one line each."""
+    # A "trained on" column only where some adapter is scored on another dataset than it trained on
+    # (a mixture's components, evaluation-only datasets).
+    crossed = any(row["trained_on"] != row["dataset"] for row in rows)
+    lines = [
+        f"| model | {'trained on | ' if crossed else ''}dataset | metric | variant | seeds | mean ± std | 95% CI | untrained "
+        f"| gain over untrained [95% CI] | Δ vs {reference} [95% CI] | p |",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if crossed else ""),
+    ]
+    for row in rows:
+        delta = "—" if row["difference"] is None else (
+            f"{row['difference']:+.4f} [{row['difference_ci_low']:+.4f}, {row['difference_ci_high']:+.4f}]"
+            f"{power.delta_note(row)}")
+        gain = "n/a" if row["gain_over_base"] is None else (
+            f"{row['gain_over_base']:+.4f} [{row['gain_ci_low']:+.4f}, {row['gain_ci_high']:+.4f}]")
+        lines.append(
+            f"| {row['model']} | {row['trained_on'] + ' | ' if crossed else ''}{row['dataset']} | {row['metric']} | {row['variant']} | {row['n_seeds']} | "
+            f"{_cell(row['mean'])} ± {_cell(row['std'])} | [{_cell(row['ci_low'])}, {_cell(row['ci_high'])}] | "
+            f"{_cell(row['base_score'])} | {gain} | {delta} | {'—' if row['p_value'] is None else _cell(row['p_value'])} |"
+        )
+    return lines
 
 
 def report_notes(runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], normalise_reports: Sequence[str]) -> list[str]:
@@ -517,7 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_fairness(runs, comparison["intended_differences"])
     mode = bootstrap_mode(comparison, experiments)
 
-    rows, loss_curves = [], {}
+    rows, also_rows, loss_curves = [], [], {}
     groups = list(dict.fromkeys((model, trained, dataset) for model, trained, _, _, dataset in experiments))
     for model, trained, dataset in groups:
         group_runs = [run for run in runs if (run.model, run.trained, run.dataset) == (model, trained, dataset)]
@@ -526,6 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         base = read_base_runs(results_dir, model, dataset, variants, metric) if args.with_base else None
         reference = reference_for(comparison, group_runs[0].summary.get("task", "generation"))
         rows.extend(compare_dataset(dataset, group_runs, reference, comparison, base, mode))
+        also_rows.extend(also_scored_rows(dataset, group_runs, reference, comparison, base, mode))
         loss_curves.setdefault((model, trained), {}).update(
             {(run.variant, run.seed): read_loss_curve(run.run_directory / "train_log.jsonl") for run in group_runs})
 
@@ -537,8 +586,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plots.score_plot(plots_dir / scores, title, group_rows[0]["metric"], group_rows)
     for (model, trained), curves in loss_curves.items():
         plots.loss_plot(plots_dir / plot_names(model, trained, trained)[1], f"{trained} ({model})", curves)
-    write_csv(args.out_csv, rows)
-    text = markdown(rows, comparison, report_notes(runs, rows, args.normalise_reports)) + fairness.evaluation_note(
+    write_csv(args.out_csv, rows + also_rows)
+    text = markdown(rows, comparison, report_notes(runs, rows, args.normalise_reports), also_rows) + fairness.evaluation_note(
         [run.summary for run in runs])
     with atomic_path(args.out_markdown) as temporary:
         temporary.write_text(text)

@@ -20,7 +20,7 @@ import torch
 
 from workflow_scripts.launch import device_leases
 from workflow_scripts.data.normalised_data import read_task_meta
-from workflow_scripts.tasks import task_named
+from workflow_scripts.tasks import also_metrics, task_named
 from workflow_scripts.model import model_loading, quantization
 from workflow_scripts.core.atomic_output import write_json, write_jsonl
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
@@ -57,6 +57,8 @@ def add_prediction_arguments(parser: argparse.ArgumentParser, verb: str, record:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = StageArgumentParser(description=__doc__.splitlines()[0])
     add_prediction_arguments(parser, "evaluate", "eval.json")
+    parser.add_argument("--also-metrics", default="[]", help="JSON list of further metrics scored on the same "
+                        "predictions (the dataset's also_metrics)")
     parser.add_argument("--predictions-out", required=True)
     parser.add_argument("--summary-out", required=True)
     return parser.parse_args(argv)
@@ -219,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.metric not in task.metrics:
         raise WorkflowError(f"argument --metric: {args.metric!r} is not a metric of task {args.task!r} "
                             f"(choose from {list(task.metrics)})")
+    extra_metrics = also_metrics.parse_argument(args.also_metrics, args.task, task.metrics, args.metric)
     evaluation = parse_json_argument(args.evaluation, "--evaluation")
     check_evaluation(evaluation)
     seed = parse_seed(args.seed)
@@ -233,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       evaluation.get("dtype", "auto")) as loaded:
         result = task.evaluate(loaded.model, loaded.tokenizer, variant, rows, args.metric, evaluation, loaded.device)
     records, score, unparseable = result.records, result.score, result.unparseable
+    also = also_metrics.rescore(records, extra_metrics)
 
     summary = {
         **run_identity(args, seed),
@@ -242,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "n_unparseable": unparseable,
         "split": evaluation["split"],
         "task": args.task,
+        **({"also_scores": also} if also else {}),
         **result.details,
         **model_facts(args, loaded),
         # how it was batched and computed: greedy outputs can move with these (the fairness guard compares them)
@@ -251,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_jsonl(args.predictions_out, records)
     write_json(args.summary_out, summary)
     print(f"{args.dataset_name}/{args.variant_name}/seed {seed}: {args.metric} = {score:.4f} "
-          f"over {len(records)} examples, {unparseable} unparseable")
+          f"over {len(records)} examples, {unparseable} unparseable"
+          + "".join(f"; {name} = {value['score']:.4f}" for name, value in also.items()))
     return 0
 
 

@@ -432,7 +432,7 @@ def gold_fields(dataset: Mapping[str, Any]) -> dict[str, str]:
 def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
     """Checks beyond the JSON schema; each failure names the key and the fix."""
     from workflow_scripts.core.errors import WorkflowError
-    from workflow_scripts.tasks import task_named
+    from workflow_scripts.tasks import check_also_metrics, task_named
 
     if ("model" in config) == ("models" in config):
         raise ConfigError("model", "give the base model under model: (one) or under models: (several, by name), "
@@ -449,6 +449,8 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
             raise ConfigError(f"models.{name}.training", f"unknown training keys {sorted(unknown)}", source)
     for name, dataset in config["datasets"].items():
         _check_dataset(name, dataset, source, evaluation_split(config, name))
+        if dataset.get("also_metrics"):
+            check_also_metrics(name, dataset, source)
         for model in dataset.get("models", []):
             if model not in models(config):
                 raise ConfigError(f"datasets.{name}.models", f"'{model}' is not a model of this config "

@@ -24,6 +24,14 @@ def task_named(name: str, where: str | None = None):
     return importlib.import_module(TASK_MODULES[name]).TASK
 
 
+def check_also_metrics(name: str, dataset: dict, source: str | None = None) -> None:
+    """At parse time: ``datasets.<name>.also_metrics`` against the dataset's task (``also_metrics.check_config``)."""
+    from workflow_scripts.tasks import also_metrics
+
+    task = dataset.get("task", "generation")
+    also_metrics.check_config(name, dataset, task_named(task, f"datasets.{name}.task").metrics, source)
+
+
 def stored_columns(meta: dict) -> list[str]:
     """The task's own columns in the pre-tokenised data (what its collator reads), from the task's features;
     ``meta`` is the data's ``tokenise_meta.json``."""
