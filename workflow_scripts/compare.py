@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 
 from workflow_scripts.analysis import excluded_rows, fairness, paired_bootstrap, plots, power
 from workflow_scripts.tasks import also_metrics, metrics
-from workflow_scripts.core import experiment_set
+from workflow_scripts.core import experiment_set, json_files
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.experiment_config import evaluation_subdirectory, plot_names
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
@@ -122,35 +121,8 @@ def bootstrap_mode(comparison: Mapping[str, Any], experiments: Sequence[tuple]) 
     return paired_bootstrap.resolve_mode(comparison.get("bootstrap", "auto"), counts.values())
 
 
-def read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise WorkflowError(f"{path}: not found; run the stage that writes it first") from None
-    except json.JSONDecodeError as error:
-        raise WorkflowError(f"{path}: not valid JSON at line {error.lineno}: {error.msg}") from None
-    if not isinstance(value, dict):
-        raise WorkflowError(f"{path}: expected a JSON object")
-    return value
-
-
-def read_jsonl(path: Path) -> list[tuple[int, dict]]:
-    rows = []
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise WorkflowError(f"{path}: not found; run the stage that writes it first") from None
-    for number, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise WorkflowError(f"{path} line {number}: not valid JSON: {error.msg}") from None
-        if not isinstance(row, dict):
-            raise WorkflowError(f"{path} line {number}: expected a JSON object")
-        rows.append((number, row))
-    if not rows:
-        raise WorkflowError(f"{path}: empty")
-    return rows
+read_json = json_files.read_json_object
+read_jsonl = json_files.read_jsonl_objects
 
 
 def _is_number(value: Any) -> bool:

@@ -11,12 +11,12 @@ never written: no training job starts.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
 
 from workflow_scripts.analysis import power
+from workflow_scripts.core import json_files
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
@@ -51,25 +51,13 @@ def read_base(text: str) -> tuple[str, str, list[dict]]:
     if not sep or not variant or not directory:
         raise WorkflowError(f"argument --base: expected VARIANT=DIR, got {text!r}")
     summary_path, predictions_path = Path(directory, "eval.json"), Path(directory, "predictions.jsonl")
-    try:
-        summary = json.loads(summary_path.read_text())
-        lines = predictions_path.read_text().splitlines()
-    except FileNotFoundError as error:
-        raise WorkflowError(f"{error.filename}: not found; run evaluate_base first") from None
-    except json.JSONDecodeError as error:
-        raise WorkflowError(f"{summary_path}: not valid JSON at line {error.lineno}: {error.msg}") from None
-    metric = summary.get("metric") if isinstance(summary, dict) else None
+    summary = json_files.read_json_object(summary_path, "run evaluate_base first")
+    metric = summary.get("metric")
     if not isinstance(metric, str):
         raise WorkflowError(f"{summary_path}: field 'metric' is missing")
     width = metrics.counts_width(metric)
     records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise WorkflowError(f"{predictions_path} line {number}: not valid JSON: {error.msg}") from None
-        if not isinstance(record, dict):
-            raise WorkflowError(f"{predictions_path} line {number}: expected a JSON object")
+    for number, record in json_files.read_jsonl_objects(predictions_path, "run evaluate_base first"):
         value = record.get("counts") if width else record.get("score")
         numbers = value if width else [value]
         if not (isinstance(numbers, list) and len(numbers) == (width or 1)
