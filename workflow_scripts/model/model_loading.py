@@ -154,11 +154,21 @@ def load_base_model(
     ``model_kwargs`` the task's extra ``from_pretrained`` arguments (a classifier's labels). With
     ``model.initialise: random`` the weights are drawn from ``seed`` (the experiment seed in training;
     0 for evaluate's untrained baseline), on the CPU, so every process and device draws the same.
+
+    ``device`` meta (FSDP's ranks other than 0, ``fsdp.loading_device``): the same architecture built
+    from the config without storage or weights; ``fsdp.shard`` then gives it rank 0's values.
     """
     import transformers
 
     check_model_directory(model_dir)
     auto = getattr(transformers, auto_class)
+    if device.type == "meta":
+        config = transformers.AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code,
+                                                         **dict(model_kwargs or {}))
+        with torch.device("meta"):
+            model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model.config.name_or_path = str(model_dir)  # as from_pretrained records it (PEFT's adapter_config reads it)
+        return model
     # A tiny model (source tiny) is random already, drawn from model.tiny.seed: used as built.
     if initialisation(model_dir) == "random" and _prepared_settings(model_dir).get("source") != "tiny":
         config = transformers.AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code,

@@ -6,6 +6,12 @@ layer at a time for compute. FSDP2 shards each parameter on its own, so the froz
 trainable LoRA tensors share a layer's unit; only the trainable ones get gradients (reduce-scattered,
 averaged over ranks as DDP averages them, so the loop's loss scaling is the same).
 
+Loading (issue 23): no process holds the whole model on its device. Rank 0 reads the weights into host
+memory (``loading_device``), the other ranks build the same architecture on the meta device; every rank
+shards, and ``set_model_state_dict(..., broadcast_from_rank0=True)`` sends rank 0's tensors one at a
+time, each rank keeping its shard. A device then holds its shard plus one unit (rank 0's before
+``fully_shard`` shards it, or the one tensor being broadcast); rank 0 alone holds the whole model, on the host.
+
 State leaves this module as full tensors under the PEFT model's own parameter names, gathered to rank 0
 (``get_model_state_dict(..., full_state_dict=True, cpu_offload=True)``): the adapter then goes through
 PEFT's ``save_pretrained``, and a checkpoint holds exactly what an unsharded run's holds (adapter
@@ -75,8 +81,15 @@ def mixed_precision(precision: str):
     return MixedPrecisionPolicy()
 
 
+def loading_device(context: DistributedContext) -> torch.device:
+    """Where this rank builds the model before :func:`shard`: rank 0 reads the weights into host memory,
+    the others build on the meta device (shapes, no storage) and receive rank 0's values at sharding."""
+    return torch.device("cpu") if context.rank == 0 else torch.device("meta")
+
+
 def shard(peft_model: nn.Module, training: TrainingSettings, context: DistributedContext, task_name: str) -> None:
-    """Shard each decoder layer, then the PEFT model (the root: embeddings, final norm, head), in place.
+    """Shard each decoder layer, then the PEFT model (the root: embeddings, final norm, head), in place,
+    and fill every rank's shards with rank 0's weights (built on :func:`loading_device`).
 
     Done before the optimizer is built: it must hold the sharded parameters. A world of one still gets
     a process group (FSDP needs one), started here and ended by distributed.teardown.
@@ -89,9 +102,40 @@ def shard(peft_model: nn.Module, training: TrainingSettings, context: Distribute
     distributed.ensure_process_group(context)
     mesh = init_device_mesh(context.device.type, (context.world_size,))
     policy = mixed_precision(training.precision)
+    # Rank 0's full tensors (host memory), the base weights and the freshly drawn adapters, taken before
+    # fully_shard replaces each parameter by its shard (on a GPU it moves one unit there at a time).
+    full_state = peft_model.state_dict() if context.rank == 0 else {}
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(peft_model, mesh=mesh, mp_policy=policy)
+    load_from_rank0(peft_model, full_state, context)
+
+
+def load_from_rank0(peft_model: nn.Module, full_state: dict[str, torch.Tensor], context: DistributedContext) -> None:
+    """Collective: rank 0's ``full_state`` (``{}`` on the other ranks) into every rank's shards, then what
+    no state dict carries: the non-persistent buffers and the CPU random-number state."""
+    import itertools
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(t.is_meta for t in itertools.chain(peft_model.parameters(), peft_model.buffers())):
+        # Storage for this rank's shards (and its whole buffers) on its device; the values follow.
+        peft_model.to_empty(device=context.device)
+    # One tensor at a time from rank 0, each rank keeping the slice of its shard.
+    set_model_state_dict(peft_model, full_state,
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Written by hand: non-persistent buffers (RoPE's inv_freq) are in no state dict, so the call above
+    # leaves them empty on the meta-built ranks. FSDP keeps buffers whole: rank 0's are broadcast.
+    persistent = set(peft_model.state_dict())
+    for name, buffer in peft_model.named_buffers():
+        if name not in persistent:
+            dist.broadcast(buffer, src=0)
+    # Rank 0 drew the adapters' initial values from the CPU generator, the meta-built ranks drew nothing:
+    # every rank continues from rank 0's state, as when each rank built the model alike.
+    rng = [torch.get_rng_state() if context.rank == 0 else None]
+    dist.broadcast_object_list(rng, src=0)
+    torch.set_rng_state(rng[0])
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -80,7 +80,8 @@ def check_finetune(training: TrainingSettings, initialise: str, task_name: str |
 
 def build(model_dir, training: TrainingSettings, context: DistributedContext,
           trust_remote_code: bool = False, data_meta: Mapping[str, Any] | None = None, seed: int = 0) -> TrainingSetup:
-    """Load the task's model onto this rank's device, add LoRA (or, with ``training.finetune: full``, make
+    """Load the task's model onto this rank's device (under FSDP: rank 0 on the host, the others on the meta
+    device, sharded and filled from rank 0 by ``fsdp.shard``), add LoRA (or, with ``training.finetune: full``, make
     every parameter trainable), wrap the task's loss for DDP; optimizer, precision.
 
     ``data_meta`` is the pre-tokenised data's ``tokenise_meta.json``: its task chooses model class, LoRA
@@ -99,7 +100,10 @@ def build(model_dir, training: TrainingSettings, context: DistributedContext,
     from workflow_scripts.model import quantization  # QLoRA: bitsandbytes weights when training.quantization is set
 
     model_kwargs = {**task.model_kwargs(task_meta), **quantization.from_pretrained_kwargs(training, device)}
-    base = model_loading.load_base_model(model_dir, device, dtype, trust_remote_code, task.auto_model_class,
+    if training.sharded:  # refused before loading; rank 0 loads on the host, the others on meta
+        fsdp.check_settings(training, task.name)
+    load_device = fsdp.loading_device(context) if training.sharded else device
+    base = model_loading.load_base_model(model_dir, load_device, dtype, trust_remote_code, task.auto_model_class,
                                          model_kwargs, seed=seed)
     task.prepare_model(base, data_meta.get("pad_token_id"), task_meta)
     if kernels.attn_implementation(training, device):  # training.flex_attention: packed rows keep a fused kernel
