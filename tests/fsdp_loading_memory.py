@@ -11,7 +11,8 @@ Measured on the CPU (gloo), where model tensors live in this process's resident 
   ``/proc/self/clear_refs`` just before) minus the resident set before; Linux's own figure;
 - ``model_bytes``: the storage this rank's model holds after loading (its local shards, its buffers),
   each storage counted once;
-- ``full_bytes``: the whole model's tensors (global shapes), ``largest_layer_bytes`` one decoder layer's.
+- ``full_bytes``: the whole model's tensors (global shapes), ``largest_layer_bytes`` one decoder layer's;
+- ``loading_estimate``: the gate's estimate of the loading peak (memory_estimate.loading_estimate).
 """
 import gc
 import json
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from workflow_scripts.core.settings import TrainingSettings  # noqa: E402
+from workflow_scripts.model import memory_estimate  # noqa: E402
 from workflow_scripts.training import distributed, fsdp, training_setup  # noqa: E402
 
 
@@ -78,6 +80,7 @@ def main(warm_dir: str, model_dir: str, training_text: str, out_dir: str) -> Non
         "inv_freq_matches_rank0": gathered[context.rank] == gathered[0] and len(inv_freq) > 0,
         "inv_freq_is_finite": all(bool(torch.isfinite(b).all()) for b in inv_freq),
         "rng_state_matches_rank0": rng[context.rank] == rng[0],
+        "loading_estimate": memory_estimate.loading_estimate(model, training, context.device),  # the gate's
     }
     Path(out_dir, f"rank{context.rank}.json").write_text(json.dumps(report, indent=2))
     distributed.teardown(context)

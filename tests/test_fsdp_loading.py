@@ -47,7 +47,8 @@ def per_rank(tmp_path_factory):
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for report in reports:  # the figures, for the record (pytest -s)
-        print({k: round(v / MiB, 1) if k.endswith("bytes") or k.startswith("peak") else v for k, v in report.items()})
+        print({k: round(v / MiB, 1) if k.endswith("bytes") or k.startswith("peak") else v for k, v in report.items()
+               if k != "loading_estimate"}, {k: round(v / MiB, 1) for k, v in report["loading_estimate"].items()})
     return reports
 
 
@@ -75,3 +76,14 @@ def test_rank0s_non_persistent_buffers_reach_every_rank(per_rank):
 def test_every_rank_continues_from_rank0s_random_state(per_rank):
     # Rank 0 drew the adapters' initial values, rank 1 built them on the meta device and drew nothing.
     assert all(r["rng_state_matches_rank0"] for r in per_rank)
+
+
+def test_the_gates_loading_estimate_covers_the_measured_peaks(per_rank):
+    """memory_estimate.loading_estimate, per process: its shards plus one whole unit, plus (on the host)
+    rank 0's copy of the whole model. Rank 1 holds no copy: its peak is measured against the rest."""
+    rank0, rank1 = per_rank
+    estimate = rank0["loading_estimate"]
+    assert estimate == rank1["loading_estimate"] and estimate["host_copy"] == pytest.approx(rank0["full_bytes"], rel=1e-3)
+    assert rank0["peak_rss_increase"] < estimate["total"]
+    without_copy = estimate["total"] - estimate["host_copy"]
+    assert 0.8 * without_copy < rank1["peak_rss_increase"] < without_copy

@@ -84,7 +84,9 @@ def run_gate(args: argparse.Namespace, training: TrainingSettings) -> int:
         estimate = memory_estimate.estimate(setup.peft_model, training, context.device)
         processes_here = context.local_world_size if context.device.type == "cpu" else 1
         capacity = memory_estimate.device_capacity(context.device, processes_here)
-        report.record("memory", checks.check_memory(estimate, capacity, training.memory_headroom, training, context.device))
+        loading = memory_estimate.loading_estimate(setup.peft_model, training, context.device)  # FSDP's loading peak
+        report.record("memory", checks.check_memory(estimate, capacity, training.memory_headroom, training, context.device,
+                                                    loading))
         report.record("data_scan", checks.scan_dataset(dataset, setup.vocab_size))
         # The task's own checks (tasks.base: check_tokenizer / check_batch) may read the model's tokenizer.
         tokenizer = LazyTokenizer(args.model, args.trust_remote_code)
@@ -97,6 +99,7 @@ def run_gate(args: argparse.Namespace, training: TrainingSettings) -> int:
                 "passed": True,
                 "checks": report.checks,
                 "memory_estimate": {**estimate, "device_capacity": capacity},
+                **({"loading_memory_estimate": loading} if loading else {}),
                 "world_size": context.world_size,
                 "devices": devices,
                 "gradient_accumulation": setup.accumulation,

@@ -109,7 +109,8 @@ def start_up_checks(setup: training_setup.TrainingSetup, training: TrainingSetti
     estimate = memory_estimate.estimate(setup.peft_model, training, context.device)
     processes_here = context.local_world_size if context.device.type == "cpu" else 1
     capacity = memory_estimate.device_capacity(context.device, processes_here)
-    checks.check_memory(estimate, capacity, training.memory_headroom, training, context.device)
+    checks.check_memory(estimate, capacity, training.memory_headroom, training, context.device,
+                        memory_estimate.loading_estimate(setup.peft_model, training, context.device))
     return {**estimate, "device_capacity": capacity}
 
 

@@ -81,20 +81,49 @@ def _bytes(params, shards: int = 1) -> int:
     return sum(_largest_shard(p, shards) * p.element_size() for p in params)
 
 
+def _units(peft_model: nn.Module) -> list[list[torch.Tensor]]:
+    """fsdp.shard's units, each as its parameters: the root (what no decoder layer holds: embeddings,
+    final norm, head) first, then the decoder layers."""
+    base = peft_model.get_base_model()
+    blocks = set(getattr(base, "_no_split_modules", None) or ())
+    # Once sharded, a layer's class is FSDP<Layer>, a subclass.
+    layers = [child for module in base.modules() if isinstance(module, nn.ModuleList) for child in module
+              if any(cls.__name__ in blocks for cls in type(child).__mro__)]
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    return [[p for p in peft_model.parameters() if id(p) not in in_layers], *(list(l.parameters()) for l in layers)]
+
+
 def gathered_bytes(peft_model: nn.Module, precision: str) -> int:
     """What FSDP2 holds unsharded at once: the root unit (embeddings, final norm, head) from forward to
     backward, and one decoder layer computing while the next is prefetched, in the compute dtype."""
     def unsharded(params) -> int:  # MixedPrecisionPolicy(param_dtype=bf16) gathers bf16 copies
         return sum(p.numel() * (2 if precision == "bf16" else p.element_size()) for p in params)
 
-    base = peft_model.get_base_model()
-    blocks = set(getattr(base, "_no_split_modules", None) or ())
-    # fsdp.shard's units: the decoder layers. Once sharded, a layer's class is FSDP<Layer>, a subclass.
-    layers = [child for module in base.modules() if isinstance(module, nn.ModuleList) for child in module
-              if any(cls.__name__ in blocks for cls in type(child).__mro__)]
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    root = unsharded(p for p in peft_model.parameters() if id(p) not in in_layers)
-    return root + 2 * max((unsharded(layer.parameters()) for layer in layers), default=0)
+    root, *layers = _units(peft_model)
+    return unsharded(root) + 2 * max((unsharded(layer) for layer in layers), default=0)
+
+
+def loading_estimate(peft_model: nn.Module, training: TrainingSettings, device: torch.device) -> dict[str, int] | None:
+    """FSDP's loading peak per process (``fsdp.shard``), by part, with ``total``; None unless the model is
+    sharded over several processes (a world of one keeps no second copy).
+
+    ``shards``: this rank's share of every parameter, as stored; ``whole_unit``: the largest unit whole
+    (rank 0's ``fully_shard`` moves one unit at a time to the device before sharding it; the tensor
+    ``set_model_state_dict`` broadcasts is smaller); ``host_copy``: the whole model rank 0 reads into host
+    memory, counted when the device is the host (the CPU), for the process that holds it.
+    """
+    shards = training.world_size
+    if not training.sharded or shards < 2:
+        return None
+    params = list(peft_model.parameters())
+    parts = {
+        "shards": _bytes(params, shards),
+        "whole_unit": max(_bytes(unit) for unit in _units(peft_model)),
+        "host_copy": _bytes(params) if device.type == "cpu" else 0,
+        "runtime_overhead": CUDA_RUNTIME_OVERHEAD if device.type == "cuda" else 0,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
 
 
 def estimate(peft_model: nn.Module, training: TrainingSettings, device: torch.device) -> dict[str, int]:
@@ -178,6 +207,15 @@ def knob_advice(parts: Mapping[str, int], training: TrainingSettings, device: to
                 "more memory; full fine-tuning holds " + human(parts["adapters"] + parts["optimizer"])
                 + " of trainable weights and optimizer state")
     return f"lower training.lora.rank (now {training.lora.rank}) or the number of training.lora.target_modules"
+
+
+def loading_advice(loading: Mapping[str, int], training: TrainingSettings) -> str:
+    """What to change when FSDP's loading peak (:func:`loading_estimate`) is the one that does not fit."""
+    if loading["host_copy"] >= max(loading["shards"], loading["whole_unit"]):
+        return (f"give the node more memory (training.mem_mb, now {training.mem_mb}) or use a smaller model: rank 0 "
+                f"reads the whole model ({human(loading['host_copy'])}) into host memory before sharding it")
+    return (f"shard over more processes (each holds a smaller share; now {training.world_size}), or use a device "
+            "with more memory or a smaller model")
 
 
 def human(n: int) -> str:

@@ -104,11 +104,14 @@ def shard(peft_model: nn.Module, training: TrainingSettings, context: Distribute
     policy = mixed_precision(training.precision)
     # Rank 0's full tensors (host memory), the base weights and the freshly drawn adapters, taken before
     # fully_shard replaces each parameter by its shard (on a GPU it moves one unit there at a time).
-    full_state = peft_model.state_dict() if context.rank == 0 else {}
+    # A world of one has its values in place already: nothing to send, and no second copy is kept.
+    sends = context.world_size > 1
+    full_state = peft_model.state_dict() if sends and context.rank == 0 else {}
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(peft_model, mesh=mesh, mp_policy=policy)
-    load_from_rank0(peft_model, full_state, context)
+    if sends:
+        load_from_rank0(peft_model, full_state, context)
 
 
 def load_from_rank0(peft_model: nn.Module, full_state: dict[str, torch.Tensor], context: DistributedContext) -> None:

@@ -186,10 +186,20 @@ def check_scaler_scale(scaler, initial_scale: float) -> str:
 
 # 6. memory -----------------------------------------------------------------------------------------
 def check_memory(parts: Mapping[str, int], capacity: int, headroom: float, training: TrainingSettings,
-                 device: torch.device) -> str:
+                 device: torch.device, loading: Mapping[str, int] | None = None) -> str:
+    """The loop's estimated peak (``parts``) and, under FSDP, the loading's (``loading``,
+    memory_estimate.loading_estimate) against ``headroom`` of ``capacity``; the refusal names the larger."""
     budget = int(capacity * headroom)
     human = memory_estimate.human
     summary = ", ".join(f"{k} {human(v)}" for k, v in parts.items() if k != "total")
+    if loading is not None and loading["total"] > budget and loading["total"] > parts["total"]:
+        loaded = ", ".join(f"{k} {human(v)}" for k, v in loading.items() if k != "total")
+        raise PreflightError(
+            "memory",
+            f"the estimated loading peak {human(loading['total'])} (FSDP's loading from rank 0: {loaded}) "
+            f"exceeds {headroom:.0%} of {device}'s {human(capacity)}",
+            memory_estimate.loading_advice(loading, training),
+        )
     if parts["total"] > budget:
         raise PreflightError(
             "memory",
@@ -197,7 +207,8 @@ def check_memory(parts: Mapping[str, int], capacity: int, headroom: float, train
             f"{human(capacity)}",
             memory_estimate.knob_advice(parts, training, device),
         )
-    return f"estimate {human(parts['total'])} of {human(budget)} allowed ({summary})"
+    loaded = "" if loading is None else f"; loading peak {human(loading['total'])}"
+    return f"estimate {human(parts['total'])} of {human(budget)} allowed ({summary}){loaded}"
 
 
 # 7. device count -----------------------------------------------------------------------------------
