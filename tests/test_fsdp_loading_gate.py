@@ -64,3 +64,48 @@ def test_a_gpu_loading_peak_over_the_device_asks_for_more_shards(tiny_peft_model
     loop = {"weights": 100, "activations": 10, "total": 110}
     with pytest.raises(preflight_checks.PreflightError, match=r"loading peak .*Fix: shard over more processes"):
         preflight_checks.check_memory(loop, 500, 0.9, fsdp, CUDA, loading)
+
+
+# --- from config.json alone (model/config_memory_estimate), before any job ---
+def test_config_estimate_gives_fsdps_loading_peak_per_gpu():
+    from test_config_memory_estimate import CONFIGS
+
+    from workflow_scripts.model import config_memory_estimate as cme
+
+    run = {"lora": {"rank": 16, "target_modules": ["q_proj", "v_proj"]}, "micro_batch": 1, "max_length": 512}
+    model = cme.meta_model(CONFIGS / "Meta-Llama-3-70B.json")
+    total_base, root, layer = cme.base_weight_bytes(model, 2, None)  # bf16 on GPUs
+    lora = cme.lora_parameters(model, 16, ["q_proj", "v_proj"])[0] * 4
+    loading = cme.loading_from_config(model, strategy="fsdp", world_size=8, **run)
+    # Its share of the weights (70.6B bf16 and the fp32 adapters), and the root (embeddings + head) whole.
+    assert loading == {"shards": (total_base + lora) // 8, "whole_unit": max(root, layer), "host_copy": 0,
+                       "runtime_overhead": 2**30, "total": (total_base + lora) // 8 + max(root, layer) + 2**30}
+    assert cme.loading_from_config(model, strategy="ddp", world_size=8, **run) is None
+    advice = cme.advise(model, capacity=80 * 2**30, strategy="fsdp", world_size=8, **run)
+    assert advice["fits"] and advice["loading"] == loading  # on a GPU the loop's peak is the larger
+    assert loading["total"] < advice["estimate"]["total"]
+
+
+def test_declared_memory_refuses_a_cpu_fsdp_run_whose_loading_does_not_fit(tmp_path):
+    """On the CPU rank 0's host copy of the whole model shares the node with every process's share: a
+    model whose weights dominate (8 layers of hidden 1024, one short row) fits the loop, not the loading."""
+    from test_config_memory_estimate import demo_config
+
+    from workflow_scripts.core.errors import ConfigError
+    from workflow_scripts.model import config_memory_estimate as cme
+
+    def config(mem_mb):
+        raw = demo_config(cpu_processes=2, effective_batch=32, strategy="fsdp", micro_batch=1, max_length=8,
+                          mem_mb=mem_mb)
+        raw["models"]["tiny-llama"]["tiny"].update(hidden_size=1024, intermediate_size=4096, num_layers=8)
+        return raw
+
+    checked = cme.check_declared_memory(config(64000), root=tmp_path)[0]
+    loop_node = 2 * checked["estimate"]["total"]
+    loading = checked["loading"]
+    loading_node = loading["host_copy"] + 2 * (loading["total"] - loading["host_copy"])
+    assert loading["host_copy"] > 500 * 2**20 and loading_node > loop_node / 0.9
+    between = int((loop_node / 0.9 + loading_node / 0.9) / 2 / 2**20) + 1  # headroom 90%
+    with pytest.raises(ConfigError, match=r"training\.mem_mb.*loading under training\.strategy: fsdp .*rank 0's host "
+                                          r"copy of the whole model .*Fix: raise training\.mem_mb"):
+        cme.check_declared_memory(config(between), root=tmp_path)

@@ -4,7 +4,8 @@ The gate (memory_estimate) needs the built model; choosing a strategy for a mode
 GPU has to happen earlier. The model is built on the meta device (shapes, no storage, well under a
 second for 70B), then parameters are priced per strategy:
   ddp   every GPU holds all base weights, the adapters, their gradients and AdamW state;
-  fsdp  all of that is sharded over the world size, plus the units gathered for compute;
+  fsdp  all of that is sharded over the world size, plus the units gathered for compute; its loading
+        peak (:func:`loading_from_config`: a share plus one whole unit, rank 0's host copy) is checked too;
   qlora ddp with the base Linear weights in 4-bit nf4 (bitsandbytes through transformers) and the
         rest in fp32, as the workflow's QLoRA holds them (model/quantization.py, PEFT's k-bit preparation).
 ``python -m workflow_scripts.model.config_memory_estimate --config-json PATH --gpus 8 --gpu-memory 80GiB``
@@ -174,6 +175,30 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
     return parts
 
 
+def loading_from_config(source, *, strategy: str = "ddp", world_size: int = 1, lora: Mapping[str, Any] | None = None,
+                        precision: str = "bf16", device: str = "cuda", **_loop_settings) -> dict[str, int] | None:
+    """FSDP's loading peak per GPU (per process with ``device="cpu"``), by part as
+    ``memory_estimate.loading_estimate`` gives it, with ``total``; None unless fsdp over 2+ processes.
+
+    ``shards`` (its share of every weight), ``whole_unit`` (the largest unit whole: rank 0 moves one unit at a
+    time to its GPU before sharding it), ``host_copy`` (rank 0's copy of the whole model, counted on the CPU,
+    where it shares the node with the processes)."""
+    if strategy != "fsdp" or world_size < 2:
+        return None
+    model = meta_model(source)
+    dtype_bytes = torch.empty((), dtype=weights_dtype(precision, torch.device(device))).element_size()
+    total_base, root, largest_unit = base_weight_bytes(model, dtype_bytes, None)
+    if lora is None:  # a full fine-tune loads fp32 master weights
+        scale = FP32 / dtype_bytes
+        whole, unit = sum(p.numel() for p in model.parameters()) * FP32, int(max(root, largest_unit) * scale)
+    else:
+        whole, unit = total_base + lora_parameters(model, lora["rank"], lora["target_modules"])[0] * FP32, max(root, largest_unit)
+    parts = {"shards": whole // world_size, "whole_unit": unit, "host_copy": whole if device == "cpu" else 0,
+             "runtime_overhead": memory_estimate.CUDA_RUNTIME_OVERHEAD if device == "cuda" else 0}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
 def training_arguments(training: TrainingSettings) -> dict[str, Any]:
     """estimate_from_config's settings from typed training settings (training.quantization included)."""
     quantization = training.quantization
@@ -193,11 +218,14 @@ def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[
     settings = {"strategy": "ddp", "world_size": 1, "micro_batch": 1, "gradient_checkpointing": True, **settings}
     budget = int(capacity * headroom)
     parts = estimate_from_config(model, **settings)
+    loading = loading_from_config(model, **settings)
     h = memory_estimate.human
-    head = (f"{settings['strategy']} on {settings['world_size']} GPU(s) needs {h(parts['total'])} per GPU; "
+    need = max(parts["total"], loading["total"] if loading else 0)
+    while_loading = " (its loading peak)" if need > parts["total"] else ""
+    head = (f"{settings['strategy']} on {settings['world_size']} GPU(s) needs {h(need)} per GPU{while_loading}; "
             f"{h(budget)} allowed ({headroom:.0%} of {h(capacity)})")
-    if parts["total"] <= budget:
-        return {"fits": True, "estimate": parts, "alternatives": [], "line": f"fits: {head}"}
+    if need <= budget:
+        return {"fits": True, "estimate": parts, "loading": loading, "alternatives": [], "line": f"fits: {head}"}
     tries: list[tuple[str, dict]] = []
     if settings["strategy"] != "fsdp" and settings["world_size"] > 1:
         tries.append(("--strategy fsdp", {"strategy": "fsdp"}))
@@ -206,13 +234,17 @@ def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[
     if not settings["gradient_checkpointing"]:
         tries.append(("gradient checkpointing on", {"gradient_checkpointing": True}))
     alternatives = []
+    def peak(changed) -> int:  # the loop's or, under fsdp, the loading's, whichever is larger
+        loads = loading_from_config(model, **changed)
+        return max(estimate_from_config(model, **changed)["total"], loads["total"] if loads else 0)
+
     for label, change in tries:
-        total = estimate_from_config(model, **{**settings, **change})["total"]
+        total = peak({**settings, **change})
         if total <= budget:
             alternatives.append((label, total))
     micro = settings["micro_batch"] // 2
     while micro >= 1:  # the largest smaller micro-batch that fits; gradient accumulation keeps the batch
-        total = estimate_from_config(model, **{**settings, "micro_batch": micro})["total"]
+        total = peak({**settings, "micro_batch": micro})
         if total <= budget:
             alternatives.append((f"--micro-batch {micro}", total))
             break
@@ -223,7 +255,7 @@ def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[
     else:
         line = (f"does not fit: {head}; no single change tried fits (fsdp, qlora, checkpointing, micro-batch): "
                 "use fsdp over more GPUs, a shorter --max-length or a smaller model")
-    return {"fits": False, "estimate": parts, "alternatives": alternatives, "line": line}
+    return {"fits": False, "estimate": parts, "loading": loading, "alternatives": alternatives, "line": line}
 
 
 # Declared memory ---------------------------------------------------------------------------------
@@ -303,9 +335,23 @@ def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> 
             parts = estimate_from_config(
                 model, strategy=training.strategy, world_size=training.world_size,
                 device="cpu", **training_arguments(training))
+            loading = loading_from_config(model, strategy=training.strategy, world_size=training.world_size,
+                                          device="cpu", **training_arguments(training))
             checked.append({"model": name, "variant": variant, "estimate": parts, "declared": capacity,
-                            "processes": processes})
+                            "processes": processes, "loading": loading})
             budget = int(capacity * training.memory_headroom)
+            # FSDP's loading: rank 0's copy of the whole model once, beside every process's share and unit.
+            loading_node = (0 if loading is None else
+                            loading["host_copy"] + processes * (loading["total"] - loading["host_copy"]))
+            if loading_node > max(budget, parts["total"] * processes):
+                h = memory_estimate.human
+                raise ConfigError(
+                    "training.mem_mb",
+                    f"model '{name}', variant '{variant}': loading under training.strategy: fsdp is estimated at "
+                    f"{h(loading_node)} on the node (rank 0's host copy of the whole model {h(loading['host_copy'])}, "
+                    f"and each of {processes} processes' share and one whole unit), over "
+                    f"{training.memory_headroom:.0%} of the declared mem_mb {training.mem_mb} ({h(budget)}). "
+                    f"Fix: raise training.mem_mb, or use a smaller model")
             if parts["total"] * processes > budget:
                 h = memory_estimate.human
                 advice = memory_estimate.knob_advice(parts, training, torch.device("cpu"))
@@ -355,6 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     gradient_checkpointing=not args.no_gradient_checkpointing)
     for part, size in result["estimate"].items():
         print(f"{part:<18}{memory_estimate.human(size):>12}")
+    if result["loading"]:  # fsdp: the peak while rank 0's weights are sharded out, before the loop
+        print("loading peak " + ", ".join(f"{k} {memory_estimate.human(v)}" for k, v in result["loading"].items()))
     print(result["line"])
     return 0 if result["fits"] else 1
 
