@@ -123,6 +123,18 @@ def test_advice_refuses_ddp_and_names_what_fits(llama70b):
                                   "use fsdp over more GPUs, a shorter --max-length or a smaller model")
 
 
+def test_qlora_advice_quotes_fsdp_over_the_gpus_asked(llama70b):
+    """Regression: from qlora on 8 GPUs the fsdp alternative kept the nf4 weights (which FSDP cannot shard)
+    and quoted 23.1 GiB, the 16-GPU figure, instead of fsdp's 32.9 GiB on 8."""
+    run = {**RUN, "lora": {"rank": 128, "target_modules": ALL_PROJ}, "micro_batch": 4, "max_length": 512}
+    result = cme.advise(llama70b, capacity=CAPACITY, strategy="qlora", **run)
+    fsdp_on_8 = cme.estimate_from_config(llama70b, strategy="fsdp", **run)["total"]
+    assert not result["fits"] and dict(result["alternatives"])["--strategy fsdp"] == fsdp_on_8
+    assert result["line"].endswith("Would fit: --strategy fsdp (32.9 GiB)")
+    with pytest.raises(ConfigError, match="fsdp shards unquantised weights only"):
+        cme.estimate_from_config(llama70b, strategy="fsdp", quantization={"bits": 4}, **run)
+
+
 def test_advice_offers_a_smaller_micro_batch_when_activations_are_the_problem():
     model = cme.meta_model(CONFIGS / "Qwen2.5-0.5B.json")
     run = dict(lora={"rank": 16, "target_modules": ["q_proj", "v_proj"]}, max_length=1024)

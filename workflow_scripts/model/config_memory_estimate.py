@@ -137,6 +137,8 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
         raise ConfigError("quantization.bits", f"{quantization.get('bits')} must be 4 or 8")
     if quantization is not None and lora is None:
         raise ConfigError("quantization", "quantised weights cannot be trained; a full fine-tune needs lora")
+    if quantization is not None and strategy == "fsdp":  # as training/fsdp.py refuses it
+        raise ConfigError("quantization", "fsdp shards unquantised weights only; use qlora or ddp for quantised ones")
     model = meta_model(source)
     shards = world_size if strategy == "fsdp" else 1
     # The project stores frozen weights as model_loading does: bf16 on GPUs for bf16 runs, else fp32.
@@ -200,7 +202,8 @@ def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[
         return {"fits": True, "estimate": parts, "alternatives": [], "line": f"fits: {head}"}
     tries: list[tuple[str, dict]] = []
     if settings["strategy"] != "fsdp" and settings["world_size"] > 1:
-        tries.append(("--strategy fsdp", {"strategy": "fsdp"}))
+        # FSDP shards unquantised weights: from qlora, the fsdp figure is bf16 weights over the same GPUs.
+        tries.append(("--strategy fsdp", {"strategy": "fsdp", "quantization": None}))
     if settings.get("lora") is not None and not (settings["strategy"] == "qlora" or settings.get("quantization")):
         tries.append(("--strategy qlora", {"strategy": "qlora", "quantization": None}))
     if not settings["gradient_checkpointing"]:
