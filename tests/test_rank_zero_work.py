@@ -2,7 +2,6 @@
 wait: a slow rank 0 must not trip the collective timeout, and a failing one must stop every rank with its
 message (issue 23, point 6). Two gloo processes; the planted slowness or failure comes in through a
 sitecustomize module on the workers' PYTHONPATH, and the collective timeout is shortened there too."""
-import datetime
 import os
 import subprocess
 import sys
