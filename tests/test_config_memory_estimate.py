@@ -256,7 +256,10 @@ def test_a_hub_model_is_estimated_only_once_prepared_here(tmp_path):
         cme.check_declared_memory(config, root=tmp_path)
 
 
-def test_snakemake_dry_run_refuses_before_any_job(tmp_path):
+@pytest.mark.parametrize("training", [{"mem_mb": 1},
+                                      # GPU ranks' host memory (issue 23, point 3): 8 x 3 GiB over 16000 MB
+                                      {"mem_mb": 16000, "gpus": 8, "effective_batch": 128}])
+def test_snakemake_dry_run_refuses_before_any_job(tmp_path, training):
     import subprocess
     import sys
 
@@ -267,7 +270,7 @@ def test_snakemake_dry_run_refuses_before_any_job(tmp_path):
     config = yaml.safe_load(DEMO.read_text())
     for dataset in config["datasets"].values():
         dataset["source"]["path"] = str(ROOT / dataset["source"]["path"])
-    config["training"]["mem_mb"] = 1
+    config["training"].update(training)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "-n",
