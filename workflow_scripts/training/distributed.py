@@ -80,7 +80,7 @@ def on_main(context: DistributedContext, what: str, work: Callable[[], T], share
 
     Rank-0-only work (files, uploads, a metric) followed by a collective let the others wait in that
     collective, under its 30-minute timeout, and a failure on rank 0 left them there (NCCL: until its
-    watchdog; issue 23, point 6). Here they wait on a gloo group whose timeout the work cannot reach,
+    watchdog; issue 23, point 6). Here they wait on a gloo group with MAIN_WORK_TIMEOUT (7 days),
     then learn the outcome: a failure raises on every rank, naming ``what`` and rank 0's message.
     ``work`` must not call collectives. Returns its result on rank 0, and on the others too with
     ``share_result`` (it must pickle), else None there.
