@@ -123,6 +123,18 @@ def test_advice_refuses_ddp_and_names_what_fits(llama70b):
                                   "use fsdp over more GPUs, a shorter --max-length or a smaller model")
 
 
+def test_qlora_advice_quotes_fsdp_over_the_gpus_asked(llama70b):
+    """Regression: from qlora on 8 GPUs the fsdp alternative kept the nf4 weights (which FSDP cannot shard)
+    and quoted 23.1 GiB, the 16-GPU figure, instead of fsdp's 32.9 GiB on 8."""
+    run = {**RUN, "lora": {"rank": 128, "target_modules": ALL_PROJ}, "micro_batch": 4, "max_length": 512}
+    result = cme.advise(llama70b, capacity=CAPACITY, strategy="qlora", **run)
+    fsdp_on_8 = cme.estimate_from_config(llama70b, strategy="fsdp", **run)["total"]
+    assert not result["fits"] and dict(result["alternatives"])["--strategy fsdp"] == fsdp_on_8
+    assert result["line"].endswith("Would fit: --strategy fsdp (32.9 GiB)")
+    with pytest.raises(ConfigError, match="fsdp shards unquantised weights only"):
+        cme.estimate_from_config(llama70b, strategy="fsdp", quantization={"bits": 4}, **run)
+
+
 def test_advice_offers_a_smaller_micro_batch_when_activations_are_the_problem():
     model = cme.meta_model(CONFIGS / "Qwen2.5-0.5B.json")
     run = dict(lora={"rank": 16, "target_modules": ["q_proj", "v_proj"]}, max_length=1024)
@@ -193,8 +205,23 @@ def test_declared_cpu_memory_too_small_is_refused_naming_model_variant_and_knob(
         cme.check_declared_memory(demo_config(mem_mb=1), root=tmp_path)
 
 
-def test_gpu_jobs_declare_no_device_memory_and_are_left_to_the_gate(tmp_path):
-    assert cme.check_declared_memory(demo_config(mem_mb=1, gpus=1), root=tmp_path) == []
+def test_gpu_ranks_host_memory_over_mem_mb_is_refused_naming_the_key_and_the_figure(tmp_path):
+    # 8 GPU ranks on a node, each the process with its CUDA context (3 GiB) and the largest tensor on its way
+    # to the GPU, plus 2 DataLoader workers each (0.5 GiB): about 32 GiB, against 16000 MB (issue 23, point 3).
+    settings = dict(gpus=8, effective_batch=128, dataloader_workers=2)
+    with pytest.raises(ConfigError) as caught:
+        cme.check_declared_memory(demo_config(mem_mb=16000, **settings), root=tmp_path)
+    message = str(caught.value)
+    assert caught.value.key == "training.mem_mb"
+    assert "8 GPU rank(s) on a node need about 32.0 GiB of host memory" in message
+    assert "plus 8.0 GiB for 2 DataLoader worker(s) per rank" in message
+    assert message.endswith("Fix: raise training.mem_mb to at least 36412")  # 32.0 GiB / 90%, in MiB
+    checked = cme.check_declared_memory(demo_config(mem_mb=36412, **settings), root=tmp_path)
+    assert checked and all(c["host"]["ranks"] == 8 and c["estimate"] is None for c in checked)
+    # FSDP: rank 0 also holds one full copy of the weights to hand out the shards.
+    fsdp = cme.check_declared_memory(demo_config(mem_mb=40000, strategy="fsdp", **settings), root=tmp_path)[0]
+    h, i, v = 64, 128, 1024
+    assert fsdp["host"]["rank0_full_copy"] == 4 * (2 * v * h + 2 * (4 * h * h + 3 * h * i + 2 * h) + h)
 
 
 def test_fsdp_processes_share_the_node_but_each_holds_a_shard(tmp_path):
@@ -221,15 +248,18 @@ def test_a_hub_model_is_estimated_only_once_prepared_here(tmp_path):
     prepared.mkdir(parents=True)
     (prepared / "config.json").write_text((CONFIGS / "Qwen2.5-0.5B.json").read_text())
     # 494M parameters in fp32 on CPU: 1.8 GiB of weights alone, over 90% of 2000 MB.
-    with pytest.raises(ConfigError, match=r"model 'qwen', variant .* Fix: raise training.mem_mb, or use a device "
-                                          r"with more memory or a smaller model, or set training.quantization"):
+    with pytest.raises(ConfigError, match=r"model 'qwen', variant .* Fix: raise training.mem_mb to at least \d+, or use "
+                                          r"a device with more memory or a smaller model, or set training.quantization"):
         cme.check_declared_memory(config, root=tmp_path)
     (prepared / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"models.qwen.*config.json cannot be read"):
         cme.check_declared_memory(config, root=tmp_path)
 
 
-def test_snakemake_dry_run_refuses_before_any_job(tmp_path):
+@pytest.mark.parametrize("training", [{"mem_mb": 1},
+                                      # GPU ranks' host memory (issue 23, point 3): 8 x 3 GiB over 16000 MB
+                                      {"mem_mb": 16000, "gpus": 8, "effective_batch": 128}])
+def test_snakemake_dry_run_refuses_before_any_job(tmp_path, training):
     import subprocess
     import sys
 
@@ -240,7 +270,7 @@ def test_snakemake_dry_run_refuses_before_any_job(tmp_path):
     config = yaml.safe_load(DEMO.read_text())
     for dataset in config["datasets"].values():
         dataset["source"]["path"] = str(ROOT / dataset["source"]["path"])
-    config["training"]["mem_mb"] = 1
+    config["training"].update(training)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "-n",
@@ -265,3 +295,28 @@ def test_a_prepared_masked_lm_is_not_estimated_as_a_causal_lm(tmp_path):
                                                                 num_attention_heads=2, intermediate_size=64).to_dict()))
     checked = cme.check_declared_memory(demo_config(), root=tmp_path)
     assert {c["model"] for c in checked} == {"tiny-llama"}
+
+
+def test_host_estimate_is_not_below_a_real_runs_peak_resident_memory(tmp_path, tiny_model_dir, tiny_tokenised_dir):
+    """A tiny CPU train run's peak RSS (getrusage of a fresh parent whose only child is the run) is within the
+    per-process host estimate; a config declaring that measured peak as mem_mb is refused. Before, only the
+    tensors were counted (well under 1 MiB here), and such a config passed."""
+    import subprocess
+    import sys
+
+    from conftest import tiny_training_settings
+    from test_train import REPO, subprocess_env, train_argv
+
+    settings = tiny_training_settings(max_steps=4, checkpoint_every=2)
+    measure = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")  # KiB on Linux
+    result = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "workflow_scripts.train",
+                             *train_argv(tmp_path, tiny_model_dir, tiny_tokenised_dir, settings)],
+                            cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    peak = int(result.stdout.split()[-1]) * 1024
+    host = cme.host_memory(cme.meta_model(tiny_model_dir), settings)
+    assert host["ranks"] == 1 and peak <= host["per_rank"] == host["total"], (peak, host)
+    # The demo's tiny-llama is larger than this tiny model: a node declaring only the measured peak is refused.
+    with pytest.raises(ConfigError, match=r"config key 'training.mem_mb': .*Fix: raise training.mem_mb to at least"):
+        cme.check_declared_memory(demo_config(mem_mb=peak // 2**20), root=tmp_path)

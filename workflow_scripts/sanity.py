@@ -94,20 +94,19 @@ def run_gate(args: argparse.Namespace, training: TrainingSettings) -> int:
         record_task_check(report, "chat_prompt", checks.check_chat_prompt(setup.task, tokenizer, meta.get("templates")))
         losses, padding = run_probe_steps(setup, dataset, meta, training, args.seed, report, tokenizer)
         devices = distributed.all_gather_objects(distributed.device_name(context.device), context)
-        if context.is_main:
-            write_json(args.out, {
-                "passed": True,
-                "checks": report.checks,
-                "memory_estimate": {**estimate, "device_capacity": capacity},
-                **({"loading_memory_estimate": loading} if loading else {}),
-                "world_size": context.world_size,
-                "devices": devices,
-                "gradient_accumulation": setup.accumulation,
-                "probe_losses": losses,
-                "padding_share": padding,
-                "seed": args.seed,
-            })
-        distributed.barrier(context)
+        report_json = {
+            "passed": True,
+            "checks": report.checks,
+            "memory_estimate": {**estimate, "device_capacity": capacity},
+            **({"loading_memory_estimate": loading} if loading else {}),
+            "world_size": context.world_size,
+            "devices": devices,
+            "gradient_accumulation": setup.accumulation,
+            "probe_losses": losses,
+            "padding_share": padding,
+            "seed": args.seed,
+        }
+        distributed.on_main(context, f"writing {args.out}", lambda: write_json(args.out, report_json))
         return 0
     finally:
         distributed.teardown(context)

@@ -175,12 +175,17 @@ def train(args: argparse.Namespace, training: TrainingSettings) -> int:
                                             setup.scaler, context.rank, context.device, messages)
             selection = validation.Selection.from_dict(checkpointing.extra_state(resume_from).get("validation"))
             messages(f"resumed from {resume_from} at step {start_step}")
-        if context.is_main:
+        running_log = Path(args.checkpoint_dir, "train_log.running.jsonl")
+
+        def open_outputs():  # rank 0: best adapters a resume no longer needs, the tracker, the running log
             validation.prune(args.checkpoint_dir, selection, resumed_step=start_step)
-        tracker = trackers.open_tracker(tracking, args.checkpoint_dir, start_step, training.to_dict(), args.seed, args.model,
-                                        enabled=context.is_main)
-        log = TrainingLog(Path(args.checkpoint_dir, "train_log.running.jsonl"), start_step, training.max_steps,
-                          training.log_every, args.tensorboard_dir, enabled=context.is_main, tracker=tracker)
+            opened = trackers.open_tracker(tracking, args.checkpoint_dir, start_step, training.to_dict(), args.seed,
+                                           args.model)
+            return opened, TrainingLog(running_log, start_step, training.max_steps, training.log_every,
+                                       args.tensorboard_dir, tracker=opened)
+
+        tracker, log = distributed.on_main(context, "opening the training log and tracker", open_outputs) or (
+            None, TrainingLog(running_log, start_step, training.max_steps, training.log_every, enabled=False))
         log.message(
             f"training {training.max_steps} steps on {context.world_size} process(es), device {context.device}, "
             f"{setup.accumulation} micro-batches of {training.micro_batch} per process per step, "
@@ -194,7 +199,8 @@ def train(args: argparse.Namespace, training: TrainingSettings) -> int:
         devices = distributed.all_gather_objects(distributed.device_name(context.device), context)
         hosts = distributed.all_gather_objects(socket.gethostname(), context)  # rank order: where each ran
         adapter_state = fsdp.gather_adapter(setup.peft_model)  # every rank: FSDP gathers the shards; None under DDP
-        if context.is_main:
+
+        def write_outputs():  # rank 0 alone (the others wait in on_main, not in a collective)
             with atomic_path(args.adapter_out, directory=True) as directory:
                 if training.validation.keep == "best":  # the best step by the configured criterion
                     shutil.copytree(validation.best_adapter(args.checkpoint_dir, selection), directory,
@@ -221,7 +227,8 @@ def train(args: argparse.Namespace, training: TrainingSettings) -> int:
                 tracker.log_outputs(args.manifest_out, args.log_out, args.adapter_out)
             checkpointing.clear(args.checkpoint_dir)
             validation.clear(args.checkpoint_dir)
-        distributed.barrier(context)
+
+        distributed.on_main(context, "writing the adapter, training log and manifest", write_outputs)
         return 0
     finally:
         if log is not None:
@@ -252,6 +259,13 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
         torch.cuda.reset_peak_memory_stats(device)
     setup.model.train()
     compiled = kernels.compile_seconds()
+    if trackers.is_enabled(trackers.load_tracking_settings(args.tracking)):
+        # Logging a step to the tracker is a network call on rank 0 that may retry for minutes: the others
+        # wait for it in on_main rather than in the next step's all-reduce (one small broadcast per step).
+        def log_step(record):
+            distributed.on_main(context, f"logging step {record['step']}", lambda: log.write(record))
+    else:
+        log_step = log.write
     for step in range(start_step, training.max_steps):
         step_started = time.perf_counter()
         micro_batches = [next(batches) for _ in range(setup.accumulation)]
@@ -309,7 +323,7 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
         compiling, compiled = kernels.compile_seconds() - compiled, kernels.compile_seconds()
         if training.compile_layers:
             record["compile_seconds"] = compiling
-        log.write({**record,
+        log_step({**record,
             "step": completed,
             "loss": loss,
             "learning_rate": learning_rate,
@@ -341,15 +355,16 @@ def save_checkpoint(setup, args, step: int, fingerprint: dict, selection: valida
     context = setup.context
     rng_states = distributed.all_gather_objects(checkpointing.rng_state(context.device), context)
     state = checkpointing.gather_state(setup.peft_model, setup.optimizer, context.is_main)  # collective under FSDP
-    path = None
-    if context.is_main:
-        selection = selection if selection is not None else validation.Selection()
+    selection = selection if selection is not None else validation.Selection()
+
+    def write():  # rank 0 alone: a whole model under finetune: full can take minutes
         path = checkpointing.save(args.checkpoint_dir, step, setup.peft_model, setup.optimizer, setup.scheduler,
                                   setup.scaler, rng_states, fingerprint, extra={"validation": selection.as_dict()},
                                   state=state, strategy=setup.training.strategy)
         validation.prune(args.checkpoint_dir, selection)
-    distributed.barrier(context)
-    return path
+        return path
+
+    return distributed.on_main(context, f"writing the checkpoint of step {step}", write, share_result=True)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,8 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
         raise ConfigError("quantization.bits", f"{quantization.get('bits')} must be 4 or 8")
     if quantization is not None and lora is None:
         raise ConfigError("quantization", "quantised weights cannot be trained; a full fine-tune needs lora")
+    if quantization is not None and strategy == "fsdp":  # as training/fsdp.py refuses it
+        raise ConfigError("quantization", "fsdp shards unquantised weights only; use qlora or ddp for quantised ones")
     model = meta_model(source)
     shards = world_size if strategy == "fsdp" else 1
     # The project stores frozen weights as model_loading does: bf16 on GPUs for bf16 runs, else fp32.
@@ -228,7 +230,8 @@ def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[
         return {"fits": True, "estimate": parts, "loading": loading, "alternatives": [], "line": f"fits: {head}"}
     tries: list[tuple[str, dict]] = []
     if settings["strategy"] != "fsdp" and settings["world_size"] > 1:
-        tries.append(("--strategy fsdp", {"strategy": "fsdp"}))
+        # FSDP shards unquantised weights: from qlora, the fsdp figure is bf16 weights over the same GPUs.
+        tries.append(("--strategy fsdp", {"strategy": "fsdp", "quantization": None}))
     if settings.get("lora") is not None and not (settings["strategy"] == "qlora" or settings.get("quantization")):
         tries.append(("--strategy qlora", {"strategy": "qlora", "quantization": None}))
     if not settings["gradient_checkpointing"]:
@@ -293,22 +296,80 @@ def _is_causal_lm(fields: Mapping[str, Any]) -> bool:
     return fields.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
-def declared_memory(training: TrainingSettings) -> tuple[int, int] | None:
-    """(bytes, processes sharing them) that the config declares for one node of a training job, or None.
+# Host memory (training.mem_mb, per node) --------------------------------------------------------
+GiB = 2**30
+# One training process beside the tensors it keeps in host memory: the interpreter with torch, transformers
+# and the workflow imported. A tiny CPU train run peaks at about 550 MiB resident (torch 2.13, transformers
+# 5.23; tests/test_config_memory_estimate.py measures it on every run); 1 GiB leaves room for other builds.
+PROCESS_HOST_BYTES = GiB
+# A CUDA process adds its context and the host side of the CUDA libraries (cuBLAS, cuDNN, NCCL): our
+# convention, not measured here (the machine that wrote this has no GPU).
+CUDA_HOST_BYTES = 2 * GiB
+# A DataLoader worker (a fork of its rank): its own heap and the batches it prefetches and collates.
+DATALOADER_WORKER_BYTES = GiB // 2
 
-    A CPU job's processes share the node memory it asks of the scheduler, ``training.mem_mb``. Nothing in
-    the config declares a GPU's memory, so GPU jobs are left to the gate, which reads the device.
+
+def host_memory(model: nn.Module, training: TrainingSettings, parts: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Host memory one node of a training job needs (bytes), by part, and ``total``.
+
+    Every rank on the node (``training.gpus``, or ``cpu_processes`` on CPU) holds the process itself and its
+    host copy during loading: on CPU the whole training state (``parts``, estimate_from_config's per-process
+    figure); on a GPU, where model_loading loads with ``device_map={"": device}`` so each tensor goes straight
+    to the GPU, the largest tensor on its way there (counted in fp32, as a checkpoint may store it). FSDP adds
+    one full copy of the weights as loaded, for rank 0 to load and hand out the shards. Each rank's
+    ``training.dataloader_workers`` come on top. The safetensors files' pages (page cache, shared by the
+    ranks and reclaimable) are not counted.
     """
-    if training.gpus > 0:
+    cuda = training.gpus > 0
+    ranks = training.gpus if cuda else training.cpu_processes
+    if cuda:
+        copy = max(p.numel() for p in model.parameters()) * FP32
+        per_rank = PROCESS_HOST_BYTES + CUDA_HOST_BYTES + copy
+    else:
+        if parts is None:
+            parts = estimate_from_config(model, strategy=training.strategy, world_size=training.world_size,
+                                         device="cpu", **training_arguments(training))
+        copy = parts["total"]
+        per_rank = PROCESS_HOST_BYTES + copy
+    full_copy = 0
+    if cuda and training.strategy == "fsdp":
+        dtype_bytes = torch.empty((), dtype=weights_dtype(training.precision, torch.device("cuda"))).element_size()
+        full_copy = base_weight_bytes(model, dtype_bytes, None)[0]
+    workers = ranks * training.dataloader_workers * DATALOADER_WORKER_BYTES
+    return {"ranks": ranks, "per_rank": per_rank, "host_copy": copy, "rank0_full_copy": full_copy,
+            "dataloader_workers": workers, "total": ranks * per_rank + full_copy + workers}
+
+
+def host_memory_problem(name: str, variant: str, host: Mapping[str, int], training: TrainingSettings) -> str | None:
+    """The message when ``host`` exceeds the headroom share of ``training.mem_mb``; None when it fits."""
+    declared = training.mem_mb * 2**20
+    budget = int(declared * training.memory_headroom)
+    if host["total"] <= budget:
         return None
-    return training.mem_mb * 2**20, training.cpu_processes
+    h = memory_estimate.human
+    needed_mb = math.ceil(host["total"] / training.memory_headroom / 2**20)
+    what = (f"{host['ranks']} GPU rank(s) on a node need about {h(host['total'])} of host memory: each "
+            f"{h(host['per_rank'])} (the process with its CUDA context, and {h(host['host_copy'])} for the largest "
+            "tensor on its way to the GPU)" if training.gpus > 0 else
+            f"{host['ranks']} training process(es) on a node need about {h(host['total'])}: each "
+            f"{h(host['per_rank'])} (the process, and {h(host['host_copy'])} of weights, adapters, optimizer state "
+            "and activations)")
+    if host["rank0_full_copy"]:
+        what += f", plus {h(host['rank0_full_copy'])} for rank 0's full copy of the weights (fsdp)"
+    if host["dataloader_workers"]:
+        what += (f", plus {h(host['dataloader_workers'])} for {training.dataloader_workers} DataLoader "
+                 "worker(s) per rank")
+    return (f"model '{name}', variant '{variant}': {what}; over {training.memory_headroom:.0%} of the declared "
+            f"mem_mb {training.mem_mb} ({h(budget)}). Fix: raise training.mem_mb to at least {needed_mb}")
 
 
 def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> list[dict[str, Any]]:
     """Estimate every (model, variant) whose model config is here, before any job runs, and raise a
-    ConfigError naming the model, the variant and the knob when one exceeds the memory its config declares.
+    ConfigError naming ``training.mem_mb`` and the figure needed when one needs more host memory per node
+    than the config declares (:func:`host_memory`: CPU and GPU jobs).
 
-    Returns what was checked: ``[{model, variant, estimate, declared, processes}]``.
+    Returns what was checked: ``[{model, variant, estimate, host, declared, processes}]`` (``estimate``: the
+    per-process figures of a CPU job, None for a GPU job, whose device memory the gate checks).
     """
     from workflow_scripts.core import experiment_config as xc
 
@@ -321,46 +382,42 @@ def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> 
     pairs = {(model, variant) for model, entry, variant in xc.model_entry_variants(config)
              if task_named(xc.entry_task(config, entry)).auto_model_class == "AutoModelForCausalLM"}
     for name, spec in xc.models(config).items():
-        declared_by = {variant: declared_memory(xc.training_settings(config, variant, name))
-                       for variant in config["variants"] if (name, variant) in pairs}
+        variants = [variant for variant in config["variants"] if (name, variant) in pairs]
         source = local_model_config(name, spec, root)
-        if source is None or not any(declared_by.values()) or not _is_causal_lm(source):
-            continue  # nothing to read without a download, or nothing declared to compare with
+        if source is None or not variants or not _is_causal_lm(source):
+            continue  # nothing to read without a download
         model = meta_model(source)
-        for variant, declared in declared_by.items():
-            if declared is None:
-                continue
+        for variant in variants:
             training = xc.training_settings(config, variant, name)
-            capacity, processes = declared
-            parts = estimate_from_config(
-                model, strategy=training.strategy, world_size=training.world_size,
-                device="cpu", **training_arguments(training))
-            loading = loading_from_config(model, strategy=training.strategy, world_size=training.world_size,
-                                          device="cpu", **training_arguments(training))
-            checked.append({"model": name, "variant": variant, "estimate": parts, "declared": capacity,
-                            "processes": processes, "loading": loading})
-            budget = int(capacity * training.memory_headroom)
-            # FSDP's loading: rank 0's copy of the whole model once, beside every process's share and unit.
-            loading_node = (0 if loading is None else
-                            loading["host_copy"] + processes * (loading["total"] - loading["host_copy"]))
-            if loading_node > max(budget, parts["total"] * processes):
-                h = memory_estimate.human
-                raise ConfigError(
-                    "training.mem_mb",
-                    f"model '{name}', variant '{variant}': loading under training.strategy: fsdp is estimated at "
-                    f"{h(loading_node)} on the node (rank 0's host copy of the whole model {h(loading['host_copy'])}, "
-                    f"and each of {processes} processes' share and one whole unit), over "
-                    f"{training.memory_headroom:.0%} of the declared mem_mb {training.mem_mb} ({h(budget)}). "
-                    f"Fix: raise training.mem_mb, or use a smaller model")
-            if parts["total"] * processes > budget:
-                h = memory_estimate.human
-                advice = memory_estimate.knob_advice(parts, training, torch.device("cpu"))
-                raise ConfigError(
-                    "training.mem_mb",
-                    f"model '{name}', variant '{variant}': {processes} training process(es) on a node are "
-                    f"estimated at {h(parts['total'])} each ({h(parts['total'] * processes)} together), over "
-                    f"{training.memory_headroom:.0%} of the declared mem_mb {training.mem_mb} "
-                    f"({h(budget)}). Fix: raise training.mem_mb, or {advice}")
+            parts = loading = None
+            if training.gpus == 0:
+                parts = estimate_from_config(model, strategy=training.strategy, world_size=training.world_size,
+                                             device="cpu", **training_arguments(training))
+                loading = loading_from_config(model, strategy=training.strategy, world_size=training.world_size,
+                                              device="cpu", **training_arguments(training))
+            host = host_memory(model, training, parts)
+            checked.append({"model": name, "variant": variant, "estimate": parts, "host": host, "loading": loading,
+                            "declared": training.mem_mb * 2**20, "processes": host["ranks"]})
+            # CPU fsdp's loading: rank 0's copy of the whole model once, beside every process and its share and unit.
+            if loading is not None:
+                per_process = PROCESS_HOST_BYTES + loading["total"] - loading["host_copy"]
+                loading_node = loading["host_copy"] + host["ranks"] * per_process
+                budget = int(training.mem_mb * 2**20 * training.memory_headroom)
+                if loading_node > max(budget, host["total"]):
+                    h = memory_estimate.human
+                    raise ConfigError(
+                        "training.mem_mb",
+                        f"model '{name}', variant '{variant}': loading under training.strategy: fsdp is estimated at "
+                        f"{h(loading_node)} on the node (rank 0's host copy of the whole model {h(loading['host_copy'])}, "
+                        f"and each of {host['ranks']} processes with its share and one whole unit), over "
+                        f"{training.memory_headroom:.0%} of the declared mem_mb {training.mem_mb} ({h(budget)}). "
+                        f"Fix: raise training.mem_mb to at least "
+                        f"{math.ceil(loading_node / training.memory_headroom / 2**20)}, or use a smaller model")
+            problem = host_memory_problem(name, variant, host, training)
+            if problem is not None:
+                if parts is not None:  # CPU: the training state itself may be what is too big
+                    problem += f", or {memory_estimate.knob_advice(parts, training, torch.device('cpu'))}"
+                raise ConfigError("training.mem_mb", problem)
     return checked
 
 

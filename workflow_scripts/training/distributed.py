@@ -9,9 +9,21 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from workflow_scripts.core.errors import WorkflowError
+
+T = TypeVar("T")
+
+# How long the other ranks wait for work that rank 0 does alone (writing checkpoints and outputs, scoring the
+# validation metric, the tracker). Not the collective timeout (30 minutes), which is there to catch ranks
+# out of step, not a slow disk or a long generation: the job's wall time ends a stuck rank 0 first, and a
+# rank 0 that dies closes its sockets, which ends the wait at once (torchrun then stops the job).
+MAIN_WORK_TIMEOUT = datetime.timedelta(days=7)
+_MAIN_WORK_GROUP: dict = {}
 
 
 @dataclass(frozen=True)
@@ -56,9 +68,43 @@ def setup(use_cuda: bool, timeout_minutes: int = 30) -> DistributedContext:
                 backend, timeout=datetime.timedelta(minutes=timeout_minutes),
                 **({"device_id": device} if use_cuda else {}),
             )
+        # A gloo group (CPU sockets, also beside NCCL) with a long timeout, for waiting on rank 0: on_main.
+        _MAIN_WORK_GROUP["group"] = dist.new_group(backend="gloo", timeout=MAIN_WORK_TIMEOUT)
     else:
         backend = None
     return DistributedContext(rank, local_rank, world_size, local_world_size, device, backend)
+
+
+def on_main(context: DistributedContext, what: str, work: Callable[[], T], share_result: bool = False) -> T | None:
+    """Run ``work`` on rank 0 alone while the other ranks wait for it, and stop every rank if it fails.
+
+    Rank-0-only work (files, uploads, a metric) followed by a collective let the others wait in that
+    collective, under its 30-minute timeout, and a failure on rank 0 left them there (NCCL: until its
+    watchdog; issue 23, point 6). Here they wait on a gloo group with MAIN_WORK_TIMEOUT (7 days),
+    then learn the outcome: a failure raises on every rank, naming ``what`` and rank 0's message.
+    ``work`` must not call collectives. Returns its result on rank 0, and on the others too with
+    ``share_result`` (it must pickle), else None there.
+    """
+    if not context.is_distributed or context.world_size == 1:
+        return work()
+    outcome: list = [None]
+    failure: BaseException | None = None
+    result = None
+    if context.is_main:
+        try:
+            result = work()
+            outcome = [("done", result if share_result else None)]
+        except BaseException as error:  # whatever stops rank 0 must release the others
+            failure = error
+            outcome = [("failed", str(error) if isinstance(error, WorkflowError)
+                        else f"{type(error).__name__}: {error}")]
+    dist.broadcast_object_list(outcome, src=0, group=_MAIN_WORK_GROUP.get("group"))
+    if failure is not None:
+        raise failure
+    status, value = outcome[0]
+    if status == "failed":
+        raise WorkflowError(f"rank {context.rank} stops: rank 0 failed while {what}: {value}")
+    return result if context.is_main else value
 
 
 # A world-of-one process group started by ensure_process_group (FSDP needs one even for one process).
@@ -81,6 +127,7 @@ def teardown(context: DistributedContext | None) -> None:
     if (context is not None and context.is_distributed) or _SOLO_GROUP["started"]:
         dist.destroy_process_group()
         _SOLO_GROUP["started"] = False
+        _MAIN_WORK_GROUP.clear()
 
 
 def all_reduce_sum(tensor: torch.Tensor, context: DistributedContext) -> torch.Tensor:

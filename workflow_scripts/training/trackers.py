@@ -182,11 +182,16 @@ def _store_lock(uri: str) -> Iterator[None]:
         yield
 
 
+def is_enabled(tracking: Mapping[str, Any] | None) -> bool:
+    """Whether the settings switch a tracker on (the same answer on every rank; only rank 0 opens it)."""
+    return bool(tracking and tracking.get("mlflow", {}).get("enabled"))
+
+
 def open_tracker(tracking: Mapping[str, Any] | None, checkpoint_dir: str | Path, resume_step: int,
                  training: Mapping[str, Any], seed: int, model_dir: str, enabled: bool = True,
                  messages: Callable[[str], None] = print) -> "MlflowTracker | None":
     """The MLflow run of this job, opened (or continued) before any step; None when tracking is off."""
-    if not enabled or not tracking or not tracking.get("mlflow", {}).get("enabled"):
+    if not enabled or not is_enabled(tracking):
         return None
     settings = tracking["mlflow"]
     uri = store_uri(settings.get("tracking_uri"))

@@ -137,12 +137,15 @@ def best_dirs(checkpoint_dir: str | Path) -> list[tuple[int, Path]]:
 def save_best(setup: training_setup.TrainingSetup, checkpoint_dir: str | Path, step: int) -> None:
     """The adapter of a new best step, in the PEFT format (every rank calls it; the main process writes)."""
     state = fsdp.gather_adapter(setup.peft_model)  # collective under FSDP (the shards gathered); None otherwise
-    if setup.context.is_main:
+
+    def write():  # rank 0 alone; the others wait in on_main, not in the next step's all-reduce
         with atomic_path(Path(checkpoint_dir, f"best-step-{step:08d}"), directory=True) as directory:
             if setup.training.full:  # the whole model, as train's output holds it
                 model_loading.save_full_model(setup.peft_model, directory)
             else:
                 model_loading.save_adapter(setup.peft_model, directory, state)
+
+    distributed.on_main(setup.context, f"writing the best adapter (step {step})", write)
 
 
 def prune(checkpoint_dir: str | Path, selection: Selection, resumed_step: int | None = None) -> None:

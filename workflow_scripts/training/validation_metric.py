@@ -114,8 +114,8 @@ def score(setup: training_setup.TrainingSetup, state: ValidationMetric) -> dict[
     ``validation_metric/<dataset>`` per component and their mean as ``validation_metric`` when they share
     one metric. Computed on the main process with its model; every process gets the same figures."""
     context = setup.context
-    values = None
-    if context.is_main:
+
+    def scored() -> dict[str, float]:  # rank 0 alone: generation takes as long as metric_examples asks
         was_training = setup.model.training
         setup.model.eval()
         try:
@@ -126,9 +126,11 @@ def score(setup: training_setup.TrainingSetup, state: ValidationMetric) -> dict[
         finally:
             setup.model.train(was_training)
         if len(scores) == 1:
-            values = {METRIC_KEY: next(iter(scores.values()))}
-        else:
-            values = {f"{METRIC_KEY}/{name}": value for name, value in scores.items()}
-            if len({source.metric for source in state.sources}) == 1:
-                values[METRIC_KEY] = sum(scores.values()) / len(scores)
-    return distributed.all_gather_objects(values, context)[0]  # early stopping: every process decides alike
+            return {METRIC_KEY: next(iter(scores.values()))}
+        values = {f"{METRIC_KEY}/{name}": value for name, value in scores.items()}
+        if len({source.metric for source in state.sources}) == 1:
+            values[METRIC_KEY] = sum(scores.values()) / len(scores)
+        return values
+
+    # The others wait for it in on_main (no collective timeout) and get the figures: every process decides alike.
+    return distributed.on_main(context, "scoring the validation metric", scored, share_result=True)
