@@ -128,7 +128,7 @@ def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_spli
                 result = Rejected("duplicate_id", mapper.fields.get("id", "id"), f"id '{result['id']}' occurs earlier in the split")
             if isinstance(result, Rejected):
                 result = Rejected(result.reason, result.field, names.translate(result.detail))  # an image's path
-                example = rejections.add(result, location, canonical, place)
+                example = rejections.add(result, names.shown(place.file) if place.file else location, canonical, place)
                 tally.first.setdefault(result.reason, example)
                 tally.reasons[result.reason] += 1
             else:
