@@ -12,12 +12,14 @@ from workflow_scripts.core import experiment_config as xc
 from workflow_scripts.core import experiment_set
 from workflow_scripts.data import source_files, split_layouts, split_names
 from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.model import task_fit
 from workflow_scripts.training import trackers
 
 try:
     xc.check_config(config, "config")
     trackers.check_workflow_tracking(config["tracking"])
     split_names.check_local_splits(config["datasets"], "config")
+    task_fit.check_vision_language_models(config, "config")  # where the model's config is readable now
     # Each (model, variant) whose model config is here, against the memory its config declares (a few
     # seconds of torch/transformers imports: once, not again in each job that re-reads the Snakefile).
     if workflow.is_main_process:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from data_helpers import run_download, run_normalise, write_jsonl
+from data_helpers import default_config, run_download, run_normalise, write_jsonl
 from vlm_layouts import bar_chart_png, truncated
 from workflow_scripts import normalise
 from workflow_scripts.core.errors import ConfigError, WorkflowError
@@ -38,13 +38,13 @@ def rows_of(data: Path, split: str) -> list[dict]:
 def write_imagefolder(root: Path, fmt: str = "jsonl", train_extra: list[dict] = ()) -> dict[str, bytes]:
     """train/ and test/ folders as datasets' imagefolder ships them; images in a subfolder. Returns name -> bytes."""
     images = {}
-    for split, n in (("train", 4), ("test", 2)):
+    for split, n in (("train", 4), ("validation", 2), ("test", 2)):
         folder = root / split
         (folder / "charts").mkdir(parents=True)
         rows = []
         for k in range(n):
             name = f"charts/{split}_{k}.png"
-            images[f"{split}/{name}"] = bar_chart_png([k + 1, 2 * k + 3, 5] if split == "train" else [9, k + 1])
+            images[f"{split}/{name}"] = bar_chart_png({"train": [k + 1, 2 * k + 3, 5], "validation": [7, 1, k + 2]}.get(split, [9, k + 1]))
             (folder / name).write_bytes(images[f"{split}/{name}"])
             rows.append({"file_name": name, "query": f"How tall is bar {k} in {split}?", "label": str(k)})
         if split == "train":
@@ -213,3 +213,51 @@ def test_listed_files_that_are_not_there_are_refused_when_the_workflow_is_parsed
                               "metric": "exact_match"})
     with pytest.raises(ConfigError, match=rf"datasets\.qa\.{key}.*{message}"):
         check_local_splits({"qa": settings})
+
+
+# --- through snakemake -n: the refusals come when the workflow is parsed, before any job ---
+def imagefolder_config(root: Path, models: list[str]) -> dict:
+    """A config over one image-folder dataset, run on ``models`` (tiny-llava reads images, tiny-llama does not)."""
+    from test_dag import absolute_demo_config
+
+    config = absolute_demo_config(["shapes_demo"])
+    config["datasets"] = {"charts": {**imagefolder_settings(root), "models": models,
+                                     "splits": {"train": "train", "validation": "validation", "test": "test"}}}
+    config["models"] = {name: spec for name, spec in default_config()["models"].items() if name in models}
+    config["variants"] = {name: spec for name, spec in config["variants"].items() if spec.get("task") == "vision_language"}
+    config["comparison"]["reference_variant"] = {"vision_language": "text_only"}
+    return config
+
+
+def test_snakemake_n_plans_an_image_folder_and_refuses_a_glob_matching_nothing_naming_dataset_and_key(tmp_path):
+    from test_dag import config_file
+    from test_dry_run_families import dry_run
+
+    write_imagefolder(tmp_path / "charts")
+    config = imagefolder_config(tmp_path / "charts", ["tiny-llava"])
+    code, output = dry_run(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)), "--cores", "1")
+    assert code == 0 and "download" in output, output[-3000:]
+    for split in ("validation", "test"):
+        write_jsonl(tmp_path / "qa" / f"{split}.jsonl", [{"q": "Q?", "a": ["A"]}])
+    config["datasets"]["qa"] = {"source": {"type": "local", "path": str(tmp_path / "qa"),
+                                           "files": {"train": "shards/part-*.jsonl"}}, "fields": {"question": "q", "answers": "a"},
+                                "metric": "exact_match", "models": ["tiny-llava"]}
+    config["variants"]["baseline"] = {"prompt": "Question: {question}\nAnswer:", "target": " {answer}"}
+    config["comparison"]["reference_variant"]["generation"] = "baseline"
+    code, output = dry_run(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)), "--cores", "1")
+    assert code != 0 and "Job stats" not in output, output[-3000:]
+    assert (f"config: config key 'datasets.qa.source.files.train': 'shards/part-*.jsonl' matches no file under "
+            f"{tmp_path / 'qa'} (paths and globs are relative to source.path {tmp_path / 'qa'}, or absolute)") in output
+
+
+def test_snakemake_n_refuses_a_vision_language_dataset_on_a_text_only_model(tmp_path):
+    from test_dag import config_file
+    from test_dry_run_families import dry_run
+
+    write_imagefolder(tmp_path / "charts")
+    config = imagefolder_config(tmp_path / "charts", ["tiny-llava", "tiny-llama"])
+    code, output = dry_run(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)), "--cores", "1")
+    assert code != 0 and "Job stats" not in output, output[-3000:]
+    assert ("config: config key 'datasets.charts.models': task vision_language needs a model with a vision part, but "
+            "'tiny-llama' is a tiny 'llama' model (models.tiny-llama.tiny.architecture; the vision ones are "
+            "['llava', 'idefics3']), which reads text only; remove 'tiny-llama' from datasets.charts.models") in output
