@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.data import text_lines
 
 IMAGEFOLDER = "imagefolder"
 IMAGEFOLDER_FORMATS = ("jsonl", "csv", "parquet")  # datasets' metadata files (json is not among them)
@@ -49,9 +50,8 @@ def handles(settings: Mapping[str, Any], split: str) -> bool:
 
 
 def suffixes(fmt: str) -> tuple[str, ...]:
-    from workflow_scripts.data.split_names import SUFFIXES
-
-    return SUFFIXES[fmt]
+    """The file-name endings of a split file in format ``fmt`` (text: plain or gzipped lines)."""
+    return text_lines.SPLIT_SUFFIXES if fmt == text_lines.TEXT_FORMAT else (f".{fmt}",)
 
 
 def metadata_file(folder: Path, fmt: str) -> Path:
@@ -178,7 +178,5 @@ def local_files(settings: Mapping[str, Any], split: str) -> list[Path]:
     directory = Path(settings["source"]["path"])
     if handles(settings, split):
         return split_sources(directory, settings, split)
-    from workflow_scripts.data.split_names import split_file_names
-
-    names = split_file_names(split, settings["format"])
+    names = [split + suffix for suffix in suffixes(settings["format"])]
     return [next((directory / name for name in names if (directory / name).is_file()), directory / names[0])]

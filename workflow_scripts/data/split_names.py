@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from workflow_scripts.core.errors import ConfigError
-from workflow_scripts.data import text_lines
+from workflow_scripts.data import split_layouts, text_lines
 
 CANONICAL = ("train", "validation", "test")
 # Names sources commonly give each canonical split, most likely first.
@@ -90,8 +90,6 @@ def available_splits(directory: Path, fmt: str) -> list[str]:
 
 def local_split_problem(directory: Path, settings: Mapping[str, Any]) -> tuple[str, str] | None:
     """(canonical split, one-line problem) for the first mapped split without its one file, or None."""
-    from workflow_scripts.data import split_layouts
-
     fmt, splits = settings["format"], settings["splits"]
     for canonical, split in splits.items():
         if split_layouts.handles(settings, split):  # an image folder or listed files (split_layouts checks them)
@@ -109,8 +107,6 @@ def local_split_problem(directory: Path, settings: Mapping[str, Any]) -> tuple[s
 
 def check_local_splits(datasets: Mapping[str, Mapping[str, Any]], source: str | None = None) -> None:
     """Refuse, when the workflow is parsed, a local source lacking the file of a mapped split."""
-    from workflow_scripts.data import split_layouts
-
     for name, settings in datasets.items():
         split_layouts.check_layouts(name, settings, source)
         if settings["source"]["type"] != "local":
