@@ -256,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = validate_section(json_setting(args.dataset, "--dataset"), "datasets", f"datasets.{args.name}", "--dataset")
     kind = settings["source"]["type"]
+    split_layouts.check_layouts(args.name, settings, "--dataset")  # as at parse time: the key named, nothing copied
     if settings["format"] == text_lines.TEXT_FORMAT and kind != "local":
         raise ConfigError(f"datasets.{args.name}.format", f"'text' is read from local directories only, not a {kind} source")
 

@@ -32,6 +32,7 @@ IMAGEFOLDER = "imagefolder"
 IMAGEFOLDER_FORMATS = ("jsonl", "csv", "parquet")  # datasets' metadata files (json is not among them)
 METADATA = "metadata"  # metadata.<format> in a split folder: what marks an image folder in the raw copy
 FILE_NAME = "file_name"  # datasets' column naming each row's image
+RELATIVE = "paths and globs are relative to source.path, or absolute"
 
 
 def layout(settings: Mapping[str, Any]) -> str | None:
@@ -66,10 +67,10 @@ def resolve(directory: Path, patterns: list[str], fmt: str) -> tuple[list[Path],
         if glob.has_magic(pattern):
             matched = sorted(Path(p) for p in glob.glob(str(full), recursive=True) if os.path.isfile(p))
             if not matched:
-                return [], f"'{pattern}' matches no file under {directory}"
+                return [], f"'{pattern}' matches no file under {directory} ({RELATIVE})"
             found += matched
         elif not full.is_file():
-            return [], f"{full} is not a file"
+            return [], f"{full} is not a file ({RELATIVE})"
         else:
             found.append(full)
     found = sorted(dict.fromkeys(found), key=lambda path: (path.name, str(path)))
@@ -134,8 +135,7 @@ def check_layouts(name: str, settings: Mapping[str, Any], source: str | None = N
             raise ConfigError(f"{key}.source.files.{split}", "is an empty list; give a file, a glob or a list of them", source)
         _, problem = resolve(directory, patterns, fmt)
         if problem:
-            raise ConfigError(f"{key}.source.files.{split}", f"{problem} (paths and globs are relative to source.path "
-                              f"{directory}, or absolute)", source)
+            raise ConfigError(f"{key}.source.files.{split}", problem, source)
 
 
 def copy_split(directory: Path, settings: Mapping[str, Any], split: str, out: Path, copy_tree) -> bool:
