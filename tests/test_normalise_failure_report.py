@@ -90,3 +90,13 @@ def test_a_damaged_gzip_corpus_is_reported(tmp_path):
     failed = json.loads(normalise.failure_report_path(report).read_text())
     assert failed["failed"] == [str(caught.value)] and failed["task"] == "masked_lm"
     assert str(src / "train.txt.gz") in str(caught.value)  # the user's file, not the raw copy
+
+
+def test_an_unreadable_train_split_is_reported_with_the_splits_left_unread(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.jsonl").write_bytes(b'{"q": "ok?", "a": "x"}\n{"q": "caf\xe9?", "a": "x"}\n')
+    write_jsonl(src / "test.jsonl", [good(1)])
+    message, report = run(tmp_path, local_dataset(src, {}))
+    assert message.startswith(f"{src / 'train.jsonl'} line 2: not UTF-8 text") and report["failed"] == [message]
+    assert report["splits_not_read"] == ["test"] and report["splits"]["train"]["counts_partial"] is True

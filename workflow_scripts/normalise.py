@@ -350,9 +350,11 @@ def normalise(args: argparse.Namespace, settings: Mapping[str, Any], key: str, n
                 check_submission_ids(rows, tally, settings, key)
             except ConfigError as error:
                 tally.problem = str(error)
+        if tally.unreadable:  # its rows are partial: a later split cannot be judged against them
+            if canonical == "train":
+                break
+            continue
         try:
-            if tally.unreadable:
-                raise WorkflowError(tally.problem)
             mapper.split_done(canonical, rows)  # train first: a later split may be checked against it
         except WorkflowError as error:  # e.g. no label set from train: the later splits cannot be judged
             tally.problem = tally.problem or str(error)
