@@ -237,6 +237,14 @@ def test_snakemake_n_plans_an_image_folder_and_refuses_a_glob_matching_nothing_n
     config = imagefolder_config(tmp_path / "charts", ["tiny-llava"])
     code, output = dry_run(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)), "--cores", "1")
     assert code == 0 and "download" in output, output[-3000:]
+    # The rules themselves: download copies the folders with their images, normalise reads them.
+    code, output = dry_run(tmp_path, "--configfile", str(config_file(tmp_path, config)), "--cores", "1",
+                           "--until", "normalise")
+    assert code == 0, output[-3000:]
+    data = tmp_path / "results" / "data" / "charts"
+    assert (data / "raw" / "validation" / "charts" / "validation_1.png").is_file()
+    report = json.loads((data / "normalise_report.json").read_text())
+    assert {split: entry["kept"] for split, entry in report["splits"].items()} == {"train": 4, "validation": 2, "test": 2}
     for split in ("validation", "test"):
         write_jsonl(tmp_path / "qa" / f"{split}.jsonl", [{"q": "Q?", "a": ["A"]}])
     config["datasets"]["qa"] = {"source": {"type": "local", "path": str(tmp_path / "qa"),
@@ -247,7 +255,7 @@ def test_snakemake_n_plans_an_image_folder_and_refuses_a_glob_matching_nothing_n
     code, output = dry_run(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)), "--cores", "1")
     assert code != 0 and "Job stats" not in output, output[-3000:]
     assert (f"config: config key 'datasets.qa.source.files.train': 'shards/part-*.jsonl' matches no file under "
-            f"{tmp_path / 'qa'} (paths and globs are relative to source.path {tmp_path / 'qa'}, or absolute)") in output
+            f"{tmp_path / 'qa'} (paths and globs are relative to source.path, or absolute)") in output
 
 
 def test_snakemake_n_refuses_a_vision_language_dataset_on_a_text_only_model(tmp_path):

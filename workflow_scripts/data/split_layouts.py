@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -31,7 +32,6 @@ from workflow_scripts.data import text_lines
 IMAGEFOLDER = "imagefolder"
 IMAGEFOLDER_FORMATS = ("jsonl", "csv", "parquet")  # datasets' metadata files (json is not among them)
 METADATA = "metadata"  # metadata.<format> in a split folder: what marks an image folder in the raw copy
-FILE_NAME = "file_name"  # datasets' column naming each row's image
 RELATIVE = "paths and globs are relative to source.path, or absolute"
 
 
@@ -146,8 +146,6 @@ def copy_split(directory: Path, settings: Mapping[str, Any], split: str, out: Pa
         copy_tree(Path(directory) / split, Path(out) / split)  # the metadata with its images, subfolders kept
         return True
     (Path(out) / split).mkdir()
-    import shutil
-
     for path in split_sources(directory, settings, split):
         shutil.copyfile(path, Path(out) / split / path.name)
     return True
