@@ -10,14 +10,16 @@ shell.prefix(f"export PYTHONPATH={shlex.quote(workflow.basedir)}${{{{PYTHONPATH:
 
 from workflow_scripts.core import experiment_config as xc
 from workflow_scripts.core import experiment_set
-from workflow_scripts.data import source_files, split_names
+from workflow_scripts.data import source_files, split_layouts, split_names
 from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.model import task_fit
 from workflow_scripts.training import trackers
 
 try:
     xc.check_config(config, "config")
     trackers.check_workflow_tracking(config["tracking"])
     split_names.check_local_splits(config["datasets"], "config")
+    task_fit.check_vision_language_models(config, "config")  # where the model's config is readable now
     # Each (model, variant) whose model config is here, against the memory its config declares (a few
     # seconds of torch/transformers imports: once, not again in each job that re-reads the Snakefile).
     if workflow.is_main_process:
@@ -248,6 +250,8 @@ def local_source(wildcards):
     if dataset["source"]["type"] != "local":
         return []
     splits = dict.fromkeys(dataset["splits"].values())
+    if any(split_layouts.handles(dataset, split) for split in splits):  # an image folder's metadata, listed files
+        return [str(path) for split in splits for path in split_layouts.local_files(dataset, split)]
     if dataset["format"] == "text":  # plain-text corpora: <split>.txt, or gzipped <split>.txt.gz
         paths = [os.path.join(dataset["source"]["path"], f"{split}.txt") for split in splits]
         return [path if os.path.exists(path) or not os.path.exists(f"{path}.gz") else f"{path}.gz" for path in paths]

@@ -134,7 +134,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "flattened-length-mismatch", rows({"id": "r", "q": ["a?", "b?"], "a": ["1"]}, flat=True), "normalise", rejected("length_mismatch", "q/a", "2 questions but 1 answers; pairs cannot be matched")),
         case("data", "question-list-without-flatten", rows({"q": ["a?", "b?"], "a": ["1", "2"]}), "normalise", rejected("wrong_type", "q", "expected a string, got list ['a?', 'b?']; a record holding several questions, with a parallel list of answers, needs the dataset's flatten: true")),
         case("data", "flatten-needs-a-list", rows({"id": "r", "q": "a?", "a": ["1"]}, flat=True), "normalise", rejected("wrong_type", "q", "flatten needs a list, got str")),
-        case("data", "field-absent-from-every-row", rows(settings={"fields": {"question": "query", "answers": "a"}}), "normalise", "{source}/train.jsonl: field 'query' (datasets.d.fields.question) is absent from every row of split 'train'; the rows have fields ['a', 'q']"),
+        case("data", "field-absent-from-every-row", rows(settings={"fields": {"question": "query", "answers": "a"}}), "normalise", "2 problems, all listed in {out}/normalise_report.failed.json: (1) {source}/train.jsonl: field 'query' (datasets.d.fields.question) is absent from every row of split 'train'; the rows have fields ['a', 'q'] (2) {source}/test.jsonl: field 'query' (datasets.d.fields.question) is absent from every row of split 'test'; the rows have fields ['a', 'q']"),  # every split's problem in one run
         case("data", "too-many-rejections", rows({"q": "", "a": "x"}, copies=3, good=97), "normalise", "{source}/train.jsonl: 3 of 100 rows of split 'train' rejected (3.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: empty_value 3; for example {source}/train.jsonl line 6: field 'q': is empty; fix the rows or raise datasets.d.max_rejected_fraction"),
         case("data", "every-row-rejected", rows({"q": "", "a": "x"}, good=0, settings={"max_rejected_fraction": 1.0}), "normalise", "{source}/train.jsonl: 1 of 1 rows of split 'train' rejected (100.0%), so no row is left; reasons: empty_value 1; for example {source}/train.jsonl line 1: field 'q': is empty; fix the rows (or the field mapping, if every row fails alike)"),
         case("data", "empty-split-file", rows(good=0), "normalise", "{source}/train.jsonl: split 'train' has no rows"),
@@ -162,6 +162,23 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "csv-header-names-a-column-twice", csv_rows(header="q,a,a"), "normalise", "{source}/train.csv line 1: the header names column ['a'] more than once, so one column's values would be lost; rename the columns apart"),
         case("data", "json-file-not-a-list", raw_file("train.json", b'{"q": "x?", "a": "1"}', fmt="json"), "normalise", "{source}/train.json: a json split file must hold a list of records, not a dict"),
         case("data", "json-file-invalid", raw_file("train.json", b'[{"q": "x?", "a": "1"},]', fmt="json"), "normalise", "{source}/train.json: not valid JSON (line 1 column 24): Expecting value"),
+        # --- split layouts: the HF image folder and a split's several files (data/split_layouts.py) ---
+        case("config", "files-glob-matches-nothing", cfg("datasets.amr_demo.source.files", {"train": "shards/part-*.jsonl"}, base=absolute_single_model_config), "parse", rx(r"\{config\}: config key 'datasets\.amr_demo\.source\.files\.train': 'shards/part-\*\.jsonl' matches no file under /.*/demo_data/amr \(paths and globs are relative to source\.path, or absolute\)")),
+        case("config", "vision-language-dataset-on-a-text-only-model-at-parse", cfg("datasets.shapes_demo.models", ["tiny-llava", "tiny-llama"], base=absolute_demo_config), "parse", "{config}: config key 'datasets.shapes_demo.models': task vision_language needs a model with a vision part, but 'tiny-llama' is a tiny 'llama' model (models.tiny-llama.tiny.architecture; the vision ones are ['llava', 'idefics3']), which reads text only; remove 'tiny-llama' from datasets.shapes_demo.models"),
+        case("data", "files-glob-matches-nothing", laid_out({"test.jsonl": ROW}, source={"files": {"train": "shards/part-*.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files.train': 'shards/part-*.jsonl' matches no file under {source} (paths and globs are relative to source.path, or absolute)"),
+        case("data", "files-key-not-a-split", laid_out({"train.jsonl": ROW, "test.jsonl": ROW}, source={"files": {"val": "train.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files.val': 'val' is not a split of the dataset (its splits mapping names ['test', 'train']); key files by the source split name"),
+        case("data", "files-another-format", laid_out({"parts/a.json": b"[]", "test.jsonl": ROW}, source={"files": {"train": "parts/*"}}), "download", "--dataset: config key 'datasets.d.source.files.train': {source}/parts/a.json is not a jsonl file (a jsonl split file ends in .jsonl)"),
+        case("data", "files-same-name-twice", laid_out({"a/part-1.jsonl": ROW, "b/part-1.jsonl": ROW, "test.jsonl": ROW}, source={"files": {"train": "*/part-1.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files.train': {source}/a/part-1.jsonl and {source}/b/part-1.jsonl have the same file name; a split's files are read in file-name order, so rename one of them"),
+        case("data", "files-named-metadata", laid_out({"parts/metadata.jsonl": ROW, "test.jsonl": ROW}, source={"files": {"train": "parts/*.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files.train': {source}/parts/metadata.jsonl: a split's file may not be named metadata.jsonl (the image-folder metadata name); rename it"),
+        case("data", "files-with-imagefolder", laid_out({"train/metadata.jsonl": ROW, "test/metadata.jsonl": ROW}, **IMAGEFOLDER, source={"layout": "imagefolder", "files": {"train": "train/metadata.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files': an image folder's split is its folder; give layout: imagefolder or files, not both"),
+        case("data", "imagefolder-on-a-text-task", laid_out({"train/metadata.jsonl": ROW, "test/metadata.jsonl": ROW}, source={"layout": "imagefolder"}), "download", "--dataset: config key 'datasets.d.source.layout': imagefolder holds images: it is read by task vision_language, not generation"),
+        case("data", "imagefolder-format-json", laid_out({"train/metadata.json": b"[]", "test/metadata.json": b"[]"}, **IMAGEFOLDER, format="json", source={"layout": "imagefolder"}), "download", "--dataset: config key 'datasets.d.format': an image folder's metadata is metadata.jsonl, metadata.csv or metadata.parquet: set format to jsonl, csv or parquet, not json"),
+        case("data", "imagefolder-without-metadata", laid_out({"train/metadata.jsonl": ROW, "test/rows.jsonl": ROW}, **IMAGEFOLDER, source={"layout": "imagefolder"}), "download", "--dataset: config key 'datasets.d.splits.test': {source}/test/metadata.jsonl is missing (the folder holds ['rows.jsonl']); an image folder's split is a folder <source.path>/<split>/ with metadata.jsonl and its images"),
+        case("data", "imagefolder-missing-image", image_folder({"file_name": "charts/gone.png", "query": "Q?", "label": "1"}), "normalise", "{source}/train/metadata.jsonl: 1 of 11 rows of split 'train' rejected (9.1%), more than datasets.d.max_rejected_fraction = 0.01; reasons: missing_image 1; for example {source}/train/metadata.jsonl line 6: field 'file_name': image file 'charts/gone.png' not found under {source}/train; add the file or fix the path in the record; fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("data", "imagefolder-corrupt-image", image_folder({"file_name": "charts/bad.png", "query": "Q?", "label": "1"}, bad_file=("charts/bad.png", b"\x89PNG\r\n\x1a\n cut")), "normalise", "{source}/train/metadata.jsonl: 1 of 11 rows of split 'train' rejected (9.1%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unreadable_image 1; for example {source}/train/metadata.jsonl line 6: field 'file_name': image file {source}/train/charts/bad.png is not an image PIL can identify (unknown format, corrupt header or a zero width/height); re-export it as PNG or JPEG; fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("data", "imagefolder-row-without-file-name", image_folder({"query": "Q?", "label": "1"}), "normalise", "{source}/train/metadata.jsonl: 1 of 11 rows of split 'train' rejected (9.1%), more than datasets.d.max_rejected_fraction = 0.01; reasons: missing_field 1; for example {source}/train/metadata.jsonl line 6: field 'file_name': is missing; fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("data", "imagefolder-file-name-escapes", image_folder({"file_name": "../test/charts/0.png", "query": "Q?", "label": "1"}), "normalise", "{source}/train/metadata.jsonl: 1 of 11 rows of split 'train' rejected (9.1%), more than datasets.d.max_rejected_fraction = 0.01; reasons: image_outside_dataset 1; for example {source}/train/metadata.jsonl line 6: field 'file_name': image path '../test/charts/0.png' leads outside the dataset's files ({source}/train); give a path relative to the dataset without '..'; fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("data", "files-shard-bad-row", downloaded(lambda w: [write_jsonl(w.tmp / "source" / "parts" / f"{k}.jsonl", [{"q": f"q{k}.{i}?", "a": "1"} for i in range(20)] + (['{"q": "cut'] if k == 2 else [])) for k in (1, 2)] + [write_jsonl(w.tmp / "source" / "test.jsonl", [{"q": "x?", "a": "1"}])], {"source": {"files": {"train": "parts/*.jsonl"}}}), "normalise", "the files of split 'train' (parts/*.jsonl): 1 of 41 rows of split 'train' rejected (2.4%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unparseable_record 1; for example {source}/parts/2.jsonl line 21: not valid JSON: line 21 column 7: Unterminated string starting here; fix the rows or raise datasets.d.max_rejected_fraction"),
         case("data", "parquet-file-corrupt", raw_file("train.parquet", b"PAR1 not really parquet", fmt="parquet"), "normalise", "{source}/train.parquet: " + NOT_PARQUET % "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file."),
         case("data", "parquet-file-cut-short", raw_file("train.parquet", lambda: parquet_bytes()[:-100], fmt="parquet"), "normalise", "{source}/train.parquet: " + NOT_PARQUET % "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file."),
         case("data", "parquet-file-empty", raw_file("train.parquet", b"", fmt="parquet"), "normalise", "{source}/train.parquet: " + NOT_PARQUET % "Parquet file size is 0 bytes"),
@@ -342,6 +359,14 @@ def call(stage: str, argv: list[str]):
         from workflow_scripts.core.experiment_config import load_config
 
         return load_config(argv[0])
+    if stage == "parse":  # the checks rules/common.smk adds when snakemake reads the workflow (-n)
+        from workflow_scripts.core.experiment_config import load_config
+        from workflow_scripts.data.split_names import check_local_splits
+        from workflow_scripts.model.task_fit import check_vision_language_models
+
+        config = load_config(argv[0])
+        check_local_splits(config["datasets"], argv[0])
+        return check_vision_language_models(config, argv[0])
     return importlib.import_module(f"workflow_scripts.{stage}").main(argv)
 
 
@@ -605,6 +630,80 @@ def raw_file(name: str, data: bytes | Callable[[], bytes], fmt: str = "jsonl"):
 
             pd.DataFrame({"q": ["x?"], "a": ["1"]}).to_parquet(w.raw / "test.parquet")
     return normalise_args(fmt=fmt, plant=plant)
+
+
+# split layouts (data/split_layouts.py): an image folder, a split's several files
+IMAGEFOLDER = {"task": "vision_language", "fields": {"question": "query", "answers": "label", "image": "file_name"}}
+
+
+def image_folder(bad_row: dict | None = None, bad_file: tuple[str, bytes] | None = None, **changes):
+    """{source}/train and {source}/test as datasets' imagefolder ships them (metadata.jsonl, images in charts/),
+    ``bad_row`` as train's line 6 (``bad_file``: a file planted beside the images). Returns normalise's argv
+    over what download copied: the raw copy exactly as the rule leaves it."""
+    from vlm_layouts import bar_chart_png
+
+    def plant(w: Workspace) -> None:
+        for split, n in (("train", 10), ("test", 2)):
+            (w.tmp / "source" / split / "charts").mkdir(parents=True)
+            rows = []
+            for k in range(n):
+                (w.tmp / "source" / split / "charts" / f"{k}.png").write_bytes(bar_chart_png([k + 1, 3, len(split)]))
+                rows.append({"file_name": f"charts/{k}.png", "query": f"How tall is bar {k} of {split}?", "label": str(k)})
+            if split == "train" and bad_row is not None:
+                rows.insert(5, bad_row)
+            write_jsonl(w.tmp / "source" / split / "metadata.jsonl", rows)
+        if bad_file is not None:
+            (w.tmp / "source" / "train" / bad_file[0]).write_bytes(bad_file[1])
+    settings = {**IMAGEFOLDER, **changes}
+    settings["source"] = {"layout": "imagefolder", **changes.get("source", {})}
+    return downloaded(plant, settings)
+
+
+def downloaded(plant: Callable, changes: dict):
+    """download of a local source at {source} planted by ``plant``, then normalise's argv over its raw copy."""
+    def setup(w: Workspace) -> list[str]:
+        from workflow_scripts import download
+
+        plant(w)
+        settings = dataset_settings(w, **{k: v for k, v in changes.items() if k != "source"})
+        settings["source"] = {**settings["source"], **changes.get("source", {})}
+        assert download.main(["--name", "d", "--dataset", json.dumps(settings), "--out", str(w.raw),
+                              "--manifest", str(w.tmp / "download_manifest.json")]) == 0
+        return normalise_args(settings={k: v for k, v in settings.items()})(w)
+    return setup
+
+
+def laid_out(files: dict[str, bytes], **changes):
+    """download of a local source holding ``files`` (path under {source} -> bytes), with ``changes`` to its settings
+    (``source`` merged into the source's)."""
+    def plant(w: Workspace) -> None:
+        for name, data in files.items():
+            (w.tmp / "source" / name).parent.mkdir(parents=True, exist_ok=True)
+            (w.tmp / "source" / name).write_bytes(data)
+
+    def settings(w: Workspace) -> dict:
+        base = dataset_settings(w, **{k: v for k, v in changes.items() if k != "source"})
+        return {**base, "source": {**base["source"], **changes.get("source", {})}}
+    return command(lambda w: {"--name": "d", "--dataset": settings(w), "--out": "{out}/raw",
+                              "--manifest": "{out}/download_manifest.json"}, None, plant)
+
+
+ROW = b'{"q": "x?", "a": "1"}\n'
+
+
+def absolute_single_model_config() -> dict:
+    """single_model_config with absolute source paths (the parse-time checks read the source folders)."""
+    config = single_model_config()
+    for dataset in config["datasets"].values():
+        if dataset["source"]["type"] == "local":
+            dataset["source"]["path"] = str(ROOT / dataset["source"]["path"])
+    return config
+
+
+def absolute_demo_config() -> dict:
+    from test_dag import absolute_demo_config as demo
+
+    return demo()
 
 
 def parquet_bytes(n: int = 100) -> bytes:

@@ -9,6 +9,8 @@ Sources (``datasets.<name>.source``):
   that maps split names to lists of records.
 - ``local``: a directory with one ``<split>.<format>`` file per split; format ``text`` (plain-text
   corpora, one example per line) takes ``<split>.txt`` or ``<split>.txt.gz`` and counts non-blank lines.
+  ``source.layout: imagefolder`` copies each split's folder (``metadata.<format>`` and its images) and
+  ``source.files`` a split's several files (a glob or list) into ``<split>/`` (``data/split_layouts``).
 For url and local sources the raw files are kept byte for byte (rows may be malformed; normalise
 judges them). A checksum mismatch or an interrupted transfer leaves no output and says why.
 """
@@ -27,7 +29,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from workflow_scripts.data import raw_records, split_names, text_lines
+from workflow_scripts.data import raw_records, split_layouts, split_names, text_lines
 from workflow_scripts.data.source_paths import SourceNames
 from workflow_scripts.core.atomic_output import atomic_path, check_writable, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
@@ -161,6 +163,8 @@ def copy_local(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
     if problem is not None:
         raise WorkflowError(f"split '{problem[0]}': {problem[1]}")
     for split in source_splits(settings):
+        if split_layouts.copy_split(directory, settings, split, out, copy_images):
+            continue
         path = local_split_file(directory, split, fmt)
         shutil.copyfile(path, out / path.name)
     if "image" in settings.get("fields", {}) and (directory / IMAGES_DIR).is_dir():
@@ -169,7 +173,8 @@ def copy_local(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
 
 
 def copy_images(source: Path, target: Path) -> None:
-    """The dataset's ``images/`` folder, so the raw snapshot holds what its records refer to.
+    """The dataset's ``images/`` folder (or an image folder's split), so the raw snapshot holds what its
+    records refer to.
 
     Hard links where the filesystem allows (no second copy of a large image set), copies otherwise;
     symbolic links are refused: the snapshot must not change when their targets do.
@@ -212,12 +217,12 @@ def rows_per_split(out: Path, settings: Mapping[str, Any]) -> dict[str, int]:
 
         data = load_from_disk(str(out))
         return {split: data[split].num_rows for split in data}
-    if settings["format"] == text_lines.TEXT_FORMAT:  # rows = non-blank lines (a stream: corpora are large)
-        return {split: text_lines.count_lines(text_lines.split_file(out, split)) for split in source_splits(settings)}
-    return {
-        split: raw_records.count_rows(out / f"{split}.{settings['format']}", settings["format"])
-        for split in source_splits(settings)
-    }
+    fmt = settings["format"]
+    if fmt == text_lines.TEXT_FORMAT:  # rows = non-blank lines (a stream: corpora are large)
+        return {split: sum(map(text_lines.count_lines, text_lines.split_files(out, split)))
+                for split in source_splits(settings)}
+    return {split: sum(raw_records.count_rows(path, fmt) for path in raw_records.split_files(out, split, fmt))
+            for split in source_splits(settings)}
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
@@ -251,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = validate_section(json_setting(args.dataset, "--dataset"), "datasets", f"datasets.{args.name}", "--dataset")
     kind = settings["source"]["type"]
+    split_layouts.check_layouts(args.name, settings, "--dataset")  # as at parse time: the key named, nothing copied
     if settings["format"] == text_lines.TEXT_FORMAT and kind != "local":
         raise ConfigError(f"datasets.{args.name}.format", f"'text' is read from local directories only, not a {kind} source")
 

@@ -75,6 +75,8 @@ class SplitTally:
     records: int = 0       # raw records with fields (for an unlabelled split's gold check)
     gold_records: int = 0  # of them, records whose gold field holds a value
     first_gold: raw_records.Place | None = None
+    problem: str | None = None  # what stops the stage besides the counts (an unreadable file, a field in no row...)
+    unreadable: bool = False    # the file could not be read to its end: the counts are partial
 
     @property
     def rejected(self) -> int:
@@ -112,6 +114,32 @@ def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_spli
     gold = mapper.gold_source if unlabelled else None
     if gold is not None:  # an unlabelled split may lack its gold field in every row
         source_fields = {key: name for key, name in source_fields.items() if name != gold}
+    try:
+        _tally_records(mapper, raw_dir, fmt, canonical, source_split, on_invalid_text, rejections, names,
+                       tally, kept, ids, source_fields, gold, location)
+    except WorkflowError as error:  # a file that cannot be read on: counted in the report with the rest, not alone
+        tally.problem, tally.unreadable = names.translate(str(error)), True
+        return kept, tally
+    for config_key, source in source_fields.items():
+        if tally.examined and not tally.present[source]:
+            tally.problem = (
+                f"{location}: field '{source}' ({key}.{config_key}) is absent from every row of split "
+                f"'{source_split}'; the rows have fields {sorted(tally.seen_keys)}"
+            )
+            return kept, tally
+    if 0 < tally.gold_records < tally.records:
+        tally.problem = (
+            f"{location} {tally.first_gold}: field '{gold}' holds a gold answer, but split '{canonical}' is declared "
+            f"unlabelled ({key}.unlabelled) and {tally.records - tally.gold_records} of its {tally.records} rows have "
+            f"none; a split is labelled in every row or in none: remove '{canonical}' from {key}.unlabelled and "
+            "complete its answers, or clear the stray ones")
+    return kept, tally
+
+
+def _tally_records(mapper, raw_dir: Path, fmt: str, canonical: str, source_split: str, on_invalid_text: str,
+                   rejections: Rejections, names: SourceNames, tally: SplitTally, kept: list, ids: set,
+                   source_fields: Mapping[str, str], gold: str | None, location: str) -> None:
+    """Map every record of the split onto rows, counting each rejection (``normalise_split``'s loop)."""
     for place, record in raw_records.iter_placed_records(raw_dir, source_split, fmt, on_invalid_text):
         row = place.index
         if isinstance(record, Mapping):
@@ -128,26 +156,13 @@ def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_spli
                 result = Rejected("duplicate_id", mapper.fields.get("id", "id"), f"id '{result['id']}' occurs earlier in the split")
             if isinstance(result, Rejected):
                 result = Rejected(result.reason, result.field, names.translate(result.detail))  # an image's path
-                example = rejections.add(result, location, canonical, place)
+                example = rejections.add(result, names.shown(place.file) if place.file else location, canonical, place)
                 tally.first.setdefault(result.reason, example)
                 tally.reasons[result.reason] += 1
             else:
                 ids.add(result["id"])
                 kept.append(result)
                 tally.kept += 1
-    for config_key, source in source_fields.items():
-        if tally.examined and not tally.present[source]:
-            raise WorkflowError(
-                f"{location}: field '{source}' ({key}.{config_key}) is absent from every row of split "
-                f"'{source_split}'; the rows have fields {sorted(tally.seen_keys)}"
-            )
-    if 0 < tally.gold_records < tally.records:
-        raise WorkflowError(
-            f"{location} {tally.first_gold}: field '{gold}' holds a gold answer, but split '{canonical}' is declared "
-            f"unlabelled ({key}.unlabelled) and {tally.records - tally.gold_records} of its {tally.records} rows have "
-            f"none; a split is labelled in every row or in none: remove '{canonical}' from {key}.unlabelled and "
-            "complete its answers, or clear the stray ones")
-    return kept, tally
 
 
 def check_submission_ids(rows: list[dict], tally: SplitTally, settings: Mapping[str, Any], key: str) -> None:
@@ -167,6 +182,8 @@ def tally_problem(tally: SplitTally, threshold: float, key: str, canonical: str 
                   gold: str | None = None) -> str | None:
     """Why a split stops the stage (no rows, or too many rejected), or None. A held-out split whose every row
     lacks the gold (``gold``, the source field) is most likely a leaderboard's test set: say how to declare it."""
+    if tally.problem:
+        return tally.problem
     if tally.examined == 0:
         return f"{tally.file}: split '{tally.source_split}' has no rows"
     share = tally.rejected / tally.examined
@@ -256,9 +273,13 @@ def normalise_by_task(normalise_source, args: argparse.Namespace, settings: Mapp
     key = f"datasets.{args.name}"
     with atomic_path(args.out, directory=True) as staging:
         staging.rmdir()  # the task creates its output itself, as it would at args.out
-        extras = normalise_source(args.raw, settings, staging, extra_json={TASK_META: task_meta})
+        report = {"dataset": args.name, "raw": str(args.raw), "task": settings["task"]}
+        try:
+            extras = normalise_source(args.raw, settings, staging, extra_json={TASK_META: task_meta})
+        except WorkflowError as error:  # a damaged or undecodable file: the report says so too
+            fail_with_report(report, [names.translate(str(error))], args.report)
         extras = json.loads(names.translate(json.dumps(extras)))  # the report names the user's files
-        report = {"dataset": args.name, "raw": str(args.raw), "task": settings["task"], **extras}
+        report.update(extras)
         data = load_from_disk(str(staging))
         columns = {name: None for name in next(iter(data.values())).column_names}
         keyed = contamination.keyed_batches
@@ -324,8 +345,21 @@ def normalise(args: argparse.Namespace, settings: Mapping[str, Any], key: str, n
         rows, tally = normalise_split(mapper, args.raw, fmt, canonical, settings["splits"][canonical], rejections, key, names,
                                      settings.get("on_invalid_text", "stop"))
         splits[canonical], tallies[canonical] = rows, tally
-        check_submission_ids(rows, tally, settings, key)
-        mapper.split_done(canonical, rows)  # train first: a later split may be checked against it
+        if tally.problem is None:
+            try:
+                check_submission_ids(rows, tally, settings, key)
+            except ConfigError as error:
+                tally.problem = str(error)
+        if tally.unreadable:  # its rows are partial: a later split cannot be judged against them
+            if canonical == "train":
+                break
+            continue
+        try:
+            mapper.split_done(canonical, rows)  # train first: a later split may be checked against it
+        except WorkflowError as error:  # e.g. no label set from train: the later splits cannot be judged
+            tally.problem = tally.problem or str(error)
+            if canonical == "train":
+                break
     files = {canonical: tally.file for canonical, tally in tallies.items()}
     overlap, overlap_problem, overlaps = check_record_contamination(mapper, splits, settings, files, key)
 
@@ -339,11 +373,16 @@ def normalise(args: argparse.Namespace, settings: Mapping[str, Any], key: str, n
                 "rejected": t.rejected, "rejected_fraction": t.rejected / t.examined if t.examined else None,
                 "reasons": dict(t.reasons),
                 **({"unlabelled": True, "gold_ignored": t.gold_records} if t.unlabelled else {}),
+                **({"problem": t.problem, "counts_partial": t.unreadable} if t.problem else {}),
                 **mapper.split_report(canonical, splits[canonical]),
             }
             for canonical, t in tallies.items()
         },
         "unlabelled": [canonical for canonical, t in tallies.items() if t.unlabelled],
+        # Splits left unread because train failed (they are checked against it): the report says so.
+        **({"splits_not_read": not_read} if (not_read := [canonical for canonical in CANONICAL_SPLITS
+                                                          if canonical in settings["splits"] and canonical not in tallies])
+           else {}),
         "reasons": {
             reason: {"count": count, "description": descriptions[reason], "examples": rejections.examples[reason]}
             for reason, count in sorted(rejections.counts.items())
@@ -364,10 +403,15 @@ def normalise(args: argparse.Namespace, settings: Mapping[str, Any], key: str, n
 
     from datasets import DatasetDict
 
-    data = DatasetDict()
+    data, problems = DatasetDict(), []
     for canonical in sorted(splits, key=lambda name: tallies[name].unlabelled):  # labelled splits give the types
         labelled = next((data[name] for name in data if not tallies[name].unlabelled), None)
-        data[canonical] = to_dataset(splits[canonical], tallies[canonical].file, like=labelled)
+        try:
+            data[canonical] = to_dataset(splits[canonical], tallies[canonical].file, like=labelled)
+        except WorkflowError as error:
+            problems.append(str(error))
+    if problems:
+        fail_with_report(report, problems, args.report)
     data = DatasetDict({canonical: data[canonical] for canonical in splits})  # in canonical order
     unlabelled = {"unlabelled": report["unlabelled"]} if report["unlabelled"] else {}
     with atomic_path(args.out, directory=True) as out:

@@ -1,7 +1,9 @@
 """Reading the raw records that ``download`` stored, one split at a time, exactly as they are.
 
 Raw layouts (see docs/architecture.md): a hub dataset is a ``DatasetDict.save_to_disk`` directory;
-url and local sources are files named ``<source split>.<format>`` (jsonl, json, csv or parquet).
+url and local sources are files named ``<source split>.<format>`` (jsonl, json, csv or parquet), or a
+folder ``<source split>/`` (``data/split_layouts``): an image folder (``metadata.<format>`` with its images)
+or a split's several files, read in file-name order with one running row index (:func:`split_files`).
 Records are yielded with their 0-based row index and never repaired: a row that cannot be decoded
 (a JSONL line that is not JSON, a CSV line whose field count differs from the header's) comes back
 as :class:`Unparseable`, so normalisation can reject it with a reason. A file that cannot be read at
@@ -44,6 +46,7 @@ class Place:
 
     index: int
     line: int | None = None
+    file: str | None = None  # the file it is in, where a split has several (else the split's one file)
 
     def __str__(self) -> str:
         return f"line {self.line}" if self.line is not None else f"row index {self.index}"
@@ -57,13 +60,35 @@ def available_splits(raw_dir: Path, fmt: str) -> list[str]:
     raw_dir = Path(raw_dir)
     if is_saved_dataset(raw_dir):
         return json.loads((raw_dir / "dataset_dict.json").read_text())["splits"]
-    return sorted(path.name[: -len(fmt) - 1] for path in raw_dir.glob(f"*.{fmt}"))
+    folders = [path.name for path in raw_dir.iterdir() if path.is_dir() and split_files(raw_dir, path.name, fmt)]
+    return sorted([path.name[: -len(fmt) - 1] for path in raw_dir.glob(f"*.{fmt}")] + folders)
+
+
+def split_files(raw_dir: Path, split: str, fmt: str) -> list[Path]:
+    """A split's raw files in read order: ``<split>.<format>``, an image folder's ``<split>/metadata.<format>``,
+    or the files of format ``fmt`` in folder ``<split>/``, sorted by name."""
+    from workflow_scripts.data.split_layouts import metadata_file, suffixes
+
+    folder = Path(raw_dir) / split
+    if not folder.is_dir():
+        return [Path(raw_dir) / f"{split}.{fmt}"]
+    if metadata_file(folder, fmt).is_file():
+        return [metadata_file(folder, fmt)]
+    return sorted((path for path in folder.iterdir() if path.is_file() and path.name.endswith(suffixes(fmt))),
+                  key=lambda path: path.name)
 
 
 def split_location(raw_dir: Path, split: str, fmt: str) -> Path:
-    """The file (or saved split directory) holding a source split."""
-    raw_dir = Path(raw_dir)
-    return raw_dir / split if is_saved_dataset(raw_dir) else raw_dir / f"{split}.{fmt}"
+    """The file holding a source split (an image folder's metadata), or its saved split directory, or the
+    folder of its several files."""
+    from workflow_scripts.data.split_layouts import metadata_file
+
+    raw_dir, folder = Path(raw_dir), Path(raw_dir) / split
+    if is_saved_dataset(raw_dir):
+        return folder
+    if not folder.is_dir():
+        return raw_dir / f"{split}.{fmt}"
+    return metadata_file(folder, fmt) if metadata_file(folder, fmt).is_file() else folder
 
 
 def iter_records(raw_dir: Path, split: str, fmt: str) -> Iterator[tuple[int, Any]]:
@@ -85,8 +110,16 @@ def iter_placed_records(raw_dir: Path, split: str, fmt: str,
     if is_saved_dataset(raw_dir):
         for index, record in _saved_split(raw_dir, split):
             yield Place(index), record
-    else:
+    elif not split_location(raw_dir, split, fmt).is_dir():
         yield from read_placed(split_location(raw_dir, split, fmt), fmt, on_invalid_text)
+    else:  # several files: one running row index (ids stay unique), each row's own file and line
+        offset = 0
+        for path in split_files(raw_dir, split, fmt):
+            size = 0
+            for place, record in read_placed(path, fmt, on_invalid_text):
+                size = place.index + 1
+                yield Place(offset + place.index, place.line, str(path)), record
+            offset += size
 
 
 def read_file(path: Path, fmt: str) -> Iterator[tuple[int, Any]]:

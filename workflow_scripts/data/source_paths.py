@@ -22,8 +22,11 @@ class SourceNames:
     """Maps paths under ``copy_dir`` (the raw copy or its staging directory) to the source's names."""
 
     def __init__(self, copy_dir: str | Path, settings: Mapping[str, Any]):
+        from workflow_scripts.data.split_layouts import copied_names
+
         self.copy_dir = Path(copy_dir)
         self.source = settings["source"]
+        self.listed = copied_names(settings)  # a split's several files come from anywhere (source.files)
 
     def shown(self, path: str | Path) -> str:
         """``path`` as the user knows it (``path`` itself when it is not inside the copy)."""
@@ -32,6 +35,8 @@ class SourceNames:
         except ValueError:
             return str(path)
         kind = self.source["type"]
+        if relative.as_posix() in self.listed:
+            return self.listed[relative.as_posix()]
         if kind == "local":
             return str(Path(self.source["path"]) / relative) if str(relative) != "." else str(self.source["path"])
         if kind == "url":

@@ -5,7 +5,8 @@ canonical split (train, validation, test) to the source's name. When a source la
 the message names the files that are there and the whole ``splits:`` mapping that would use them (the
 whole one: a ``splits:`` mapping replaces the default, so ``{validation: val}`` alone would drop train
 and test). Local sources are checked when the workflow is parsed (``check_local_splits``, from
-rules/common.smk), so ``snakemake -n`` refuses them before any job; ``download`` gives the same hints
+rules/common.smk; with the image-folder and listed-files layouts of ``split_layouts``), so ``snakemake -n``
+refuses them before any job; ``download`` gives the same hints
 for local, hub and archive sources.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from workflow_scripts.core.errors import ConfigError
-from workflow_scripts.data import text_lines
+from workflow_scripts.data import split_layouts, text_lines
 
 CANONICAL = ("train", "validation", "test")
 # Names sources commonly give each canonical split, most likely first.
@@ -91,6 +92,8 @@ def local_split_problem(directory: Path, settings: Mapping[str, Any]) -> tuple[s
     """(canonical split, one-line problem) for the first mapped split without its one file, or None."""
     fmt, splits = settings["format"], settings["splits"]
     for canonical, split in splits.items():
+        if split_layouts.handles(settings, split):  # an image folder or listed files (split_layouts checks them)
+            continue
         present = [name for name in split_file_names(split, fmt) if (directory / name).is_file()]
         if len(present) == 1:
             continue
@@ -105,6 +108,7 @@ def local_split_problem(directory: Path, settings: Mapping[str, Any]) -> tuple[s
 def check_local_splits(datasets: Mapping[str, Mapping[str, Any]], source: str | None = None) -> None:
     """Refuse, when the workflow is parsed, a local source lacking the file of a mapped split."""
     for name, settings in datasets.items():
+        split_layouts.check_layouts(name, settings, source)
         if settings["source"]["type"] != "local":
             continue
         directory = Path(settings["source"]["path"])

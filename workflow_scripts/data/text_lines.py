@@ -271,9 +271,20 @@ def split_file(directory: str | os.PathLike, split: str) -> Path:
     return found[0]
 
 
+def split_files(directory: str | os.PathLike, split: str) -> list[Path]:
+    """A split's files in read order: its one file, or the text files of folder ``<split>/`` (a split given as
+    several files, ``source.files``), sorted by name."""
+    folder = Path(directory) / split
+    if not folder.is_dir():
+        return [split_file(directory, split)]
+    return sorted((p for p in folder.iterdir() if p.is_file() and p.name.endswith(SPLIT_SUFFIXES)), key=lambda p: p.name)
+
+
 def available_splits(directory: str | os.PathLike) -> list[str]:
     names = [p.name for p in Path(directory).iterdir() if p.is_file()]
-    return sorted({name[: -len(suffix)] for name in names for suffix in SPLIT_SUFFIXES if name.endswith(suffix)})
+    folders = [p.name for p in Path(directory).iterdir() if p.is_dir()]
+    return sorted({name[: -len(suffix)] for name in names for suffix in SPLIT_SUFFIXES if name.endswith(suffix)}
+                  | set(folders))
 
 
 def count_lines(path: str | os.PathLike) -> int:

@@ -58,6 +58,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
@@ -576,11 +577,13 @@ class MaskedLMTask:
         from workflow_scripts.data import text_lines
 
         splits = dict(settings["splits"])
-        files = {canonical: [text_lines.split_file(raw_dir, source)] for canonical, source in splits.items()}
+        files = {canonical: text_lines.split_files(raw_dir, source) for canonical, source in splits.items()}
         counts = text_lines.write_normalised(files, out_dir, extra_json=extra_json,
                                              on_invalid_text=settings.get("on_invalid_text", "stop"))
         return {
-            "splits": {canonical: {"source_split": splits[canonical], "file": str(files[canonical][0]), **counts[canonical]}
+            "splits": {canonical: {"source_split": splits[canonical], **counts[canonical],
+                                   "file": str(files[canonical][0] if len(files[canonical]) == 1
+                                               else Path(raw_dir, splits[canonical]))}
                        for canonical in files},
             "ignored_source_splits": sorted(set(text_lines.available_splits(raw_dir)) - set(splits.values())),
         }

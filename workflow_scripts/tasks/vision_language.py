@@ -48,7 +48,7 @@ class ImageRecordMapper(RecordMapper):
     """Generation's question/answers mapping, plus ``images``: the bytes of each image of the record.
 
     ``raw_dir`` is set by normalise (image paths are relative to the dataset's files, or to an
-    ``images/`` folder beside them). Flattened records (OCR-VQA) give every question the same images.
+    ``images/`` folder beside them; in an image folder, to the split's folder). Flattened records (OCR-VQA) give every question the same images.
     """
 
     raw_dir = None
@@ -56,6 +56,7 @@ class ImageRecordMapper(RecordMapper):
     def __init__(self, settings: Mapping[str, Any], key: str):
         super().__init__(settings, key)
         self.image_field = settings["fields"]["image"]
+        self.source_splits, self.format = settings["splits"], settings["format"]
         self.stats: dict[str, Any] = {}  # split -> data.images.ImageStats
 
     def rows(self, record, split: str, row: int):
@@ -72,7 +73,7 @@ class ImageRecordMapper(RecordMapper):
         else:
             record_stats = images.ImageStats()  # this record's images, counted once per kept row below
             decoded = images.image_field_bytes(value, field=self.image_field,
-                                               base_dirs=images.default_base_dirs(self.raw_dir),
+                                               base_dirs=self.base_dirs(split),
                                                stats=record_stats)
         split_stats = self.stats.setdefault(split, images.ImageStats())
         for result in results:
@@ -81,6 +82,13 @@ class ImageRecordMapper(RecordMapper):
                 yield {**result, "images": decoded}
             else:
                 yield decoded if isinstance(result, dict) else result
+
+    def base_dirs(self, split: str):
+        """An image folder's split folder alone (datasets' ``file_name`` is relative to it), else the defaults."""
+        from workflow_scripts.data import images, split_layouts
+
+        return (split_layouts.image_base_dirs(self.raw_dir, self.source_splits[split], self.format)
+                or images.default_base_dirs(self.raw_dir))
 
     def report(self, splits) -> dict[str, Any]:
         return {**super().report(splits), "images": {split: stats.summary() for split, stats in self.stats.items()}}

@@ -1,0 +1,65 @@
+"""A vision_language dataset on a text-only model, refused when the workflow is parsed (``snakemake -n``).
+
+Where the model's config can be read without downloading anything (a tiny model's ``model.tiny.architecture``,
+a local model folder's ``config.json``, or a model already prepared under ``resources/models/<name>/``), a
+vision_language dataset listed for (or, without a ``models:`` list, run on) a model that has no vision part is
+refused naming the dataset and model. Otherwise (a hub model not yet downloaded) the stage-time check
+``model_loading.check_task_architecture`` gives the same verdict once the model is there.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from workflow_scripts.core import experiment_config as xc
+from workflow_scripts.core.errors import ConfigError
+
+
+def text_only_reason(name: str, spec: Mapping[str, Any], root: Path) -> str | None:
+    """Why model ``name`` reads text only (its type, where it was read), or None (a vision model, or not known yet)."""
+    from workflow_scripts.model import tiny_vlm
+
+    if spec["source"] == "tiny":
+        architecture = (spec.get("tiny") or {}).get("architecture", "llama")
+        return None if architecture in tiny_vlm.ARCHITECTURES else (
+            f"a tiny '{architecture}' model (models.{name}.tiny.architecture; the vision ones are "
+            f"{list(tiny_vlm.ARCHITECTURES)})")
+    folders = [root / "resources" / "models" / name]
+    if spec["source"] == "local":
+        folders.insert(0, Path(spec["path"]))
+    config_file = next((folder / "config.json" for folder in folders if (folder / "config.json").is_file()), None)
+    if config_file is None:
+        return None
+    try:
+        fields = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None  # prepare_model names a broken config.json
+    if not isinstance(fields, dict) or fields.get("auto_map"):
+        return None  # the model's own code decides; the loader judges it
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    model_type = fields.get("model_type")
+    if model_type not in CONFIG_MAPPING_NAMES or model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return None
+    return f"a '{model_type}' model (per {config_file})"
+
+
+def check_vision_language_models(config: Mapping[str, Any], source: str | None = None, root: str | Path = ".") -> None:
+    """Refuse a vision_language dataset run on a model whose known config has no vision part."""
+    all_models = xc.models(config)
+    for dataset, settings in config["datasets"].items():
+        if settings.get("task") != "vision_language":
+            continue
+        for model in xc.dataset_models(config, dataset):
+            reason = text_only_reason(model, all_models[model], Path(root))
+            if reason is None:
+                continue
+            listed = settings.get("models")
+            fix = (f"remove '{model}' from datasets.{dataset}.models" if listed else
+                   "run it on a vision-language model (e.g. a tiny one with tiny.architecture: llava)"
+                   if len(all_models) == 1 else
+                   f"give datasets.{dataset} a models: list of vision-language models only")
+            raise ConfigError(f"datasets.{dataset}.models", f"task vision_language needs a model with a vision part, "
+                              f"but '{model}' is {reason}, which reads text only; {fix}", source)
