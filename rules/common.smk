@@ -10,18 +10,19 @@ shell.prefix(f"export PYTHONPATH={shlex.quote(workflow.basedir)}${{{{PYTHONPATH:
 
 from workflow_scripts.core import experiment_config as xc
 from workflow_scripts.core import experiment_set
+from workflow_scripts.checks.config import check_config
 from workflow_scripts.data import source_files, split_names
 from workflow_scripts.core.errors import ConfigError
 from workflow_scripts.training import trackers
 
 try:
-    xc.check_config(config, "config")
+    check_config(config, "config")
     trackers.check_workflow_tracking(config["tracking"])
     split_names.check_local_splits(config["datasets"], "config")
     # Each (model, variant) whose model config is here, against the memory its config declares (a few
     # seconds of torch/transformers imports: once, not again in each job that re-reads the Snakefile).
     if workflow.is_main_process:
-        from workflow_scripts.model.config_memory_estimate import check_declared_memory
+        from workflow_scripts.checks.memory import check_declared_memory
 
         check_declared_memory(config)
 except ConfigError as error:

@@ -339,7 +339,7 @@ def declared_outputs(argv: list[str]) -> list[Path]:
 def call(stage: str, argv: list[str]):
     """The entry point: ``load_config(path)`` for ``config``, else ``workflow_scripts.<stage>.main(argv)``."""
     if stage == "config":
-        from workflow_scripts.core.experiment_config import load_config
+        from workflow_scripts.checks.config import load_config
 
         return load_config(argv[0])
     return importlib.import_module(f"workflow_scripts.{stage}").main(argv)

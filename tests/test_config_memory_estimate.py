@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from workflow_scripts.checks.config import load_config
+from workflow_scripts.checks.memory import check_declared_memory
 from workflow_scripts.model import config_memory_estimate as cme
 from workflow_scripts.core.errors import ConfigError
 
@@ -165,13 +167,11 @@ DEMO = Path(__file__).parent.parent / "config" / "config.yaml"
 
 
 def demo_config(**training):
-    from workflow_scripts.core import experiment_config as xc
-
-    return xc.load_config(DEMO, {"training": training} if training else None)
+    return load_config(DEMO, {"training": training} if training else None)
 
 
 def test_demo_config_is_estimated_for_its_tiny_causal_lm_and_fits(tmp_path):
-    checked = cme.check_declared_memory(demo_config(), root=tmp_path)
+    checked = check_declared_memory(demo_config(), root=tmp_path)
     config = demo_config()
     # tiny-llama is built from model.tiny on the meta device; tiny-bert and tiny-llava (not causal LMs,
     # and not prepared here) are left to the gate.
@@ -190,16 +190,16 @@ def test_demo_config_is_estimated_for_its_tiny_causal_lm_and_fits(tmp_path):
 def test_declared_cpu_memory_too_small_is_refused_naming_model_variant_and_knob(tmp_path):
     with pytest.raises(ConfigError, match=r"config key 'training.mem_mb': model 'tiny-llama', variant '\w+': "
                                           r"1 training process\(es\) .* Fix: raise training.mem_mb"):
-        cme.check_declared_memory(demo_config(mem_mb=1), root=tmp_path)
+        check_declared_memory(demo_config(mem_mb=1), root=tmp_path)
 
 
 def test_gpu_jobs_declare_no_device_memory_and_are_left_to_the_gate(tmp_path):
-    assert cme.check_declared_memory(demo_config(mem_mb=1, gpus=1), root=tmp_path) == []
+    assert check_declared_memory(demo_config(mem_mb=1, gpus=1), root=tmp_path) == []
 
 
 def test_fsdp_processes_share_the_node_but_each_holds_a_shard(tmp_path):
-    ddp = cme.check_declared_memory(demo_config(cpu_processes=2, effective_batch=32), root=tmp_path)[0]
-    fsdp = cme.check_declared_memory(demo_config(cpu_processes=2, effective_batch=32, strategy="fsdp"), root=tmp_path)[0]
+    ddp = check_declared_memory(demo_config(cpu_processes=2, effective_batch=32), root=tmp_path)[0]
+    fsdp = check_declared_memory(demo_config(cpu_processes=2, effective_batch=32, strategy="fsdp"), root=tmp_path)[0]
     assert ddp["processes"] == fsdp["processes"] == 2
     assert fsdp["estimate"]["weights"] * 2 == ddp["estimate"]["weights"]
     assert fsdp["estimate"]["optimizer"] * 2 == ddp["estimate"]["optimizer"]
@@ -208,25 +208,23 @@ def test_fsdp_processes_share_the_node_but_each_holds_a_shard(tmp_path):
 def test_a_hub_model_is_estimated_only_once_prepared_here(tmp_path):
     from data_helpers import single_model_config
 
-    from workflow_scripts.core import experiment_config as xc
-
     raw = single_model_config()
     raw["model"] = {"name": "qwen", "source": "hub", "hub_id": "Qwen/Qwen2.5-0.5B", "revision": "0" * 40}
     raw["training"].update(mem_mb=2000, lora={"target_modules": ["q_proj", "v_proj"]})
     config_path = tmp_path / "config.yaml"
     config_path.write_text(json.dumps(raw))  # JSON is YAML
-    config = xc.load_config(config_path)
-    assert cme.check_declared_memory(config, root=tmp_path) == []  # not downloaded: nothing to read
+    config = load_config(config_path)
+    assert check_declared_memory(config, root=tmp_path) == []  # not downloaded: nothing to read
     prepared = tmp_path / "resources" / "models" / "qwen"
     prepared.mkdir(parents=True)
     (prepared / "config.json").write_text((CONFIGS / "Qwen2.5-0.5B.json").read_text())
     # 494M parameters in fp32 on CPU: 1.8 GiB of weights alone, over 90% of 2000 MB.
     with pytest.raises(ConfigError, match=r"model 'qwen', variant .* Fix: raise training.mem_mb, or use a device "
                                           r"with more memory or a smaller model, or set training.quantization"):
-        cme.check_declared_memory(config, root=tmp_path)
+        check_declared_memory(config, root=tmp_path)
     (prepared / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"models.qwen.*config.json cannot be read"):
-        cme.check_declared_memory(config, root=tmp_path)
+        check_declared_memory(config, root=tmp_path)
 
 
 def test_snakemake_dry_run_refuses_before_any_job(tmp_path):
@@ -263,5 +261,5 @@ def test_a_prepared_masked_lm_is_not_estimated_as_a_causal_lm(tmp_path):
     prepared.mkdir(parents=True)
     (prepared / "config.json").write_text(json.dumps(BertConfig(hidden_size=32, num_hidden_layers=1,
                                                                 num_attention_heads=2, intermediate_size=64).to_dict()))
-    checked = cme.check_declared_memory(demo_config(), root=tmp_path)
+    checked = check_declared_memory(demo_config(), root=tmp_path)
     assert {c["model"] for c in checked} == {"tiny-llama"}

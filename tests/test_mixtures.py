@@ -15,7 +15,9 @@ import yaml
 from conftest import build_tiny_tokenised
 from data_helpers import default_config
 from workflow_scripts import mix
+from workflow_scripts.checks.config import check_config
 from workflow_scripts.core import experiment_config as xc
+from workflow_scripts.core.config_files import validate_schema
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.data import mixture
 
@@ -148,8 +150,8 @@ def mixture_config() -> dict:
 
 def checked(config: dict) -> dict:
     config = copy.deepcopy(config)
-    xc.validate_schema(config)
-    xc.check_config(config)
+    validate_schema(config)
+    check_config(config)
     return config
 
 
