@@ -13,11 +13,15 @@ from workflow_scripts.core import experiment_set
 from workflow_scripts.checks.config import check_config
 from workflow_scripts.data import source_files, split_names
 from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.core.section_settings import ComparisonSettings, TrackingSettings
 from workflow_scripts.training import trackers
 
 try:
     check_config(config, "config")
-    trackers.check_workflow_tracking(config["tracking"])
+    # The typed sections, read once; the rules hand each stage its part as JSON and the stage types it again.
+    COMPARISON = ComparisonSettings.parse(config["comparison"], "comparison", "config")
+    TRACKING = TrackingSettings.parse(config["tracking"], "tracking", "config")
+    trackers.check_workflow_tracking(TRACKING)
     split_names.check_local_splits(config["datasets"], "config")
     # Each (model, variant) whose model config is here, against the memory its config declares (a few
     # seconds of torch/transformers imports: once, not again in each job that re-reads the Snakefile).
@@ -169,11 +173,7 @@ class RuntimeOnly:
 def tracking_json(wildcards):
     """train's --tracking: the config's tracking block with this experiment's run name filled in."""
     return RuntimeOnly(
-        as_json(
-            trackers.workflow_tracking(
-                config["tracking"], wildcards.model, wildcards.dataset, wildcards.variant, int(wildcards.seed)
-            )
-        )
+        as_json(TRACKING.with_run(wildcards.model, wildcards.dataset, wildcards.variant, int(wildcards.seed)).to_dict())
     )
 
 
@@ -303,7 +303,7 @@ def experiment_set_stamp():
     return experiment_set.stamp_path(
         {
             "experiments": [list(e) for e in xc.evaluations(config)],
-            "comparison": config["comparison"],
+            "comparison": COMPARISON.to_dict(),
             "with_base": bool(config["evaluation"]["evaluate_base_model"]),
         }
     )

@@ -103,7 +103,7 @@ rule compare:
         "../envs/evaluation.yaml"
     threads: 1
     params:
-        comparison=as_json(config["comparison"]),
+        comparison=as_json(COMPARISON.to_dict()),
         experiments=as_json([list(e) for e in xc.evaluations(config)]),
         with_base="--with-base" if config["evaluation"]["evaluate_base_model"] else "",
     shell:

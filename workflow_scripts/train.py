@@ -32,6 +32,7 @@ from workflow_scripts.model import memory_estimate, model_loading, quantization
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
 from workflow_scripts.core.run_manifest import build_manifest
+from workflow_scripts.core.section_settings import TrackingSettings
 from workflow_scripts.core.settings import TrainingSettings
 from workflow_scripts.core.stage_arguments import StageArgumentParser
 from workflow_scripts.training import trackers
@@ -143,7 +144,7 @@ def train(args: argparse.Namespace, training: TrainingSettings) -> int:
     context = distributed.setup(use_cuda=training.gpus > 0)
     log, tracker = None, None
     try:
-        tracking = trackers.load_tracking_settings(args.tracking)
+        tracking = TrackingSettings.from_json(args.tracking)
         meta = batching.read_meta(args.data)
         model_loading.check_tokenised_for_model(args.data, meta, args.model)
         dataset = batching.TokenisedSplit(args.data, "train", stored_columns(meta))
