@@ -7,7 +7,7 @@ the variants of one task, and the matrix (core.experiment_config) about what run
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from workflow_scripts.analysis import fairness
 from workflow_scripts.checks.sections import check_dataset, check_model
@@ -15,7 +15,8 @@ from workflow_scripts.core.config_files import deep_merge, read_config_file, val
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.core.experiment_config import (
     RESERVED_MODEL_NAMES, dataset_models, entry_task, evaluation_split, mixtures, model_dataset_variants,
-    model_entry_variants, models, reference_variant, resolved_training, training_settings, variant_settings)
+    model_entry_variants, models, resolved_training, training_settings, variant_settings)
+from workflow_scripts.core.section_settings import ComparisonSettings
 from workflow_scripts.core.settings import finetune_problem
 from workflow_scripts.tasks import check_also_metrics, task_named
 
@@ -86,19 +87,20 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
                                   f"(datasets.{dataset}.splits), so there is no held-out loss to compute; add one or "
                                   "switch validation off for it with a variant's training override", source)
         _check_validation_metric(config, entry, training.validation, source)
+    comparison = ComparisonSettings.parse(config["comparison"], "comparison", source)
     tasks_in_use = {dataset["task"] for dataset in config["datasets"].values()}
     for task_name in sorted(tasks_in_use):
         if not any(variant["task"] == task_name for variant in config["variants"].values()):
             raise ConfigError("variants", f"no variant has task '{task_name}', so its datasets would not run; "
                               f"add one with task: {task_name}", source)
-        reference = reference_variant(config, task_name)
+        reference = comparison.reference_for(task_name)
         if reference not in config["variants"] or config["variants"][reference]["task"] != task_name:
             choices = sorted(v for v, settings in config["variants"].items() if settings["task"] == task_name)
             raise ConfigError("comparison.reference_variant",
                               f"'{reference}' is not one of the {task_name} variants {choices}; with variants of "
                               "several tasks give a mapping, e.g. {generation: baseline, classification: plain}", source)
         for model in models(config):
-            _check_fair_training(config, task_name, reference, source, model)
+            _check_fair_training(config, task_name, reference, comparison.intended_differences, source, model)
     running = {model for model, _, _ in model_entry_variants(config)}
     for name in models(config):
         if name not in running:
@@ -184,16 +186,14 @@ def _check_evaluated(config: Mapping[str, Any], source: str | None) -> None:
                               "would never be scored; add a training dataset of that task or list the model", source)
 
 
-def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, source: str | None,
-                         model: str | None = None) -> None:
+def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, intended: Sequence[str],
+                         source: str | None, model: str | None = None) -> None:
     """The fairness guard at parse time: the variants of one task train alike, up to intended differences.
 
     ``compare`` would refuse the finished runs anyway; refusing here saves the GPU hours between.
     Variants are compared with their task's reference variant (not with the shared block, so all
     classification variants may override, say, the LoRA targets the same way).
     """
-    intended = config["comparison"].get("intended_differences", [])
-
     def comparable(variant: str) -> dict[str, Any]:
         settings = resolved_training(config, variant, model)
         return {key: value for top, item in settings.items() if top not in fairness.RUNTIME_ONLY_TRAINING_KEYS

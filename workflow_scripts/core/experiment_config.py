@@ -205,9 +205,3 @@ def evaluation_split(config: Mapping[str, Any], dataset: str) -> str:
 def variant_settings(variant: Mapping[str, Any]) -> dict[str, Any]:
     """What a stage receives as ``--variant``: the variant without its task and training overrides."""
     return {k: v for k, v in variant.items() if k not in ("task", "training")}
-
-
-def reference_variant(config: Mapping[str, Any], task: str) -> str | None:
-    """The variant the others of ``task`` are compared with (comparison.reference_variant: a name or task -> name)."""
-    reference = config["comparison"]["reference_variant"]
-    return reference.get(task) if isinstance(reference, Mapping) else reference
