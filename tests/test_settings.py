@@ -9,7 +9,7 @@ import pytest
 
 from workflow_scripts.core import experiment_config as xc
 from workflow_scripts.core.errors import ConfigError
-from workflow_scripts.core.section_settings import ComparisonSettings, TrackingSettings
+from workflow_scripts.core.section_settings import ComparisonSettings, EvaluationSettings, TrackingSettings
 from workflow_scripts.core.settings import LoraSettings, QuantizationSettings, TrainingSettings, ValidationSettings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,28 +80,29 @@ def test_nothing_below_the_config_reads_training_settings_as_a_dict():
     assert found == []
 
 
-SECTION_DICT_ACCESS = re.compile(r"\b(comparison|tracking|mlflow)(\[\"|\[\'|\.get\()")
+SECTION_DICT_ACCESS = re.compile(r"\b(evaluation|comparison|tracking|mlflow)(\[\"|\[\'|\.get\()")
 
 
 def dict_reads_of_typed_sections(root: Path) -> list[str]:
-    """Lines of the stages, the library and the rules that read a typed section (comparison, tracking) as a
-    mapping; the config layer reads ``config["comparison"]`` once and parses it (core/section_settings.py)."""
+    """Lines of the stages, the library and the rules that read a typed section (evaluation, comparison, tracking)
+    as a mapping; the config layer reads ``config["evaluation"]`` once and parses it (core/section_settings.py)."""
     return [f"{path.relative_to(root)}:{number}: {line.strip()}"
             for path in sorted([*(root / "workflow_scripts").rglob("*.py"), *(root / "rules").glob("*.smk")])
             for number, line in enumerate(path.read_text().splitlines(), 1) if SECTION_DICT_ACCESS.search(line)]
 
 
-def test_nothing_below_the_config_reads_the_comparison_or_tracking_settings_as_a_dict():
+def test_nothing_below_the_config_reads_the_evaluation_comparison_or_tracking_settings_as_a_dict():
     assert dict_reads_of_typed_sections(REPO) == []
 
 
 def test_the_section_guard_catches_a_planted_dict_read(tmp_path):
     for relative, line in (("workflow_scripts/compare.py", 'seed = comparison["bootstrap_seed"]'),
+                           ("workflow_scripts/tasks/generation.py", 'size = evaluation["batch_size"]'),
                            ("workflow_scripts/training/trackers.py", 'uri = tracking.get("mlflow")'),
                            ("rules/common.smk", 'name = mlflow["run_name"]')):
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text(f"{line}\nok = comparison.bootstrap_seed\n")
-    assert len(dict_reads_of_typed_sections(tmp_path)) == 3
+    assert len(dict_reads_of_typed_sections(tmp_path)) == 4
 
 
 def test_comparison_and_tracking_settings_are_typed_with_the_schemas_defaults_and_round_trip():
@@ -120,7 +121,20 @@ def test_comparison_and_tracking_settings_are_typed_with_the_schemas_defaults_an
         "model": "m", "dataset": "d", "variant": "v", "seed": 1}
 
 
+def test_evaluation_settings_keep_the_record_the_rule_passes():
+    """The manifests record ``to_dict()``: for what the rule passes (the section with its defaults, the split and
+    max_length; dtype only when set) it is that mapping, so eval.json's record is as before."""
+    passed = {"split": "validation", "max_new_tokens": 96, "batch_size": 32, "max_examples": None, "gpus": 0,
+              "evaluate_base_model": True, "qlora_base": "quantised", "max_length": 64}
+    evaluation = EvaluationSettings.parse(passed)
+    assert evaluation.to_dict() == passed and list(evaluation.to_dict()) == sorted(passed)
+    assert evaluation.compute_dtype == "auto" and EvaluationSettings.parse({**passed, "dtype": "fp32"}).compute_dtype == "fp32"
+    assert EvaluationSettings.parse({"batch_size": 2}).max_length is None  # a task that needs it says so
+
+
 @pytest.mark.parametrize("parse, value, key", [
+    (EvaluationSettings.parse, {"split": "dev"}, "evaluation.split"),
+    (EvaluationSettings.parse, {"max_length": 0}, "evaluation.max_length"),
     (ComparisonSettings.parse, {"bootstrap_resamples": 10}, "comparison.bootstrap_resamples"),
     (ComparisonSettings.parse, {"bootstrap": "seeds"}, "comparison.bootstrap"),
     (ComparisonSettings.parse, {"min_detectable_effect": 0}, "comparison.min_detectable_effect"),

@@ -1,4 +1,4 @@
-"""Typed settings of the config's ``comparison`` and ``tracking`` sections, as ``core/settings.py`` types
+"""Typed settings of the config's ``evaluation``, ``comparison`` and ``tracking`` sections, as ``core/settings.py`` types
 ``training``: validated once against config/schema.yaml (its defaults filled) into frozen dataclasses that
 the stages read by attribute.
 
@@ -53,6 +53,55 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
     return value
+
+
+@dataclass(frozen=True)
+class EvaluationSettings:
+    """``evaluation`` as evaluate, predict and the validation metric receive it: the section, with the
+    dataset's own split and training's ``max_length`` (inputs are cut as in training) set by the rule."""
+    split: str  # validation | test
+    max_new_tokens: int
+    batch_size: int
+    max_examples: int | None
+    gpus: int
+    evaluate_base_model: bool
+    qlora_base: str  # quantised | unquantised
+    dtype: str | None  # auto | fp32; None: not set (no schema default, so leaving it out reruns nothing)
+    max_length: int | None  # training's; None where the rule did not pass it
+
+    @classmethod
+    def parse(cls, value: Any, key: str = "evaluation", source: str | None = None) -> "EvaluationSettings":
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, "must be a mapping of evaluation settings", source)
+        max_length = value.get("max_length")
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
+                                       or max_length < 1):
+            raise ConfigError(f"{key}.max_length", f"must be a positive integer (training's), got {max_length!r}",
+                              source)
+        checked = _validated({name: item for name, item in value.items() if name != "max_length"},
+                             "evaluation", key, source)
+        return cls(**{"dtype": None, **checked}, max_length=max_length)
+
+    @classmethod
+    def from_json(cls, text: str, flag: str = "--evaluation") -> "EvaluationSettings":
+        value = json_setting(text, flag)
+        if not isinstance(value, dict):
+            raise WorkflowError(f"argument {flag}: expected a JSON object, got {type(value).__name__}")
+        return cls.parse(value, "evaluation", flag)
+
+    @property
+    def compute_dtype(self) -> str:
+        """``dtype`` with its meaning when not set: auto (bf16 on a GPU that supports it, else fp32)."""
+        return self.dtype or "auto"
+
+    def to_dict(self) -> dict[str, Any]:
+        """As the rule passes it (keys sorted; ``dtype`` and ``max_length`` only when set): the manifests' record."""
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return dict(sorted((name, value) for name, value in values.items()
+                           if value is not None or name not in ("dtype", "max_length")))
+
+    def replace(self, **changes: Any) -> "EvaluationSettings":
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
