@@ -9,7 +9,8 @@ import pytest
 
 from workflow_scripts.core import experiment_config as xc
 from workflow_scripts.core.errors import ConfigError
-from workflow_scripts.core.section_settings import ComparisonSettings, EvaluationSettings, TrackingSettings
+from workflow_scripts.core.section_settings import (ComparisonSettings, EvaluationSettings, MixtureSettings,
+                                                     TrackingSettings)
 from workflow_scripts.core.settings import LoraSettings, QuantizationSettings, TrainingSettings, ValidationSettings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,6 +94,29 @@ def dict_reads_of_typed_sections(root: Path) -> list[str]:
 
 def test_nothing_below_the_config_reads_the_evaluation_comparison_or_tracking_settings_as_a_dict():
     assert dict_reads_of_typed_sections(REPO) == []
+
+
+MIXTURE_READERS = ("workflow_scripts/mix.py", "workflow_scripts/data/mixture.py")
+MIXTURE_DICT_ACCESS = re.compile(r"\bsettings(\[\"|\[\'|\.get\()")
+
+
+def test_the_mix_stage_reads_the_typed_mixture():
+    """mix and data/mixture read ``MixtureSettings`` by attribute (their mixture is named ``settings``)."""
+    found = [f"{relative}:{number}: {line.strip()}" for relative in MIXTURE_READERS
+             for number, line in enumerate((REPO / relative).read_text().splitlines(), 1)
+             if MIXTURE_DICT_ACCESS.search(line)]
+    assert found == []
+    assert MIXTURE_DICT_ACCESS.search('total = settings.get("rows") or sum(sizes.values())')
+
+
+def test_mixture_settings_keep_the_fingerprinted_mapping():
+    """mix fingerprints ``to_dict()``: for what the rule passes (the entry with its defaults) it is that mapping."""
+    passed = {"datasets": ["a", "b"], "weights": {"a": 2, "b": 1}, "rows": None, "seed": 0}
+    settings = MixtureSettings.parse(passed)
+    assert settings.to_dict() == passed and settings.temperature is None and settings.max_passes is None
+    assert MixtureSettings.parse({"datasets": ["a", "b"]}).to_dict() == {"datasets": ["a", "b"], "rows": None, "seed": 0}
+    with pytest.raises(ConfigError, match=r"^--settings: config key 'mixtures.both.datasets': \['a'\] is too short"):
+        MixtureSettings.from_json('{"datasets": ["a"]}', "both")
 
 
 def test_the_section_guard_catches_a_planted_dict_read(tmp_path):

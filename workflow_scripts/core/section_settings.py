@@ -1,4 +1,4 @@
-"""Typed settings of the config's ``evaluation``, ``comparison`` and ``tracking`` sections, as ``core/settings.py`` types
+"""Typed settings of the config's ``evaluation``, ``comparison``, ``tracking`` sections and of one mixture, as ``core/settings.py`` types
 ``training``: validated once against config/schema.yaml (its defaults filled) into frozen dataclasses that
 the stages read by attribute.
 
@@ -20,12 +20,13 @@ from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.core.stage_arguments import json_setting
 
 
-def _validated(value: Any, section: str, key: str, source: str | None) -> dict[str, Any]:
-    """``value`` checked against the schema's top-level ``section``, defaults filled; ConfigError naming the key."""
+def _validated(value: Any, section: str, key: str, source: str | None, entry: bool = False) -> dict[str, Any]:
+    """``value`` checked against the schema's top-level ``section`` (``entry``: one entry of that mapping, such as
+    one mixture), defaults filled; ConfigError naming the key."""
     if not isinstance(value, Mapping):
         raise ConfigError(key, f"must be a mapping of {section} settings", source)
     checked = copy.deepcopy(dict(value))
-    errors = list(_section_validator(section).iter_errors(checked))
+    errors = list(_section_validator(section, entry).iter_errors(checked))
     if errors:
         from jsonschema.exceptions import best_match
 
@@ -36,14 +37,15 @@ def _validated(value: Any, section: str, key: str, source: str | None) -> dict[s
 
 
 @functools.lru_cache(maxsize=None)
-def _section_validator(section: str):
-    """The schema's top-level ``section`` with its ``$defs``, read once per process."""
+def _section_validator(section: str, entry: bool = False):
+    """The schema's top-level ``section`` (or one entry of it) with its ``$defs``, read once per process."""
     import yaml
 
     from workflow_scripts.core.config_schema import SCHEMA_PATH, _validator_with_defaults
 
     schema = yaml.safe_load(SCHEMA_PATH.read_text())
-    return _validator_with_defaults()({**schema["properties"][section], "$defs": schema["$defs"]})
+    part = schema["properties"][section]
+    return _validator_with_defaults()({**(part["additionalProperties"] if entry else part), "$defs": schema["$defs"]})
 
 
 def _plain(value: Any) -> Any:
@@ -188,3 +190,38 @@ class TrackingSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return _plain({"mlflow": dataclasses.asdict(self.mlflow), "run": self.run})
+
+
+@dataclass(frozen=True)
+class MixtureSettings:
+    """One entry of ``mixtures``, as the mix stage receives it: its components and how they are drawn."""
+    datasets: tuple[str, ...]
+    weights: Mapping[str, float] | None  # dataset -> relative weight (read-only)
+    temperature: float | None  # neither weights nor temperature: temperature 1, the train sizes
+    rows: int | None  # None: the components' total
+    seed: int
+    max_passes: int | None  # None: data/mixture.MAX_PASSES
+    models: tuple[str, ...] | None  # None: every model
+
+    @classmethod
+    def parse(cls, value: Any, key: str = "mixtures.<name>", source: str | None = None) -> "MixtureSettings":
+        checked = _validated(value, "mixtures", key, source, entry=True)
+        weights, models = checked.get("weights"), checked.get("models")
+        return cls(datasets=tuple(checked["datasets"]),
+                   weights=None if weights is None else types.MappingProxyType(dict(weights)),
+                   temperature=checked.get("temperature"), rows=checked["rows"], seed=checked["seed"],
+                   max_passes=checked.get("max_passes"), models=None if models is None else tuple(models))
+
+    @classmethod
+    def from_json(cls, text: str, name: str, flag: str = "--settings") -> "MixtureSettings":
+        value = json_setting(text, flag)
+        if not isinstance(value, dict):
+            raise WorkflowError(f"argument {flag}: expected a JSON object, got {type(value).__name__}")
+        return cls.parse(value, f"mixtures.{name}", flag)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mixture as the rule passes it (optional keys without a default only when set): the mixed data's
+        fingerprint, so typing the mixture re-tokenises nothing."""
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        optional = ("weights", "temperature", "max_passes", "models")
+        return _plain({name: value for name, value in values.items() if value is not None or name not in optional})
