@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workflow_scripts.core.section_settings import EvaluationSettings
 from workflow_scripts.demo import make_classification
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.normalise import Rejected
@@ -338,7 +339,7 @@ def test_lora_training_learns_and_the_head_is_saved_with_the_adapter(kind, tmp_p
     with torch.no_grad():
         assert torch.allclose(classification._forward(reloaded, batch), classification._forward(peft_model, batch), atol=1e-5)
     records, score, _ = TASK.evaluate(reloaded, tokenizer, PLAIN, demo_rows(count=24), "accuracy",
-                                      {"batch_size": 8, "max_length": 64}, torch.device("cpu"))
+                                      EvaluationSettings.parse({"batch_size": 8, "max_length": 64}), torch.device("cpu"))
     assert score > 0.5 and all(r["gold"] in LABELS and r["predicted"] in LABELS for r in records)
 
 
@@ -380,9 +381,9 @@ def test_evaluate_records_and_scores_independent_of_batch_size(kind, llama_token
     model = classification.prepare_model(tiny_llama(tokenizer) if kind == "llama" else tiny_bert(tokenizer),
                                          tokenizer.pad_token_id, LABELS)
     rows = demo_rows("test", 10)
-    evaluation = {"batch_size": 4, "max_length": 64}
+    evaluation = EvaluationSettings.parse({"batch_size": 4, "max_length": 64})
     records, score, unparseable = TASK.evaluate(model, tokenizer, PLAIN, rows, "accuracy", evaluation, torch.device("cpu"))
-    one_by_one, _, _ = TASK.evaluate(model, tokenizer, PLAIN, rows, "accuracy", {**evaluation, "batch_size": 1},
+    one_by_one, _, _ = TASK.evaluate(model, tokenizer, PLAIN, rows, "accuracy", evaluation.replace(batch_size=1),
                                      torch.device("cpu"))
     assert [r["predicted"] for r in records] == [r["predicted"] for r in one_by_one]
     assert set(records[0]) == {"id", "text", "predicted", "gold", "score", "parsed"} and unparseable == 0
@@ -390,7 +391,7 @@ def test_evaluate_records_and_scores_independent_of_batch_size(kind, llama_token
     _, f1, _ = TASK.evaluate(model, tokenizer, PLAIN, rows, "macro_f1", evaluation, torch.device("cpu"))
     assert f1 == pytest.approx(classification.macro_f1([r["gold"] for r in records], [r["predicted"] for r in records], LABELS))
     for bad_metric, bad_evaluation, message in (("exact_match", evaluation, "not a classification metric"),
-                                                ("accuracy", {"batch_size": 4}, "max_length")):
+                                                ("accuracy", evaluation.replace(max_length=None), "max_length")):
         with pytest.raises(WorkflowError, match=message):
             TASK.evaluate(model, tokenizer, PLAIN, rows, bad_metric, bad_evaluation, torch.device("cpu"))
 

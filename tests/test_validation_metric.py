@@ -17,7 +17,8 @@ from test_evaluate import BASELINE, QUESTIONS, tiny_model  # noqa: F401 (a fixtu
 from test_mixtures import mixture_config
 from test_train import REPO, adapter, log_rows, subprocess_env, train_argv
 from workflow_scripts import evaluate, pretokenise, train
-from workflow_scripts.core import experiment_config as xc
+from workflow_scripts.checks.config import check_config
+from workflow_scripts.core.config_files import validate_schema
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.training import validation, validation_metric
 from workflow_scripts.training.training_log import validation_metric_curves
@@ -217,8 +218,8 @@ def test_train_refuses_data_without_a_validation_split(tmp_path, tiny_model, tok
 def configured(validation_settings, config=None):
     config = copy.deepcopy(config or mixture_config())
     config["training"]["validation"] = validation_settings
-    xc.validate_schema(config)
-    xc.check_config(config)
+    validate_schema(config)
+    check_config(config)
     return config
 
 

@@ -62,10 +62,10 @@ def comparable_settings(manifest: Mapping[str, Any], summary: Mapping[str, Any] 
         if field in manifest:
             flat[f"model.{field.removeprefix('model_')}"] = manifest[field]
     if summary is not None:
-        evaluation = summary.get("manifest", {}).get("settings", {}).get("evaluation", {})
+        recorded = summary.get("manifest", {}).get("settings", {}).get("evaluation", {})  # eval.json's record
         for key in EVALUATION_KEYS:
-            if key in evaluation:
-                flat[f"evaluation.{key}"] = evaluation[key]
+            if key in recorded:
+                flat[f"evaluation.{key}"] = recorded[key]
         for field in (*MODEL_FIELDS, *EVALUATION_RUN_FIELDS):
             if field in summary:
                 flat[f"evaluation.{field}"] = summary[field]

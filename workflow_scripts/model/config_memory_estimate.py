@@ -289,7 +289,7 @@ def local_model_config(name: str, spec: Mapping[str, Any], root: Path) -> dict |
     return None
 
 
-def _is_causal_lm(fields: Mapping[str, Any]) -> bool:
+def is_causal_lm(fields: Mapping[str, Any]) -> bool:
     """Only causal LMs are built here (meta_model); others (VLMs, encoders) are left to the gate."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -361,64 +361,6 @@ def host_memory_problem(name: str, variant: str, host: Mapping[str, int], traini
                  "worker(s) per rank")
     return (f"model '{name}', variant '{variant}': {what}; over {training.memory_headroom:.0%} of the declared "
             f"mem_mb {training.mem_mb} ({h(budget)}). Fix: raise training.mem_mb to at least {needed_mb}")
-
-
-def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> list[dict[str, Any]]:
-    """Estimate every (model, variant) whose model config is here, before any job runs, and raise a
-    ConfigError naming ``training.mem_mb`` and the figure needed when one needs more host memory per node
-    than the config declares (:func:`host_memory`: CPU and GPU jobs).
-
-    Returns what was checked: ``[{model, variant, estimate, host, declared, processes}]`` (``estimate``: the
-    per-process figures of a CPU job, None for a GPU job, whose device memory the gate checks).
-    """
-    from workflow_scripts.core import experiment_config as xc
-
-    from workflow_scripts.tasks import task_named
-
-    root = Path(root)
-    checked = []
-    # Only the (model, variant) pairs the matrix runs, and only where the task loads a causal LM (the model
-    # meta_model builds): a BERT under a masked-LM task is not estimated as BertLMHeadModel.
-    pairs = {(model, variant) for model, entry, variant in xc.model_entry_variants(config)
-             if task_named(xc.entry_task(config, entry)).auto_model_class == "AutoModelForCausalLM"}
-    for name, spec in xc.models(config).items():
-        variants = [variant for variant in config["variants"] if (name, variant) in pairs]
-        source = local_model_config(name, spec, root)
-        if source is None or not variants or not _is_causal_lm(source):
-            continue  # nothing to read without a download
-        model = meta_model(source)
-        for variant in variants:
-            training = xc.training_settings(config, variant, name)
-            parts = loading = None
-            if training.gpus == 0:
-                parts = estimate_from_config(model, strategy=training.strategy, world_size=training.world_size,
-                                             device="cpu", **training_arguments(training))
-                loading = loading_from_config(model, strategy=training.strategy, world_size=training.world_size,
-                                              device="cpu", **training_arguments(training))
-            host = host_memory(model, training, parts)
-            checked.append({"model": name, "variant": variant, "estimate": parts, "host": host, "loading": loading,
-                            "declared": training.mem_mb * 2**20, "processes": host["ranks"]})
-            # CPU fsdp's loading: rank 0's copy of the whole model once, beside every process and its share and unit.
-            if loading is not None:
-                per_process = PROCESS_HOST_BYTES + loading["total"] - loading["host_copy"]
-                loading_node = loading["host_copy"] + host["ranks"] * per_process
-                budget = int(training.mem_mb * 2**20 * training.memory_headroom)
-                if loading_node > max(budget, host["total"]):
-                    h = memory_estimate.human
-                    raise ConfigError(
-                        "training.mem_mb",
-                        f"model '{name}', variant '{variant}': loading under training.strategy: fsdp is estimated at "
-                        f"{h(loading_node)} on the node (rank 0's host copy of the whole model {h(loading['host_copy'])}, "
-                        f"and each of {host['ranks']} processes with its share and one whole unit), over "
-                        f"{training.memory_headroom:.0%} of the declared mem_mb {training.mem_mb} ({h(budget)}). "
-                        f"Fix: raise training.mem_mb to at least "
-                        f"{math.ceil(loading_node / training.memory_headroom / 2**20)}, or use a smaller model")
-            problem = host_memory_problem(name, variant, host, training)
-            if problem is not None:
-                if parts is not None:  # CPU: the training state itself may be what is too big
-                    problem += f", or {memory_estimate.knob_advice(parts, training, torch.device('cpu'))}"
-                raise ConfigError("training.mem_mb", problem)
-    return checked
 
 
 def parse_size(text: str) -> int:

@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # annotations only: loading a task for its data needs no torc
     import torch
     from torch import nn
 
+    from workflow_scripts.core.section_settings import EvaluationSettings
     from workflow_scripts.core.settings import TrainingSettings
 
 
@@ -132,7 +133,7 @@ class Task(Protocol):
     def loss_module(self, peft_model: nn.Module) -> nn.Module: ...
 
     def evaluate(self, model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict], metric: str,
-                 evaluation: Mapping[str, Any], device: torch.device) -> EvaluationResult: ...
+                 evaluation: "EvaluationSettings", device: torch.device) -> EvaluationResult: ...
 
     # Optional: tasks that can predict a split without gold (the ``predict`` stage, unlabelled splits) set it.
     # def predict(self, model, tokenizer, variant, rows, metric, evaluation, device) -> Predictions: ...

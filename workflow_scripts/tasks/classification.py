@@ -651,11 +651,11 @@ class ClassificationTask:
         return check_gradients(peft_model)
 
     def predict(self, model, tokenizer, variant, rows, metric, evaluation, device) -> Predictions:
-        """Argmax class per row, no label read; ``evaluation["max_length"]`` must be training's, so texts are
+        """Argmax class per row, no label read; ``evaluation.max_length`` must be training's, so texts are
         cut the same way."""
         if metric not in self.metrics:
             raise WorkflowError(f"metric {metric!r} is not a classification metric (known: {list(self.metrics)})")
-        if evaluation.get("max_length") is None:
+        if evaluation.max_length is None:
             raise WorkflowError("evaluation max_length is missing: classification truncates test texts as training did")
         variant = self.check_variant(variant)
         names = [model.config.id2label[i] for i in range(model.config.num_labels)]
@@ -665,9 +665,9 @@ class ClassificationTask:
         predicted = []
         model.eval()
         with torch.no_grad():
-            for start in range(0, len(rows), evaluation["batch_size"]):
-                chunk = rows[start:start + evaluation["batch_size"]]
-                encoded = encode(tokenizer, variant, chunk, evaluation["max_length"])
+            for start in range(0, len(rows), evaluation.batch_size):
+                chunk = rows[start:start + evaluation.batch_size]
+                encoded = encode(tokenizer, variant, chunk, evaluation.max_length)
                 batch = collate([{**e, "id": r["id"], "label": 0} for e, r in zip(encoded, chunk)])  # label unused
                 tensors = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
                 predicted += [names[i] for i in _forward(model, tensors).float().argmax(-1).tolist()]

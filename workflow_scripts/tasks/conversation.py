@@ -65,6 +65,7 @@ from workflow_scripts.tasks.base import EvaluationResult
 from workflow_scripts.tasks.templates import token_ids
 
 if TYPE_CHECKING:
+    from workflow_scripts.core.section_settings import EvaluationSettings
     from workflow_scripts.core.settings import LoraSettings, TrainingSettings
 
 ROLES = ("system", "user", "assistant")
@@ -393,7 +394,7 @@ def generate_from_ids(model, tokenizer, prompts: Sequence[Sequence[int]], stop_i
 
 
 def evaluate(model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict], metric: str,
-             evaluation: Mapping[str, Any], device: torch.device) -> EvaluationResult:
+             evaluation: "EvaluationSettings", device: torch.device) -> EvaluationResult:
     if metric not in metrics.STRING_METRICS:
         raise WorkflowError(f"metric {metric!r} is not a conversation metric (known: {list(metrics.STRING_METRICS)})")
     if not rows:
@@ -404,12 +405,12 @@ def evaluate(model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict],
     prompts = [item.input_ids[:item.prompt_length] for item in labelled]
     end_of_turn_ids = sorted({item.end_of_turn[-1] for item in labelled})
     stop_ids = sorted(set(generation.stop_token_ids(tokenizer, model)) | set(end_of_turn_ids))
-    outputs = generate_from_ids(model, tokenizer, prompts, stop_ids, evaluation["batch_size"],
-                                evaluation["max_new_tokens"], device)
+    outputs = generate_from_ids(model, tokenizer, prompts, stop_ids, evaluation.batch_size,
+                                evaluation.max_new_tokens, device)
     golds = [{"id": row["id"], "answers": [row["messages"][-1]["content"]]} for row in rows]
     records, score, unparseable = generation.score_outputs(golds, [item.prompt_text for item in labelled], outputs,
                                                            WHOLE, metric)
-    config = generation.greedy_generation_config(evaluation["max_new_tokens"], stop_ids, tokenizer.pad_token_id)
+    config = generation.greedy_generation_config(evaluation.max_new_tokens, stop_ids, tokenizer.pad_token_id)
     return EvaluationResult(records, score, unparseable, {
         "decoding": "greedy", "generation_config": generation.recorded_decoding(config),
         "end_of_turn_token_ids": end_of_turn_ids,

@@ -275,10 +275,10 @@ class GenerationTask:
     def predict(self, model, tokenizer, variant, rows, metric, evaluation, device) -> Predictions:
         """Greedy outputs and extracted answers, no gold read (evaluate scores them; predict submits them)."""
         prompts = [templates.render_prompt(variant, row, tokenizer) for row in rows]
-        outputs = generate(model, tokenizer, variant, prompts, evaluation["batch_size"],
-                           evaluation["max_new_tokens"], device)
+        outputs = generate(model, tokenizer, variant, prompts, evaluation.batch_size,
+                           evaluation.max_new_tokens, device)
         decoding = recorded_decoding(greedy_generation_config(
-            evaluation["max_new_tokens"], stop_token_ids(tokenizer, model), tokenizer.pad_token_id))
+            evaluation.max_new_tokens, stop_token_ids(tokenizer, model), tokenizer.pad_token_id))
         return Predictions(prediction_records(rows, prompts, outputs, variant, metric), "extracted",
                            {"decoding": "greedy", "generation_config": decoding})
 

@@ -70,6 +70,7 @@ from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.tasks.base import EvaluationResult
 
 if TYPE_CHECKING:
+    from workflow_scripts.core.section_settings import EvaluationSettings
     from workflow_scripts.core.settings import TrainingSettings
 
 IGNORE_INDEX = -100
@@ -370,15 +371,15 @@ def eval_positions(row_id: str, special: np.ndarray) -> np.ndarray:
 
 
 def evaluate(model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict], metric: str,
-             evaluation: Mapping[str, Any], device: torch.device) -> EvaluationResult:
+             evaluation: "EvaluationSettings", device: torch.device) -> EvaluationResult:
     """Score every test line with its fixed mask (all chosen positions [MASK]), in batches sorted by
     length. Records: ``{id, masked, correct, loss_sum, score, counts}``; ``counts`` is
     ``[correct, masked]`` for masked_accuracy and ``[loss_sum, masked]`` otherwise."""
     check_metric(metric)
     check_tokenizer(tokenizer)
-    if "max_length" not in evaluation:
+    if evaluation.max_length is None:
         raise ConfigError("evaluation.max_length", "masked LM evaluation needs the tokens per test line")
-    max_length, batch_size = evaluation["max_length"], evaluation["batch_size"]
+    max_length, batch_size = evaluation.max_length, evaluation.batch_size
     missing = [k for k, row in enumerate(rows) if "text" not in row]
     if missing:
         raise WorkflowError(f"test row {missing[0]}: no 'text' field; is this text_lines normalise output?")

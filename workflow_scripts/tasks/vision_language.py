@@ -368,10 +368,10 @@ class VisionLanguageTask(generation.GenerationTask):
             if missing:
                 raise WorkflowError(f"rows {missing[:3]}: no image; is this normalise output of a vision_language dataset?")
         prompts = [render_prompt(tokenizer, variant, row) for row in rows]
-        outputs = generate(model, tokenizer, variant, rows, prompts, evaluation["batch_size"],
-                           evaluation["max_new_tokens"], device)
+        outputs = generate(model, tokenizer, variant, rows, prompts, evaluation.batch_size,
+                           evaluation.max_new_tokens, device)
         decoding = generation.recorded_decoding(generation.greedy_generation_config(
-            evaluation["max_new_tokens"], generation.stop_token_ids(tokenizer, model), tokenizer.pad_token_id))
+            evaluation.max_new_tokens, generation.stop_token_ids(tokenizer, model), tokenizer.pad_token_id))
         return Predictions(generation.prediction_records(rows, prompts, outputs, variant, metric), "extracted",
                            {"decoding": "greedy", "generation_config": decoding, "images": variant["images"]})
 

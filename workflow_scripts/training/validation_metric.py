@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.core.section_settings import EvaluationSettings
 from workflow_scripts.training import distributed, training_setup
 from workflow_scripts.core.settings import ValidationSettings
 from workflow_scripts.training.validation import METRIC_KEY
@@ -42,7 +43,7 @@ class ValidationMetric:
     task: Any
     tokenizer: Any
     variant: dict
-    evaluation: dict
+    evaluation: EvaluationSettings
     sources: list[MetricSource]
 
     @property
@@ -79,7 +80,7 @@ def open_metric(text: str | None, settings: ValidationSettings, model_dir: str,
     except (json.JSONDecodeError, KeyError, TypeError) as error:
         raise WorkflowError(f"argument --validation-metric: expected JSON with task, variant, evaluation and "
                             f"datasets [{{name, data, metric}}] ({type(error).__name__}: {error})") from None
-    evaluate.check_evaluation(evaluation)
+    evaluation = EvaluationSettings.parse(evaluation, "evaluation", "--validation-metric")
     sources = []
     for name, data_dir, metric in datasets:
         if metric not in task.metrics:
