@@ -13,41 +13,53 @@ processes each, else ``flat`` (on one node the two are the same mesh).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from workflow_scripts.core.errors import ConfigError, WorkflowError
-
-if TYPE_CHECKING:  # settings imports this module
-    from workflow_scripts.core.settings import TrainingSettings
 
 MESHES = ("hybrid", "flat")
 DIMENSION_NAMES = ("replicate", "shard")
 
 
-def ranks_per_node(training: "TrainingSettings") -> int:
+class MeshSettings(Protocol):
+    """What this module reads of ``core.settings.TrainingSettings`` (which imports this module)."""
+    gpus: int
+    cpu_processes: int
+    nodes: int
+    strategy: str
+    fsdp_mesh: str | None
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def sharded(self) -> bool: ...
+
+
+def ranks_per_node(training: MeshSettings) -> int:
     return training.gpus if training.gpus > 0 else training.cpu_processes
 
 
-def resolved(training: "TrainingSettings") -> str:
+def resolved(training: MeshSettings) -> str:
     """``hybrid`` or ``flat``: the setting, or unset, ``hybrid`` for several nodes of several processes."""
     if training.fsdp_mesh is not None:
         return training.fsdp_mesh
     return "hybrid" if training.nodes > 1 and ranks_per_node(training) > 1 else "flat"
 
 
-def shape(training: "TrainingSettings") -> tuple[int, ...]:
+def shape(training: MeshSettings) -> tuple[int, ...]:
     """The mesh's shape: ``(world,)`` flat, ``(nodes, ranks per node)`` hybrid over several nodes."""
     if resolved(training) == "hybrid" and training.nodes > 1:
         return (training.nodes, ranks_per_node(training))
     return (training.world_size,)
 
 
-def shards(training: "TrainingSettings") -> int:
+def shards(training: MeshSettings) -> int:
     """Processes one parameter is split over: the mesh's last dimension under fsdp, else 1 (whole copies)."""
     return shape(training)[-1] if training.sharded else 1
 
 
-def check(training: "TrainingSettings", key: str = "training", source: str | None = None) -> None:
+def check(training: MeshSettings, key: str = "training", source: str | None = None) -> None:
     """Parse time (``TrainingSettings.parse``): a mesh setting that cannot mean what it says."""
     if training.fsdp_mesh is None:
         return
@@ -64,7 +76,7 @@ def check(training: "TrainingSettings", key: str = "training", source: str | Non
                               "fsdp_mesh: flat to shard over the nodes, or more gpus per node", source)
 
 
-def check_launch(training: "TrainingSettings", local_world_size: int, world_size: int) -> None:
+def check_launch(training: MeshSettings, local_world_size: int, world_size: int) -> None:
     """Run time: a hybrid mesh's shard groups must be the processes of one node, as torchrun started them
     (ranks of one node are consecutive); else its 'node-local' collectives would cross nodes."""
     mesh = shape(training)
