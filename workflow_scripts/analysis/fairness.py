@@ -30,6 +30,7 @@ RUNTIME_ONLY_TRAINING_KEYS = frozenset({
     "gpus", "cpu_processes", "nodes", "dataloader_workers", "checkpoint_every", "log_every",
     "runtime_minutes", "mem_mb", "sanity_batches", "memory_headroom", "signal_grace_seconds",
     "strategy",  # ddp and fsdp compute the same update (tests/test_fsdp.py); checkpoints resume under either
+    "fsdp_mesh",  # flat or hybrid: the same update (tests/test_fsdp_hybrid.py)
 })
 MODEL_FIELDS = ("model_dir", "model_manifest_sha256")
 EVALUATION_KEYS = ("split", "max_new_tokens", "max_examples")

@@ -14,7 +14,7 @@ from workflow_scripts.core.errors import ConfigError
 from workflow_scripts.model import memory_estimate
 from workflow_scripts.model.config_memory_estimate import (
     PROCESS_HOST_BYTES, estimate_from_config, host_memory, host_memory_problem, is_causal_lm, loading_from_config,
-    local_model_config, meta_model, training_arguments)
+    local_model_config, mesh_arguments, meta_model, training_arguments)
 from workflow_scripts.tasks import task_named
 
 
@@ -43,10 +43,10 @@ def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> 
             training = xc.training_settings(config, variant, name)
             parts = loading = None
             if training.gpus == 0:
-                parts = estimate_from_config(model, strategy=training.strategy, world_size=training.world_size,
-                                             device="cpu", **training_arguments(training))
-                loading = loading_from_config(model, strategy=training.strategy, world_size=training.world_size,
-                                              device="cpu", **training_arguments(training))
+                parts = estimate_from_config(model, device="cpu", **mesh_arguments(training),
+                                             **training_arguments(training))
+                loading = loading_from_config(model, device="cpu", **mesh_arguments(training),
+                                              **training_arguments(training))
             host = host_memory(model, training, parts)
             checked.append({"model": name, "variant": variant, "estimate": parts, "host": host, "loading": loading,
                             "declared": training.mem_mb * 2**20, "processes": host["ranks"]})

@@ -26,6 +26,8 @@ from torch import nn
 
 from workflow_scripts.model import memory_estimate
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
+from workflow_scripts.core import fsdp_mesh
+from workflow_scripts.core.fsdp_mesh import MESHES
 from workflow_scripts.core.settings import TrainingSettings
 from workflow_scripts.model.model_loading import weights_dtype
 
@@ -118,14 +120,15 @@ def base_weight_bytes(model: nn.Module, dtype_bytes: int, quantization: Mapping[
     return root + sum(per_unit.values()), root, max(per_unit.values(), default=0)
 
 
-def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
+def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1, shard_size: int | None = None,
                          lora: Mapping[str, Any] | None = None, precision: str = "bf16",
                          quantization: Mapping[str, Any] | None = None, micro_batch: int = 1,
                          max_length: int = 512, gradient_checkpointing: bool = True,
                          device: str = "cuda") -> dict[str, int]:
     """Bytes per GPU (per process with ``device="cpu"``) by part, and ``total``. ``lora=None`` is a full
     fine-tune; ``source`` may also be a meta model from :func:`meta_model`, so that several estimates
-    build it once."""
+    build it once. ``shard_size``: the processes fsdp shards over when not the world (a hybrid mesh: a
+    node's GPUs, core/fsdp_mesh.py)."""
     if strategy not in STRATEGIES:
         raise ConfigError("strategy", f"'{strategy}' is not one of {', '.join(STRATEGIES)}")
     if world_size < 1:
@@ -141,7 +144,7 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
     if quantization is not None and strategy == "fsdp":  # as training/fsdp.py refuses it
         raise ConfigError("quantization", "fsdp shards unquantised weights only; use qlora or ddp for quantised ones")
     model = meta_model(source)
-    shards = world_size if strategy == "fsdp" else 1
+    shards = (shard_size or world_size) if strategy == "fsdp" else 1
     # The project stores frozen weights as model_loading does: bf16 on GPUs for bf16 runs, else fp32.
     dtype_bytes = torch.empty((), dtype=weights_dtype(precision, torch.device(device))).element_size()
     compute_bytes = 2 if precision in ("bf16", "fp16") else FP32
@@ -177,14 +180,15 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
     return parts
 
 
-def loading_from_config(source, *, strategy: str = "ddp", world_size: int = 1, lora: Mapping[str, Any] | None = None,
+def loading_from_config(source, *, strategy: str = "ddp", world_size: int = 1, shard_size: int | None = None,
+                        lora: Mapping[str, Any] | None = None,
                         precision: str = "bf16", device: str = "cuda", **_loop_settings) -> dict[str, int] | None:
     """FSDP's loading peak per GPU (per process with ``device="cpu"``), by part as
     ``memory_estimate.loading_estimate`` gives it, with ``total``; None unless fsdp over 2+ processes.
 
-    ``shards`` (its share of every weight), ``whole_unit`` (the largest unit whole: rank 0 moves one unit at a
-    time to its GPU before sharding it), ``host_copy`` (rank 0's copy of the whole model, counted on the CPU,
-    where it shares the node with the processes)."""
+    ``shards`` (its share of every weight, over ``shard_size`` processes if given), ``whole_unit`` (the
+    largest unit whole: rank 0 moves one unit at a time to its GPU before sharding it), ``host_copy`` (rank
+    0's copy of the whole model, counted on the CPU, where it shares the node with the processes)."""
     if strategy != "fsdp" or world_size < 2:
         return None
     model = meta_model(source)
@@ -195,7 +199,8 @@ def loading_from_config(source, *, strategy: str = "ddp", world_size: int = 1, l
         whole, unit = sum(p.numel() for p in model.parameters()) * FP32, int(max(root, largest_unit) * scale)
     else:
         whole, unit = total_base + lora_parameters(model, lora["rank"], lora["target_modules"])[0] * FP32, max(root, largest_unit)
-    parts = {"shards": whole // world_size, "whole_unit": unit, "host_copy": whole if device == "cpu" else 0,
+    parts = {"shards": whole // (shard_size or world_size), "whole_unit": unit,
+             "host_copy": whole if device == "cpu" else 0,
              "runtime_overhead": memory_estimate.CUDA_RUNTIME_OVERHEAD if device == "cuda" else 0}
     parts["total"] = sum(parts.values())
     return parts
@@ -213,6 +218,12 @@ def training_arguments(training: TrainingSettings) -> dict[str, Any]:
     }
 
 
+def mesh_arguments(training: TrainingSettings) -> dict[str, Any]:
+    """estimate_from_config's strategy, world size and, on a hybrid FSDP mesh, the shard size (a node's ranks)."""
+    return {"strategy": training.strategy, "world_size": training.world_size,
+            "shard_size": fsdp_mesh.shards(training) if training.sharded else None}
+
+
 def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[str, Any]:
     """Whether the run fits ``headroom`` of ``capacity`` bytes per GPU, and if not which one change would:
     ``fits``, ``estimate``, ``alternatives`` ([(change, total)] that fit) and ``line`` for the user."""
@@ -224,7 +235,9 @@ def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[
     h = memory_estimate.human
     need = max(parts["total"], loading["total"] if loading else 0)
     while_loading = " (its loading peak)" if need > parts["total"] else ""
-    head = (f"{settings['strategy']} on {settings['world_size']} GPU(s) needs {h(need)} per GPU{while_loading}; "
+    mesh = (f" (hybrid: sharded over {settings['shard_size']} per node)"
+            if settings["strategy"] == "fsdp" and settings.get("shard_size") else "")
+    head = (f"{settings['strategy']} on {settings['world_size']} GPU(s){mesh} needs {h(need)} per GPU{while_loading}; "
             f"{h(budget)} allowed ({headroom:.0%} of {h(capacity)})")
     if need <= budget:
         return {"fits": True, "estimate": parts, "loading": loading, "alternatives": [], "line": f"fits: {head}"}
@@ -327,8 +340,8 @@ def host_memory(model: nn.Module, training: TrainingSettings, parts: Mapping[str
         per_rank = PROCESS_HOST_BYTES + CUDA_HOST_BYTES + copy
     else:
         if parts is None:
-            parts = estimate_from_config(model, strategy=training.strategy, world_size=training.world_size,
-                                         device="cpu", **training_arguments(training))
+            parts = estimate_from_config(model, device="cpu", **mesh_arguments(training),
+                                         **training_arguments(training))
         copy = parts["total"]
         per_rank = PROCESS_HOST_BYTES + copy
     full_copy = 0
@@ -378,6 +391,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config-json", required=True, help="a model's config.json, or its directory")
     parser.add_argument("--gpus", type=int, default=1, help="world size: GPUs over all nodes")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (evenly)")
+    parser.add_argument("--fsdp-mesh", choices=MESHES, help="fsdp on several nodes: hybrid (default: shard "
+                        "within a node, replicate across nodes) or flat (shard over all GPUs)")
     parser.add_argument("--gpu-memory", type=parse_size, required=True, help="per GPU, e.g. 80GiB")
     parser.add_argument("--strategy", choices=STRATEGIES, default="ddp")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
@@ -394,8 +410,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     quantization = {"bits": args.bits, "double_quant": not args.no_double_quant} if args.bits else None
     if args.strategy == "qlora" and quantization is None:
         quantization = {**QLORA_DEFAULT, "double_quant": not args.no_double_quant}
+    if args.nodes < 1 or args.gpus % args.nodes:
+        raise ConfigError("nodes", f"{args.nodes} nodes cannot share {args.gpus} GPUs evenly; give --gpus as a "
+                          "multiple of --nodes (the GPUs over all nodes)")
+    hybrid = args.nodes > 1 and args.gpus > args.nodes and args.fsdp_mesh != "flat"  # fsdp only; also its alternative
     result = advise(args.config_json, capacity=args.gpu_memory, headroom=args.headroom, strategy=args.strategy,
-                    world_size=args.gpus, lora=lora, precision=args.precision, quantization=quantization,
+                    world_size=args.gpus, shard_size=args.gpus // args.nodes if hybrid else None, lora=lora,
+                    precision=args.precision, quantization=quantization,
                     micro_batch=args.micro_batch, max_length=args.max_length,
                     gradient_checkpointing=not args.no_gradient_checkpointing)
     for part, size in result["estimate"].items():
