@@ -244,6 +244,8 @@ def configured(validation_settings, config=None):
     ({"every_steps": 5, "criterion": "metric"}, "training.validation.criterion",
      "is 'metric' but metric_examples is not set"),
     ({"metric_examples": 8}, "training.validation.metric_examples", "is set but every_steps is not"),
+    ({"every_steps": 5, "metric_examples": 5001}, "training.validation.metric_examples",
+     "5001 is greater than the maximum of 5000"),  # every validation point generates them
     ({"every_steps": 5, "metric_examples": 8, "criterion": "metric"}, "training.validation.criterion",
      "mixture 'qa_mix' mixes metrics ['exact_match', 'relaxed_accuracy']"),
 ])
