@@ -396,6 +396,23 @@ def test_evaluate_records_and_scores_independent_of_batch_size(kind, llama_token
             TASK.evaluate(model, tokenizer, PLAIN, rows, bad_metric, bad_evaluation, torch.device("cpu"))
 
 
+def test_predictions_split_over_ranks_score_as_one_evaluate(llama_tokenizer):
+    """The validation metric over 2 ranks: each predicts its block, rank 0 scores the merged predictions with
+    score_predictions; macro-F1 (not a mean of per-rank figures) equals one evaluate over all rows."""
+    from workflow_scripts.training import validation_metric
+
+    model = classification.prepare_model(tiny_llama(llama_tokenizer), llama_tokenizer.pad_token_id, LABELS)
+    rows, evaluation, cpu = demo_rows("test", 9), {"batch_size": 4, "max_length": 64}, torch.device("cpu")
+    whole = TASK.evaluate(model, llama_tokenizer, PLAIN, rows, "macro_f1", evaluation, cpu)
+    parts = [TASK.predict(model, llama_tokenizer, PLAIN, rows[validation_metric.rank_block(len(rows), rank, 2)],
+                          "macro_f1", evaluation, cpu) for rank in range(2)]
+    merged = validation_metric._merged(validation_metric.MetricSource("demo", "macro_f1", rows), parts)
+    split = TASK.score_predictions(rows, merged, "macro_f1")
+    assert split.score == whole.score and split.records == whole.records and split.details == whole.details
+    with pytest.raises(WorkflowError, match="do not cover its 9 rows once each in order"):
+        validation_metric._merged(validation_metric.MetricSource("demo", "macro_f1", rows), parts[::-1])
+
+
 # --- demo data ---
 def test_demo_dataset_is_deterministic_learnable_and_exercises_rejections(tmp_path):
     assert make_classification.main(["--out", str(tmp_path / "a")]) == 0

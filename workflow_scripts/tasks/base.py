@@ -47,6 +47,8 @@ The contract, stage by stage (batches are dicts of tensors plus plain fields):
   ``predict(...)`` (optional: generation, vision_language, classification) returns :class:`Predictions`,
   the same predictions without reading any gold: the ``predict`` stage writes them for an unlabelled split
   (a leaderboard's test set) in its submission format; evaluate scores the same records.
+  ``score_predictions(rows, predictions, metric)`` (with ``predict``) is evaluate's scoring of them, in
+  ``rows``' order: the validation metric scores on rank 0 the predictions every rank made for its share.
   ``trained_task_meta(task_meta, trained_dir, dataset)`` (optional: classification) returns the task meta a
   TRAINED model is loaded with at evaluate / predict (a classifier's head: the label set saved beside its
   weights, checked against the evaluated dataset's); without it the evaluated dataset's task meta is used.

@@ -680,11 +680,15 @@ class ClassificationTask:
 
     def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device):
         """The predictions (:meth:`predict`) scored against each row's label."""
-        names = [model.config.id2label[i] for i in range(model.config.num_labels)]
-        for row in rows:
-            if row["label"] not in names:
-                raise WorkflowError(f"row id {row['id']!r}: label {row['label']!r} is not one of the model's classes {names}")
-        result = self.predict(model, tokenizer, variant, rows, metric, evaluation, device)
+        _check_labels(rows, [model.config.id2label[i] for i in range(model.config.num_labels)])  # before predicting
+        return self.score_predictions(rows, self.predict(model, tokenizer, variant, rows, metric, evaluation, device),
+                                      metric)
+
+    def score_predictions(self, rows, result: Predictions, metric: str) -> EvaluationResult:
+        """``predict``'s records (in ``rows``' order, the label set in their details) scored against each
+        row's label: evaluate's scoring."""
+        names = list(result.details["labels"])
+        _check_labels(rows, names)
         records = [{**{k: v for k, v in record.items() if k != "parsed"}, "gold": row["label"],
                     "score": int(record["predicted"] == row["label"]), "parsed": True}
                    for row, record in zip(rows, result.records, strict=True)]
@@ -693,6 +697,12 @@ class ClassificationTask:
         scores = {"accuracy": accuracy(golds, predicted), "macro_f1": macro_f1(golds, predicted, names)}
         return EvaluationResult(records, scores[metric], 0, {
             **scores, "labels": names, "confusion_matrix": confusion_matrix(golds, predicted, names)})
+
+
+def _check_labels(rows, names: list[str]) -> None:
+    for row in rows:
+        if row["label"] not in names:
+            raise WorkflowError(f"row id {row['id']!r}: label {row['label']!r} is not one of the model's classes {names}")
 
 
 class LabelSetState:

@@ -283,8 +283,13 @@ class GenerationTask:
                            {"decoding": "greedy", "generation_config": decoding})
 
     def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device) -> EvaluationResult:
+        check_rows(rows)  # before generating: a row without answers fails at once
+        return self.score_predictions(rows, self.predict(model, tokenizer, variant, rows, metric, evaluation,
+                                                         device), metric)
+
+    def score_predictions(self, rows, predicted: Predictions, metric: str) -> EvaluationResult:
+        """``predict``'s records (in ``rows``' order) scored against each row's answers: evaluate's scoring."""
         check_rows(rows)
-        predicted = self.predict(model, tokenizer, variant, rows, metric, evaluation, device)
         records, score, unparseable = score_records(rows, predicted.records, metric)
         return EvaluationResult(records, score, unparseable, predicted.details)
 

@@ -54,10 +54,11 @@ def check_settings(training: TrainingSettings, task_name: str) -> None:
         raise refusal("cannot shard quantised base weights (bitsandbytes 4/8-bit tensors are not DTensors)",
                       "set training.quantization: null")
     # The held-out loss runs the same number of (collective) forwards on every rank and the best adapter is
-    # gathered by all of them; the metric's generation runs on the main process alone.
+    # gathered by all of them; the metric's generation does not: each rank generates its own rows and stops
+    # when they end (or rank 0 alone scores, for conversation and masked_lm).
     if training.validation.metric_examples is not None:
-        raise refusal("does not support training.validation.metric_examples yet (the metric generates on the "
-                      "main process alone, and every sharded forward needs all ranks)",
+        raise refusal("does not support training.validation.metric_examples yet (each rank generates the metric's "
+                      "rows for as many steps as its own answers need, and every sharded forward needs all ranks)",
                       "remove training.validation.metric_examples")
     if task_name == "vision_language":
         raise refusal("does not support the vision_language task (its loss reads the image path's parameters "
