@@ -402,7 +402,7 @@ def test_predictions_split_over_ranks_score_as_one_evaluate(llama_tokenizer):
     from workflow_scripts.training import validation_metric
 
     model = classification.prepare_model(tiny_llama(llama_tokenizer), llama_tokenizer.pad_token_id, LABELS)
-    rows, evaluation, cpu = demo_rows("test", 9), {"batch_size": 4, "max_length": 64}, torch.device("cpu")
+    rows, evaluation, cpu = demo_rows("test", 9), EvaluationSettings.parse({"batch_size": 4, "max_length": 64}), torch.device("cpu")
     whole = TASK.evaluate(model, llama_tokenizer, PLAIN, rows, "macro_f1", evaluation, cpu)
     parts = [TASK.predict(model, llama_tokenizer, PLAIN, rows[validation_metric.rank_block(len(rows), rank, 2)],
                           "macro_f1", evaluation, cpu) for rank in range(2)]
