@@ -4,6 +4,7 @@ Generic on purpose; other test files may append fixtures here.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -98,3 +99,50 @@ def training_json(settings) -> str:
     """A stage's --training argument: typed settings as their JSON, or a raw mapping as it is (tests that
     plant a bad value pass one)."""
     return json.dumps(settings.to_dict() if hasattr(settings, "to_dict") else settings)
+
+
+# --- Running under pytest-xdist (`make test` runs two workers) -------------------------------------------------
+# Each worker is one process on a 2-core machine: one intra-op thread each, so two workers (and the jobs they
+# start, which inherit the variable) do not oversubscribe the cores. Set before any test imports torch.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_variable, "1")
+
+# Tests that drive a whole workflow (Snakemake end-to-end runs, the real SLURM cluster) run one after another
+# on one worker: the SLURM tests share one cluster per machine (/etc/slurm/slurm.conf), the end-to-end runs each
+# use both cores, and two of them at once only stretches both towards their timeouts. The other worker
+# meanwhile runs the in-process tests.
+SERIAL_GROUP = "whole_workflow_runs"
+SERIAL_MARKERS = ("slow", "slurm")
+
+
+def xdist_group_of(item) -> str | None:
+    """The xdist group an item must share a worker with, or None (free to run anywhere).
+
+    Module- or class-scoped fixtures are built once per worker that needs them: the tests using one stay
+    together, so a shared run (say test_workflow_e2e's) is still built once."""
+    if any(item.get_closest_marker(name) for name in SERIAL_MARKERS):
+        return SERIAL_GROUP
+    fixture_defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}) or {}
+    if any(definition.scope in ("module", "class", "package")
+           for definitions in fixture_defs.values() for definition in definitions):
+        return item.module.__name__ if getattr(item, "module", None) else item.nodeid.split("::")[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks (--dist loadgroup)
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    groups = {}
+    for item in items:
+        group = xdist_group_of(item)
+        if group and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(group))
+        groups[item.nodeid] = group
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Longest first (make test passes --no-loadscope-reorder, so the queue keeps this order): the serial
+        # group starts at once on one worker, the grouped modules next, single tests fill in at the end.
+        sizes = collections.Counter(groups.values())
+        items.sort(key=lambda item: (groups[item.nodeid] != SERIAL_GROUP,
+                                     -sizes[groups[item.nodeid]] if groups[item.nodeid] else 0))

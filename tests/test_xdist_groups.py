@@ -1,0 +1,59 @@
+"""`make test` runs two pytest-xdist workers: tests/conftest.py keeps together what must share a worker.
+
+The whole-workflow runs (Snakemake end to end, the real SLURM cluster) form one group that runs first and
+one test after another; tests using a module-scoped fixture stay with their module (the fixture is built
+once); the rest are free. Collected in a child pytest that sees itself as an xdist worker."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+COLLECT = """
+import json, sys, pytest
+class Groups:
+    def pytest_collection_finish(self, session):
+        marks = [(item.nodeid, [m.args[0] for m in item.iter_markers("xdist_group")]) for item in session.items]
+        print("GROUPS=" + json.dumps(marks))
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[Groups()]))
+"""
+
+FILES = ["tests/test_launcher.py", "tests/test_bad_inputs.py", "tests/test_slurm.py", "tests/test_workflow_e2e.py"]
+
+
+def collected_groups(env_extra: dict) -> list[tuple[str, list[str]]]:
+    env = {**os.environ, **env_extra}
+    result = subprocess.run([sys.executable, "-c", COLLECT, *FILES], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("GROUPS="))
+    return [tuple(pair) for pair in json.loads(line.removeprefix("GROUPS="))]
+
+
+def test_whole_workflow_runs_share_one_group_that_comes_first_and_module_fixtures_keep_their_module():
+    items = collected_groups({"PYTEST_XDIST_WORKER": "gw0"})
+    groups = dict(items)
+    serial = [nodeid for nodeid, marks in items if marks == ["whole_workflow_runs"]]
+    assert {nodeid.split("::")[0] for nodeid in serial} == {"tests/test_slurm.py", "tests/test_workflow_e2e.py"}
+    assert all(groups[n] == ["whole_workflow_runs"] for n in groups if n.startswith(("tests/test_slurm.py",
+                                                                                      "tests/test_workflow_e2e.py")))
+    # The serial group heads the queue (make test keeps this order with --no-loadscope-reorder).
+    assert [nodeid for nodeid, _ in items[: len(serial)]] == serial
+    # test_bad_inputs' module fixture `shared`: every test using it stays on one worker.
+    bad_inputs = [marks for nodeid, marks in items if nodeid.startswith("tests/test_bad_inputs.py")]
+    assert ["test_bad_inputs"] in bad_inputs
+    assert all(marks in ([], ["test_bad_inputs"]) for marks in bad_inputs)
+    # The launcher's tests share no module fixture: free to run on either worker.
+    assert any(nodeid.startswith("tests/test_launcher.py") and not marks for nodeid, marks in items)
+
+
+def test_make_test_runs_two_workers_that_honour_the_groups():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "PYTEST_WORKERS ?= 2" in makefile
+    assert "--dist loadgroup --no-loadscope-reorder" in makefile
+    test_recipe = makefile.split("\ntest: install\n", 1)[1].split("\n\n", 1)[0]
+    assert "$(XDIST)" in test_recipe and "--durations" in test_recipe
