@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import GROUPS_FILE_VARIABLE
+
 ROOT = Path(__file__).resolve().parent.parent
 
 COLLECT = """
@@ -57,3 +59,60 @@ def test_make_test_runs_two_workers_that_honour_the_groups():
     assert "--dist loadgroup --no-loadscope-reorder" in makefile
     test_recipe = makefile.split("\ntest: install\n", 1)[1].split("\n\n", 1)[0]
     assert "$(XDIST)" in test_recipe and "--durations" in test_recipe
+
+
+PROBE_TESTS = '''
+import json, os, time, pytest
+
+def record(kind, name):
+    with open(os.environ["PROBE_LOG"], "a") as log:
+        log.write(json.dumps([kind, name, os.environ["PYTEST_XDIST_WORKER"], time.monotonic()]) + "\\n")
+
+@pytest.fixture(scope="module")
+def shared():
+    record("built", "shared")
+    return os.environ["PYTEST_XDIST_WORKER"]
+
+@pytest.mark.parametrize("k", range(4))
+def test_free(k):
+    record("free", k)
+    time.sleep(0.2)
+
+@pytest.mark.parametrize("k", range(4))
+def test_shares_the_module_fixture(shared, k):
+    record("shared", k)
+    assert shared == os.environ["PYTEST_XDIST_WORKER"]
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("k", range(2))
+def test_a_cluster_run(k):
+    record("serial", k)
+    time.sleep(0.3)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", range(2))
+def test_an_end_to_end_run(k):
+    record("serial", k)
+    time.sleep(0.3)
+'''
+
+
+def test_two_workers_keep_each_group_on_one_worker_and_build_a_module_fixture_once(tmp_path):
+    """Run for real with -n 2 --dist loadgroup (xdist's own loadgroup no longer groups under pytest 9: the
+    conftest's scheduler must)."""
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_probe.py").write_text(PROBE_TESTS)
+    log = tmp_path / "probe.jsonl"
+    env = {**os.environ, "PROBE_LOG": str(log)}
+    env.pop(GROUPS_FILE_VARIABLE, None)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                             "loadgroup", "-W", "ignore::pytest.PytestUnknownMarkWarning", "test_probe.py"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    workers = {kind: {worker for k, _, worker, _ in records if k == kind} for kind in ("serial", "shared", "built", "free")}
+    assert len(workers["serial"]) == 1 and len(workers["shared"]) == 1, workers
+    assert [name for kind, name, _, _ in records if kind == "built"] == ["shared"]  # built once
+    serial_worker = workers["serial"].pop()
+    on_serial_worker = [kind for kind, _, worker, _ in sorted(records, key=lambda r: r[3]) if worker == serial_worker]
+    assert on_serial_worker[:4] == ["serial"] * 4, on_serial_worker  # the whole-workflow runs go first
