@@ -27,8 +27,15 @@ sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.arg
 FILES = ["tests/test_launcher.py", "tests/test_bad_inputs.py", "tests/test_slurm.py", "tests/test_workflow_e2e.py"]
 
 
+def outside_this_run(**extra: str) -> dict:
+    """This environment without what marks this test run's xdist worker and its controller's groups file: the
+    child pytest is a run of its own (run under `make test`, it would otherwise take itself for a worker)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_") and k != GROUPS_FILE_VARIABLE}
+    return {**env, **extra}
+
+
 def collected_groups(env_extra: dict) -> list[tuple[str, list[str]]]:
-    env = {**os.environ, **env_extra}
+    env = outside_this_run(**env_extra)
     result = subprocess.run([sys.executable, "-c", COLLECT, *FILES], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -103,8 +110,7 @@ def test_two_workers_keep_each_group_on_one_worker_and_build_a_module_fixture_on
     (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
     (tmp_path / "test_probe.py").write_text(PROBE_TESTS)
     log = tmp_path / "probe.jsonl"
-    env = {**os.environ, "PROBE_LOG": str(log)}
-    env.pop(GROUPS_FILE_VARIABLE, None)
+    env = outside_this_run(PROBE_LOG=str(log))
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
                              "loadgroup", "-W", "ignore::pytest.PytestUnknownMarkWarning", "test_probe.py"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
