@@ -11,7 +11,7 @@ from workflow_scripts.core.section_settings import EvaluationSettings
 from workflow_scripts.demo import make_classification
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.normalise import Rejected
-from workflow_scripts.tasks import classification
+from workflow_scripts.tasks import classification, classification_loss
 from workflow_scripts.tasks.classification import TASK
 
 LABELS = ["food", "sport", "weather"]
@@ -272,7 +272,7 @@ def test_class_weighted_step_loss_is_torchs_weighted_mean(llama_tokenizer):
     loss_module = TASK.loss_module(model)
     with torch.no_grad():
         step_loss = sum(loss_module(b) for b in micro_batches) / sum(b["target_tokens"] for b in micro_batches)
-        logits = torch.cat([classification._forward(model, b) for b in micro_batches])
+        logits = torch.cat([classification_loss.pooled_logits(model, b) for b in micro_batches])
     labels = torch.cat([b["labels"] for b in micro_batches])
     assert len(set(labels.tolist())) > 1  # else every weighting gives the same mean
     reference = F.cross_entropy(logits, labels, weight=torch.tensor(weights))  # reduction "mean"
@@ -337,7 +337,7 @@ def test_lora_training_learns_and_the_head_is_saved_with_the_adapter(kind, tmp_p
     assert f"base_model.model.{heads[0]}.weight" in keys and any("lora_A" in key for key in keys)
     reloaded = PeftModel.from_pretrained(classification.prepare_model(build(), tokenizer.pad_token_id, LABELS), str(tmp_path)).eval()
     with torch.no_grad():
-        assert torch.allclose(classification._forward(reloaded, batch), classification._forward(peft_model, batch), atol=1e-5)
+        assert torch.allclose(classification_loss.pooled_logits(reloaded, batch), classification_loss.pooled_logits(peft_model, batch), atol=1e-5)
     records, score, _ = TASK.evaluate(reloaded, tokenizer, PLAIN, demo_rows(count=24), "accuracy",
                                       EvaluationSettings.parse({"batch_size": 8, "max_length": 64}), torch.device("cpu"))
     assert score > 0.5 and all(r["gold"] in LABELS and r["predicted"] in LABELS for r in records)

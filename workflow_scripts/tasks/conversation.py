@@ -55,9 +55,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-import torch
-from torch import nn
-
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.data.rows import FieldsMapper, Rejected, present
 from workflow_scripts.tasks import generation, metrics
@@ -65,6 +62,9 @@ from workflow_scripts.tasks.base import EvaluationResult
 from workflow_scripts.tasks.templates import token_ids
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from workflow_scripts.core.section_settings import EvaluationSettings
     from workflow_scripts.core.settings import LoraSettings, TrainingSettings
 
@@ -371,15 +371,16 @@ def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: Mapping[str
 
 
 # --- evaluation ----------------------------------------------------------------------------------------
-@torch.no_grad()
 def generate_from_ids(model, tokenizer, prompts: Sequence[Sequence[int]], stop_ids: Sequence[int], batch_size: int,
                       max_new_tokens: int, device: torch.device) -> list[str]:
     """Greedy continuations of token-id prompts (generation.generate's batching, stops given)."""
+    import torch
+
     tokenizer.padding_side = "left"
     config = generation.greedy_generation_config(max_new_tokens, stop_ids, tokenizer.pad_token_id)
     order = sorted(range(len(prompts)), key=lambda index: -len(prompts[index]))
     outputs: list[str | None] = [None] * len(prompts)
-    with generation.decoding_with(model, config):
+    with torch.no_grad(), generation.decoding_with(model, config):
         for start in range(0, len(order), batch_size):
             batch = order[start:start + batch_size]
             padded = tokenizer.pad({"input_ids": [list(prompts[i]) for i in batch]}, padding=True, return_tensors="pt")
