@@ -228,7 +228,7 @@ def test_fairness_guard_refuses_other_decoding_settings(tmp_path, results):
 def test_runtime_only_keys_never_count(tmp_path, results):
     runtime = {"gpus": 8, "cpu_processes": 4, "nodes": 2, "dataloader_workers": 0, "checkpoint_every": 5,
                "log_every": 1, "runtime_minutes": 60, "mem_mb": 1000, "sanity_batches": 1, "memory_headroom": 0.5,
-               "strategy": "fsdp", "signal_grace_seconds": 60}
+               "strategy": "fsdp", "signal_grace_seconds": 60, "fsdp_mesh": "hybrid"}
     assert set(runtime) == fairness.RUNTIME_ONLY_TRAINING_KEYS
     write_experiment(results, "chart", "mtup", 1, correct(16), training={**TRAINING, **runtime})
     rows, _ = run(tmp_path, results)
