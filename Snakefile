@@ -2,7 +2,7 @@
 # Run: snakemake --cores all [--resources gpu=8]  |  snakemake --profile profiles/slurm
 from snakemake.utils import min_version, validate
 
-from workflow_scripts.core import experiment_config
+from workflow_scripts.core import config_files
 from workflow_scripts.launch import launcher
 
 min_version("9.0")
@@ -17,14 +17,14 @@ launcher.ignore_scheduler_warning_in_job()
 if not workflow.overwrite_configfiles:
     # Snakemake's own reading names neither file nor line of a YAML syntax error: read it strictly first.
     # (A --configfile is read by Snakemake before this file runs, so its syntax errors stay Snakemake's.)
-    experiment_config.read_config_file("config/config.yaml")
+    config_files.read_config_file("config/config.yaml")
 
     configfile: "config/config.yaml"
 
 
 # Snakemake's YAML reading keeps the last of two equal keys and dumps the whole config on a schema
 # fault: refuse duplicates and report schema faults in one line (never echoing a secret) first.
-experiment_config.check_workflow_config(workflow.configfiles, config)
+config_files.check_workflow_config(workflow.configfiles, config)
 validate(config, "config/schema.yaml")
 
 

@@ -10,20 +10,26 @@ shell.prefix(f"export PYTHONPATH={shlex.quote(workflow.basedir)}${{{{PYTHONPATH:
 
 from workflow_scripts.core import experiment_config as xc
 from workflow_scripts.core import experiment_set
+from workflow_scripts.checks.config import check_config
 from workflow_scripts.data import source_files, split_layouts, split_names
 from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.core.section_settings import ComparisonSettings, EvaluationSettings, TrackingSettings
 from workflow_scripts.model import task_fit
 from workflow_scripts.training import trackers
 
 try:
-    xc.check_config(config, "config")
-    trackers.check_workflow_tracking(config["tracking"])
+    check_config(config, "config")
+    # The typed sections, read once; the rules hand each stage its part as JSON and the stage types it again.
+    COMPARISON = ComparisonSettings.parse(config["comparison"], "comparison", "config")
+    EVALUATION = EvaluationSettings.parse(config["evaluation"], "evaluation", "config")
+    TRACKING = TrackingSettings.parse(config["tracking"], "tracking", "config")
+    trackers.check_workflow_tracking(TRACKING)
     split_names.check_local_splits(config["datasets"], "config")
     task_fit.check_vision_language_models(config, "config")  # where the model's config is readable now
     # Each (model, variant) whose model config is here, against the memory its config declares (a few
     # seconds of torch/transformers imports: once, not again in each job that re-reads the Snakefile).
     if workflow.is_main_process:
-        from workflow_scripts.model.config_memory_estimate import check_declared_memory
+        from workflow_scripts.checks.memory import check_declared_memory
 
         check_declared_memory(config)
 except ConfigError as error:
@@ -68,13 +74,10 @@ def dataset_task(wildcards):
 def evaluation_json(wildcards):
     """evaluate's --evaluation: the evaluation section with this dataset's split, and training's max_length
     (inputs are cut at evaluation as in training: a classifier's texts)."""
-    return as_json(
-        {
-            **config["evaluation"],
-            "split": xc.evaluation_split(config, wildcards.dataset),
-            "max_length": training_settings(wildcards).max_length,
-        }
+    evaluation = EVALUATION.replace(
+        split=xc.evaluation_split(config, wildcards.dataset), max_length=training_settings(wildcards).max_length
     )
+    return as_json(evaluation.to_dict())
 
 
 def mixture_json(wildcards):
@@ -170,11 +173,7 @@ class RuntimeOnly:
 def tracking_json(wildcards):
     """train's --tracking: the config's tracking block with this experiment's run name filled in."""
     return RuntimeOnly(
-        as_json(
-            trackers.workflow_tracking(
-                config["tracking"], wildcards.model, wildcards.dataset, wildcards.variant, int(wildcards.seed)
-            )
-        )
+        as_json(TRACKING.with_run(wildcards.model, wildcards.dataset, wildcards.variant, int(wildcards.seed)).to_dict())
     )
 
 
@@ -207,9 +206,9 @@ def check_gpu_requests():
                 f"the job as {limit} GPUs while it starts {total} processes; lower training.gpus (accumulation "
                 "grows, the effective batch stays) or raise --resources gpu"
             )
-    if config["evaluation"]["gpus"] > limit:
+    if EVALUATION.gpus > limit:
         raise WorkflowError(
-            f"evaluation.gpus is {config['evaluation']['gpus']} but --resources gpu={limit}: Snakemake would "
+            f"evaluation.gpus is {EVALUATION.gpus} but --resources gpu={limit}: Snakemake would "
             f"silently count each evaluation as {limit} GPUs; lower evaluation.gpus or raise --resources gpu"
         )
 
@@ -285,7 +284,7 @@ def evaluation_outputs(file_name):
 
 def base_eval_outputs(file_name):
     """The untrained model's evaluation per model, dataset and variant (none when switched off)."""
-    if not config["evaluation"]["evaluate_base_model"]:
+    if not EVALUATION.evaluate_base_model:
         return []
     return [f"results/{m}/{d}/{v}/base/{file_name}" for m, d, v in xc.model_dataset_variants(config)]
 
@@ -306,8 +305,8 @@ def experiment_set_stamp():
     return experiment_set.stamp_path(
         {
             "experiments": [list(e) for e in xc.evaluations(config)],
-            "comparison": config["comparison"],
-            "with_base": bool(config["evaluation"]["evaluate_base_model"]),
+            "comparison": COMPARISON.to_dict(),
+            "with_base": EVALUATION.evaluate_base_model,
         }
     )
 
@@ -350,13 +349,12 @@ def validation_metric_argument(wildcards):
     names = validation_metric_datasets(wildcards)
     if not names:
         return RuntimeOnly("")
-    evaluation = config["evaluation"]
     spec = {
         "task": xc.entry_task(config, wildcards.dataset),
         "variant": xc.variant_settings(config["variants"][wildcards.variant]),
         "evaluation": {
-            "max_new_tokens": evaluation["max_new_tokens"],
-            "batch_size": evaluation["batch_size"],
+            "max_new_tokens": EVALUATION.max_new_tokens,
+            "batch_size": EVALUATION.batch_size,
             "max_length": training_settings(wildcards).max_length,
         },
         "datasets": [
@@ -376,7 +374,7 @@ def power_variants(wildcards):
 def power_reports(wildcards):
     """sanity's extra input: the power report of every dataset the entry is scored on ([] without the
     untrained model's evaluation, which the estimate needs)."""
-    if not config["evaluation"]["evaluate_base_model"]:
+    if not EVALUATION.evaluate_base_model:
         return []
     return [
         f"results/{wildcards.model}/{name}/power.json"

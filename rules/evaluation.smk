@@ -17,7 +17,7 @@ rule evaluate:
         "../envs/evaluation.yaml"
     threads: 1
     resources:
-        gpu=config["evaluation"]["gpus"],
+        gpu=EVALUATION.gpus,
     params:
         task=dataset_task,
         variant=variant_templates,
@@ -103,9 +103,9 @@ rule compare:
         "../envs/evaluation.yaml"
     threads: 1
     params:
-        comparison=as_json(config["comparison"]),
+        comparison=as_json(COMPARISON.to_dict()),
         experiments=as_json([list(e) for e in xc.evaluations(config)]),
-        with_base="--with-base" if config["evaluation"]["evaluate_base_model"] else "",
+        with_base="--with-base" if EVALUATION.evaluate_base_model else "",
     shell:
         "python -m workflow_scripts.compare --results-dir results --experiments {params.experiments:q}"
         " --comparison {params.comparison:q} {params.with_base} --normalise-reports {input.normalise_reports:q}"

@@ -23,7 +23,7 @@ rule power:
         ),
         seeds=len(config["seeds"]),
         # only the threshold: another bootstrap setting must not rerun the estimate
-        comparison=as_json({"min_detectable_effect": config["comparison"].get("min_detectable_effect")}),
+        comparison=as_json({"min_detectable_effect": COMPARISON.min_detectable_effect}),
     # The one-line estimate goes to the terminal as well as the log: it is read before training starts
     # (pipefail: the stage's refusal must fail the job, not tee's success; common.smk's prefix replaces
     # Snakemake's default strict-mode one).

@@ -27,7 +27,7 @@ rule predict:
         "../envs/evaluation.yaml"
     threads: 1
     resources:
-        gpu=config["evaluation"]["gpus"],
+        gpu=EVALUATION.gpus,
     params:
         task=dataset_task,
         variant=variant_templates,

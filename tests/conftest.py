@@ -4,6 +4,7 @@ Generic on purpose; other test files may append fixtures here.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -98,3 +99,94 @@ def training_json(settings) -> str:
     """A stage's --training argument: typed settings as their JSON, or a raw mapping as it is (tests that
     plant a bad value pass one)."""
     return json.dumps(settings.to_dict() if hasattr(settings, "to_dict") else settings)
+
+
+# --- Running under pytest-xdist (`make test` runs two workers) -------------------------------------------------
+# Each worker is one process on a 2-core machine: one intra-op thread each, so two workers (and the jobs they
+# start, which inherit the variable) do not oversubscribe the cores. Set before any test imports torch.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_variable, "1")
+
+# Tests that drive a whole workflow (Snakemake end-to-end runs, the real SLURM cluster) run one after another
+# on one worker: the SLURM tests share one cluster per machine (/etc/slurm/slurm.conf), the end-to-end runs each
+# use both cores, and two of them at once only stretches both towards their timeouts. The other worker
+# meanwhile runs the in-process tests.
+SERIAL_GROUP = "whole_workflow_runs"
+SERIAL_MARKERS = ("slow", "slurm")
+# Where the workers write each test's group for the controller's scheduler (set by the controller).
+GROUPS_FILE_VARIABLE = "LORA_WORKFLOW_XDIST_GROUPS"
+
+
+def xdist_group_of(item) -> str | None:
+    """The group an item must share a worker with, or None (free to run anywhere): its own
+    ``xdist_group`` mark, else the serial group for whole-workflow runs, else its module when it uses a
+    module- or class-scoped fixture (built once per worker that needs it: the tests using one stay together,
+    so a shared run such as test_workflow_e2e's is still built once)."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark:
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    if any(item.get_closest_marker(name) for name in SERIAL_MARKERS):
+        return SERIAL_GROUP
+    fixture_defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}) or {}
+    if any(definition.scope in ("module", "class", "package")
+           for definitions in fixture_defs.values() for definition in definitions):
+        return item.module.__name__ if getattr(item, "module", None) else item.nodeid.split("::")[0]
+    return None
+
+
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        import tempfile
+
+        handle, path = tempfile.mkstemp(prefix="lora-workflow-xdist-groups-", suffix=".json")
+        os.close(handle)
+        os.environ[GROUPS_FILE_VARIABLE] = path  # the workers, started after this, inherit it
+
+
+def pytest_unconfigure(config):
+    path = os.environ.get(GROUPS_FILE_VARIABLE)
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):
+        Path(path).unlink(missing_ok=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    groups = {item.nodeid: xdist_group_of(item) for item in items}
+    for item in items:
+        if groups[item.nodeid] and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Longest first (the scheduler keeps the collection's order): the serial group starts at once on one
+        # worker, the grouped modules next, single tests fill in at the end.
+        sizes = collections.Counter(groups.values())
+        items.sort(key=lambda item: (groups[item.nodeid] != SERIAL_GROUP,
+                                     -sizes[groups[item.nodeid]] if groups[item.nodeid] else 0))
+        path = os.environ.get(GROUPS_FILE_VARIABLE)
+        if path:  # every worker collects the same tests: each writes the same mapping, whole or not at all
+            staging = Path(f"{path}.{os.environ['PYTEST_XDIST_WORKER']}")
+            staging.write_text(json.dumps({nodeid: group for nodeid, group in groups.items() if group}))
+            os.replace(staging, path)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` by the groups above. xdist's own loadgroup marks a group by suffixing the item's
+    node id, which pytest 9 no longer lets a plugin change (every test would run anywhere); this scheduler
+    reads the workers' groups instead, and keeps the collection's order (longest first)."""
+    if config.getvalue("dist") != "loadgroup" or not os.environ.get(GROUPS_FILE_VARIABLE):
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class WorkerGroupScheduling(LoadGroupScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # read once every worker has collected (schedule() runs then)
+                self.groups = json.loads(Path(os.environ[GROUPS_FILE_VARIABLE]).read_text() or "{}")
+            return self.groups.get(nodeid) or super()._split_scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return WorkerGroupScheduling(config, log)

@@ -9,7 +9,7 @@ import yaml
 
 from data_helpers import default_config
 from workflow_scripts.core.errors import ConfigError, WorkflowError
-from workflow_scripts.core.experiment_config import load_config
+from workflow_scripts.checks.config import load_config
 from workflow_scripts.tasks import generation, metrics
 
 pytest.importorskip("smatchpp")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from workflow_scripts.checks.config import load_config
 from workflow_scripts.core import experiment_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ def test_the_minimal_example_is_a_valid_config(tmp_path, monkeypatch):
     path = tmp_path / "minimal.yaml"
     path.write_text(examples[0])
     monkeypatch.chdir(ROOT)  # its dataset path is relative to the workflow, as the Snakefile's are
-    config = experiment_config.load_config(path)
+    config = load_config(path)
     assert list(experiment_config.experiments(config)) == [("tiny-llama", "amr_demo", "baseline", 1)]
 
 

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from workflow_scripts.core.section_settings import EvaluationSettings
 from workflow_scripts import evaluate
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.model import model_loading
@@ -80,7 +81,8 @@ def trained(model_dir, tmp_path_factory):
     model_loading.save_full_model(full_model, full)
     predicted = {}
     for name, model in (("adapter", peft_model.eval()), ("full", full_model.eval())):
-        result = TASK.predict(model, tokenizer, VARIANT, rows, "accuracy", EVALUATION, torch.device("cpu"))
+        result = TASK.predict(model, tokenizer, VARIANT, rows, "accuracy", EvaluationSettings.parse(EVALUATION),
+                              torch.device("cpu"))
         predicted[name] = [record["predicted"] for record in result.records]
     return {"adapter": adapter, "full": full}, predicted
 

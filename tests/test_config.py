@@ -6,8 +6,9 @@ import yaml
 
 from data_helpers import ROOT, default_config, single_model_config, without_idle_models
 from workflow_scripts.core.errors import ConfigError
-from workflow_scripts.core.experiment_config import (check_config, check_workflow_config, load_config, validate_schema,
-                                               validate_section)
+from workflow_scripts.checks.config import check_config, load_config
+from workflow_scripts.checks.sections import validate_section
+from workflow_scripts.core.config_files import check_workflow_config, validate_schema
 
 
 def write(tmp_path, config):

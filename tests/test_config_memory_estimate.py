@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from workflow_scripts.checks.config import load_config
+from workflow_scripts.checks.memory import check_declared_memory
 from workflow_scripts.model import config_memory_estimate as cme
 from workflow_scripts.core.errors import ConfigError
 
@@ -177,13 +179,11 @@ DEMO = Path(__file__).parent.parent / "config" / "config.yaml"
 
 
 def demo_config(**training):
-    from workflow_scripts.core import experiment_config as xc
-
-    return xc.load_config(DEMO, {"training": training} if training else None)
+    return load_config(DEMO, {"training": training} if training else None)
 
 
 def test_demo_config_is_estimated_for_its_tiny_causal_lm_and_fits(tmp_path):
-    checked = cme.check_declared_memory(demo_config(), root=tmp_path)
+    checked = check_declared_memory(demo_config(), root=tmp_path)
     config = demo_config()
     # tiny-llama is built from model.tiny on the meta device; tiny-bert and tiny-llava (not causal LMs,
     # and not prepared here) are left to the gate.
@@ -202,7 +202,7 @@ def test_demo_config_is_estimated_for_its_tiny_causal_lm_and_fits(tmp_path):
 def test_declared_cpu_memory_too_small_is_refused_naming_model_variant_and_knob(tmp_path):
     with pytest.raises(ConfigError, match=r"config key 'training.mem_mb': model 'tiny-llama', variant '\w+': "
                                           r"1 training process\(es\) .* Fix: raise training.mem_mb"):
-        cme.check_declared_memory(demo_config(mem_mb=1), root=tmp_path)
+        check_declared_memory(demo_config(mem_mb=1), root=tmp_path)
 
 
 def test_gpu_ranks_host_memory_over_mem_mb_is_refused_naming_the_key_and_the_figure(tmp_path):
@@ -210,23 +210,23 @@ def test_gpu_ranks_host_memory_over_mem_mb_is_refused_naming_the_key_and_the_fig
     # to the GPU, plus 2 DataLoader workers each (0.5 GiB): about 32 GiB, against 16000 MB (issue 23, point 3).
     settings = dict(gpus=8, effective_batch=128, dataloader_workers=2)
     with pytest.raises(ConfigError) as caught:
-        cme.check_declared_memory(demo_config(mem_mb=16000, **settings), root=tmp_path)
+        check_declared_memory(demo_config(mem_mb=16000, **settings), root=tmp_path)
     message = str(caught.value)
     assert caught.value.key == "training.mem_mb"
     assert "8 GPU rank(s) on a node need about 32.0 GiB of host memory" in message
     assert "plus 8.0 GiB for 2 DataLoader worker(s) per rank" in message
     assert message.endswith("Fix: raise training.mem_mb to at least 36412")  # 32.0 GiB / 90%, in MiB
-    checked = cme.check_declared_memory(demo_config(mem_mb=36412, **settings), root=tmp_path)
+    checked = check_declared_memory(demo_config(mem_mb=36412, **settings), root=tmp_path)
     assert checked and all(c["host"]["ranks"] == 8 and c["estimate"] is None for c in checked)
     # FSDP: rank 0 also holds one full copy of the weights to hand out the shards.
-    fsdp = cme.check_declared_memory(demo_config(mem_mb=40000, strategy="fsdp", **settings), root=tmp_path)[0]
+    fsdp = check_declared_memory(demo_config(mem_mb=40000, strategy="fsdp", **settings), root=tmp_path)[0]
     h, i, v = 64, 128, 1024
     assert fsdp["host"]["rank0_full_copy"] == 4 * (2 * v * h + 2 * (4 * h * h + 3 * h * i + 2 * h) + h)
 
 
 def test_fsdp_processes_share_the_node_but_each_holds_a_shard(tmp_path):
-    ddp = cme.check_declared_memory(demo_config(cpu_processes=2, effective_batch=32), root=tmp_path)[0]
-    fsdp = cme.check_declared_memory(demo_config(cpu_processes=2, effective_batch=32, strategy="fsdp"), root=tmp_path)[0]
+    ddp = check_declared_memory(demo_config(cpu_processes=2, effective_batch=32), root=tmp_path)[0]
+    fsdp = check_declared_memory(demo_config(cpu_processes=2, effective_batch=32, strategy="fsdp"), root=tmp_path)[0]
     assert ddp["processes"] == fsdp["processes"] == 2
     assert fsdp["estimate"]["weights"] * 2 == ddp["estimate"]["weights"]
     assert fsdp["estimate"]["optimizer"] * 2 == ddp["estimate"]["optimizer"]
@@ -235,25 +235,23 @@ def test_fsdp_processes_share_the_node_but_each_holds_a_shard(tmp_path):
 def test_a_hub_model_is_estimated_only_once_prepared_here(tmp_path):
     from data_helpers import single_model_config
 
-    from workflow_scripts.core import experiment_config as xc
-
     raw = single_model_config()
     raw["model"] = {"name": "qwen", "source": "hub", "hub_id": "Qwen/Qwen2.5-0.5B", "revision": "0" * 40}
     raw["training"].update(mem_mb=2000, lora={"target_modules": ["q_proj", "v_proj"]})
     config_path = tmp_path / "config.yaml"
     config_path.write_text(json.dumps(raw))  # JSON is YAML
-    config = xc.load_config(config_path)
-    assert cme.check_declared_memory(config, root=tmp_path) == []  # not downloaded: nothing to read
+    config = load_config(config_path)
+    assert check_declared_memory(config, root=tmp_path) == []  # not downloaded: nothing to read
     prepared = tmp_path / "resources" / "models" / "qwen"
     prepared.mkdir(parents=True)
     (prepared / "config.json").write_text((CONFIGS / "Qwen2.5-0.5B.json").read_text())
     # 494M parameters in fp32 on CPU: 1.8 GiB of weights alone, over 90% of 2000 MB.
     with pytest.raises(ConfigError, match=r"model 'qwen', variant .* Fix: raise training.mem_mb to at least \d+, or use "
                                           r"a device with more memory or a smaller model, or set training.quantization"):
-        cme.check_declared_memory(config, root=tmp_path)
+        check_declared_memory(config, root=tmp_path)
     (prepared / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"models.qwen.*config.json cannot be read"):
-        cme.check_declared_memory(config, root=tmp_path)
+        check_declared_memory(config, root=tmp_path)
 
 
 @pytest.mark.parametrize("training", [{"mem_mb": 1},
@@ -293,7 +291,7 @@ def test_a_prepared_masked_lm_is_not_estimated_as_a_causal_lm(tmp_path):
     prepared.mkdir(parents=True)
     (prepared / "config.json").write_text(json.dumps(BertConfig(hidden_size=32, num_hidden_layers=1,
                                                                 num_attention_heads=2, intermediate_size=64).to_dict()))
-    checked = cme.check_declared_memory(demo_config(), root=tmp_path)
+    checked = check_declared_memory(demo_config(), root=tmp_path)
     assert {c["model"] for c in checked} == {"tiny-llama"}
 
 
@@ -319,4 +317,4 @@ def test_host_estimate_is_not_below_a_real_runs_peak_resident_memory(tmp_path, t
     assert host["ranks"] == 1 and peak <= host["per_rank"] == host["total"], (peak, host)
     # The demo's tiny-llama is larger than this tiny model: a node declaring only the measured peak is refused.
     with pytest.raises(ConfigError, match=r"config key 'training.mem_mb': .*Fix: raise training.mem_mb to at least"):
-        cme.check_declared_memory(demo_config(mem_mb=peak // 2**20), root=tmp_path)
+        check_declared_memory(demo_config(mem_mb=peak // 2**20), root=tmp_path)

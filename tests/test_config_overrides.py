@@ -14,8 +14,8 @@ import pytest
 
 from data_helpers import default_config
 from workflow_scripts.core.errors import ConfigError
-from workflow_scripts.core.experiment_config import (check_workflow_config, deep_merge, retype_command_line_values,
-                                                     validate_schema)
+from workflow_scripts.core.config_files import (check_workflow_config, deep_merge, retype_command_line_values,
+                                                validate_schema)
 
 
 def overridden(overrides: dict) -> tuple[dict, dict]:

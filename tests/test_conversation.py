@@ -283,7 +283,8 @@ def test_normalise_stage_reports_the_tasks_own_reasons(tmp_path):
 
 # --- configuration ----------------------------------------------------------------------------------
 def test_the_config_layer_accepts_conversation_datasets_and_variants():
-    from workflow_scripts.core.experiment_config import check_config, validate_schema
+    from workflow_scripts.checks.config import check_config
+    from workflow_scripts.core.config_files import validate_schema
 
     dataset = {"task": "conversation", "source": {"type": "local", "path": "data/chat"},
                "fields": {"messages": "conversations"}, "keys": SHAREGPT["keys"], "roles": SHAREGPT["roles"],

@@ -319,7 +319,8 @@ def test_a_dry_run_stops_before_any_job_with_one_line(tmp_path, task, mistake, e
 @pytest.mark.parametrize("task", TASKS.values(), ids=list(TASKS))
 def test_each_task_config_is_valid_without_its_mistake(tmp_path, task):
     """The rows fail for their mistake only: each task's config passes the checks the Snakefile runs."""
-    from workflow_scripts.core.experiment_config import check_config, check_workflow_config
+    from workflow_scripts.checks.config import check_config
+    from workflow_scripts.core.config_files import check_workflow_config
     from workflow_scripts.data.split_names import check_local_splits
 
     path, _ = planted(tmp_path, task, Mistake())

@@ -244,7 +244,7 @@ def test_directory_without_adapter_is_refused(tmp_path, tiny_model, normalised):
 @pytest.mark.parametrize(
     ("evaluation", "seed", "message"),
     [
-        ({k: v for k, v in EVALUATION.items() if k != "max_new_tokens"}, "1", "evaluation.max_new_tokens"),
+        ({**EVALUATION, "max_new_tokens": "six"}, "1", "evaluation.max_new_tokens"),  # a missing key: the default
         ({**EVALUATION, "batch_size": 0}, "1", "evaluation.batch_size"),
         (EVALUATION, "first", "--seed"),
     ],

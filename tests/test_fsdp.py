@@ -192,7 +192,7 @@ def test_what_fsdp_cannot_run_is_refused(tmp_path, tiny_model_dir, tiny_tokenise
     assert named in str(caught.value) and not torch.distributed.is_initialized()
 
 
-def test_fsdp_refuses_the_validation_metric():  # it generates on the main process alone
+def test_fsdp_refuses_the_validation_metric():  # each rank generates its own rows, for its own number of steps
     training = settings("fsdp", 2, validation={"every_steps": 2, "metric_examples": 4})
     with pytest.raises(WorkflowError, match=r"^training\.strategy: fsdp does not support training\.validation\.metric_examples"):
         fsdp.check_settings(training, "generation")

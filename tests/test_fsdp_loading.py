@@ -90,3 +90,22 @@ def test_the_gates_loading_estimate_covers_the_measured_peaks(per_rank):
     # bookkeeping, a few MiB that do not grow with the model (measured 105-119 MiB against 114.5 estimated).
     python_objects = 16 * MiB
     assert 0.8 * without_copy < rank1["peak_rss_increase"] < without_copy + python_objects
+
+
+def test_a_classification_head_reaches_every_rank_from_rank0(tmp_path, tiny_model_dir):
+    """A sequence-classification model under rank-0 loading: its head is not in the checkpoint (rank 0 draws
+    it), PEFT keeps a trainable copy (modules_to_save); the meta-built rank must end with rank 0's values,
+    not uninitialised storage. Compared with the same model built unsharded from the same seed."""
+    training = tiny_training_settings(strategy="fsdp", cpu_processes=2, micro_batch=2)
+    done = subprocess.run(torchrun([str(REPO / "tests" / "fsdp_classification_head.py"), str(tiny_model_dir),
+                                    json.dumps(training.to_dict()), str(tmp_path)]),
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for report in reports:
+        names = report["names"]
+        assert names == report["reference_names"] and len(names) == 2, names  # the original head and PEFT's copy
+        assert any("modules_to_save" in n for n in names) and any("original_module" in n for n in names)
+        for name, equal in report["equal"].items():
+            assert equal["full"] and equal["shard"], (report["rank"], name)
+    assert sum(r["equal"][n]["shard_rows"] for r in reports for n in reports[0]["names"][:1]) == 3  # 3 classes, sharded

@@ -91,8 +91,8 @@ def test_declared_memory_refuses_a_cpu_fsdp_run_whose_loading_does_not_fit(tmp_p
     model whose weights dominate (8 layers of hidden 1024, one short row) fits the loop, not the loading."""
     from test_config_memory_estimate import demo_config
 
+    from workflow_scripts.checks.memory import check_declared_memory
     from workflow_scripts.core.errors import ConfigError
-    from workflow_scripts.model import config_memory_estimate as cme
 
     def config(mem_mb):
         raw = demo_config(cpu_processes=2, effective_batch=32, strategy="fsdp", micro_batch=1, max_length=8,
@@ -100,7 +100,7 @@ def test_declared_memory_refuses_a_cpu_fsdp_run_whose_loading_does_not_fit(tmp_p
         raw["models"]["tiny-llama"]["tiny"].update(hidden_size=1024, intermediate_size=4096, num_layers=8)
         return raw
 
-    checked = cme.check_declared_memory(config(64000), root=tmp_path)[0]
+    checked = check_declared_memory(config(64000), root=tmp_path)[0]
     loop_node = 2 * checked["estimate"]["total"]
     loading = checked["loading"]
     loading_node = loading["host_copy"] + 2 * (loading["total"] - loading["host_copy"])
@@ -108,4 +108,4 @@ def test_declared_memory_refuses_a_cpu_fsdp_run_whose_loading_does_not_fit(tmp_p
     between = int((loop_node / 0.9 + loading_node / 0.9) / 2 / 2**20) + 1  # headroom 90%
     with pytest.raises(ConfigError, match=r"training\.mem_mb.*loading under training\.strategy: fsdp .*rank 0's host "
                                           r"copy of the whole model .*Fix: raise training\.mem_mb"):
-        cme.check_declared_memory(config(between), root=tmp_path)
+        check_declared_memory(config(between), root=tmp_path)

@@ -29,7 +29,8 @@ from test_train import REPO, log_rows, start_slow, subprocess_env, train_argv, w
 from workflow_scripts import evaluate, prepare_model, pretokenise, sanity, train
 from workflow_scripts.analysis import fairness
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
-from workflow_scripts.core.experiment_config import check_config, validate_schema
+from workflow_scripts.checks.config import check_config
+from workflow_scripts.core.config_files import validate_schema
 from workflow_scripts.core.settings import LoraSettings
 from workflow_scripts.model import memory_estimate, model_loading
 from workflow_scripts.tasks import task_named

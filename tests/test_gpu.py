@@ -164,7 +164,7 @@ def test_vision_language_trains_in_bf16_on_cuda(tmp_path, record, monkeypatch):
     training precision, the projector trained whole; then evaluation generates on the GPU."""
     import test_vision_language_chain as vlm
     from workflow_scripts.demo import make_images
-    from workflow_scripts.core.experiment_config import validate_section
+    from workflow_scripts.checks.sections import validate_section
     from data_helpers import run_download, run_normalise
 
     assert make_images.main(["--out", str(tmp_path / "shapes"), "--train", "96", "--validation", "16",

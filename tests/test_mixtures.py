@@ -15,8 +15,11 @@ import yaml
 from conftest import build_tiny_tokenised
 from data_helpers import default_config
 from workflow_scripts import mix
+from workflow_scripts.checks.config import check_config
 from workflow_scripts.core import experiment_config as xc
+from workflow_scripts.core.config_files import validate_schema
 from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.core.section_settings import MixtureSettings
 from workflow_scripts.data import mixture
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,14 +52,17 @@ def test_a_small_dataset_is_repeated_only_after_every_row_was_used():
 
 def test_the_plan_follows_the_proportions_and_its_seed():
     sizes = {"a": 50, "b": 10}
-    first = mixture.plan(sizes, {"weights": {"a": 1, "b": 1}, "rows": 40, "seed": 3})
+    first = mixture.plan(sizes, MixtureSettings.parse({"datasets": ["a", "b"], "weights": {"a": 1, "b": 1}, "rows": 40,
+                                                       "seed": 3}))
     assert first.counts == {"a": 20, "b": 20}
     assert Counter(first.sources.tolist()) == {0: 20, 1: 20}
-    again = mixture.plan(sizes, {"weights": {"a": 1, "b": 1}, "rows": 40, "seed": 3})
+    again = mixture.plan(sizes, MixtureSettings.parse({"datasets": ["a", "b"], "weights": {"a": 1, "b": 1}, "rows": 40,
+                                                       "seed": 3}))
     assert np.array_equal(first.rows, again.rows) and np.array_equal(first.sources, again.sources)
-    other = mixture.plan(sizes, {"weights": {"a": 1, "b": 1}, "rows": 40, "seed": 4})
+    other = mixture.plan(sizes, MixtureSettings.parse({"datasets": ["a", "b"], "weights": {"a": 1, "b": 1}, "rows": 40,
+                                                       "seed": 4}))
     assert not np.array_equal(first.rows, other.rows)
-    default = mixture.plan(sizes, {})
+    default = mixture.plan(sizes, MixtureSettings.parse({"datasets": ["a", "b"]}))
     assert default.counts == {"a": 50, "b": 10}  # no weights, no temperature: every row once
 
 
@@ -74,6 +80,7 @@ def _components(tmp_path, **metas):
 
 def _mix(tmp_path, first, second, settings):
     out, report = tmp_path / "mixed", tmp_path / "mixed_report.json"
+    settings = {"datasets": ["first", "second"], **settings}  # as the rule passes the mixture
     code = mix.main(["--mixture", "both", "--settings", json.dumps(settings), "--component", f"first={first}",
                      "--component", f"second={second}", "--out", str(out), "--report", str(report)])
     return code, out, report
@@ -148,8 +155,8 @@ def mixture_config() -> dict:
 
 def checked(config: dict) -> dict:
     config = copy.deepcopy(config)
-    xc.validate_schema(config)
-    xc.check_config(config)
+    validate_schema(config)
+    check_config(config)
     return config
 
 
@@ -218,12 +225,13 @@ def test_a_two_model_two_dataset_mixture_runs_and_the_comparison_groups_by_model
     evaluation_only.update(splits={"validation": "val"}, evaluation_split="validation", models=["tiny-a"])
     config["datasets"] = {**datasets, "chart_val": evaluation_only}
     config["mixtures"] = {"qa_mix": {"datasets": ["chartqa_demo", "ocrvqa_demo"], "weights": {"chartqa_demo": 1, "ocrvqa_demo": 1},
-                                     "rows": 200}}
+                                     "rows": 60}}
     config["variants"] = {"baseline": config["variants"]["baseline"]}
     config["comparison"]["reference_variant"] = "baseline"
     config["seeds"] = [1]
-    config["training"].update(max_steps=40)
-    config["evaluation"]["max_examples"] = 24
+    # The point is the matrix and its grouping, not learning: a few steps and examples (issue 25: 90 s before).
+    config["training"].update(max_steps=6, warmup_steps=1, log_every=2, validation={"every_steps": 3})
+    config["evaluation"]["max_examples"] = 12
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     snakemake(tmp_path)
 
@@ -235,7 +243,7 @@ def test_a_two_model_two_dataset_mixture_runs_and_the_comparison_groups_by_model
     models = [r["model"] for r in rows]
     assert models == sorted(models, key=["tiny-a", "tiny-b"].index)
     report = json.loads((tmp_path / "results/data/qa_mix/tokenised/tiny-a/baseline_report.json").read_text())
-    assert {name: part["drawn"] for name, part in report["components"].items()} == {"chartqa_demo": 100, "ocrvqa_demo": 100}
+    assert {name: part["drawn"] for name, part in report["components"].items()} == {"chartqa_demo": 30, "ocrvqa_demo": 30}
     evaluated = json.loads((tmp_path / "results/tiny-a/qa_mix/baseline/seed1/on_chart_val/eval.json").read_text())
     assert evaluated["split"] == "validation" and evaluated["dataset"] == "chart_val"
     markdown = (tmp_path / "results" / "comparison.md").read_text()

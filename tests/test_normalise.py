@@ -8,7 +8,7 @@ from datasets import load_from_disk
 from data_helpers import demo_settings, leftovers, local_dataset, run_download, run_normalise
 from workflow_scripts import normalise
 from workflow_scripts.core.errors import ConfigError, WorkflowError
-from workflow_scripts.core.experiment_config import validate_section
+from workflow_scripts.checks.sections import validate_section
 
 
 def good(i):

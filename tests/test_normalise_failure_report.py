@@ -12,7 +12,7 @@ import pytest
 from data_helpers import leftovers, local_dataset, run_download, write_jsonl
 from workflow_scripts import normalise
 from workflow_scripts.core.errors import WorkflowError
-from workflow_scripts.core.experiment_config import validate_section
+from workflow_scripts.checks.sections import validate_section
 
 
 def good(i: int) -> dict:

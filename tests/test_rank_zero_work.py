@@ -118,3 +118,43 @@ def test_on_main_waits_past_the_collective_timeout_and_shares_the_outcome(failur
                                         "OSError: [Errno 28] No space left on device")
     else:
         assert results[0] == results[1] == ("done", {"score": 0.5})
+
+
+# --- gather_on_main: work split over the ranks (the validation metric's generation) ---
+
+def _gather_worker(rank, port, failure, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    context = distributed.setup(use_cuda=False, timeout_minutes=2 / 60)  # collectives time out after 2 s
+    try:
+        def work():
+            if rank == 1:
+                time.sleep(5)  # rank 0 waits longer than the collective timeout
+                if failure:
+                    raise OSError(12, "Cannot allocate memory")
+            return [f"prediction of rank {rank}"]
+        try:
+            results[rank] = ("done", distributed.gather_on_main(context, "generating", work))
+        except (WorkflowError, OSError) as error:
+            results[rank] = ("failed", f"{type(error).__name__}: {error}")
+        dist.all_reduce(torch.ones(1))  # the process group is still usable afterwards
+    finally:
+        distributed.teardown(context)
+
+
+@pytest.mark.parametrize("failure", [False, True])
+def test_gather_on_main_waits_past_the_collective_timeout_and_stops_every_rank_on_a_failure(failure):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_gather_worker, args=(port, failure, results), nprocs=2, join=True)
+    if failure:
+        assert results[1] == ("failed", "OSError: [Errno 12] Cannot allocate memory")
+        assert results[0] == ("failed", "WorkflowError: rank 0 stops: rank 1 failed while generating: "
+                                        "OSError: [Errno 12] Cannot allocate memory")
+    else:  # rank 0 holds every rank's result in rank order; the others None
+        assert results[0] == ("done", [["prediction of rank 0"], ["prediction of rank 1"]])
+        assert results[1] == ("done", None)

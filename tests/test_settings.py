@@ -9,6 +9,8 @@ import pytest
 
 from workflow_scripts.core import experiment_config as xc
 from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.core.section_settings import (ComparisonSettings, EvaluationSettings, MixtureSettings,
+                                                     TrackingSettings)
 from workflow_scripts.core.settings import LoraSettings, QuantizationSettings, TrainingSettings, ValidationSettings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,6 +79,96 @@ def test_nothing_below_the_config_reads_training_settings_as_a_dict():
              for path in sorted([*(REPO / "workflow_scripts").rglob("*.py"), *(REPO / "rules").glob("*.smk")])
              for number, line in enumerate(path.read_text().splitlines(), 1) if dict_access.search(line)]
     assert found == []
+
+
+SECTION_DICT_ACCESS = re.compile(r"\b(evaluation|comparison|tracking|mlflow)(\[\"|\[\'|\.get\()")
+
+
+def dict_reads_of_typed_sections(root: Path) -> list[str]:
+    """Lines of the stages, the library and the rules that read a typed section (evaluation, comparison, tracking)
+    as a mapping; the config layer reads ``config["evaluation"]`` once and parses it (core/section_settings.py)."""
+    return [f"{path.relative_to(root)}:{number}: {line.strip()}"
+            for path in sorted([*(root / "workflow_scripts").rglob("*.py"), *(root / "rules").glob("*.smk")])
+            for number, line in enumerate(path.read_text().splitlines(), 1) if SECTION_DICT_ACCESS.search(line)]
+
+
+def test_nothing_below_the_config_reads_the_evaluation_comparison_or_tracking_settings_as_a_dict():
+    assert dict_reads_of_typed_sections(REPO) == []
+
+
+MIXTURE_READERS = ("workflow_scripts/mix.py", "workflow_scripts/data/mixture.py")
+MIXTURE_DICT_ACCESS = re.compile(r"\bsettings(\[\"|\[\'|\.get\()")
+
+
+def test_the_mix_stage_reads_the_typed_mixture():
+    """mix and data/mixture read ``MixtureSettings`` by attribute (their mixture is named ``settings``)."""
+    found = [f"{relative}:{number}: {line.strip()}" for relative in MIXTURE_READERS
+             for number, line in enumerate((REPO / relative).read_text().splitlines(), 1)
+             if MIXTURE_DICT_ACCESS.search(line)]
+    assert found == []
+    assert MIXTURE_DICT_ACCESS.search('total = settings.get("rows") or sum(sizes.values())')
+
+
+def test_mixture_settings_keep_the_fingerprinted_mapping():
+    """mix fingerprints ``to_dict()``: for what the rule passes (the entry with its defaults) it is that mapping."""
+    passed = {"datasets": ["a", "b"], "weights": {"a": 2, "b": 1}, "rows": None, "seed": 0}
+    settings = MixtureSettings.parse(passed)
+    assert settings.to_dict() == passed and settings.temperature is None and settings.max_passes is None
+    assert MixtureSettings.parse({"datasets": ["a", "b"]}).to_dict() == {"datasets": ["a", "b"], "rows": None, "seed": 0}
+    with pytest.raises(ConfigError, match=r"^--settings: config key 'mixtures.both.datasets': \['a'\] is too short"):
+        MixtureSettings.from_json('{"datasets": ["a"]}', "both")
+
+
+def test_the_section_guard_catches_a_planted_dict_read(tmp_path):
+    for relative, line in (("workflow_scripts/compare.py", 'seed = comparison["bootstrap_seed"]'),
+                           ("workflow_scripts/tasks/generation.py", 'size = evaluation["batch_size"]'),
+                           ("workflow_scripts/training/trackers.py", 'uri = tracking.get("mlflow")'),
+                           ("rules/common.smk", 'name = mlflow["run_name"]')):
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(f"{line}\nok = comparison.bootstrap_seed\n")
+    assert len(dict_reads_of_typed_sections(tmp_path)) == 4
+
+
+def test_comparison_and_tracking_settings_are_typed_with_the_schemas_defaults_and_round_trip():
+    comparison = ComparisonSettings.parse({"reference_variant": {"generation": "baseline"}})
+    assert (comparison.bootstrap, comparison.bootstrap_resamples, comparison.intended_differences) == ("auto", 1000, ())
+    assert comparison.reference_for("generation") == "baseline" and comparison.reference_for("masked_lm") is None
+    assert ComparisonSettings.parse(comparison.to_dict()) == comparison
+    assert list(comparison.to_dict()) == sorted(comparison.to_dict())  # as the rules pass it (as_json sorts)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        comparison.bootstrap_seed = 1
+    with pytest.raises(TypeError):
+        comparison.reference_variant["generation"] = "other"  # read-only, as the rest
+    tracking = TrackingSettings.parse({})
+    assert tracking.mlflow.enabled is False and tracking.mlflow.experiment == "lora-experiments"
+    assert TrackingSettings.parse(tracking.with_run("m", "d", "v", 1).to_dict()).run == {
+        "model": "m", "dataset": "d", "variant": "v", "seed": 1}
+
+
+def test_evaluation_settings_keep_the_record_the_rule_passes():
+    """The manifests record ``to_dict()``: for what the rule passes (the section with its defaults, the split and
+    max_length; dtype only when set) it is that mapping, so eval.json's record is as before."""
+    passed = {"split": "validation", "max_new_tokens": 96, "batch_size": 32, "max_examples": None, "gpus": 0,
+              "evaluate_base_model": True, "qlora_base": "quantised", "max_length": 64}
+    evaluation = EvaluationSettings.parse(passed)
+    assert evaluation.to_dict() == passed and list(evaluation.to_dict()) == sorted(passed)
+    assert evaluation.compute_dtype == "auto" and EvaluationSettings.parse({**passed, "dtype": "fp32"}).compute_dtype == "fp32"
+    assert EvaluationSettings.parse({"batch_size": 2}).max_length is None  # a task that needs it says so
+
+
+@pytest.mark.parametrize("parse, value, key", [
+    (EvaluationSettings.parse, {"split": "dev"}, "evaluation.split"),
+    (EvaluationSettings.parse, {"max_length": 0}, "evaluation.max_length"),
+    (ComparisonSettings.parse, {"bootstrap_resamples": 10}, "comparison.bootstrap_resamples"),
+    (ComparisonSettings.parse, {"bootstrap": "seeds"}, "comparison.bootstrap"),
+    (ComparisonSettings.parse, {"min_detectable_effect": 0}, "comparison.min_detectable_effect"),
+    (TrackingSettings.parse, {"mlflow": {"enabled": "yes"}}, "tracking.mlflow.enabled"),
+    (TrackingSettings.parse, {"mlflow": {"experiment": ""}}, "tracking.mlflow.experiment"),
+])
+def test_section_refusals_name_the_key(parse, value, key):
+    with pytest.raises(ConfigError) as raised:
+        parse(value, source="config.yaml")
+    assert str(raised.value).startswith(f"config.yaml: config key '{key}'") and "\n" not in str(raised.value)
 
 
 def test_warm_up_as_long_as_the_epochs_is_refused_once_the_rows_are_known():

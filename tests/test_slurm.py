@@ -293,6 +293,6 @@ def test_demo_through_slurm_with_a_training_job_signalled_mid_run(slurm, job_env
 
 def _validated_training(workflow_dir: Path, resolved_training) -> dict:
     """The training settings exactly as the rule passed them (schema defaults filled)."""
-    from workflow_scripts.core.experiment_config import load_config
+    from workflow_scripts.checks.config import load_config
 
     return resolved_training(load_config(workflow_dir / "config" / "config.yaml"), "baseline")

@@ -82,7 +82,8 @@ def test_two_nodes_train_through_slurm_and_match_one_node(two_nodes, tmp_path):
     assert manifest["hosts"] == ["lora-node1", "lora-node2"], manifest["hosts"]  # rank 0 and rank 1
 
     # One node, the same world size (2 gloo processes), the same settings and data: the same adapter.
-    from workflow_scripts.core.experiment_config import load_config, resolved_training
+    from workflow_scripts.checks.config import load_config
+    from workflow_scripts.core.experiment_config import resolved_training
 
     settings = {**resolved_training(load_config(workflow / "config" / "config.yaml"), "baseline", model),
                 "nodes": 1, "cpu_processes": 2}

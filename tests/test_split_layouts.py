@@ -20,7 +20,7 @@ from data_helpers import default_config, run_download, run_normalise, write_json
 from vlm_layouts import bar_chart_png, truncated
 from workflow_scripts import normalise
 from workflow_scripts.core.errors import ConfigError, WorkflowError
-from workflow_scripts.core.experiment_config import validate_section
+from workflow_scripts.checks.sections import validate_section
 from workflow_scripts.data.split_names import check_local_splits
 
 

@@ -37,19 +37,46 @@ def test_the_evaluation_module_which_evaluate_base_runs_loads_no_peft():
     assert not {"peft", "bitsandbytes"} & loaded
 
 
-def test_the_data_stages_run_without_peft_or_transformers(tmp_path):
-    """Not only the import: download and normalise of a demo dataset, run to the end, never load them."""
-    settings = json.dumps(demo_settings("amr_demo"))
+# One demo dataset per task type that has one (conversation has none: its task is checked below).
+DEMO_DATASET_OF_TASK = {"generation": "amr_demo", "classification": "topics_demo", "masked_lm": "corpus_demo",
+                        "vision_language": "shapes_demo"}
+
+
+@pytest.mark.parametrize("task", sorted(DEMO_DATASET_OF_TASK))
+def test_the_data_stages_run_without_torch_peft_or_transformers(tmp_path, task):
+    """Not only the import: download and normalise of each task's demo dataset, run to the end, never load
+    them (the task's module is loaded for its row mapping and keeps torch for training)."""
+    name = DEMO_DATASET_OF_TASK[task]
+    settings = json.dumps(demo_settings(name))
     raw, normalised = tmp_path / "raw", tmp_path / "normalised"
     loaded = modules_after(
         "from workflow_scripts import download, normalise\n"
-        f"assert download.main(['--name', 'amr_demo', '--dataset', {settings!r}, '--out', {str(raw)!r},"
+        f"assert download.main(['--name', {name!r}, '--dataset', {settings!r}, '--out', {str(raw)!r},"
         f" '--manifest', {str(tmp_path / 'manifest.json')!r}]) == 0\n"
-        f"assert normalise.main(['--name', 'amr_demo', '--dataset', {settings!r}, '--raw', {str(raw)!r},"
+        f"assert normalise.main(['--name', {name!r}, '--dataset', {settings!r}, '--raw', {str(raw)!r},"
         f" '--out', {str(normalised)!r}, '--report', {str(tmp_path / 'report.json')!r}]) == 0\n")
     assert (normalised / "dataset_dict.json").exists() or any(normalised.iterdir())
-    # torch too: the generation task's module is loaded for its row mapping, and keeps torch for training.
     assert not {"torch", "transformers", *MODEL_CLASSES} & loaded, sorted({"torch", "transformers", *MODEL_CLASSES} & loaded)
+
+
+# Each task's training loss class, reached through its task module as before (it lives in a module of its own).
+LOSS_OF_TASK = {"generation": "TargetTokenLoss", "classification": "ClassificationLoss",
+                "masked_lm": "MaskedTokenLoss", "vision_language": "VisionTargetTokenLoss", "conversation": None}
+
+
+@pytest.mark.parametrize("task", sorted(LOSS_OF_TASK))
+def test_a_task_loaded_for_its_data_loads_no_torch_and_its_loss_still_comes_with_torch(task):
+    """normalise (row mapping, label set, rejection reasons), compare (comparison note) and the config checks
+    load a task for data alone; the loss module and the collator still bring torch when asked for."""
+    loaded = modules_after("from workflow_scripts.tasks import task_named\n"
+                           f"task = task_named({task!r})\n"
+                           "task.record_mapper, getattr(task, 'comparison_note', None), task.check_variant\n"
+                           "getattr(task, 'normalise_state', None), getattr(task, 'rejection_reasons', None)\n")
+    assert not {"torch", "transformers", *MODEL_CLASSES} & loaded, sorted({"torch", "transformers", *MODEL_CLASSES} & loaded)
+    loss = LOSS_OF_TASK[task]
+    if loss:
+        modules_after(f"from workflow_scripts.tasks import {task}\nimport torch\n"
+                      f"assert issubclass({task}.{loss}, torch.nn.Module)\n")
 
 
 def test_the_generation_task_loaded_for_its_data_loads_no_torch():

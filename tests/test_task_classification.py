@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workflow_scripts.core.section_settings import EvaluationSettings
 from workflow_scripts.demo import make_classification
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.normalise import Rejected
-from workflow_scripts.tasks import classification
+from workflow_scripts.tasks import classification, classification_loss
 from workflow_scripts.tasks.classification import TASK
 
 LABELS = ["food", "sport", "weather"]
@@ -271,7 +272,7 @@ def test_class_weighted_step_loss_is_torchs_weighted_mean(llama_tokenizer):
     loss_module = TASK.loss_module(model)
     with torch.no_grad():
         step_loss = sum(loss_module(b) for b in micro_batches) / sum(b["target_tokens"] for b in micro_batches)
-        logits = torch.cat([classification._forward(model, b) for b in micro_batches])
+        logits = torch.cat([classification_loss.pooled_logits(model, b) for b in micro_batches])
     labels = torch.cat([b["labels"] for b in micro_batches])
     assert len(set(labels.tolist())) > 1  # else every weighting gives the same mean
     reference = F.cross_entropy(logits, labels, weight=torch.tensor(weights))  # reduction "mean"
@@ -336,9 +337,9 @@ def test_lora_training_learns_and_the_head_is_saved_with_the_adapter(kind, tmp_p
     assert f"base_model.model.{heads[0]}.weight" in keys and any("lora_A" in key for key in keys)
     reloaded = PeftModel.from_pretrained(classification.prepare_model(build(), tokenizer.pad_token_id, LABELS), str(tmp_path)).eval()
     with torch.no_grad():
-        assert torch.allclose(classification._forward(reloaded, batch), classification._forward(peft_model, batch), atol=1e-5)
+        assert torch.allclose(classification_loss.pooled_logits(reloaded, batch), classification_loss.pooled_logits(peft_model, batch), atol=1e-5)
     records, score, _ = TASK.evaluate(reloaded, tokenizer, PLAIN, demo_rows(count=24), "accuracy",
-                                      {"batch_size": 8, "max_length": 64}, torch.device("cpu"))
+                                      EvaluationSettings.parse({"batch_size": 8, "max_length": 64}), torch.device("cpu"))
     assert score > 0.5 and all(r["gold"] in LABELS and r["predicted"] in LABELS for r in records)
 
 
@@ -380,9 +381,9 @@ def test_evaluate_records_and_scores_independent_of_batch_size(kind, llama_token
     model = classification.prepare_model(tiny_llama(tokenizer) if kind == "llama" else tiny_bert(tokenizer),
                                          tokenizer.pad_token_id, LABELS)
     rows = demo_rows("test", 10)
-    evaluation = {"batch_size": 4, "max_length": 64}
+    evaluation = EvaluationSettings.parse({"batch_size": 4, "max_length": 64})
     records, score, unparseable = TASK.evaluate(model, tokenizer, PLAIN, rows, "accuracy", evaluation, torch.device("cpu"))
-    one_by_one, _, _ = TASK.evaluate(model, tokenizer, PLAIN, rows, "accuracy", {**evaluation, "batch_size": 1},
+    one_by_one, _, _ = TASK.evaluate(model, tokenizer, PLAIN, rows, "accuracy", evaluation.replace(batch_size=1),
                                      torch.device("cpu"))
     assert [r["predicted"] for r in records] == [r["predicted"] for r in one_by_one]
     assert set(records[0]) == {"id", "text", "predicted", "gold", "score", "parsed"} and unparseable == 0
@@ -390,9 +391,26 @@ def test_evaluate_records_and_scores_independent_of_batch_size(kind, llama_token
     _, f1, _ = TASK.evaluate(model, tokenizer, PLAIN, rows, "macro_f1", evaluation, torch.device("cpu"))
     assert f1 == pytest.approx(classification.macro_f1([r["gold"] for r in records], [r["predicted"] for r in records], LABELS))
     for bad_metric, bad_evaluation, message in (("exact_match", evaluation, "not a classification metric"),
-                                                ("accuracy", {"batch_size": 4}, "max_length")):
+                                                ("accuracy", evaluation.replace(max_length=None), "max_length")):
         with pytest.raises(WorkflowError, match=message):
             TASK.evaluate(model, tokenizer, PLAIN, rows, bad_metric, bad_evaluation, torch.device("cpu"))
+
+
+def test_predictions_split_over_ranks_score_as_one_evaluate(llama_tokenizer):
+    """The validation metric over 2 ranks: each predicts its block, rank 0 scores the merged predictions with
+    score_predictions; macro-F1 (not a mean of per-rank figures) equals one evaluate over all rows."""
+    from workflow_scripts.training import validation_metric
+
+    model = classification.prepare_model(tiny_llama(llama_tokenizer), llama_tokenizer.pad_token_id, LABELS)
+    rows, evaluation, cpu = demo_rows("test", 9), EvaluationSettings.parse({"batch_size": 4, "max_length": 64}), torch.device("cpu")
+    whole = TASK.evaluate(model, llama_tokenizer, PLAIN, rows, "macro_f1", evaluation, cpu)
+    parts = [TASK.predict(model, llama_tokenizer, PLAIN, rows[validation_metric.rank_block(len(rows), rank, 2)],
+                          "macro_f1", evaluation, cpu) for rank in range(2)]
+    merged = validation_metric._merged(validation_metric.MetricSource("demo", "macro_f1", rows), parts)
+    split = TASK.score_predictions(rows, merged, "macro_f1")
+    assert split.score == whole.score and split.records == whole.records and split.details == whole.details
+    with pytest.raises(WorkflowError, match="do not cover its 9 rows once each in order"):
+        validation_metric._merged(validation_metric.MetricSource("demo", "macro_f1", rows), parts[::-1])
 
 
 # --- demo data ---

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from workflow_scripts.core.section_settings import EvaluationSettings
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.tasks import masked_lm, stored_columns
 from workflow_scripts.tasks.masked_lm import TASK
@@ -408,7 +409,7 @@ def test_a_few_steps_from_scratch_reduce_the_loss_on_a_repetitive_corpus(tokeniz
     lines = ["the quick brown fox jumps over the lazy dog"] * 64
     rows = as_rows(tokenise(tokenizer, lines, {"grouping": "blocks"}, max_length=24))
     test = [{"id": f"t-{k}", "text": line} for k, line in enumerate(lines[:16])]
-    evaluation = {"max_length": 24, "batch_size": 8}
+    evaluation = EvaluationSettings.parse({"max_length": 24, "batch_size": 8})
     model = tiny_bert(tokenizer, seed=1)
     before = TASK.evaluate(model, tokenizer, {}, test, "mlm_loss", evaluation, torch.device("cpu")).score
     loss_module = TASK.loss_module(model).train()
@@ -428,11 +429,11 @@ def test_a_few_steps_from_scratch_reduce_the_loss_on_a_repetitive_corpus(tokeniz
 def test_evaluation_mask_is_fixed_and_scores_are_micro_averages(tokenizer):
     model = tiny_bert(tokenizer).eval()
     rows = [{"id": f"t-{k}", "text": line} for k, line in enumerate(toy_lines(20, seed=8))]
-    evaluation = {"max_length": 12, "batch_size": 6}
+    evaluation = EvaluationSettings.parse({"max_length": 12, "batch_size": 6})
     first = TASK.evaluate(model, tokenizer, {}, rows, "masked_accuracy", evaluation, torch.device("cpu"))
     torch.manual_seed(99)
     other_variant = TASK.evaluate(model, tokenizer, {"mask_rate": 0.4, "whole_word": True}, rows[::-1],
-                                  "masked_accuracy", {"max_length": 12, "batch_size": 4}, torch.device("cpu"))
+                                  "masked_accuracy", evaluation.replace(batch_size=4), torch.device("cpu"))
     by_id = {r["id"]: r for r in other_variant.records}
     for record in first.records:  # same positions (the same losses), whatever the variant, order, batching
         assert record["masked"] == by_id[record["id"]]["masked"]
@@ -445,7 +446,7 @@ def test_evaluation_mask_is_fixed_and_scores_are_micro_averages(tokenizer):
     perplexity = TASK.evaluate(model, tokenizer, {}, rows, "perplexity", evaluation, torch.device("cpu"))
     assert perplexity.score == pytest.approx(first.details["scores"]["perplexity"])
     with pytest.raises(ConfigError, match="evaluation.max_length"):
-        TASK.evaluate(model, tokenizer, {}, rows, "perplexity", {"batch_size": 2}, torch.device("cpu"))
+        TASK.evaluate(model, tokenizer, {}, rows, "perplexity", EvaluationSettings.parse({"batch_size": 2}), torch.device("cpu"))
 
 
 # Gate checks --------------------------------------------------------------------------------------
@@ -508,7 +509,8 @@ def test_eval_mask_records_what_decides_the_scored_tokens(tokenizer):
     rows = [{"id": f"t-{k}", "text": line} for k, line in enumerate(toy_lines(12, seed=8))]
 
     def eval_mask(variant, max_length):
-        result = TASK.evaluate(model, tokenizer, variant, rows, "mlm_loss", {"max_length": max_length, "batch_size": 4},
+        result = TASK.evaluate(model, tokenizer, variant, rows, "mlm_loss",
+                               EvaluationSettings.parse({"max_length": max_length, "batch_size": 4}),
                                torch.device("cpu"))
         return result.details["eval_mask"]
 

@@ -1,6 +1,7 @@
 """Optional MLflow tracking of the train stage (config tracking.mlflow), against a local file store: params,
 per-step metrics and artifacts as train writes them, one run across kill-and-resume, no mlflow import when
 off, and no credential in any message, manifest or job command."""
+import dataclasses
 import importlib.util
 import json
 import signal
@@ -16,6 +17,7 @@ from test_train import REPO, SLOW_TRAIN, log_rows, subprocess_env, train_argv, w
 from workflow_scripts import train
 from workflow_scripts.analysis.fairness import flatten
 from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.core.section_settings import MlflowSettings, TrackingSettings
 from workflow_scripts.training import trackers
 
 IDENTITY = {"model": "tiny", "dataset": "synthetic", "variant": "baseline", "seed": 1}
@@ -166,22 +168,23 @@ def test_uris_are_shown_without_credentials(uri, shown, credentials):
 
 
 def test_the_config_refuses_credentials_in_the_uri_and_unknown_run_name_fields():
-    tracking = trackers.load_tracking_settings(json.dumps({"mlflow": {"enabled": True}}))
-    assert tracking["mlflow"] == {"enabled": True, "tracking_uri": None, "experiment": "lora-experiments",
-                                  "run_name": "{model}/{dataset}/{variant}/seed{seed}"}
+    tracking = TrackingSettings.from_json(json.dumps({"mlflow": {"enabled": True}}))
+    assert tracking.mlflow == MlflowSettings(enabled=True, tracking_uri=None, experiment="lora-experiments",
+                                             run_name="{model}/{dataset}/{variant}/seed{seed}")
     trackers.check_workflow_tracking(tracking)
-    filled = trackers.workflow_tracking(tracking, "m", "d", "v", 3)
+    filled = tracking.with_run("m", "d", "v", 3).to_dict()
     assert filled["mlflow"]["run_name"] == "m/d/v/seed3" and filled["run"] == {"model": "m", "dataset": "d",
                                                                                 "variant": "v", "seed": 3}
-    tracking["mlflow"]["tracking_uri"] = f"https://bob:{SECRET}@mlflow.example.org"
+    assert TrackingSettings.from_json(json.dumps(filled)).to_dict() == filled  # what train receives, unchanged
+    with_secret = dataclasses.replace(tracking.mlflow, tracking_uri=f"https://bob:{SECRET}@mlflow.example.org")
     with pytest.raises(ConfigError, match="tracking.mlflow.tracking_uri.*MLFLOW_TRACKING_PASSWORD") as raised:
-        trackers.check_workflow_tracking(tracking)
+        trackers.check_workflow_tracking(dataclasses.replace(tracking, mlflow=with_secret))
     assert SECRET not in str(raised.value)
-    tracking["mlflow"].update(tracking_uri=None, run_name="{model}-{lr}")
+    unknown_field = dataclasses.replace(tracking.mlflow, run_name="{model}-{lr}")
     with pytest.raises(ConfigError, match=r"tracking.mlflow.run_name.*\['lr'\]"):
-        trackers.check_workflow_tracking(tracking)
+        trackers.check_workflow_tracking(dataclasses.replace(tracking, mlflow=unknown_field))
     with pytest.raises(ConfigError, match="tracking.mlflow.experiment"):
-        trackers.load_tracking_settings(json.dumps({"mlflow": {"experiment": ""}}))
+        TrackingSettings.from_json(json.dumps({"mlflow": {"experiment": ""}}))
 
 
 @pytest.mark.parametrize("uri", [
@@ -192,7 +195,7 @@ def test_the_config_refuses_credentials_in_the_uri_and_unknown_run_name_fields()
 ])
 def test_the_config_refuses_any_query_or_user_info_in_the_uri(uri):
     """Any of them would be printed with the train command (-p, every 'Error in rule train' block)."""
-    tracking = trackers.load_tracking_settings(json.dumps({"mlflow": {"enabled": True, "tracking_uri": uri}}))
+    tracking = TrackingSettings.from_json(json.dumps({"mlflow": {"enabled": True, "tracking_uri": uri}}))
     with pytest.raises(ConfigError, match="tracking.mlflow.tracking_uri.*MLFLOW_TRACKING_TOKEN.*environment") as raised:
         trackers.check_workflow_tracking(tracking)
     assert SECRET not in str(raised.value)

@@ -28,7 +28,9 @@ from data_helpers import ROOT, local_dataset, run_download, run_normalise, singl
 from vlm_layouts import cover_jpeg
 from workflow_scripts import evaluate, predict, prepare_model
 from workflow_scripts.core.errors import ConfigError, WorkflowError
-from workflow_scripts.core.experiment_config import check_config, validate_schema, validate_section
+from workflow_scripts.checks.config import check_config
+from workflow_scripts.checks.sections import validate_section
+from workflow_scripts.core.config_files import validate_schema
 
 TINY_LLAMA = {"name": "tiny-llama", "source": "tiny",
               "tiny": {"architecture": "llama", "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,

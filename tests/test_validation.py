@@ -143,7 +143,8 @@ def test_validation_without_a_validation_split_is_refused_by_the_gate(tmp_path, 
 
 def test_the_config_refuses_validation_for_a_dataset_without_that_split():
     from data_helpers import default_config
-    from workflow_scripts.core.experiment_config import check_config, validate_schema
+    from workflow_scripts.checks.config import check_config
+    from workflow_scripts.core.config_files import validate_schema
 
     config = default_config()
     config["training"]["validation"] = {"every_steps": 50}

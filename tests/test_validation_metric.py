@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,8 @@ from test_evaluate import BASELINE, QUESTIONS, tiny_model  # noqa: F401 (a fixtu
 from test_mixtures import mixture_config
 from test_train import REPO, adapter, log_rows, subprocess_env, train_argv
 from workflow_scripts import evaluate, pretokenise, train
-from workflow_scripts.core import experiment_config as xc
+from workflow_scripts.checks.config import check_config
+from workflow_scripts.core.config_files import validate_schema
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.training import validation, validation_metric
 from workflow_scripts.training.training_log import validation_metric_curves
@@ -189,6 +191,24 @@ def test_two_processes_report_the_metric_of_one(tmp_path, tiny_model, tokenised,
     metrics = [[r["validation_metric"] for r in log_rows(tmp_path / out) if "validation_metric" in r]
                for out in ("p1", "p2")]
     assert len(metrics[0]) == 2 and metrics[0] == pytest.approx(metrics[1], abs=1e-9)
+    # Each rank generated its half of the rows at each of the 2 validation points (not rank 0 all of them).
+    generated = re.findall(r"validation metric chart: rank (\d) generated (\d+) of (\d+) rows",
+                           result.stdout + result.stderr)
+    assert sorted(generated) == [("0", "2", "4")] * 2 + [("1", "2", "4")] * 2, (result.stdout + result.stderr)[-3000:]
+    # generation's own progress line (one per batch of one generate call): 2 rows per call, never all 4.
+    # The two ranks share one stdout, so two progress lines may run together on one line.
+    progress = re.findall(r"generated (\d+)/(\d+)(?!\d)(?! of)", result.stdout)
+    assert progress == [("2", "2")] * 4, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("count, world_size", [(4, 2), (5, 2), (1, 2), (3, 8), (0, 3), (100, 7)])
+def test_the_rank_blocks_cover_the_rows_in_order_rank_0_first(count, world_size):
+    blocks = [validation_metric.rank_block(count, rank, world_size) for rank in range(world_size)]
+    rows = list(range(count))
+    assert [row for block in blocks for row in rows[block]] == rows
+    sizes = [len(rows[block]) for block in blocks]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    assert count == 0 or sizes[0] > 0  # rank 0's predictions carry the details the scoring reads
 
 
 @pytest.mark.parametrize("validation_settings, given, message", [
@@ -217,8 +237,8 @@ def test_train_refuses_data_without_a_validation_split(tmp_path, tiny_model, tok
 def configured(validation_settings, config=None):
     config = copy.deepcopy(config or mixture_config())
     config["training"]["validation"] = validation_settings
-    xc.validate_schema(config)
-    xc.check_config(config)
+    validate_schema(config)
+    check_config(config)
     return config
 
 
@@ -226,6 +246,8 @@ def configured(validation_settings, config=None):
     ({"every_steps": 5, "criterion": "metric"}, "training.validation.criterion",
      "is 'metric' but metric_examples is not set"),
     ({"metric_examples": 8}, "training.validation.metric_examples", "is set but every_steps is not"),
+    ({"every_steps": 5, "metric_examples": 5001}, "training.validation.metric_examples",
+     "5001 is greater than the maximum of 5000"),  # every validation point generates them
     ({"every_steps": 5, "metric_examples": 8, "criterion": "metric"}, "training.validation.criterion",
      "mixture 'qa_mix' mixes metrics ['exact_match', 'relaxed_accuracy']"),
 ])

@@ -35,7 +35,7 @@ from vlm_layouts import write_chartqa, write_infographicvqa, write_ocrvqa
 from workflow_scripts import evaluate, prepare_model, pretokenise, sanity, train
 from workflow_scripts.demo import make_images
 from workflow_scripts.core.errors import WorkflowError
-from workflow_scripts.core.experiment_config import validate_section
+from workflow_scripts.checks.sections import validate_section
 from workflow_scripts.data import batching
 from workflow_scripts.training import checkpointing
 
@@ -279,7 +279,8 @@ def test_layout_settings_get_their_defaults():
     # Every dataset is evaluated on evaluation.split unless it names its own evaluation_split: one without
     # a test split is refused by name, and runs once it names validation.
     from data_helpers import default_config
-    from workflow_scripts.core.experiment_config import check_config, validate_schema
+    from workflow_scripts.checks.config import check_config
+    from workflow_scripts.core.config_files import validate_schema
 
     test_left_out = yaml.safe_load(LAYOUT_YAML["infographicvqa"])
     test_left_out.update(splits={"train": "train", "validation": "validation"}, models=["tiny-llava"],

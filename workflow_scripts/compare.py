@@ -26,10 +26,10 @@ from workflow_scripts.tasks import also_metrics, metrics
 from workflow_scripts.core import experiment_set, json_files
 from workflow_scripts.core.atomic_output import atomic_path
 from workflow_scripts.core.experiment_config import evaluation_subdirectory, plot_names
+from workflow_scripts.core.section_settings import ComparisonSettings
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
 
-MIN_RESAMPLES = 1000
 COLUMNS = (
     "model", "dataset", "trained_on", "metric", "variant", "n_seeds", "seeds", "seed_scores", "mean", "std", "ci_low", "ci_high",
     "base_score", "gain_over_base", "gain_ci_low", "gain_ci_high", "reference", "difference", "difference_ci_low", "difference_ci_high",
@@ -93,32 +93,14 @@ def parse_experiments(text: str) -> list[tuple[str, str, str, int, str]]:
     return experiments
 
 
-def parse_comparison(text: str) -> dict:
-    comparison = json_setting(text, "--comparison")
-    if not isinstance(comparison, dict):
-        raise WorkflowError("argument --comparison: expected a JSON object")
-    for key in ("reference_variant", "bootstrap_resamples", "bootstrap_seed", "intended_differences"):
-        if key not in comparison:
-            raise ConfigError(f"comparison.{key}", "missing from the --comparison argument")
-    if not isinstance(comparison["bootstrap_resamples"], int) or comparison["bootstrap_resamples"] < MIN_RESAMPLES:
-        raise ConfigError("comparison.bootstrap_resamples", f"must be an integer >= {MIN_RESAMPLES}, got {comparison['bootstrap_resamples']!r}")
-    if not isinstance(comparison["intended_differences"], list):
-        raise ConfigError("comparison.intended_differences", "must be a list of dotted keys such as training.max_length")
-    comparison = {**comparison, "bootstrap": comparison.get("bootstrap", "auto")}
-    if comparison["bootstrap"] not in paired_bootstrap.SETTINGS:
-        raise ConfigError("comparison.bootstrap", f"must be one of {', '.join(paired_bootstrap.SETTINGS)}, "
-                                                  f"got {comparison['bootstrap']!r}")
-    return comparison
-
-
-def bootstrap_mode(comparison: Mapping[str, Any], experiments: Sequence[tuple]) -> str:
+def bootstrap_mode(comparison: ComparisonSettings, experiments: Sequence[tuple]) -> str:
     """The bootstrap used for the whole table: ``comparison.bootstrap``, with ``auto`` resolved over every
     compared (model, trained on, dataset, variant)'s seed count, so all rows use one mode."""
     counts: dict[tuple, int] = {}
     for model, trained, variant, _, *evaluated in experiments:
         key = (model, trained, variant, *evaluated)
         counts[key] = counts.get(key, 0) + 1
-    return paired_bootstrap.resolve_mode(comparison.get("bootstrap", "auto"), counts.values())
+    return paired_bootstrap.resolve_mode(comparison.bootstrap, counts.values())
 
 
 read_json = json_files.read_json_object
@@ -245,7 +227,7 @@ def scored_with(directory: Path, summary: Mapping[str, Any], metric: str) -> tup
     return summary, values
 
 
-def also_scored_rows(dataset: str, runs: Sequence[Run], reference: str, comparison: Mapping[str, Any],
+def also_scored_rows(dataset: str, runs: Sequence[Run], reference: str, comparison: ComparisonSettings,
                      base: Mapping[str, "BaseRun"] | None, mode: str) -> list[dict]:
     """Rows of each further metric the runs were scored with on the same predictions (also_metrics), built as
     the main rows are, from the runs read as if that metric were their main one."""
@@ -294,7 +276,7 @@ def _round(value: float | None) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else round(value, 6)
 
 
-def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, comparison: Mapping[str, Any],
+def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, comparison: ComparisonSettings,
                     base: Mapping[str, "BaseRun"] | None, mode: str | None = None) -> list[dict]:
     """Rows of one (model, dataset); ``base``: the untrained model's evaluation per variant (None: not run);
     ``mode`` is the bootstrap mode (None: resolve ``comparison.bootstrap`` from these runs)."""
@@ -324,8 +306,8 @@ def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, compariso
         return [np.asarray([by_variant[variant][seed].values[i] for i in ids]) for seed in seeds]
 
     if mode is None:
-        mode = paired_bootstrap.resolve_mode(comparison.get("bootstrap", "auto"), [len(seeds)] * len(by_variant))
-    resamples, bootstrap_seed = comparison["bootstrap_resamples"], comparison["bootstrap_seed"]
+        mode = paired_bootstrap.resolve_mode(comparison.bootstrap, [len(seeds)] * len(by_variant))
+    resamples, bootstrap_seed = comparison.bootstrap_resamples, comparison.bootstrap_seed
     order = [reference] + [variant for variant in by_variant if variant != reference]
     rows = []
     for variant in order:
@@ -387,9 +369,9 @@ def _cell(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
-def bootstrap_lines(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any]) -> list[str]:
+def bootstrap_lines(rows: Sequence[Mapping[str, Any]], comparison: ComparisonSettings) -> list[str]:
     """One line per bootstrap mode in the table, e.g. "intervals: two-level bootstrap: seeds, then test examples (3 seeds)"."""
-    setting = comparison.get("bootstrap", "auto")
+    setting = comparison.bootstrap
     lines = []
     for mode in dict.fromkeys(row["bootstrap"] for row in rows):
         counts = [row["n_seeds"] for row in rows if row["bootstrap"] == mode]
@@ -400,8 +382,8 @@ def bootstrap_lines(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, 
     return lines
 
 
-def _method(mode: str, reference: str, comparison: Mapping[str, Any]) -> str:
-    settings = f"{comparison['bootstrap_resamples']} resamples, seed {comparison['bootstrap_seed']}"
+def _method(mode: str, reference: str, comparison: ComparisonSettings) -> str:
+    settings = f"{comparison.bootstrap_resamples} resamples, seed {comparison.bootstrap_seed}"
     if mode == paired_bootstrap.SEEDS_AND_EXAMPLES:
         return (
             f"Δ is the variant minus '{reference}', from a two-level paired bootstrap ({settings}): each resample "
@@ -419,17 +401,16 @@ def _method(mode: str, reference: str, comparison: Mapping[str, Any]) -> str:
     )
 
 
-def reference_for(comparison: Mapping[str, Any], task: str) -> str:
+def reference_for(comparison: ComparisonSettings, task: str) -> str:
     """comparison.reference_variant: one name, or a mapping task -> name."""
-    reference = comparison["reference_variant"]
-    if isinstance(reference, Mapping):
-        if task not in reference:
-            raise ConfigError("comparison.reference_variant", f"names no reference for task '{task}' ({dict(reference)})")
-        return reference[task]
+    reference = comparison.reference_for(task)
+    if reference is None:
+        raise ConfigError("comparison.reference_variant",
+                          f"names no reference for task '{task}' ({dict(comparison.reference_variant)})")
     return reference
 
 
-def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any], notes: Sequence[str] = (),
+def markdown(rows: Sequence[Mapping[str, Any]], comparison: ComparisonSettings, notes: Sequence[str] = (),
              also_rows: Sequence[Mapping[str, Any]] = ()) -> str:
     """The table, then how its numbers were made; ``notes``: further lines (excluded rows, tasks' conventions);
     ``also_rows``: the datasets' also_metrics, in a second table under the main one."""
@@ -438,7 +419,7 @@ def markdown(rows: Sequence[Mapping[str, Any]], comparison: Mapping[str, Any], n
     if also_rows:
         lines += ["", "Also scored on the same predictions (the datasets' also_metrics; same intervals and paired "
                   "bootstrap):", "", *table_lines(also_rows, reference)]
-    intended = comparison["intended_differences"]
+    intended = comparison.intended_differences
     modes = dict.fromkeys(row["bootstrap"] for row in rows)
     lines += ["", *bootstrap_lines(rows, comparison), "", *(line + "\n" for line in power.achieved_lines(rows))]
     lines += [
@@ -531,10 +512,10 @@ def write_csv(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     experiments = parse_experiments(args.experiments)
-    comparison = parse_comparison(args.comparison)
+    comparison = ComparisonSettings.from_json(args.comparison)
     results_dir = Path(args.results_dir)
     runs = [load_run(results_dir, *experiment) for experiment in experiments]
-    check_fairness(runs, comparison["intended_differences"])
+    check_fairness(runs, comparison.intended_differences)
     mode = bootstrap_mode(comparison, experiments)
 
     rows, also_rows, loss_curves = [], [], {}
@@ -565,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         temporary.write_text(text)
     if args.experiment_set_out:
         experiment_set.write_stamp(args.experiment_set_out, {
-            "experiments": json_setting(args.experiments, "--experiments"), "comparison": comparison,
+            "experiments": json_setting(args.experiments, "--experiments"), "comparison": comparison.to_dict(),
             "with_base": args.with_base})
     print(text)
     return 0

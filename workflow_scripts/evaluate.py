@@ -25,13 +25,10 @@ from workflow_scripts.model import model_loading, quantization
 from workflow_scripts.core.atomic_output import write_json, write_jsonl
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.run_manifest import build_manifest
+from workflow_scripts.core.section_settings import EvaluationSettings
 from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
 from workflow_scripts.tasks.templates import template_fields, template_row
 
-EVALUATION_KEYS = ("split", "max_new_tokens", "batch_size", "max_examples", "gpus")
-# evaluation.dtype: auto is bf16 on a GPU that supports it, else fp32; fp32 computes in fp32 on a GPU too (bf16
-# weights upcast exactly), for where bf16 rounding changes greedy predictions (Yuan et al. 2025).
-COMPUTE_DTYPES = ("auto", "fp32")
 # The variant keys that are templates filled from each evaluated row (generation and vision_language:
 # prompt; classification: input). The target template is not rendered at evaluation.
 ROW_TEMPLATE_KEYS = ("prompt", "input")
@@ -69,25 +66,6 @@ def parse_json_argument(text: str, name: str) -> dict:
     if not isinstance(value, dict):
         raise WorkflowError(f"argument {name}: expected a JSON object, got {type(value).__name__}")
     return value
-
-
-def check_evaluation(evaluation: Mapping[str, Any]) -> None:
-    for key in EVALUATION_KEYS:
-        if key not in evaluation:
-            raise ConfigError(f"evaluation.{key}", "missing from the --evaluation argument")
-    for key in ("max_new_tokens", "batch_size"):
-        if not isinstance(evaluation[key], int) or isinstance(evaluation[key], bool) or evaluation[key] < 1:
-            raise ConfigError(f"evaluation.{key}", f"must be a positive integer, got {evaluation[key]!r}")
-    if evaluation.get("dtype", "auto") not in COMPUTE_DTYPES:
-        raise ConfigError("evaluation.dtype", f"must be one of {', '.join(COMPUTE_DTYPES)}, got {evaluation['dtype']!r}")
-    limit = evaluation["max_examples"]
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise ConfigError("evaluation.max_examples", f"must be a positive integer or null, got {limit!r}")
-
-
-def qlora_base(evaluation: Mapping[str, Any]) -> str:
-    """``evaluation.qlora_base`` (schema default ``quantised``: a QLoRA adapter is scored as it was trained)."""
-    return evaluation.get("qlora_base", "quantised")
 
 
 def parse_seed(text: str) -> int | str:
@@ -176,7 +154,8 @@ class LoadedModel:
 def loaded_model(args: argparse.Namespace, task, task_meta: Mapping[str, Any], gpus: int,
                  label: str, qlora_base: str = "quantised", compute_dtype: str = "auto") -> Iterator[LoadedModel]:
     """The model (with ``args.adapter`` when given) on the evaluation device, as evaluate and predict load it,
-    in the dtype ``evaluation.dtype`` (``compute_dtype``) asks for; a QLoRA adapter on its base quantised as in
+    in the dtype ``evaluation.dtype`` (``compute_dtype``) asks for (auto: bf16 on a GPU that supports it, else
+    fp32; fp32 computes in fp32 on a GPU too, where bf16 rounding changes greedy predictions, Yuan et al. 2025); a QLoRA adapter on its base quantised as in
     training, or unquantised (``evaluation.qlora_base``)."""
     torch.manual_seed(0)  # greedy decoding draws nothing, but keep any stray randomness fixed
     if args.adapter and hasattr(task, "trained_task_meta"):  # a classifier: the label set it was trained on
@@ -222,18 +201,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise WorkflowError(f"argument --metric: {args.metric!r} is not a metric of task {args.task!r} "
                             f"(choose from {list(task.metrics)})")
     extra_metrics = also_metrics.parse_argument(args.also_metrics, args.task, task.metrics, args.metric)
-    evaluation = parse_json_argument(args.evaluation, "--evaluation")
-    check_evaluation(evaluation)
+    evaluation = EvaluationSettings.from_json(args.evaluation)
     seed = parse_seed(args.seed)
 
-    rows = load_test_rows(args.data, evaluation["split"], evaluation["max_examples"])
-    check_templates(variant, rows, args.data, evaluation["split"])
+    rows = load_test_rows(args.data, evaluation.split, evaluation.max_examples)
+    check_templates(variant, rows, args.data, evaluation.split)
     model_loading.check_model_directory(args.model)
     task_meta = read_task_meta(args.data, args.task)
-    refuse_unlabelled(task_meta, args.data, evaluation["split"])
+    refuse_unlabelled(task_meta, args.data, evaluation.split)
     label = f"evaluate {args.model_name or Path(args.model).name}/{args.dataset_name}/{args.variant_name}/{seed}"
-    with loaded_model(args, task, task_meta, evaluation["gpus"], label, qlora_base(evaluation),
-                      evaluation.get("dtype", "auto")) as loaded:
+    with loaded_model(args, task, task_meta, evaluation.gpus, label, evaluation.qlora_base,
+                      evaluation.compute_dtype) as loaded:
         result = task.evaluate(loaded.model, loaded.tokenizer, variant, rows, args.metric, evaluation, loaded.device)
     records, score, unparseable = result.records, result.score, result.unparseable
     also = also_metrics.rescore(records, extra_metrics)
@@ -244,14 +222,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "score": score,
         "n_examples": len(records),
         "n_unparseable": unparseable,
-        "split": evaluation["split"],
+        "split": evaluation.split,
         "task": args.task,
         **({"also_scores": also} if also else {}),
         **result.details,
         **model_facts(args, loaded),
         # how it was batched and computed: greedy outputs can move with these (the fairness guard compares them)
-        "batch_size": evaluation["batch_size"], "processes": 1, "dtype_setting": evaluation.get("dtype", "auto"),
-        "manifest": build_manifest("evaluate", {"evaluation": evaluation, "variant": variant, "metric": args.metric}),
+        "batch_size": evaluation.batch_size, "processes": 1, "dtype_setting": evaluation.compute_dtype,
+        "manifest": build_manifest("evaluate", {"evaluation": evaluation.to_dict(), "variant": variant, "metric": args.metric}),
     }
     write_jsonl(args.predictions_out, records)
     write_json(args.summary_out, summary)

@@ -15,7 +15,8 @@ from typing import Sequence
 
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
-from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
+from workflow_scripts.core.section_settings import MixtureSettings
+from workflow_scripts.core.stage_arguments import StageArgumentParser
 from workflow_scripts.data import mixture
 
 
@@ -35,10 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--report", required=True, type=Path)
     args = parser.parse_args(argv)
-    settings = json_setting(args.settings, "--settings")
     components = dict(args.component)
     if len(components) != len(args.component) or len(components) < 2:
         raise WorkflowError("argument --component: give at least two different components")
+    settings = MixtureSettings.from_json(args.settings, args.mixture)
 
     from datasets import DatasetDict, load_from_disk
 
@@ -50,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     order = mixture.plan(sizes, settings)
     mixture.check_passes(order, sizes, settings, args.mixture)
     report = {
-        "mixture": args.mixture, "seed": settings.get("seed", 0),
+        "mixture": args.mixture, "seed": settings.seed,
         "components": {name: {"data": str(components[name]), "train_rows": sizes[name], "share": order.shares[name],
                               "drawn": order.counts[name],
                               "passes": round(order.counts[name] / sizes[name], 4)} for name in names},
@@ -84,7 +85,7 @@ def mixture_fingerprint(metas, settings) -> str:
     from workflow_scripts.core.run_manifest import config_hash
 
     return config_hash({"components": {name: meta.get("input_fingerprint") for name, meta in metas.items()},
-                        "settings": settings})
+                        "settings": settings.to_dict()})
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from workflow_scripts.data.source_paths import SourceNames
 from workflow_scripts.data.rows import Rejected
 from workflow_scripts.core.atomic_output import atomic_path, check_writable, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
-from workflow_scripts.core.experiment_config import validate_section
+from workflow_scripts.checks.sections import validate_section
 from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
 from workflow_scripts.tasks import task_named
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from workflow_scripts.analysis import power
 from workflow_scripts.core import json_files
 from workflow_scripts.core.atomic_output import atomic_path, write_json
-from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
-from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
+from workflow_scripts.core.errors import WorkflowError, run_main
+from workflow_scripts.core.section_settings import ComparisonSettings
+from workflow_scripts.core.stage_arguments import StageArgumentParser
 from workflow_scripts.tasks import metrics
 
 
@@ -34,15 +35,6 @@ def parse_args(argv: Sequence[str] | None):
     parser.add_argument("--out-json", required=True)
     parser.add_argument("--out-markdown", required=True)
     return parser.parse_args(argv)
-
-
-def threshold(comparison: Any) -> float | None:
-    if not isinstance(comparison, dict):
-        raise WorkflowError("argument --comparison: expected a JSON object")
-    value = comparison.get("min_detectable_effect")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-        raise ConfigError("comparison.min_detectable_effect", f"must be a positive number or null, got {value!r}")
-    return value
 
 
 def read_base(text: str) -> tuple[str, str, list[dict]]:
@@ -73,7 +65,7 @@ def read_base(text: str) -> tuple[str, str, list[dict]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    limit = threshold(json_setting(args.comparison, "--comparison"))
+    limit = ComparisonSettings.from_json(args.comparison).min_detectable_effect
     if args.seeds < 1:
         raise WorkflowError(f"argument --seeds: expected a positive number of seeds, got {args.seeds}")
     bases = [read_base(text) for text in args.base]

@@ -18,6 +18,7 @@ from workflow_scripts import evaluate
 from workflow_scripts.core.atomic_output import write_json, write_jsonl
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.run_manifest import build_manifest
+from workflow_scripts.core.section_settings import EvaluationSettings
 from workflow_scripts.core.stage_arguments import StageArgumentParser
 from workflow_scripts.data.normalised_data import read_task_meta
 from workflow_scripts.model import model_loading
@@ -76,8 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.metric not in task.metrics:
         raise WorkflowError(f"argument --metric: {args.metric!r} is not a metric of task {args.task!r} "
                             f"(choose from {list(task.metrics)})")
-    evaluation = evaluate.parse_json_argument(args.evaluation, "--evaluation")
-    evaluate.check_evaluation(evaluation)
+    evaluation = EvaluationSettings.from_json(args.evaluation)
     submission = submission_settings(args.submission)
     suffix = Path(args.submission_out).suffix
     if suffix != f".{submission['format']}":
@@ -94,8 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise WorkflowError(f"{where} is labelled (task_meta.json unlabelled: {task_meta.get('unlabelled', [])}); "
                             "the evaluate rule scores it, predict writes submissions for unlabelled splits only")
     label = f"predict {args.model_name or Path(args.model).name}/{args.dataset_name}/{args.variant_name}/{seed}"
-    with evaluate.loaded_model(args, task, task_meta, evaluation["gpus"], label, evaluate.qlora_base(evaluation),
-                               evaluation.get("dtype", "auto")) as loaded:
+    with evaluate.loaded_model(args, task, task_meta, evaluation.gpus, label, evaluation.qlora_base,
+                               evaluation.compute_dtype) as loaded:
         predicted = task.predict(loaded.model, loaded.tokenizer, variant, rows, args.metric, evaluation, loaded.device)
     answers = [record[predicted.answer_field] for record in predicted.records]
     entries = submission_entries(rows, answers, submission, where)
@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "submission": {**submission, "file": str(args.submission_out)},
         **predicted.details,
         **evaluate.model_facts(args, loaded),
-        "manifest": build_manifest("predict", {"evaluation": evaluation, "variant": variant, "metric": args.metric,
+        "manifest": build_manifest("predict", {"evaluation": evaluation.to_dict(), "variant": variant, "metric": args.metric,
                                                "submission": submission}),
     }
     write_jsonl(args.predictions_out, predicted.records)

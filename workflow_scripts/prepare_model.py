@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
-from workflow_scripts.core.experiment_config import validate_section
+from workflow_scripts.checks.sections import validate_section
 from workflow_scripts.core.run_manifest import build_manifest
 from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
 

@@ -32,6 +32,7 @@ from workflow_scripts.model import memory_estimate, model_loading, quantization
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
 from workflow_scripts.core.run_manifest import build_manifest
+from workflow_scripts.core.section_settings import TrackingSettings
 from workflow_scripts.core.settings import TrainingSettings
 from workflow_scripts.core.stage_arguments import StageArgumentParser
 from workflow_scripts.training import trackers
@@ -144,7 +145,7 @@ def train(args: argparse.Namespace, training: TrainingSettings) -> int:
     context = distributed.setup(use_cuda=training.gpus > 0)
     log, tracker = None, None
     try:
-        tracking = trackers.load_tracking_settings(args.tracking)
+        tracking = TrackingSettings.from_json(args.tracking)
         meta = batching.read_meta(args.data)
         model_loading.check_tokenised_for_model(args.data, meta, args.model)
         dataset = batching.TokenisedSplit(args.data, "train", stored_columns(meta))
@@ -259,7 +260,7 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
         torch.cuda.reset_peak_memory_stats(device)
     setup.model.train()
     compiled = kernels.compile_seconds()
-    if trackers.is_enabled(trackers.load_tracking_settings(args.tracking)):
+    if trackers.is_enabled(TrackingSettings.from_json(args.tracking)):
         # Logging a step to the tracker is a network call on rank 0 that may retry for minutes: the others
         # wait for it in on_main rather than in the next step's all-reduce (one small broadcast per step).
         def log_step(record):

@@ -30,6 +30,7 @@ RUNTIME_ONLY_TRAINING_KEYS = frozenset({
     "gpus", "cpu_processes", "nodes", "dataloader_workers", "checkpoint_every", "log_every",
     "runtime_minutes", "mem_mb", "sanity_batches", "memory_headroom", "signal_grace_seconds",
     "strategy",  # ddp and fsdp compute the same update (tests/test_fsdp.py); checkpoints resume under either
+    "fsdp_mesh",  # flat or hybrid: the same update (tests/test_fsdp_hybrid.py)
 })
 MODEL_FIELDS = ("model_dir", "model_manifest_sha256")
 EVALUATION_KEYS = ("split", "max_new_tokens", "max_examples")
@@ -62,10 +63,10 @@ def comparable_settings(manifest: Mapping[str, Any], summary: Mapping[str, Any] 
         if field in manifest:
             flat[f"model.{field.removeprefix('model_')}"] = manifest[field]
     if summary is not None:
-        evaluation = summary.get("manifest", {}).get("settings", {}).get("evaluation", {})
+        recorded = summary.get("manifest", {}).get("settings", {}).get("evaluation", {})  # eval.json's record
         for key in EVALUATION_KEYS:
-            if key in evaluation:
-                flat[f"evaluation.{key}"] = evaluation[key]
+            if key in recorded:
+                flat[f"evaluation.{key}"] = recorded[key]
         for field in (*MODEL_FIELDS, *EVALUATION_RUN_FIELDS):
             if field in summary:
                 flat[f"evaluation.{field}"] = summary[field]

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from workflow_scripts.core import fsdp_mesh
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 
 
@@ -93,6 +94,7 @@ class TrainingSettings:
     liger_kernels: bool = False
     compile_layers: bool = False
     activation_offloading: bool = False
+    fsdp_mesh: str | None = None  # hybrid | flat; unset resolves in core/fsdp_mesh.py (no schema default)
 
     @classmethod
     def parse(cls, value: Any, key: str = "training", source: str | None = None,
@@ -122,6 +124,7 @@ class TrainingSettings:
         settings._check_length(key, source)
         settings._check_schedule(key, source)
         settings._check_kernels(key, source)
+        fsdp_mesh.check(settings, key, source)
         return settings
 
     @classmethod

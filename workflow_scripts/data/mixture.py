@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.core.section_settings import MixtureSettings
 
 META_NAME = "tokenise_meta.json"
 # Keys of tokenise_meta.json that describe one dataset's rows, not how they were tokenised.
@@ -65,12 +66,12 @@ class Plan:
     shares: dict[str, float]
 
 
-def plan(sizes: Mapping[str, int], settings: Mapping[str, Any]) -> Plan:
+def plan(sizes: Mapping[str, int], settings: MixtureSettings) -> Plan:
     """The mixed train split's rows for the mixture ``settings`` (weights/temperature, rows, seed)."""
-    shares = proportions(sizes, settings.get("weights"), settings.get("temperature"))
-    total = settings.get("rows") or sum(sizes.values())
+    shares = proportions(sizes, settings.weights, settings.temperature)
+    total = settings.rows or sum(sizes.values())
     per_component = counts(shares, total)
-    rng = np.random.default_rng(settings.get("seed", 0))
+    rng = np.random.default_rng(settings.seed)
     sources, rows = [], []
     for position, (name, size) in enumerate(sizes.items()):
         picked = draw(size, per_component[name], rng)
@@ -80,13 +81,13 @@ def plan(sizes: Mapping[str, int], settings: Mapping[str, Any]) -> Plan:
     return Plan(np.concatenate(sources)[order], np.concatenate(rows)[order], per_component, shares)
 
 
-def check_passes(order: Plan, sizes: Mapping[str, int], settings: Mapping[str, Any], mixture: str) -> None:
+def check_passes(order: Plan, sizes: Mapping[str, int], settings: MixtureSettings, mixture: str) -> None:
     """Refuse a mixture that repeats a component's rows more than ``max_passes`` times (default
     MAX_PASSES): most likely a ``rows`` or a weight far off, not a wish to see each row ~1000 times."""
-    limit = settings.get("max_passes") or MAX_PASSES
+    limit = settings.max_passes or MAX_PASSES
     for name, size in sizes.items():
         if size and order.counts[name] > limit * size:
-            key = f"mixtures.{mixture}.rows" if settings.get("rows") else f"mixtures.{mixture}.weights"
+            key = f"mixtures.{mixture}.rows" if settings.rows else f"mixtures.{mixture}.weights"
             raise ConfigError(key, f"draws {order.counts[name]} rows from '{name}', whose train split has {size}: "
                               f"each row would be repeated about {order.counts[name] / size:.0f} times, more than "
                               f"max_passes ({limit}); lower rows or '{name}''s weight, or raise "

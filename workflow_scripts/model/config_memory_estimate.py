@@ -26,6 +26,8 @@ from torch import nn
 
 from workflow_scripts.model import memory_estimate
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
+from workflow_scripts.core import fsdp_mesh
+from workflow_scripts.core.fsdp_mesh import MESHES
 from workflow_scripts.core.settings import TrainingSettings
 from workflow_scripts.model.model_loading import weights_dtype
 
@@ -118,14 +120,15 @@ def base_weight_bytes(model: nn.Module, dtype_bytes: int, quantization: Mapping[
     return root + sum(per_unit.values()), root, max(per_unit.values(), default=0)
 
 
-def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
+def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1, shard_size: int | None = None,
                          lora: Mapping[str, Any] | None = None, precision: str = "bf16",
                          quantization: Mapping[str, Any] | None = None, micro_batch: int = 1,
                          max_length: int = 512, gradient_checkpointing: bool = True,
                          device: str = "cuda") -> dict[str, int]:
     """Bytes per GPU (per process with ``device="cpu"``) by part, and ``total``. ``lora=None`` is a full
     fine-tune; ``source`` may also be a meta model from :func:`meta_model`, so that several estimates
-    build it once."""
+    build it once. ``shard_size``: the processes fsdp shards over when not the world (a hybrid mesh: a
+    node's GPUs, core/fsdp_mesh.py)."""
     if strategy not in STRATEGIES:
         raise ConfigError("strategy", f"'{strategy}' is not one of {', '.join(STRATEGIES)}")
     if world_size < 1:
@@ -141,7 +144,7 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
     if quantization is not None and strategy == "fsdp":  # as training/fsdp.py refuses it
         raise ConfigError("quantization", "fsdp shards unquantised weights only; use qlora or ddp for quantised ones")
     model = meta_model(source)
-    shards = world_size if strategy == "fsdp" else 1
+    shards = (shard_size or world_size) if strategy == "fsdp" else 1
     # The project stores frozen weights as model_loading does: bf16 on GPUs for bf16 runs, else fp32.
     dtype_bytes = torch.empty((), dtype=weights_dtype(precision, torch.device(device))).element_size()
     compute_bytes = 2 if precision in ("bf16", "fp16") else FP32
@@ -177,14 +180,15 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1,
     return parts
 
 
-def loading_from_config(source, *, strategy: str = "ddp", world_size: int = 1, lora: Mapping[str, Any] | None = None,
+def loading_from_config(source, *, strategy: str = "ddp", world_size: int = 1, shard_size: int | None = None,
+                        lora: Mapping[str, Any] | None = None,
                         precision: str = "bf16", device: str = "cuda", **_loop_settings) -> dict[str, int] | None:
     """FSDP's loading peak per GPU (per process with ``device="cpu"``), by part as
     ``memory_estimate.loading_estimate`` gives it, with ``total``; None unless fsdp over 2+ processes.
 
-    ``shards`` (its share of every weight), ``whole_unit`` (the largest unit whole: rank 0 moves one unit at a
-    time to its GPU before sharding it), ``host_copy`` (rank 0's copy of the whole model, counted on the CPU,
-    where it shares the node with the processes)."""
+    ``shards`` (its share of every weight, over ``shard_size`` processes if given), ``whole_unit`` (the
+    largest unit whole: rank 0 moves one unit at a time to its GPU before sharding it), ``host_copy`` (rank
+    0's copy of the whole model, counted on the CPU, where it shares the node with the processes)."""
     if strategy != "fsdp" or world_size < 2:
         return None
     model = meta_model(source)
@@ -195,7 +199,8 @@ def loading_from_config(source, *, strategy: str = "ddp", world_size: int = 1, l
         whole, unit = sum(p.numel() for p in model.parameters()) * FP32, int(max(root, largest_unit) * scale)
     else:
         whole, unit = total_base + lora_parameters(model, lora["rank"], lora["target_modules"])[0] * FP32, max(root, largest_unit)
-    parts = {"shards": whole // world_size, "whole_unit": unit, "host_copy": whole if device == "cpu" else 0,
+    parts = {"shards": whole // (shard_size or world_size), "whole_unit": unit,
+             "host_copy": whole if device == "cpu" else 0,
              "runtime_overhead": memory_estimate.CUDA_RUNTIME_OVERHEAD if device == "cuda" else 0}
     parts["total"] = sum(parts.values())
     return parts
@@ -213,6 +218,12 @@ def training_arguments(training: TrainingSettings) -> dict[str, Any]:
     }
 
 
+def mesh_arguments(training: TrainingSettings) -> dict[str, Any]:
+    """estimate_from_config's strategy, world size and, on a hybrid FSDP mesh, the shard size (a node's ranks)."""
+    return {"strategy": training.strategy, "world_size": training.world_size,
+            "shard_size": fsdp_mesh.shards(training) if training.sharded else None}
+
+
 def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[str, Any]:
     """Whether the run fits ``headroom`` of ``capacity`` bytes per GPU, and if not which one change would:
     ``fits``, ``estimate``, ``alternatives`` ([(change, total)] that fit) and ``line`` for the user."""
@@ -224,7 +235,9 @@ def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[
     h = memory_estimate.human
     need = max(parts["total"], loading["total"] if loading else 0)
     while_loading = " (its loading peak)" if need > parts["total"] else ""
-    head = (f"{settings['strategy']} on {settings['world_size']} GPU(s) needs {h(need)} per GPU{while_loading}; "
+    mesh = (f" (hybrid: sharded over {settings['shard_size']} per node)"
+            if settings["strategy"] == "fsdp" and settings.get("shard_size") else "")
+    head = (f"{settings['strategy']} on {settings['world_size']} GPU(s){mesh} needs {h(need)} per GPU{while_loading}; "
             f"{h(budget)} allowed ({headroom:.0%} of {h(capacity)})")
     if need <= budget:
         return {"fits": True, "estimate": parts, "loading": loading, "alternatives": [], "line": f"fits: {head}"}
@@ -289,7 +302,7 @@ def local_model_config(name: str, spec: Mapping[str, Any], root: Path) -> dict |
     return None
 
 
-def _is_causal_lm(fields: Mapping[str, Any]) -> bool:
+def is_causal_lm(fields: Mapping[str, Any]) -> bool:
     """Only causal LMs are built here (meta_model); others (VLMs, encoders) are left to the gate."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -327,8 +340,8 @@ def host_memory(model: nn.Module, training: TrainingSettings, parts: Mapping[str
         per_rank = PROCESS_HOST_BYTES + CUDA_HOST_BYTES + copy
     else:
         if parts is None:
-            parts = estimate_from_config(model, strategy=training.strategy, world_size=training.world_size,
-                                         device="cpu", **training_arguments(training))
+            parts = estimate_from_config(model, device="cpu", **mesh_arguments(training),
+                                         **training_arguments(training))
         copy = parts["total"]
         per_rank = PROCESS_HOST_BYTES + copy
     full_copy = 0
@@ -363,64 +376,6 @@ def host_memory_problem(name: str, variant: str, host: Mapping[str, int], traini
             f"mem_mb {training.mem_mb} ({h(budget)}). Fix: raise training.mem_mb to at least {needed_mb}")
 
 
-def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> list[dict[str, Any]]:
-    """Estimate every (model, variant) whose model config is here, before any job runs, and raise a
-    ConfigError naming ``training.mem_mb`` and the figure needed when one needs more host memory per node
-    than the config declares (:func:`host_memory`: CPU and GPU jobs).
-
-    Returns what was checked: ``[{model, variant, estimate, host, declared, processes}]`` (``estimate``: the
-    per-process figures of a CPU job, None for a GPU job, whose device memory the gate checks).
-    """
-    from workflow_scripts.core import experiment_config as xc
-
-    from workflow_scripts.tasks import task_named
-
-    root = Path(root)
-    checked = []
-    # Only the (model, variant) pairs the matrix runs, and only where the task loads a causal LM (the model
-    # meta_model builds): a BERT under a masked-LM task is not estimated as BertLMHeadModel.
-    pairs = {(model, variant) for model, entry, variant in xc.model_entry_variants(config)
-             if task_named(xc.entry_task(config, entry)).auto_model_class == "AutoModelForCausalLM"}
-    for name, spec in xc.models(config).items():
-        variants = [variant for variant in config["variants"] if (name, variant) in pairs]
-        source = local_model_config(name, spec, root)
-        if source is None or not variants or not _is_causal_lm(source):
-            continue  # nothing to read without a download
-        model = meta_model(source)
-        for variant in variants:
-            training = xc.training_settings(config, variant, name)
-            parts = loading = None
-            if training.gpus == 0:
-                parts = estimate_from_config(model, strategy=training.strategy, world_size=training.world_size,
-                                             device="cpu", **training_arguments(training))
-                loading = loading_from_config(model, strategy=training.strategy, world_size=training.world_size,
-                                              device="cpu", **training_arguments(training))
-            host = host_memory(model, training, parts)
-            checked.append({"model": name, "variant": variant, "estimate": parts, "host": host, "loading": loading,
-                            "declared": training.mem_mb * 2**20, "processes": host["ranks"]})
-            # CPU fsdp's loading: rank 0's copy of the whole model once, beside every process and its share and unit.
-            if loading is not None:
-                per_process = PROCESS_HOST_BYTES + loading["total"] - loading["host_copy"]
-                loading_node = loading["host_copy"] + host["ranks"] * per_process
-                budget = int(training.mem_mb * 2**20 * training.memory_headroom)
-                if loading_node > max(budget, host["total"]):
-                    h = memory_estimate.human
-                    raise ConfigError(
-                        "training.mem_mb",
-                        f"model '{name}', variant '{variant}': loading under training.strategy: fsdp is estimated at "
-                        f"{h(loading_node)} on the node (rank 0's host copy of the whole model {h(loading['host_copy'])}, "
-                        f"and each of {host['ranks']} processes with its share and one whole unit), over "
-                        f"{training.memory_headroom:.0%} of the declared mem_mb {training.mem_mb} ({h(budget)}). "
-                        f"Fix: raise training.mem_mb to at least "
-                        f"{math.ceil(loading_node / training.memory_headroom / 2**20)}, or use a smaller model")
-            problem = host_memory_problem(name, variant, host, training)
-            if problem is not None:
-                if parts is not None:  # CPU: the training state itself may be what is too big
-                    problem += f", or {memory_estimate.knob_advice(parts, training, torch.device('cpu'))}"
-                raise ConfigError("training.mem_mb", problem)
-    return checked
-
-
 def parse_size(text: str) -> int:
     """'80GiB', '80GB', '81920MiB' or a plain number of bytes."""
     match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
@@ -436,6 +391,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config-json", required=True, help="a model's config.json, or its directory")
     parser.add_argument("--gpus", type=int, default=1, help="world size: GPUs over all nodes")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (evenly)")
+    parser.add_argument("--fsdp-mesh", choices=MESHES, help="fsdp on several nodes: hybrid (default: shard "
+                        "within a node, replicate across nodes) or flat (shard over all GPUs)")
     parser.add_argument("--gpu-memory", type=parse_size, required=True, help="per GPU, e.g. 80GiB")
     parser.add_argument("--strategy", choices=STRATEGIES, default="ddp")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
@@ -452,8 +410,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     quantization = {"bits": args.bits, "double_quant": not args.no_double_quant} if args.bits else None
     if args.strategy == "qlora" and quantization is None:
         quantization = {**QLORA_DEFAULT, "double_quant": not args.no_double_quant}
+    if args.nodes < 1 or args.gpus % args.nodes:
+        raise ConfigError("nodes", f"{args.nodes} nodes cannot share {args.gpus} GPUs evenly; give --gpus as a "
+                          "multiple of --nodes (the GPUs over all nodes)")
+    hybrid = args.nodes > 1 and args.gpus > args.nodes and args.fsdp_mesh != "flat"  # fsdp only; also its alternative
     result = advise(args.config_json, capacity=args.gpu_memory, headroom=args.headroom, strategy=args.strategy,
-                    world_size=args.gpus, lora=lora, precision=args.precision, quantization=quantization,
+                    world_size=args.gpus, shard_size=args.gpus // args.nodes if hybrid else None, lora=lora,
+                    precision=args.precision, quantization=quantization,
                     micro_batch=args.micro_batch, max_length=args.max_length,
                     gradient_checkpointing=not args.no_gradient_checkpointing)
     for part, size in result["estimate"].items():

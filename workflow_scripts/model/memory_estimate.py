@@ -13,6 +13,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from workflow_scripts.core import fsdp_mesh
 from workflow_scripts.core.settings import TrainingSettings
 
 CUDA_RUNTIME_OVERHEAD = 1 << 30  # CUDA context, cuBLAS workspaces and allocator fragmentation
@@ -112,9 +113,9 @@ def loading_estimate(peft_model: nn.Module, training: TrainingSettings, device: 
     ``set_model_state_dict`` broadcasts is smaller); ``host_copy``: the whole model rank 0 reads into host
     memory, counted when the device is the host (the CPU), for the process that holds it.
     """
-    shards = training.world_size
-    if not training.sharded or shards < 2:
+    if not training.sharded or training.world_size < 2:
         return None
+    shards = fsdp_mesh.shards(training)  # a node's ranks on a hybrid mesh, else the world
     params = list(peft_model.parameters())
     parts = {
         "shards": _bytes(params, shards),
@@ -129,15 +130,15 @@ def loading_estimate(peft_model: nn.Module, training: TrainingSettings, device: 
 def estimate(peft_model: nn.Module, training: TrainingSettings, device: torch.device) -> dict[str, int]:
     """Bytes per process by component; ``total`` includes the CUDA runtime overhead on GPUs.
 
-    Under ``training.strategy: fsdp`` every parameter is sharded over the world size (``fsdp.shard``
-    wraps each decoder layer and the root), so weights, adapters, gradients and AdamW state count one
+    Under ``training.strategy: fsdp`` every parameter is sharded over the world size, or on a hybrid
+    mesh over a node's ranks (``fsdp.shard`` wraps each decoder layer and the root), so weights, adapters, gradients and AdamW state count one
     rank's share, plus the units gathered for compute. The model may be sharded already or not: sizes
     are read from the parameters' full shapes either way (a DTensor reports its global shape).
     """
     from workflow_scripts.model.quantization import quant_state_bytes
 
     sharded = training.sharded
-    shards = training.world_size if sharded else 1
+    shards = fsdp_mesh.shards(training)  # 1 unsharded; a node's ranks on a hybrid mesh
     # A bitsandbytes weight counts as stored (a Params4bit holds n/2 uint8), plus its absmax/scales.
     frozen = _bytes((p for p in peft_model.parameters() if not p.requires_grad), shards)
     frozen += quant_state_bytes(peft_model)  # FSDP refuses quantised weights: never sharded
@@ -214,7 +215,10 @@ def loading_advice(loading: Mapping[str, int], training: TrainingSettings) -> st
     if loading["host_copy"] >= max(loading["shards"], loading["whole_unit"]):
         return (f"give the node more memory (training.mem_mb, now {training.mem_mb}) or use a smaller model: rank 0 "
                 f"reads the whole model ({human(loading['host_copy'])}) into host memory before sharding it")
-    return (f"shard over more processes (each holds a smaller share; now {training.world_size}), or use a device "
+    hybrid = len(fsdp_mesh.shape(training)) == 2
+    over = (f"{fsdp_mesh.shards(training)}, a node's ranks on the hybrid mesh: set training.fsdp_mesh: flat to "
+            f"shard over all {training.world_size}" if hybrid else f"{training.world_size}")
+    return (f"shard over more processes (each holds a smaller share; now {over}), or use a device "
             "with more memory or a smaller model")
 
 

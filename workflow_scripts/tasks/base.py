@@ -47,6 +47,8 @@ The contract, stage by stage (batches are dicts of tensors plus plain fields):
   ``predict(...)`` (optional: generation, vision_language, classification) returns :class:`Predictions`,
   the same predictions without reading any gold: the ``predict`` stage writes them for an unlabelled split
   (a leaderboard's test set) in its submission format; evaluate scores the same records.
+  ``score_predictions(rows, predictions, metric)`` (with ``predict``) is evaluate's scoring of them, in
+  ``rows``' order: the validation metric scores on rank 0 the predictions every rank made for its share.
   ``trained_task_meta(task_meta, trained_dir, dataset)`` (optional: classification) returns the task meta a
   TRAINED model is loaded with at evaluate / predict (a classifier's head: the label set saved beside its
   weights, checked against the evaluated dataset's); without it the evaluated dataset's task meta is used.
@@ -64,6 +66,7 @@ if TYPE_CHECKING:  # annotations only: loading a task for its data needs no torc
     import torch
     from torch import nn
 
+    from workflow_scripts.core.section_settings import EvaluationSettings
     from workflow_scripts.core.settings import TrainingSettings
 
 
@@ -132,7 +135,7 @@ class Task(Protocol):
     def loss_module(self, peft_model: nn.Module) -> nn.Module: ...
 
     def evaluate(self, model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict], metric: str,
-                 evaluation: Mapping[str, Any], device: torch.device) -> EvaluationResult: ...
+                 evaluation: "EvaluationSettings", device: torch.device) -> EvaluationResult: ...
 
     # Optional: tasks that can predict a split without gold (the ``predict`` stage, unlabelled splits) set it.
     # def predict(self, model, tokenizer, variant, rows, metric, evaluation, device) -> Predictions: ...

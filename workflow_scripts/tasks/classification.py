@@ -20,17 +20,11 @@ finite, non-zero gradient).
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 import math
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
-
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.data.rows import FieldsMapper, Rejected, present as _present, text as _text
@@ -38,7 +32,10 @@ from workflow_scripts.tasks import templates
 from workflow_scripts.tasks.base import EvaluationResult, Predictions
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from workflow_scripts.core.settings import TrainingSettings
+    from workflow_scripts.tasks.classification_loss import ClassificationLoss
 
 DEFAULT_INPUT = "{text}"
 GOLD_FIELDS = ("label",)  # a template that shows the label would leak the answer
@@ -230,12 +227,16 @@ class ClassificationCollator:
 
     def __init__(self, pad_token_id: int, vocab_size: int, num_labels: int,
                  class_weights: Sequence[float] | None = None):
+        import torch
+
         self.pad_token_id, self.vocab_size, self.num_labels = pad_token_id, vocab_size, num_labels
         if class_weights is not None and len(class_weights) != num_labels:
             raise WorkflowError(f"{len(class_weights)} class weights for {num_labels} classes; re-run pretokenise")
         self.class_weights = None if class_weights is None else torch.tensor(list(class_weights), dtype=torch.float32)
 
     def __call__(self, rows: list[dict]) -> dict:
+        import torch
+
         if not rows:
             raise WorkflowError("empty batch: the sampler produced a micro-batch without rows")
         width = max(len(r["input_ids"]) for r in rows)
@@ -270,54 +271,6 @@ class ClassificationCollator:
         if self.class_weights is not None:
             batch["class_weights"] = self.class_weights.clone()  # a fresh tensor: pinning/moving must not alias
         return batch
-
-
-@functools.lru_cache(maxsize=None)
-def _parameters(model_class: type) -> frozenset[str]:
-    return frozenset(inspect.signature(model_class.forward).parameters)
-
-
-def _accepts(model: nn.Module, name: str) -> bool:
-    return name in _parameters(type(model.get_base_model() if hasattr(model, "get_base_model") else model))
-
-
-def _forward(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-    """Pooled logits (rows x classes); segment ids only for models that take them (BERT does, Llama does not)."""
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    if "token_type_ids" in batch and _accepts(model, "token_type_ids"):
-        inputs["token_type_ids"] = batch["token_type_ids"]
-    if _accepts(model, "use_cache"):
-        inputs["use_cache"] = False
-    return model(**inputs).logits
-
-
-class ClassificationLoss(nn.Module):
-    """Cross-entropy SUMMED over the rows; the caller divides by the global batch's ``target_tokens``.
-
-    With class weights the sum is ``sum_i w[y_i] * CE_i`` (``F.cross_entropy(weight=, reduction="sum")``)
-    and the collator's ``target_tokens`` is ``sum_i w[y_i]``, so the step's loss is the weighted mean of
-    torch's ``CrossEntropyLoss(weight=w)`` (reduction ``mean``: "the sum of the weighted losses divided
-    by the sum of the weights", https://pytorch.org/docs/stable/generated/torch.nn.CrossEntropyLoss.html;
-    a transformers Trainer given ``CrossEntropyLoss(weight=w)`` computes the same per batch), here over the
-    whole global batch (every micro-batch and process). Without weights it is the mean over rows.
-    The weights come from the batch (the collator's, from the variant) or, for direct use, from
-    ``class_weights`` here (then divide by the summed weights yourself); never both.
-    """
-
-    def __init__(self, wrapped: nn.Module, class_weights: Sequence[float] | None = None):
-        super().__init__()
-        self.wrapped = wrapped  # the PEFT model (parameter_names.unwrap finds it under this name)
-        device = next(wrapped.parameters()).device
-        weights = None if class_weights is None else torch.tensor(list(class_weights), dtype=torch.float32, device=device)
-        self.register_buffer("class_weights", weights)
-
-    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        weights = batch.get("class_weights")
-        if weights is not None and self.class_weights is not None:
-            raise RuntimeError("class weights given twice: by the batch (tokenise_meta.json) and by the loss module")
-        logits = _forward(self.wrapped, batch)
-        weights = self.class_weights if weights is None else weights
-        return F.cross_entropy(logits.float(), batch["labels"], weight=weights, reduction="sum")
 
 
 def head_module_names(model: nn.Module) -> list[str]:
@@ -389,6 +342,8 @@ def _trained_copy(module: nn.Module, adapter: str) -> nn.Module | None:
 
 def _output_size(head: nn.Module) -> int | None:
     """The class count a head produces: its last linear layer's outputs (None if it has no nn.Linear)."""
+    from torch import nn
+
     linears = [m for m in head.modules() if isinstance(m, nn.Linear)]
     return linears[-1].out_features if linears else None
 
@@ -468,6 +423,8 @@ def check_batch(batch: Mapping[str, Any], num_labels: int) -> str:
     if labels.dim() != 1 or labels.dtype.is_floating_point:
         _refuse("classification_batch", f"labels of shape {tuple(labels.shape)} and dtype {labels.dtype}: expected one "
                 "integer class id per row", "build batches with the classification task's collator")
+    import torch
+
     values = labels.cpu()
     outside = (values < 0) | (values >= num_labels)
     if outside.any():
@@ -482,6 +439,8 @@ def check_batch(batch: Mapping[str, Any], num_labels: int) -> str:
 
 def check_gradients(peft_model: nn.Module) -> str:
     """After the first backward: every head parameter has a finite, non-zero gradient."""
+    import torch
+
     model = _inner(peft_model)
     adapter = _adapter_name(model)
     norms = []
@@ -631,6 +590,8 @@ class ClassificationTask:
         return ClassificationCollator(meta["pad_token_id"], vocab_size, meta["num_labels"], meta.get("class_weights"))
 
     def loss_module(self, peft_model: nn.Module, class_weights: Sequence[float] | None = None) -> ClassificationLoss:
+        from workflow_scripts.tasks.classification_loss import ClassificationLoss
+
         return ClassificationLoss(peft_model, class_weights)
 
     # The gate's task-specific checks (sanity calls them beside preflight_checks'): detail string or PreflightError.
@@ -651,11 +612,15 @@ class ClassificationTask:
         return check_gradients(peft_model)
 
     def predict(self, model, tokenizer, variant, rows, metric, evaluation, device) -> Predictions:
-        """Argmax class per row, no label read; ``evaluation["max_length"]`` must be training's, so texts are
+        """Argmax class per row, no label read; ``evaluation.max_length`` must be training's, so texts are
         cut the same way."""
+        import torch
+
+        from workflow_scripts.tasks.classification_loss import pooled_logits
+
         if metric not in self.metrics:
             raise WorkflowError(f"metric {metric!r} is not a classification metric (known: {list(self.metrics)})")
-        if evaluation.get("max_length") is None:
+        if evaluation.max_length is None:
             raise WorkflowError("evaluation max_length is missing: classification truncates test texts as training did")
         variant = self.check_variant(variant)
         names = [model.config.id2label[i] for i in range(model.config.num_labels)]
@@ -665,12 +630,12 @@ class ClassificationTask:
         predicted = []
         model.eval()
         with torch.no_grad():
-            for start in range(0, len(rows), evaluation["batch_size"]):
-                chunk = rows[start:start + evaluation["batch_size"]]
-                encoded = encode(tokenizer, variant, chunk, evaluation["max_length"])
+            for start in range(0, len(rows), evaluation.batch_size):
+                chunk = rows[start:start + evaluation.batch_size]
+                encoded = encode(tokenizer, variant, chunk, evaluation.max_length)
                 batch = collate([{**e, "id": r["id"], "label": 0} for e, r in zip(encoded, chunk)])  # label unused
                 tensors = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-                predicted += [names[i] for i in _forward(model, tensors).float().argmax(-1).tolist()]
+                predicted += [names[i] for i in pooled_logits(model, tensors).float().argmax(-1).tolist()]
         records = []
         for row, pred in zip(rows, predicted):  # text: the rendered input, as the model saw it
             pair = {"text_pair": row["text_pair"]} if row.get("text_pair") is not None else {}
@@ -680,11 +645,15 @@ class ClassificationTask:
 
     def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device):
         """The predictions (:meth:`predict`) scored against each row's label."""
-        names = [model.config.id2label[i] for i in range(model.config.num_labels)]
-        for row in rows:
-            if row["label"] not in names:
-                raise WorkflowError(f"row id {row['id']!r}: label {row['label']!r} is not one of the model's classes {names}")
-        result = self.predict(model, tokenizer, variant, rows, metric, evaluation, device)
+        _check_labels(rows, [model.config.id2label[i] for i in range(model.config.num_labels)])  # before predicting
+        return self.score_predictions(rows, self.predict(model, tokenizer, variant, rows, metric, evaluation, device),
+                                      metric)
+
+    def score_predictions(self, rows, result: Predictions, metric: str) -> EvaluationResult:
+        """``predict``'s records (in ``rows``' order, the label set in their details) scored against each
+        row's label: evaluate's scoring."""
+        names = list(result.details["labels"])
+        _check_labels(rows, names)
         records = [{**{k: v for k, v in record.items() if k != "parsed"}, "gold": row["label"],
                     "score": int(record["predicted"] == row["label"]), "parsed": True}
                    for row, record in zip(rows, result.records, strict=True)]
@@ -693,6 +662,12 @@ class ClassificationTask:
         scores = {"accuracy": accuracy(golds, predicted), "macro_f1": macro_f1(golds, predicted, names)}
         return EvaluationResult(records, scores[metric], 0, {
             **scores, "labels": names, "confusion_matrix": confusion_matrix(golds, predicted, names)})
+
+
+def _check_labels(rows, names: list[str]) -> None:
+    for row in rows:
+        if row["label"] not in names:
+            raise WorkflowError(f"row id {row['id']!r}: label {row['label']!r} is not one of the model's classes {names}")
 
 
 class LabelSetState:
@@ -722,3 +697,13 @@ class LabelSetState:
 
 
 TASK = ClassificationTask()
+
+
+def __getattr__(name: str):
+    """``classification.ClassificationLoss`` without torch at import: normalise and compare load this module for
+    its task object's data (row mapping, label set) and must not pay for torch (tests/test_stage_imports.py)."""
+    if name == "ClassificationLoss":
+        from workflow_scripts.tasks.classification_loss import ClassificationLoss
+
+        return ClassificationLoss
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -55,9 +55,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-import torch
-from torch import nn
-
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.data.rows import FieldsMapper, Rejected, present
 from workflow_scripts.tasks import generation, metrics
@@ -65,6 +62,10 @@ from workflow_scripts.tasks.base import EvaluationResult
 from workflow_scripts.tasks.templates import token_ids
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from workflow_scripts.core.section_settings import EvaluationSettings
     from workflow_scripts.core.settings import LoraSettings, TrainingSettings
 
 ROLES = ("system", "user", "assistant")
@@ -370,15 +371,16 @@ def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: Mapping[str
 
 
 # --- evaluation ----------------------------------------------------------------------------------------
-@torch.no_grad()
 def generate_from_ids(model, tokenizer, prompts: Sequence[Sequence[int]], stop_ids: Sequence[int], batch_size: int,
                       max_new_tokens: int, device: torch.device) -> list[str]:
     """Greedy continuations of token-id prompts (generation.generate's batching, stops given)."""
+    import torch
+
     tokenizer.padding_side = "left"
     config = generation.greedy_generation_config(max_new_tokens, stop_ids, tokenizer.pad_token_id)
     order = sorted(range(len(prompts)), key=lambda index: -len(prompts[index]))
     outputs: list[str | None] = [None] * len(prompts)
-    with generation.decoding_with(model, config):
+    with torch.no_grad(), generation.decoding_with(model, config):
         for start in range(0, len(order), batch_size):
             batch = order[start:start + batch_size]
             padded = tokenizer.pad({"input_ids": [list(prompts[i]) for i in batch]}, padding=True, return_tensors="pt")
@@ -393,7 +395,7 @@ def generate_from_ids(model, tokenizer, prompts: Sequence[Sequence[int]], stop_i
 
 
 def evaluate(model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict], metric: str,
-             evaluation: Mapping[str, Any], device: torch.device) -> EvaluationResult:
+             evaluation: "EvaluationSettings", device: torch.device) -> EvaluationResult:
     if metric not in metrics.STRING_METRICS:
         raise WorkflowError(f"metric {metric!r} is not a conversation metric (known: {list(metrics.STRING_METRICS)})")
     if not rows:
@@ -404,12 +406,12 @@ def evaluate(model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict],
     prompts = [item.input_ids[:item.prompt_length] for item in labelled]
     end_of_turn_ids = sorted({item.end_of_turn[-1] for item in labelled})
     stop_ids = sorted(set(generation.stop_token_ids(tokenizer, model)) | set(end_of_turn_ids))
-    outputs = generate_from_ids(model, tokenizer, prompts, stop_ids, evaluation["batch_size"],
-                                evaluation["max_new_tokens"], device)
+    outputs = generate_from_ids(model, tokenizer, prompts, stop_ids, evaluation.batch_size,
+                                evaluation.max_new_tokens, device)
     golds = [{"id": row["id"], "answers": [row["messages"][-1]["content"]]} for row in rows]
     records, score, unparseable = generation.score_outputs(golds, [item.prompt_text for item in labelled], outputs,
                                                            WHOLE, metric)
-    config = generation.greedy_generation_config(evaluation["max_new_tokens"], stop_ids, tokenizer.pad_token_id)
+    config = generation.greedy_generation_config(evaluation.max_new_tokens, stop_ids, tokenizer.pad_token_id)
     return EvaluationResult(records, score, unparseable, {
         "decoding": "greedy", "generation_config": generation.recorded_decoding(config),
         "end_of_turn_token_ids": end_of_turn_ids,

@@ -275,16 +275,21 @@ class GenerationTask:
     def predict(self, model, tokenizer, variant, rows, metric, evaluation, device) -> Predictions:
         """Greedy outputs and extracted answers, no gold read (evaluate scores them; predict submits them)."""
         prompts = [templates.render_prompt(variant, row, tokenizer) for row in rows]
-        outputs = generate(model, tokenizer, variant, prompts, evaluation["batch_size"],
-                           evaluation["max_new_tokens"], device)
+        outputs = generate(model, tokenizer, variant, prompts, evaluation.batch_size,
+                           evaluation.max_new_tokens, device)
         decoding = recorded_decoding(greedy_generation_config(
-            evaluation["max_new_tokens"], stop_token_ids(tokenizer, model), tokenizer.pad_token_id))
+            evaluation.max_new_tokens, stop_token_ids(tokenizer, model), tokenizer.pad_token_id))
         return Predictions(prediction_records(rows, prompts, outputs, variant, metric), "extracted",
                            {"decoding": "greedy", "generation_config": decoding})
 
     def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device) -> EvaluationResult:
+        check_rows(rows)  # before generating: a row without answers fails at once
+        return self.score_predictions(rows, self.predict(model, tokenizer, variant, rows, metric, evaluation,
+                                                         device), metric)
+
+    def score_predictions(self, rows, predicted: Predictions, metric: str) -> EvaluationResult:
+        """``predict``'s records (in ``rows``' order) scored against each row's answers: evaluate's scoring."""
         check_rows(rows)
-        predicted = self.predict(model, tokenizer, variant, rows, metric, evaluation, device)
         records, score, unparseable = score_records(rows, predicted.records, metric)
         return EvaluationResult(records, score, unparseable, predicted.details)
 

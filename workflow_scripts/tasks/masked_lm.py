@@ -62,14 +62,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.tasks.base import EvaluationResult
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from workflow_scripts.core.section_settings import EvaluationSettings
     from workflow_scripts.core.settings import TrainingSettings
 
 IGNORE_INDEX = -100
@@ -293,6 +294,8 @@ class MaskingCollator:
         original = input_ids[chosen]
         input_ids[chosen] = np.where(draw < MASK_SHARE, self.mask_token_id,
                                      np.where(draw < MASK_SHARE + RANDOM_SHARE, random_ids, original))
+        import torch
+
         labels_t = torch.from_numpy(labels)
         target_index = torch.from_numpy(np.flatnonzero(chosen.reshape(-1)))
         real_tokens = int(attention_mask.sum())
@@ -305,46 +308,6 @@ class MaskingCollator:
 
 
 # Loss ---------------------------------------------------------------------------------------------
-def masked_logits(model: nn.Module, input_ids, attention_mask, target_index) -> torch.Tensor:
-    """(targets x vocabulary) logits at the flattened positions ``target_index``, from the model's own
-    forward; a pre-hook gives the output layer only those positions' hidden states (as generation's
-    TargetTokenLoss), so the vocabulary-sized logits exist for ~15% of the tokens only."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = inner.get_output_embeddings()
-    if head is None:  # no separate output layer: slice the full logits
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-        return logits.reshape(-1, logits.shape[-1]).index_select(0, target_index)
-
-    def keep_targets(module, args, kwargs):
-        hidden = args[0] if args else kwargs.pop("input")
-        if hidden.shape[:2] != input_ids.shape:
-            raise RuntimeError(f"the output layer got hidden states of shape {tuple(hidden.shape)} for input ids "
-                               f"{tuple(input_ids.shape)}; expected one per input position")
-        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, target_index).unsqueeze(0), *args[1:]), kwargs
-
-    handle = head.register_forward_pre_hook(keep_targets, with_kwargs=True)
-    try:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    finally:
-        handle.remove()
-    logits = logits.reshape(-1, logits.shape[-1])
-    if logits.shape[0] != target_index.shape[0]:
-        raise RuntimeError(f"the model returned {logits.shape[0]} logit rows for {target_index.shape[0]} masked tokens")
-    return logits
-
-
-class MaskedTokenLoss(nn.Module):
-    """Cross-entropy SUMMED over the masked positions; the caller divides by the global batch's count."""
-
-    def __init__(self, wrapped: nn.Module):
-        super().__init__()
-        self.wrapped = wrapped  # parameter_names.unwrap finds the model under this name
-
-    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        logits = masked_logits(self.wrapped, batch["input_ids"], batch["attention_mask"], batch["target_index"])
-        return F.cross_entropy(logits.float(), batch["target_ids"], reduction="sum")
-
-
 # Evaluation ---------------------------------------------------------------------------------------
 def check_metric(metric: str) -> None:
     if metric not in METRICS:
@@ -370,15 +333,20 @@ def eval_positions(row_id: str, special: np.ndarray) -> np.ndarray:
 
 
 def evaluate(model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict], metric: str,
-             evaluation: Mapping[str, Any], device: torch.device) -> EvaluationResult:
+             evaluation: "EvaluationSettings", device: torch.device) -> EvaluationResult:
     """Score every test line with its fixed mask (all chosen positions [MASK]), in batches sorted by
     length. Records: ``{id, masked, correct, loss_sum, score, counts}``; ``counts`` is
     ``[correct, masked]`` for masked_accuracy and ``[loss_sum, masked]`` otherwise."""
+    import torch
+    import torch.nn.functional as F
+
+    from workflow_scripts.tasks.masked_lm_loss import masked_logits
+
     check_metric(metric)
     check_tokenizer(tokenizer)
-    if "max_length" not in evaluation:
+    if evaluation.max_length is None:
         raise ConfigError("evaluation.max_length", "masked LM evaluation needs the tokens per test line")
-    max_length, batch_size = evaluation["max_length"], evaluation["batch_size"]
+    max_length, batch_size = evaluation.max_length, evaluation.batch_size
     missing = [k for k, row in enumerate(rows) if "text" not in row]
     if missing:
         raise WorkflowError(f"test row {missing[0]}: no 'text' field; is this text_lines normalise output?")
@@ -472,6 +440,8 @@ MASKED_SHARE_SLACK = 2
 
 def check_masked_share(batch: Mapping[str, Any], tokenizer, labelled: torch.Tensor) -> tuple[int, int, int]:
     """(masked, maskable, budget) of the batch; refuses a masked count outside the bounds above."""
+    import torch
+
     if "mask_rate" not in batch:
         _refuse("masked_lm_batch", "the batch does not say its mask_rate", "build batches with the task's collator")
     rate = batch["mask_rate"]
@@ -503,6 +473,8 @@ def check_batch(batch: Mapping[str, Any], tokenizer) -> str:
     """Refuses a batch without a masked token, with labels on special or padding tokens, with far more
     unchanged labelled tokens than the 10% "keep" share allows (labels on unmasked positions), or whose
     masked share is far from mask_rate (``check_masked_share``)."""
+    import torch
+
     labels, input_ids, attention = batch["labels"].cpu(), batch["input_ids"].cpu(), batch["attention_mask"].cpu()
     labelled = labels != IGNORE_INDEX
     n = int(labelled.sum())
@@ -603,6 +575,8 @@ class MaskedLMTask:
                                mask_rate=variant["mask_rate"], whole_word=variant["whole_word"], seed=seed)
 
     def loss_module(self, peft_model: nn.Module) -> nn.Module:
+        from workflow_scripts.tasks.masked_lm_loss import MaskedTokenLoss
+
         return MaskedTokenLoss(peft_model)
 
     def evaluate(self, model, tokenizer, variant, rows, metric, evaluation, device) -> EvaluationResult:
@@ -623,3 +597,13 @@ class MaskedLMTask:
 
 
 TASK = MaskedLMTask()
+
+
+def __getattr__(name: str):
+    """``masked_lm.MaskedTokenLoss`` without torch at import: normalise and compare load this module for its
+    task object's data and must not pay for torch (tests/test_stage_imports.py)."""
+    if name == "MaskedTokenLoss":
+        from workflow_scripts.tasks.masked_lm_loss import MaskedTokenLoss
+
+        return MaskedTokenLoss
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,21 +16,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
-from typing import Any, Mapping, Sequence
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.core.settings import LoraSettings, TrainingSettings
-from workflow_scripts.data.batching import PaddingCollator
 from workflow_scripts.data.rows import Rejected, RecordMapper
 from workflow_scripts.tasks import generation, templates
 from workflow_scripts.tasks.base import Predictions
 
+if TYPE_CHECKING:
+    from torch import nn
+
 VARIANT_KEYS = generation.VARIANT_KEYS + ("images",)
-# What the processor adds beside input_ids that the model's forward takes (by family).
-IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes")
 
 
 def check_variant(variant: Any) -> dict[str, Any]:
@@ -175,6 +172,8 @@ class VisionCollator:
     """
 
     def __init__(self, meta: Mapping[str, Any], vocab_size: int):
+        from workflow_scripts.data.batching import PaddingCollator
+
         self.text = PaddingCollator(meta["pad_token_id"], vocab_size)
         self.image_processor_settings = meta.get("image_processor")
         self._image_processor = None
@@ -193,6 +192,8 @@ class VisionCollator:
         return self._image_processor
 
     def __call__(self, rows: list[dict]) -> dict:
+        from workflow_scripts.tasks.vision_language_loss import IMAGE_INPUTS
+
         batch = self.text(rows)
         blobs = [blob for row in rows for blob in row.get("images") or []]
         batch["images_in_batch"] = len(blobs)
@@ -209,45 +210,18 @@ class VisionCollator:
         return batch
 
 
-class VisionTargetTokenLoss(generation.TargetTokenLoss):
-    """Generation's summed target-token loss, with the image inputs passed to the model's forward."""
-
-    def forward(self, batch: Mapping[str, Any]):
-        loss = super().forward(batch)
-        if "pixel_values" not in batch and torch.is_grad_enabled():
-            # A micro-batch without images leaves the trainable image path (the projector, tower
-            # adapters) out of the graph: under DDP that rank would never reduce their gradients while
-            # the others do (a collective mismatch). Zero-weighted into the loss, they get zero
-            # gradients and every rank runs the same reductions.
-            loss = loss + 0.0 * sum(p.sum() for p in image_path_parameters(self.wrapped))
-        return loss
-
-    def model_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        inputs = {name: batch[name] for name in IMAGE_INPUTS if name in batch}
-        if "pixel_values" in inputs:  # in the tower's own precision (bf16 weights on GPUs)
-            tower_dtype = next(self.wrapped.parameters()).dtype
-            inputs["pixel_values"] = inputs["pixel_values"].to(tower_dtype)
-        return inputs
-
-
-def image_path_parameters(peft_model: nn.Module) -> list[nn.Parameter]:
-    """The trainable parameters that only images reach: the projector's and the vision tower's."""
-    from workflow_scripts.model import vision_language_model as vlm
-
-    parts = vlm.components(peft_model)
-    return [p for name, p in peft_model.named_parameters() if p.requires_grad
-            and (vlm.under(name, parts["projector"]) or vlm.under(name, parts["vision_tower"]))]
-
-
 # --- evaluation: greedy generation conditioned on the image ---
-@torch.no_grad()
 def generate(model, tokenizer, variant, rows, prompts, batch_size: int, max_new_tokens: int, device) -> list[str]:
+    import torch
+
+    from workflow_scripts.tasks.vision_language_loss import IMAGE_INPUTS
+
     processor = processor_for(tokenizer) if variant["images"] else None
     stop_ids = generation.stop_token_ids(tokenizer, model)
     tokenizer.padding_side = "left"
     config = generation.greedy_generation_config(max_new_tokens, stop_ids, tokenizer.pad_token_id)
     outputs: list[str | None] = [None] * len(rows)
-    with generation.decoding_with(model, config):
+    with torch.no_grad(), generation.decoding_with(model, config):
         for start in range(0, len(rows), batch_size):
             index = list(range(start, min(start + batch_size, len(rows))))
             encoded = [encode_prompt(processor, tokenizer, variant, prompts[i], rows[i]["images"] if variant["images"] else [])
@@ -329,6 +303,8 @@ class VisionLanguageTask(generation.GenerationTask):
         return VisionCollator(meta, vocab_size)
 
     def loss_module(self, peft_model: nn.Module) -> nn.Module:
+        from workflow_scripts.tasks.vision_language_loss import VisionTargetTokenLoss
+
         return VisionTargetTokenLoss(peft_model)
 
     def lora_settings(self, model: nn.Module, lora: LoraSettings) -> LoraSettings:
@@ -347,6 +323,7 @@ class VisionLanguageTask(generation.GenerationTask):
     def check_batch(self, batch, tokenizer, model) -> str | None:
         """Image tokens against the model's image features, and pixel values in the model's precision."""
         from workflow_scripts.model import vision_language_model as vlm
+        from workflow_scripts.tasks.vision_language_loss import VisionTargetTokenLoss
 
         if "pixel_values" not in batch:
             return f"no image in this batch ({batch['input_ids'].shape[0]} rows, text only)"
@@ -368,10 +345,10 @@ class VisionLanguageTask(generation.GenerationTask):
             if missing:
                 raise WorkflowError(f"rows {missing[:3]}: no image; is this normalise output of a vision_language dataset?")
         prompts = [render_prompt(tokenizer, variant, row) for row in rows]
-        outputs = generate(model, tokenizer, variant, rows, prompts, evaluation["batch_size"],
-                           evaluation["max_new_tokens"], device)
+        outputs = generate(model, tokenizer, variant, rows, prompts, evaluation.batch_size,
+                           evaluation.max_new_tokens, device)
         decoding = generation.recorded_decoding(generation.greedy_generation_config(
-            evaluation["max_new_tokens"], generation.stop_token_ids(tokenizer, model), tokenizer.pad_token_id))
+            evaluation.max_new_tokens, generation.stop_token_ids(tokenizer, model), tokenizer.pad_token_id))
         return Predictions(generation.prediction_records(rows, prompts, outputs, variant, metric), "extracted",
                            {"decoding": "greedy", "generation_config": decoding, "images": variant["images"]})
 
@@ -384,3 +361,13 @@ def _trains_tower(training: TrainingSettings) -> bool:
 
 
 TASK = VisionLanguageTask()
+
+
+def __getattr__(name: str):
+    """``vision_language.VisionTargetTokenLoss`` without torch at import: normalise and compare load this module
+    for its task object's data (image rows, rejection reasons) and must not pay for torch."""
+    if name == "VisionTargetTokenLoss":
+        from workflow_scripts.tasks.vision_language_loss import VisionTargetTokenLoss
+
+        return VisionTargetTokenLoss
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -96,8 +96,7 @@ def on_main(context: DistributedContext, what: str, work: Callable[[], T], share
             outcome = [("done", result if share_result else None)]
         except BaseException as error:  # whatever stops rank 0 must release the others
             failure = error
-            outcome = [("failed", str(error) if isinstance(error, WorkflowError)
-                        else f"{type(error).__name__}: {error}")]
+            outcome = [("failed", _failure_message(error))]
     dist.broadcast_object_list(outcome, src=0, group=_MAIN_WORK_GROUP.get("group"))
     if failure is not None:
         raise failure
@@ -105,6 +104,40 @@ def on_main(context: DistributedContext, what: str, work: Callable[[], T], share
     if status == "failed":
         raise WorkflowError(f"rank {context.rank} stops: rank 0 failed while {what}: {value}")
     return result if context.is_main else value
+
+
+def _failure_message(error: BaseException) -> str:
+    return str(error) if isinstance(error, WorkflowError) else f"{type(error).__name__}: {error}"
+
+
+def gather_on_main(context: DistributedContext, what: str, work: Callable[[], T]) -> list[T] | None:
+    """Run ``work`` on every rank and gather its results on rank 0, in rank order (None on the others).
+
+    For work split over the ranks (the validation metric's generation): ranks that finish first wait in
+    the gather on the gloo group with MAIN_WORK_TIMEOUT, as :func:`on_main`'s do, not under the collective
+    timeout. A failure on any rank raises on every rank, naming ``what``, the rank and its message.
+    ``work`` must not call collectives; its result must pickle. A world of one returns ``[work()]``.
+    """
+    if not context.is_distributed or context.world_size == 1:
+        return [work()]
+    group = _MAIN_WORK_GROUP.get("group")
+    failure: BaseException | None = None
+    try:
+        outcome = ("done", work())
+    except BaseException as error:  # whatever stops this rank must release the others
+        failure = error
+        outcome = ("failed", _failure_message(error))
+    gathered = [None] * context.world_size if context.is_main else None
+    dist.gather_object(outcome, gathered, dst=0, group=group)
+    failed = [[(rank, value) for rank, (status, value) in enumerate(gathered) if status == "failed"]
+              if context.is_main else None]
+    dist.broadcast_object_list(failed, src=0, group=group)
+    if failure is not None:
+        raise failure
+    if failed[0]:
+        rank, message = failed[0][0]
+        raise WorkflowError(f"rank {context.rank} stops: rank {rank} failed while {what}: {message}")
+    return [value for _, value in gathered] if context.is_main else None
 
 
 # A world-of-one process group started by ensure_process_group (FSDP needs one even for one process).

@@ -2,15 +2,19 @@
 
 ``torch.distributed.fsdp.fully_shard`` turns each decoder layer, then the PEFT model as the root, into
 per-parameter DTensors sharded over the world: a process holds 1/N of the base weights and gathers one
-layer at a time for compute. FSDP2 shards each parameter on its own, so the frozen base and the
-trainable LoRA tensors share a layer's unit; only the trainable ones get gradients (reduce-scattered,
-averaged over ranks as DDP averages them, so the loop's loss scaling is the same).
+layer at a time for compute. On several nodes the mesh is hybrid by default (``training.fsdp_mesh``,
+core/fsdp_mesh.py): sharded over a node's ranks and replicated over the nodes (HSDP), so a rank holds
+1/(ranks per node) and only the gradients' all-reduce between replicas crosses the network. FSDP2
+shards each parameter on its own, so the frozen base and the trainable LoRA tensors share a layer's
+unit; only the trainable ones get gradients (reduce-scattered, and all-reduced over the replicas of a
+hybrid mesh, averaged over all ranks as DDP averages them, so the loop's loss scaling is the same).
 
 Loading (issue 23): no process holds the whole model on its device. Rank 0 reads the weights into host
 memory (``loading_device``), the other ranks build the same architecture on the meta device; every rank
 shards, and ``set_model_state_dict(..., broadcast_from_rank0=True)`` sends rank 0's tensors one at a
-time, each rank keeping its shard. A device then holds its shard plus one unit (rank 0's before
-``fully_shard`` shards it, or the one tensor being broadcast); rank 0 alone holds the whole model, on the host.
+time, each rank keeping its shard (on a hybrid mesh, every node's ranks take theirs from rank 0). A
+device then holds its shard plus one unit (rank 0's before ``fully_shard`` shards it, or the one tensor
+being broadcast); rank 0 alone holds the whole model, on the host.
 
 State leaves this module as full tensors under the PEFT model's own parameter names, gathered to rank 0
 (``get_model_state_dict(..., full_state_dict=True, cpu_offload=True)``): the adapter then goes through
@@ -26,6 +30,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from workflow_scripts.core import fsdp_mesh
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.core.settings import TrainingSettings
 from workflow_scripts.training import distributed
@@ -49,10 +54,11 @@ def check_settings(training: TrainingSettings, task_name: str) -> None:
         raise refusal("cannot shard quantised base weights (bitsandbytes 4/8-bit tensors are not DTensors)",
                       "set training.quantization: null")
     # The held-out loss runs the same number of (collective) forwards on every rank and the best adapter is
-    # gathered by all of them; the metric's generation runs on the main process alone.
+    # gathered by all of them; the metric's generation does not: each rank generates its own rows and stops
+    # when they end (or rank 0 alone scores, for conversation and masked_lm).
     if training.validation.metric_examples is not None:
-        raise refusal("does not support training.validation.metric_examples yet (the metric generates on the "
-                      "main process alone, and every sharded forward needs all ranks)",
+        raise refusal("does not support training.validation.metric_examples yet (each rank generates the metric's "
+                      "rows for as many steps as its own answers need, and every sharded forward needs all ranks)",
                       "remove training.validation.metric_examples")
     if task_name == "vision_language":
         raise refusal("does not support the vision_language task (its loss reads the image path's parameters "
@@ -100,7 +106,13 @@ def shard(peft_model: nn.Module, training: TrainingSettings, context: Distribute
     check_settings(training, task_name)
     layers = decoder_layers(peft_model.get_base_model())
     distributed.ensure_process_group(context)
-    mesh = init_device_mesh(context.device.type, (context.world_size,))
+    fsdp_mesh.check_launch(training, context.local_world_size, context.world_size)
+    shape = fsdp_mesh.shape(training)
+    if len(shape) == 1:  # flat: over the processes that run (a world of one for the gate's in-process probe)
+        shape = (context.world_size,)
+    # Hybrid (HSDP): FSDP shards over the last dimension (a node's ranks) and replicates over the first.
+    mesh = init_device_mesh(context.device.type, shape,
+                            mesh_dim_names=fsdp_mesh.DIMENSION_NAMES if len(shape) == 2 else None)
     policy = mixed_precision(training.precision)
     # Rank 0's full tensors (host memory), the base weights and the freshly drawn adapters, taken before
     # fully_shard replaces each parameter by its shard (on a GPU it moves one unit there at a time).

@@ -13,6 +13,7 @@ MLFLOW_TRACKING_USERNAME/PASSWORD for mlflow's own use and the URI is shown reda
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import string
@@ -23,7 +24,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.core.run_manifest import is_secret_key, redact
-from workflow_scripts.core.stage_arguments import json_setting
+from workflow_scripts.core.section_settings import MlflowSettings, TrackingSettings
 
 RUN_ID_FILE = "mlflow_run_id"
 # A local store: a directory holding mlflow.db (SQLite: mlflow 3 refuses new file stores by default) and
@@ -73,42 +74,17 @@ def one_line(text: str, secrets: Sequence[str], limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def load_tracking_settings(text: str | None) -> dict:
-    """The ``--tracking`` JSON, validated against config/schema.yaml's ``tracking`` with defaults filled.
-
-    ``run`` (model, dataset, variant, seed: the experiment the job trains) is added by the workflow.
-    """
-    import copy
-
-    import yaml
-    from jsonschema.exceptions import best_match
-
-    from workflow_scripts.core.config_schema import SCHEMA_PATH, _validator_with_defaults, schema_error
-
-    value = {} if text is None else json_setting(text, "--tracking")
-    if not isinstance(value, dict):
-        raise ConfigError("--tracking", "must be a JSON object such as {\"mlflow\": {\"enabled\": true}}")
-    run = value.pop("run", {})
-    schema = yaml.safe_load(SCHEMA_PATH.read_text())
-    value = copy.deepcopy(value)
-    errors = list(_validator_with_defaults()({**schema["properties"]["tracking"], "$defs": schema["$defs"]})
-                  .iter_errors(value))
-    if errors:
-        raise schema_error(best_match(errors), "tracking", "--tracking")
-    return {**value, "run": run}
-
-
-def check_workflow_tracking(tracking: Mapping[str, Any]) -> None:
+def check_workflow_tracking(tracking: TrackingSettings) -> None:
     """Config checks for the Snakefile: a usable run name and no credentials in the URI."""
-    settings = tracking["mlflow"]
+    settings = tracking.mlflow
     try:
-        fields = {name for _, name, _, _ in string.Formatter().parse(settings["run_name"]) if name is not None}
+        fields = {name for _, name, _, _ in string.Formatter().parse(settings.run_name) if name is not None}
     except ValueError as error:
         raise ConfigError("tracking.mlflow.run_name", f"{error}; write {{{{ and }}}} for literal braces") from None
     if fields - set(RUN_NAME_FIELDS):
         raise ConfigError("tracking.mlflow.run_name", f"unknown fields {sorted(fields - set(RUN_NAME_FIELDS))}; "
                           "use {model}, {dataset}, {variant} and {seed}")
-    uri = settings["tracking_uri"]
+    uri = settings.tracking_uri
     # Snakemake prints each job's command and keeps it in .snakemake/metadata. Any user info or query
     # parameter is refused, not only secret-looking ones: ?auth=...&sig=... is a credential by another name.
     parts = urlsplit(uri) if uri else None
@@ -118,13 +94,6 @@ def check_workflow_tracking(tracking: Mapping[str, Any]) -> None:
                           "credentials and would be printed with the job's command; give the URI without them "
                           "and export MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
                           "MLFLOW_TRACKING_TOKEN) in the environment instead")
-
-
-def workflow_tracking(tracking: Mapping[str, Any], model: str, dataset: str, variant: str, seed: int) -> dict:
-    """What the train rule passes as ``--tracking`` for one experiment: the run name filled in."""
-    run = {"model": model, "dataset": dataset, "variant": variant, "seed": int(seed)}
-    mlflow_settings = {**tracking["mlflow"], "run_name": tracking["mlflow"]["run_name"].format(**run)}
-    return {**tracking, "mlflow": mlflow_settings, "run": run}
 
 
 def flat_params(training: Mapping[str, Any], identity: Mapping[str, Any]) -> dict[str, str]:
@@ -182,24 +151,24 @@ def _store_lock(uri: str) -> Iterator[None]:
         yield
 
 
-def is_enabled(tracking: Mapping[str, Any] | None) -> bool:
+def is_enabled(tracking: TrackingSettings | None) -> bool:
     """Whether the settings switch a tracker on (the same answer on every rank; only rank 0 opens it)."""
-    return bool(tracking and tracking.get("mlflow", {}).get("enabled"))
+    return tracking is not None and tracking.mlflow.enabled
 
 
-def open_tracker(tracking: Mapping[str, Any] | None, checkpoint_dir: str | Path, resume_step: int,
+def open_tracker(tracking: TrackingSettings | None, checkpoint_dir: str | Path, resume_step: int,
                  training: Mapping[str, Any], seed: int, model_dir: str, enabled: bool = True,
                  messages: Callable[[str], None] = print) -> "MlflowTracker | None":
     """The MLflow run of this job, opened (or continued) before any step; None when tracking is off."""
     if not enabled or not is_enabled(tracking):
         return None
-    settings = tracking["mlflow"]
-    uri = store_uri(settings.get("tracking_uri"))
+    settings = tracking.mlflow
+    uri = store_uri(tracking.mlflow.tracking_uri)
     shown = redact_uri(uri)
     secrets = uri_secrets(uri)
-    identity = {"model": Path(model_dir).name, **tracking.get("run", {}), "seed": seed}
+    identity = {"model": Path(model_dir).name, **tracking.run, "seed": seed}
     with contextlib.suppress(KeyError, IndexError, ValueError):  # the workflow fills it; a direct call, if it can
-        settings = {**settings, "run_name": settings["run_name"].format(**identity)}
+        settings = dataclasses.replace(settings, run_name=settings.run_name.format(**identity))
     try:
         return MlflowTracker(_move_credentials_to_environment(uri), shown, settings, checkpoint_dir, resume_step,
                              flat_params(training, identity), messages, secrets)
@@ -208,13 +177,13 @@ def open_tracker(tracking: Mapping[str, Any] | None, checkpoint_dir: str | Path,
     except Exception as error:  # mlflow raises its own, requests' and OS errors alike
         secrets += [os.environ.get(v, "") for v in CREDENTIAL_VARIABLES]
         raise WorkflowError(
-            f"tracking.mlflow: could not open a run at {shown} (experiment '{settings['experiment']}'): "
+            f"tracking.mlflow: could not open a run at {shown} (experiment '{settings.experiment}'): "
             f"{type(error).__name__}: {one_line(str(error), secrets)}. Fix: start the tracking server or correct "
             "tracking.mlflow.tracking_uri, or set tracking.mlflow.enabled: false") from None
 
 
 class MlflowTracker:
-    def __init__(self, uri: str, shown_uri: str, settings: Mapping[str, Any], checkpoint_dir: str | Path,
+    def __init__(self, uri: str, shown_uri: str, settings: MlflowSettings, checkpoint_dir: str | Path,
                  resume_step: int, params: Mapping[str, str], messages: Callable[[str], None],
                  secrets: Sequence[str] = ()):
         from mlflow.exceptions import MlflowException
@@ -233,11 +202,11 @@ class MlflowTracker:
                 with contextlib.suppress(MlflowException):
                     self.client.set_terminated(previous, "KILLED")
             if self.run_id is None:
-                experiment = self.client.get_experiment_by_name(settings["experiment"])
+                experiment = self.client.get_experiment_by_name(settings.experiment)
                 root = local_store_dir(uri) if uri.startswith("sqlite:") else None  # else mlflow's ./mlruns
                 experiment_id = (experiment.experiment_id if experiment is not None else self.client.create_experiment(
-                    settings["experiment"], artifact_location=(root / "artifacts").as_uri() if root else None))
-                self.run_id = self.client.create_run(experiment_id, run_name=settings["run_name"]).info.run_id
+                    settings.experiment, artifact_location=(root / "artifacts").as_uri() if root else None))
+                self.run_id = self.client.create_run(experiment_id, run_name=settings.run_name).info.run_id
                 self.id_file.parent.mkdir(parents=True, exist_ok=True)
                 self.id_file.write_text(self.run_id + "\n")
             else:
@@ -246,7 +215,7 @@ class MlflowTracker:
         self.last_logged = {key: max((m.step for m in self.client.get_metric_history(self.run_id, key)), default=0)
                             for key in self.client.get_run(self.run_id).data.metrics}
         self._log_params(params)
-        messages(f"MLflow: run {self.run_id} ('{settings['run_name']}') in {shown_uri}"
+        messages(f"MLflow: run {self.run_id} ('{settings.run_name}') in {shown_uri}"
                  + (f", continued at step {resume_step}" if resume_step and previous == self.run_id else ""))
 
     def _resumable_run(self, run_id: str) -> str | None:

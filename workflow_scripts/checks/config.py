@@ -1,0 +1,236 @@
+"""The whole config checked beyond the JSON schema, when the workflow is read; each failure names the key and the fix.
+
+:func:`check_config` asks each task type about its variants, the fairness guard (analysis.fairness) about
+the variants of one task, and the matrix (core.experiment_config) about what runs: so it sits above them.
+:func:`load_config` reads, validates and checks a config file the way the Snakefile does.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from workflow_scripts.analysis import fairness
+from workflow_scripts.checks.sections import check_dataset, check_model
+from workflow_scripts.core.config_files import deep_merge, read_config_file, validate_schema
+from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.core.experiment_config import (
+    RESERVED_MODEL_NAMES, dataset_models, entry_task, evaluation_split, mixtures, model_dataset_variants,
+    model_entry_variants, models, resolved_training, training_settings, variant_settings)
+from workflow_scripts.core.section_settings import ComparisonSettings
+from workflow_scripts.core.settings import finetune_problem
+from workflow_scripts.tasks import check_also_metrics, task_named
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.settings import TrainingSettings, ValidationSettings
+
+
+def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> dict:
+    """Read a YAML config with :class:`StrictLoader` (a SafeLoader), validate it, fill defaults and check consistency."""
+    path = Path(path)
+    config = read_config_file(path)
+    if overrides:
+        config = deep_merge(config, overrides)
+    validate_schema(config, str(path))
+    check_config(config, str(path))
+    return config
+
+
+def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
+    """Checks beyond the JSON schema; each failure names the key and the fix."""
+    if ("model" in config) == ("models" in config):
+        raise ConfigError("model", "give the base model under model: (one) or under models: (several, by name), "
+                          "not both" if "model" in config else "missing: give the base model under model: "
+                          "(one) or models: (several, by name)", source)
+    for name, model in models(config).items():
+        key = "model" if "model" in config else f"models.{name}"
+        if name in RESERVED_MODEL_NAMES:  # results/{model}/... sits beside these folders
+            raise ConfigError(f"{key}.name" if "model" in config else key,
+                              f"'{name}' is reserved for results/{name}/; choose another model name", source)
+        check_model(model, source, key)
+        unknown = set(model.get("training", {})) - set(config["training"])
+        if unknown:
+            raise ConfigError(f"models.{name}.training", f"unknown training keys {sorted(unknown)}", source)
+    for name, dataset in config["datasets"].items():
+        check_dataset(name, dataset, source, evaluation_split(config, name))
+        if dataset.get("also_metrics"):
+            check_also_metrics(name, dataset, source)
+        for model in dataset.get("models", []):
+            if model not in models(config):
+                raise ConfigError(f"datasets.{name}.models", f"'{model}' is not a model of this config "
+                                  f"(models: {sorted(models(config))})", source)
+    training_keys = set(config["training"])
+    for name, variant in config["variants"].items():
+        key = f"variants.{name}"
+        unknown = set(variant.get("training", {})) - training_keys
+        if unknown:
+            raise ConfigError(f"{key}.training", f"unknown training keys {sorted(unknown)}", source)
+        task = task_named(variant["task"])
+        datasets = {ds: d for ds, d in config["datasets"].items() if d["task"] == variant["task"]}
+        try:  # the task's own checks: templates against each dataset of its task, leaks of the gold
+            task.check_config_variant(name, variant_settings(variant), datasets)
+        except ConfigError as error:
+            raise ConfigError(error.key, error.problem, source) from None
+        except WorkflowError as error:
+            raise ConfigError(key, str(error), source) from None
+        for model in models(config):
+            training_settings(config, name, model, source)  # the schema, the batch shape and the length
+    _check_mixtures(config, source)
+    _check_evaluated(config, source)
+    for model, entry, variant in model_entry_variants(config):
+        training = training_settings(config, variant, model, source)
+        _check_finetune(training, models(config)[model], entry_task(config, entry),
+                        f"variants.{variant}.training" if config["variants"][variant].get("training") else "training",
+                        "model" if "model" in config else f"models.{model}", source)
+        for dataset in mixtures(config)[entry]["datasets"] if entry in mixtures(config) else [entry]:
+            if training.validating and "validation" not in config["datasets"][dataset]["splits"]:
+                raise ConfigError("training.validation.every_steps", f"dataset '{dataset}' has no validation split "
+                                  f"(datasets.{dataset}.splits), so there is no held-out loss to compute; add one or "
+                                  "switch validation off for it with a variant's training override", source)
+        _check_validation_metric(config, entry, training.validation, source)
+    comparison = ComparisonSettings.parse(config["comparison"], "comparison", source)
+    tasks_in_use = {dataset["task"] for dataset in config["datasets"].values()}
+    for task_name in sorted(tasks_in_use):
+        if not any(variant["task"] == task_name for variant in config["variants"].values()):
+            raise ConfigError("variants", f"no variant has task '{task_name}', so its datasets would not run; "
+                              f"add one with task: {task_name}", source)
+        reference = comparison.reference_for(task_name)
+        if reference not in config["variants"] or config["variants"][reference]["task"] != task_name:
+            choices = sorted(v for v, settings in config["variants"].items() if settings["task"] == task_name)
+            raise ConfigError("comparison.reference_variant",
+                              f"'{reference}' is not one of the {task_name} variants {choices}; with variants of "
+                              "several tasks give a mapping, e.g. {generation: baseline, classification: plain}", source)
+        for model in models(config):
+            _check_fair_training(config, task_name, reference, comparison.intended_differences, source, model)
+    running = {model for model, _, _ in model_entry_variants(config)}
+    for name in models(config):
+        if name not in running:
+            raise ConfigError("model" if "model" in config else f"models.{name}", f"no dataset or mixture trains "
+                              f"on '{name}' (their models: lists leave it out), so it would silently drop out of the "
+                              f"matrix; add '{name}' to the models: list of a dataset or mixture, or remove it", source)
+    if config["evaluation"]["gpus"] > 1:  # evaluate decodes on cuda:0 alone; the rest would sit reserved
+        raise ConfigError("evaluation.gpus", f"is {config['evaluation']['gpus']}, but evaluation runs on one GPU "
+                          "(the others would be reserved and idle); set evaluation.gpus: 1 (or 0 for the CPU)", source)
+
+
+def _check_validation_metric(config: Mapping[str, Any], entry: str, validation: "ValidationSettings",
+                             source: str | None) -> None:
+    """The validation metric needs validation points; selecting by it needs it, and one metric to average."""
+    key = "training.validation"
+    if validation.metric_examples is not None and not validation.every_steps:
+        raise ConfigError(f"{key}.metric_examples", "is set but every_steps is not, so the metric would never be "
+                          "computed; set training.validation.every_steps", source)
+    if validation.criterion != "metric":
+        return
+    if validation.metric_examples is None:
+        raise ConfigError(f"{key}.criterion", "is 'metric' but metric_examples is not set; set "
+                          "training.validation.metric_examples or use criterion: loss", source)
+    if entry in mixtures(config):
+        used = {config["datasets"][name]["metric"] for name in mixtures(config)[entry]["datasets"]}
+        if len(used) > 1:
+            raise ConfigError(f"{key}.criterion", f"is 'metric' but mixture '{entry}' mixes metrics {sorted(used)}, "
+                              "which have no common scale to average; use criterion: loss for it", source)
+
+
+def _check_mixtures(config: Mapping[str, Any], source: str | None) -> None:
+    """A mixture names datasets of one task that have train splits, and one way to weigh them."""
+    for name, mixture in mixtures(config).items():
+        key = f"mixtures.{name}"
+        if name in config["datasets"]:
+            raise ConfigError(key, f"'{name}' is also a dataset name; results/{{model}}/{name}/ would hold both: "
+                              "rename the mixture", source)
+        for dataset in mixture["datasets"]:
+            if dataset not in config["datasets"]:
+                raise ConfigError(f"{key}.datasets", f"'{dataset}' is not a dataset of this config "
+                                  f"(datasets: {sorted(config['datasets'])})", source)
+            if "train" not in config["datasets"][dataset]["splits"]:
+                raise ConfigError(f"{key}.datasets", f"'{dataset}' has no train split (datasets.{dataset}.splits), "
+                                  "so it cannot be mixed into training; list it as an evaluation-only dataset instead",
+                                  source)
+        tasks = {dataset: config["datasets"][dataset]["task"] for dataset in mixture["datasets"]}
+        if len(set(tasks.values())) > 1:
+            raise ConfigError(f"{key}.datasets", f"components of different tasks {tasks}; one run trains one task: "
+                              "mix datasets of one task", source)
+        weights = mixture.get("weights")
+        if weights is not None and mixture.get("temperature") is not None:
+            raise ConfigError(key, "give weights or temperature, not both", source)
+        if weights is not None and set(weights) != set(mixture["datasets"]):
+            raise ConfigError(f"{key}.weights", f"needs one weight per component {sorted(mixture['datasets'])}, "
+                              f"got {sorted(weights)}", source)
+        for model in mixture.get("models", []):
+            if model not in models(config):
+                raise ConfigError(f"{key}.models", f"'{model}' is not a model of this config "
+                                  f"(models: {sorted(models(config))})", source)
+    mixed = {dataset for mixture in mixtures(config).values() for dataset in mixture["datasets"]}
+    for name, dataset in config["datasets"].items():
+        if "train" in dataset["splits"] and not dataset.get("train_alone", True) and name not in mixed:
+            raise ConfigError(f"datasets.{name}.train_alone", "false, but no mixture holds this dataset, so it "
+                              "would never train; add it to a mixture or drop train_alone: false", source)
+
+
+def _check_evaluated(config: Mapping[str, Any], source: str | None) -> None:
+    """Each dataset's evaluation split exists; an evaluation-only dataset is scored by some trained model."""
+    scored = {dataset for _, dataset, _ in model_dataset_variants(config)}
+    for name, dataset in config["datasets"].items():
+        split = evaluation_split(config, name)
+        if split not in dataset["splits"]:
+            where = f"datasets.{name}.evaluation_split" if dataset.get("evaluation_split") else "evaluation.split"
+            held_out = [s for s in ("validation", "test") if s in dataset["splits"]]  # what the schema accepts
+            fix = (f"set datasets.{name}.evaluation_split to {' or '.join(held_out)}" if held_out else
+                   f"it has no held-out split to score; add one to datasets.{name}.splits (e.g. test: <the source "
+                   "split of held-out rows>)")
+            raise ConfigError(where, f"'{split}' is not a split of dataset '{name}' (its splits: "
+                              f"{sorted(dataset['splits'])}); {fix}", source)
+        if name not in scored:
+            raise ConfigError(f"datasets.{name}", f"no model trained on a dataset or mixture of task "
+                              f"'{dataset['task']}' runs on its models ({sorted(dataset_models(config, name))}), so it "
+                              "would never be scored; add a training dataset of that task or list the model", source)
+
+
+def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, intended: Sequence[str],
+                         source: str | None, model: str | None = None) -> None:
+    """The fairness guard at parse time: the variants of one task train alike, up to intended differences.
+
+    ``compare`` would refuse the finished runs anyway; refusing here saves the GPU hours between.
+    Variants are compared with their task's reference variant (not with the shared block, so all
+    classification variants may override, say, the LoRA targets the same way).
+    """
+    def comparable(variant: str) -> dict[str, Any]:
+        settings = resolved_training(config, variant, model)
+        return {key: value for top, item in settings.items() if top not in fairness.RUNTIME_ONLY_TRAINING_KEYS
+                for key, value in fairness.flatten(item, f"training.{top}").items()}
+
+    expected = comparable(reference)
+    for name, variant in config["variants"].items():
+        if variant["task"] != task or name == reference:
+            continue
+        ours = comparable(name)
+        for key in sorted(set(expected) | set(ours)):
+            mine, theirs = ours.get(key, fairness.ABSENT), expected.get(key, fairness.ABSENT)
+            if mine != theirs and not fairness.is_intended(key, intended):
+                raise ConfigError(
+                    f"variants.{name}.{key}",
+                    f"sets {mine!r} where the reference variant '{reference}' uses {theirs!r}, so the comparison "
+                    "would not be fair; make them equal, or list it under comparison.intended_differences: "
+                    f"[{key}] if the difference is the point", source)
+        # What the task's evaluation takes from training (masked LM: the tokens scored), intended apart.
+        theirs_eval = fairness.eval_mask_settings(task_named(task), resolved_training(config, reference, model))
+        for key, mine in fairness.eval_mask_settings(task_named(task), resolved_training(config, name, model)).items():
+            if mine != theirs_eval.get(key, fairness.ABSENT) and not fairness.is_intended(key, intended):
+                setting = key.rsplit(".", 1)[1]
+                raise ConfigError(
+                    f"variants.{name}.training.{setting}",
+                    f"sets {mine!r} where the reference variant '{reference}' uses {theirs_eval.get(key)!r}, and "
+                    f"{task} evaluation cuts test lines at training.{setting} ({key}), so the variants would be "
+                    "scored on different tokens; make them equal, or list evaluation.eval_mask under "
+                    f"comparison.intended_differences (beside training.{setting}) if comparing on different tokens "
+                    "is the point", source)
+
+
+def _check_finetune(training: "TrainingSettings", model: Mapping[str, Any], task: str, where: str,
+                    model_key: str, source: str | None) -> None:
+    """training.finetune against model.initialise, quantization, strategy and the task (training_setup's rule)."""
+    problem = finetune_problem(training, model.get("initialise", "pretrained"), task)
+    if problem is not None:
+        key, message = problem
+        raise ConfigError(key.replace("model", model_key, 1) if key.startswith("model.")
+                          else where + key.removeprefix("training"), message, source)

@@ -1,0 +1,234 @@
+"""Reading the config: YAML files read strictly, ``--config`` values retyped, the schema's faults in one line.
+
+The Snakefile calls :func:`check_workflow_config` before ``snakemake.utils.validate``: each config file is
+re-read with :class:`StrictLoader` (which refuses duplicate keys), ``--config`` values get the types YAML
+would give them, and the schema is checked with one-line messages that never echo a secret. The checks a
+JSON schema cannot express come after, in ``workflow_scripts/checks/`` (they ask the task types).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import yaml
+
+from workflow_scripts.core.config_schema import SCHEMA_PATH, _validator_with_defaults, schema_error
+from workflow_scripts.core.errors import ConfigError
+
+
+def validate_schema(config: dict, source: str | None = None) -> dict:
+    """Validate against config/schema.yaml in place, filling defaults; raise ConfigError on the first fault."""
+    from jsonschema.exceptions import best_match
+
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    validator_class = _validator_with_defaults()
+    # Defaults are set on the way down, so nested objects created by a default get theirs too.
+    errors = list(validator_class(schema).iter_errors(config))
+    if errors:
+        raise schema_error(best_match(errors), None, source)
+    if isinstance(config, dict) and ("model" in config) == ("models" in config):
+        raise ConfigError("model", "give the base model under model: (one) or under models: (several, by name), "
+                          "not both" if "model" in config else "required, but missing: give the base model under "
+                          f"model: (one) or models: (several, by name) (the config has keys {sorted(config)})", source)
+    return config
+
+
+class DuplicateKeyError(yaml.MarkedYAMLError):
+    """A mapping names the same key twice (plain PyYAML would silently keep the last)."""
+
+    def __init__(self, key_path: tuple[str, ...], first_line: int, mark):
+        super().__init__(problem=f"duplicate key {key_path[-1]!r} (first at line {first_line})", problem_mark=mark)
+        self.key_path = key_path
+        self.first_line = first_line
+        self.line = mark.line + 1
+
+
+class StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping, at any depth.
+
+    Plain PyYAML keeps the last of two equal keys, so a second dataset or variant with the same name
+    silently replaces the first. Merge keys (``<<: *anchor``) may still be overridden, as YAML intends.
+    """
+
+    def get_single_data(self):
+        node = self.get_single_node()
+        if node is None:
+            return None
+        self._refuse_duplicate_keys(node)
+        return self.construct_document(node)
+
+    def _refuse_duplicate_keys(self, root) -> None:
+        pending, visited = [(root, ())], set()
+        while pending:
+            node, path = pending.pop()
+            if id(node) in visited:  # an alias: already checked (and may be recursive)
+                continue
+            visited.add(id(node))
+            if isinstance(node, yaml.SequenceNode):
+                pending.extend((item, path + (str(index),)) for index, item in enumerate(node.value))
+            elif isinstance(node, yaml.MappingNode):
+                first_lines: dict[Any, int] = {}
+                for key_node, value_node in node.value:
+                    if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node)
+                    key_path = path + (str(key_node.value),)
+                    try:
+                        if key in first_lines:
+                            raise DuplicateKeyError(key_path, first_lines[key], key_node.start_mark)
+                        first_lines[key] = key_node.start_mark.line + 1
+                    except TypeError:  # an unhashable key: construct_mapping explains it
+                        continue
+                    pending.append((value_node, key_path))
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML error in one line with its 1-based line and column, without PyYAML's multi-line snippet."""
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        text = f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {error.problem}"
+        if error.context:
+            context = f"{error.context}"
+            if error.context_mark is not None:
+                context += f" at line {error.context_mark.line + 1}, column {error.context_mark.column + 1}"
+            text += f" ({context})"
+    elif isinstance(error, yaml.reader.ReaderError):
+        text = f"not valid YAML: {error.reason} at character {error.position + 1}"
+    else:
+        text = f"not valid YAML: {error}"
+    return " ".join(text.split())
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A YAML (or JSON) config file as a mapping, read with :class:`StrictLoader`; ConfigError in one line."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("<file>", "config file not found", str(path)) from None
+    except UnicodeDecodeError as error:
+        raise ConfigError("<file>", f"not UTF-8 text (byte {error.start + 1})", str(path)) from None
+    try:
+        config = yaml.load(text, Loader=StrictLoader)  # noqa: S506 - StrictLoader is a SafeLoader
+    except DuplicateKeyError as error:
+        raise ConfigError(
+            ".".join(error.key_path),
+            f"line {error.line}: key '{error.key_path[-1]}' is given twice (first at line {error.first_line}); "
+            "YAML would silently keep only the last, so remove or rename one",
+            str(path),
+        ) from None
+    except yaml.YAMLError as error:
+        raise ConfigError("<file>", _yaml_problem(error), str(path)) from None
+    if not isinstance(config, dict):
+        raise ConfigError("<top level>", "the config must be a mapping", str(path))
+    return config
+
+
+def check_workflow_config(configfiles: Iterable[str | Path], config: dict) -> None:
+    """For the Snakefile, before ``snakemake.utils.validate``: the checks Snakemake's own reading skips.
+
+    Snakemake reads config files with plain PyYAML (the last of two equal keys wins) and reports a schema
+    fault as a multi-line dump of the whole config; this re-reads each file strictly and validates
+    ``config`` with one-line messages that never echo a secret (defaults filled the same way).
+    """
+    from_files: dict = {}
+    for path in configfiles:
+        from_files = deep_merge(from_files, read_config_file(path))  # in order, as Snakemake merges them
+    retype_command_line_values(config, from_files)
+    _refuse_misplaced_command_line_keys(config, from_files)
+    validate_schema(config, "config")
+
+
+def _refuse_misplaced_command_line_keys(config: Mapping[str, Any], from_files: Mapping[str, Any]) -> None:
+    """A ``--config`` key that is no top-level setting but a key of a section (``max_steps=10``) names
+    the form that works: Snakemake takes no dotted keys (``training.max_steps=10`` stops in its own
+    command-line parsing, before the workflow is read), only a section with a mapping."""
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    sections = {}
+    for section, spec in schema["properties"].items():
+        if "$ref" in spec:
+            spec = schema["$defs"][spec["$ref"].rsplit("/", 1)[-1]]
+        sections[section] = spec.get("properties", {})
+    for key, value in config.items():
+        owners = [section for section, keys in sections.items() if key in keys]
+        if key in sections or key in from_files or not owners:
+            continue
+        shown = value if isinstance(value, str) else json.dumps(value)  # as YAML reads it back
+        forms = " or ".join(f"--config '{section}={{{key}: {shown}}}'" for section in owners)
+        raise ConfigError(key, f"is not a top-level setting but a key of {' or '.join(owners)}; set it with "
+                               f"{forms} (Snakemake takes no dotted keys)", "--config")
+
+
+def retype_command_line_values(config: dict, from_files: Mapping[str, Any]) -> None:
+    """Give ``--config`` values inside a list or mapping the types YAML would give them, where the schema
+    asks for that type (in place, before validation).
+
+    Snakemake reads ``--config seeds=[1,2]`` or ``--config 'training={max_steps: 10}'`` with YAML's
+    BaseLoader, so every number inside arrives as text ('1', '10') and the schema would refuse it.
+    Only values that differ from the config files are touched, and only where the schema refuses the
+    text and accepts the number, boolean or null it spells; other text stays text.
+    """
+    from jsonschema import Draft202012Validator
+
+    texts = dict(_command_line_texts(config, from_files, ()))
+    if not texts:
+        return
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    for _ in range(len(texts)):  # each pass fixes at least one value, or stops
+        fixed = False
+        for error in _validator_with_defaults()(schema).iter_errors(copy.deepcopy(config)):
+            path = tuple(error.absolute_path)
+            if error.validator != "type" or path not in texts:
+                continue
+            value = _yaml_scalar(texts.pop(path))
+            wanted = error.validator_value if isinstance(error.validator_value, list) else [error.validator_value]
+            if any(Draft202012Validator(schema).is_type(value, kind) for kind in wanted):
+                parent = config
+                for part in path[:-1]:
+                    parent = parent[part]
+                parent[path[-1]] = value
+                fixed = True
+        if not fixed:
+            return
+
+
+def _command_line_texts(value: Any, in_files: Any, path: tuple) -> Iterator[tuple[tuple, str]]:
+    """(path, text) of the strings inside ``value`` that the config files do not give (so --config did)."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            inner = in_files.get(key) if isinstance(in_files, Mapping) else None
+            yield from _command_line_texts(item, inner, path + (key,))
+    elif value == in_files:
+        return
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _command_line_texts(item, None, path + (index,))
+    elif isinstance(value, str) and len(path) > 1:  # a top-level value Snakemake has typed already
+        yield path, value
+
+
+def _yaml_scalar(text: str) -> Any:
+    """What YAML makes of ``text`` (``1e-4`` too, which YAML 1.1 keeps as text), else the text."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return text
+    return value
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict:
+    """Return ``base`` with ``override`` merged in recursively (override wins)."""
+    merged = copy.deepcopy(dict(base))
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
