@@ -3,8 +3,13 @@
 from snakemake.utils import min_version, validate
 
 from workflow_scripts.core import config_files
+from workflow_scripts.launch import launcher
 
 min_version("9.0")
+
+# In a SLURM job step this Snakemake and the rule's shell must outlive the SIGUSR1 of --signal=USR1@300
+# that the training answers with a checkpoint (docs/cluster.md, Signals).
+launcher.ignore_scheduler_warning_in_job()
 
 
 # A --configfile replaces the demo config rather than merging into it (otherwise the demo's

@@ -105,6 +105,35 @@ def test_torchrun_gives_a_signalled_checkpoint_the_configured_grace(simulated_gp
     assert written == [survives, survives], output[-3000:]
 
 
+# What the Snakefile does in a SLURM job step, then what the rule's shell and the training do there.
+_WARNED_JOB_STEP = """
+import os, signal, subprocess, sys
+from workflow_scripts.launch import launcher
+print("ignoring:", launcher.ignore_scheduler_warning_in_job(os.environ), flush=True)
+os.kill(os.getpid(), signal.SIGUSR1)
+subprocess.run(["bash", "-c", "kill -USR1 $$; echo shell alive"], check=True)
+trainer = "import os, signal; got = []; signal.signal(signal.SIGUSR1, lambda *_: got.append(1)); " \\
+          "os.kill(os.getpid(), signal.SIGUSR1); print('trainer handled', len(got))"
+subprocess.run([sys.executable, "-c", trainer], check=True)
+"""
+
+
+@pytest.mark.parametrize("in_slurm_job", [True, False])
+def test_in_a_slurm_job_snakemake_and_the_rules_shell_outlive_the_warning_signal(in_slurm_job):
+    # SLURM's --signal=USR1@300 reaches every process of the job step (issue 23, point 5)
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
+    if in_slurm_job:
+        env["SLURM_JOB_ID"] = "42"
+    done = subprocess.run([sys.executable, "-c", _WARNED_JOB_STEP], env=env, capture_output=True, text=True,
+                          timeout=120)
+    if in_slurm_job:
+        assert done.returncode == 0, done.stderr
+        # the training still gets the signal: its own handler replaces the inherited "ignore"
+        assert done.stdout.split("\n")[:3] == ["ignoring: True", "shell alive", "trainer handled 1"], done.stdout
+    else:  # outside SLURM nothing changes: the signal's default action ends the process
+        assert done.returncode == -signal.SIGUSR1 and done.stdout == "ignoring: False\n", (done.returncode, done.stdout)
+
+
 def test_the_grace_comes_from_the_training_settings(monkeypatch):
     from conftest import tiny_training_settings
 

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from typing import Callable, Mapping, Sequence
 
 from workflow_scripts.launch import device_leases
@@ -30,6 +31,29 @@ from workflow_scripts.core.settings import TrainingSettings
 # torchrun must hand them on to the workers, which checkpoint, instead of dying of them.
 FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 DEFAULT_GRACE_SECONDS = 270  # the schema's training.signal_grace_seconds: inside the SLURM profile's --signal=USR1@300
+
+
+# SLURM's `--signal=USR1@300` (the SLURM profile's train rule) reaches every process of the job step, not only
+# the training processes: also the Snakemake process the plugin runs there and the rule's bash. Neither
+# handles SIGUSR1, so by default they die of it; the step's task is gone, and SLURM then kills what is left
+# of the step, the training before it has checkpointed. Snakemake ignores it there instead (see below).
+SCHEDULER_WARNING_SIGNAL = signal.SIGUSR1
+
+
+def ignore_scheduler_warning_in_job(environ: Mapping[str, str] | None = None) -> bool:
+    """Inside a SLURM job, make this process and what it starts ignore SIGUSR1 (called by the Snakefile).
+
+    The rule's shell inherits the ignored disposition and so outlives the signal too; the processes that
+    act on it install their own handlers, which replace an ignored one: the launcher forwards it, torchrun
+    hands it on (``--signals-to-handle``), and the training loop checkpoints (``train.StopRequest``).
+    Returns whether it did; outside SLURM, or off the main thread (where Python cannot set a handler),
+    nothing changes.
+    """
+    environ = os.environ if environ is None else environ
+    if "SLURM_JOB_ID" not in environ or threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(SCHEDULER_WARNING_SIGNAL, signal.SIG_IGN)
+    return True
 
 
 # When the stage's first process started (seconds since the epoch), handed on to torchrun's workers so
