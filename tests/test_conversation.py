@@ -397,3 +397,42 @@ def test_chain_gate_train_and_evaluate(chain):
     assert first["prompt"].endswith("<|assistant|>\n") and first["gold"] == [dialogues()["test"][0]["messages"][-1]["content"]]
     assert EOS_TOKEN in trained["end_of_turn_tokens"]
     assert trained["score"] > untrained["score"] + 0.3 and trained["score"] >= 0.4, (trained["score"], untrained["score"])
+
+
+# --- the gate's chat_prompt check (preflight_checks.check_chat_prompt) ---------------------------------------
+# Templates that pass the labelling checks (turns render incrementally, each assistant turn ends with EOS)
+# yet drop content: the system message, or every turn but the last of each role pair.
+DROPS_SYSTEM = ("{% for message in messages %}{% if message['role'] != 'system' %}<|{{ message['role'] }}|>\n"
+                "{{ message['content'] }}{% if message['role'] != 'user' %}" + EOS_TOKEN + "{% endif %}\n{% endif %}"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+LAST_MESSAGE_ONLY = ("{{ messages[-1]['content'] }}{% if messages[-1]['role'] == 'assistant' %}" + EOS_TOKEN
+                     + "{% endif %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_the_chat_prompt_check_refuses_a_template_that_drops_the_variants_system_prompt():
+    from workflow_scripts.training.preflight_checks import PreflightError, check_chat_prompt
+
+    tokenizer = make_tokenizer(DROPS_SYSTEM)
+    assert "renders turns incrementally" in TASK.check_tokenizer(tokenizer)  # the labelling checks pass it
+    with pytest.raises(PreflightError, match=r"^chat_prompt: the chat template of models/tiny-test renders the probe "
+                       r"conversation of variant \{'system_prompt': 'Answer in one word\.'\} as .*, without the system "
+                       r"prompt 'Answer in one word\.' the variant sets"):
+        check_chat_prompt(TASK, tokenizer, {"system_prompt": " Answer in one word. "})
+    # Without a system turn nothing is dropped.
+    assert "renders every turn" in check_chat_prompt(TASK, tokenizer, {"system_prompt": False})
+
+
+def test_the_chat_prompt_check_refuses_a_template_that_renders_only_the_last_message():
+    from workflow_scripts.training.preflight_checks import PreflightError, check_chat_prompt
+
+    with pytest.raises(PreflightError, match=r"^chat_prompt: .* as 'probe second answer<\|endoftext\|>', without turn 0 \(user\) "
+                       r"'probe first question'"):
+        check_chat_prompt(TASK, make_tokenizer(LAST_MESSAGE_ONLY), {})
+
+
+@pytest.mark.parametrize("variant", [{}, {"system_prompt": "Answer in one word."}, {"system_prompt": False}])
+def test_the_chat_prompt_check_passes_the_tiny_models_template(tiny_tokenizer, variant):
+    from workflow_scripts.training.preflight_checks import check_chat_prompt
+
+    assert check_chat_prompt(TASK, tiny_tokenizer, variant).startswith(
+        "the chat template of models/tiny-test renders every turn (conversation")
