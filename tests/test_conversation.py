@@ -378,6 +378,7 @@ def test_chain_gate_train_and_evaluate(chain):
     gate = json.loads((tmp / "sanity.json").read_text())
     checks = {check["name"]: check for check in gate["checks"]}
     assert gate["passed"] and EOS_TOKEN in checks["conversation_tokenizer"]["detail"]
+    assert "renders every turn" in checks["chat_prompt"]["detail"]
     out = tmp / "run"
     assert train.main([*common, "--checkpoint-dir", str(out / "checkpoints"), "--adapter-out", str(out / "adapter"),
                        "--log-out", str(out / "train_log.jsonl"), "--manifest-out", str(out / "run_manifest.json")]) == 0
@@ -436,3 +437,30 @@ def test_the_chat_prompt_check_passes_the_tiny_models_template(tiny_tokenizer, v
 
     assert check_chat_prompt(TASK, tiny_tokenizer, variant).startswith(
         "the chat template of models/tiny-test renders every turn (conversation")
+
+
+def test_the_gate_refuses_a_model_whose_template_drops_the_variants_system_prompt(chain, tmp_path):
+    """Through the stages: pretokenise labels such a template without complaint; sanity stops at chat_prompt."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from workflow_scripts import pretokenise, sanity
+    from workflow_scripts.training.preflight_checks import PreflightError
+
+    tmp, data, _ = chain
+    model = tmp_path / "model"
+    shutil.copytree(tmp / "model", model)
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tokenizer.chat_template = DROPS_SYSTEM
+    tokenizer.save_pretrained(str(model))
+    variant = {"system_prompt": "Answer in one word."}
+    assert pretokenise.main(["--model", str(model), "--data", str(data), "--task", "conversation", "--variant",
+                             json.dumps(variant), "--max-length", str(MAX_LENGTH), "--out", str(tmp_path / "tokenised"),
+                             "--report", str(tmp_path / "tokenise_report.json")]) == 0
+    settings = tiny_training_settings(max_steps=2, effective_batch=8, micro_batch=8, max_length=MAX_LENGTH)
+    with pytest.raises(PreflightError, match=r"^chat_prompt: .* variant \{'system_prompt': 'Answer in one word\.'\} "
+                       r"as .*, without the system prompt 'Answer in one word\.' the variant sets"):
+        sanity.main(["--model", str(model), "--data", str(tmp_path / "tokenised"), "--training",
+                     training_json(settings), "--seed", "1", "--out", str(tmp_path / "sanity.json")])
+    assert not (tmp_path / "sanity.json").exists()
