@@ -378,6 +378,7 @@ def test_chain_gate_train_and_evaluate(chain):
     gate = json.loads((tmp / "sanity.json").read_text())
     checks = {check["name"]: check for check in gate["checks"]}
     assert gate["passed"] and EOS_TOKEN in checks["conversation_tokenizer"]["detail"]
+    assert "renders every turn" in checks["chat_prompt"]["detail"]
     out = tmp / "run"
     assert train.main([*common, "--checkpoint-dir", str(out / "checkpoints"), "--adapter-out", str(out / "adapter"),
                        "--log-out", str(out / "train_log.jsonl"), "--manifest-out", str(out / "run_manifest.json")]) == 0
@@ -397,3 +398,69 @@ def test_chain_gate_train_and_evaluate(chain):
     assert first["prompt"].endswith("<|assistant|>\n") and first["gold"] == [dialogues()["test"][0]["messages"][-1]["content"]]
     assert EOS_TOKEN in trained["end_of_turn_tokens"]
     assert trained["score"] > untrained["score"] + 0.3 and trained["score"] >= 0.4, (trained["score"], untrained["score"])
+
+
+# --- the gate's chat_prompt check (preflight_checks.check_chat_prompt) ---------------------------------------
+# Templates that pass the labelling checks (turns render incrementally, each assistant turn ends with EOS)
+# yet drop content: the system message, or every turn but the last of each role pair.
+DROPS_SYSTEM = ("{% for message in messages %}{% if message['role'] != 'system' %}<|{{ message['role'] }}|>\n"
+                "{{ message['content'] }}{% if message['role'] != 'user' %}" + EOS_TOKEN + "{% endif %}\n{% endif %}"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+LAST_MESSAGE_ONLY = ("{{ messages[-1]['content'] }}{% if messages[-1]['role'] == 'assistant' %}" + EOS_TOKEN
+                     + "{% endif %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_the_chat_prompt_check_refuses_a_template_that_drops_the_variants_system_prompt():
+    from workflow_scripts.training.preflight_checks import PreflightError, check_chat_prompt
+
+    tokenizer = make_tokenizer(DROPS_SYSTEM)
+    assert "renders turns incrementally" in TASK.check_tokenizer(tokenizer)  # the labelling checks pass it
+    with pytest.raises(PreflightError, match=r"^chat_prompt: the chat template of models/tiny-test renders the probe "
+                       r"conversation of variant \{'system_prompt': 'Answer in one word\.'\} as .*, without the system "
+                       r"prompt 'Answer in one word\.' the variant sets"):
+        check_chat_prompt(TASK, tokenizer, {"system_prompt": " Answer in one word. "})
+    # Without a system turn nothing is dropped.
+    assert "renders every turn" in check_chat_prompt(TASK, tokenizer, {"system_prompt": False})
+
+
+def test_the_chat_prompt_check_refuses_a_template_that_renders_only_the_last_message():
+    from workflow_scripts.training.preflight_checks import PreflightError, check_chat_prompt
+
+    with pytest.raises(PreflightError, match=r"^chat_prompt: .* as 'probe second answer<\|endoftext\|>', without turn 0 \(user\) "
+                       r"'probe first question'"):
+        check_chat_prompt(TASK, make_tokenizer(LAST_MESSAGE_ONLY), {})
+
+
+@pytest.mark.parametrize("variant", [{}, {"system_prompt": "Answer in one word."}, {"system_prompt": False}])
+def test_the_chat_prompt_check_passes_the_tiny_models_template(tiny_tokenizer, variant):
+    from workflow_scripts.training.preflight_checks import check_chat_prompt
+
+    assert check_chat_prompt(TASK, tiny_tokenizer, variant).startswith(
+        "the chat template of models/tiny-test renders every turn (conversation")
+
+
+def test_the_gate_refuses_a_model_whose_template_drops_the_variants_system_prompt(chain, tmp_path):
+    """Through the stages: pretokenise labels such a template without complaint; sanity stops at chat_prompt."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from workflow_scripts import pretokenise, sanity
+    from workflow_scripts.training.preflight_checks import PreflightError
+
+    tmp, data, _ = chain
+    model = tmp_path / "model"
+    shutil.copytree(tmp / "model", model)
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tokenizer.chat_template = DROPS_SYSTEM
+    tokenizer.save_pretrained(str(model))
+    variant = {"system_prompt": "Answer in one word."}
+    assert pretokenise.main(["--model", str(model), "--data", str(data), "--task", "conversation", "--variant",
+                             json.dumps(variant), "--max-length", str(MAX_LENGTH), "--out", str(tmp_path / "tokenised"),
+                             "--report", str(tmp_path / "tokenise_report.json")]) == 0
+    settings = tiny_training_settings(max_steps=2, effective_batch=8, micro_batch=8, max_length=MAX_LENGTH)
+    with pytest.raises(PreflightError, match=r"^chat_prompt: .* variant \{'system_prompt': 'Answer in one word\.'\} "
+                       r"as .*, without the system prompt 'Answer in one word\.' the variant sets"):
+        sanity.main(["--model", str(model), "--data", str(tmp_path / "tokenised"), "--training",
+                     training_json(settings), "--seed", "1", "--out", str(tmp_path / "sanity.json")])
+    assert not (tmp_path / "sanity.json").exists()

@@ -36,7 +36,10 @@ The contract, stage by stage (batches are dicts of tensors plus plain fields):
   tokenizer, model)`` per probe batch (``model``: the PEFT model) and ``check_gradients(peft_model,
   training)`` once after the first backward are
   the task's own checks beside ``training/preflight_checks``: a detail string for the report, None
-  when the task has no such check, or ``PreflightError``.
+  when the task has no such check, or ``PreflightError``. The ``chat_prompt`` check
+  (``preflight_checks.check_chat_prompt``) calls an optional hook: ``render_prompt(tokenizer, variant,
+  row)`` (generation, vision_language: a probe row's prompt must keep its text), or
+  ``dropped_chat_turn(tokenizer, variant)`` (conversation: the turn a probe conversation's rendering lacks).
 - LoRA (optional): ``lora_settings(model, lora) -> lora`` rewrites the ``training.lora`` settings for the
   loaded model before PEFT wraps it (a VLM: adapter targets inside the language model only, the
   projector saved whole when asked); a task without it uses the settings as given.

@@ -444,6 +444,30 @@ def probe_tokenizer(tokenizer) -> str:
             f"tokens are assistant targets, each turn ending with {ends}")
 
 
+PROBE_TURNS = (("user", "probe first question"), ("assistant", "probe first answer"),
+               ("user", "probe second question"), ("assistant", "probe second answer"))
+
+
+def dropped_turn(tokenizer, variant: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(the turn the chat template drops, the rendering)`` for a probe conversation as the variant shows it
+    (its ``system_prompt`` added or removed), else None; spacing ignored, as templates may trim.
+
+    The labelling checks (:func:`probe_tokenizer`) see only that turns render incrementally; a template that
+    ignores system messages passes them, and the variant's system prompt would silently never reach the model.
+    With ``system_prompt`` null the probe has no system turn (each conversation's own is kept, unseen here).
+    """
+    probe = with_system_prompt([{"role": role, "content": text} for role, text in PROBE_TURNS],
+                               check_variant(variant)["system_prompt"])
+    rendered = render(tokenizer, probe, False)
+    flat = " ".join(rendered.split())
+    for index, turn in enumerate(probe):
+        if " ".join(turn["content"].split()) not in flat:
+            what = (f"the system prompt {turn['content']!r} the variant sets" if turn["role"] == "system"
+                    else f"turn {index} ({turn['role']}) {turn['content']!r}")
+            return what, rendered
+    return None
+
+
 class ConversationTask:
     name = "conversation"
     packs = True  # rows are (input_ids, labels) as generation's: data/packing.PackingCollator applies
@@ -519,6 +543,10 @@ class ConversationTask:
         except WorkflowError as error:
             raise PreflightError("conversation_tokenizer", str(error), "see the message; the task's labels depend "
                                  "on the chat template (tasks/conversation.py)") from None
+
+    def dropped_chat_turn(self, tokenizer, variant: Mapping[str, Any]) -> tuple[str, str] | None:
+        """The gate's chat_prompt check (preflight_checks.check_chat_prompt): every turn is rendered."""
+        return dropped_turn(tokenizer, variant)
 
     def check_batch(self, batch: Mapping[str, Any], tokenizer, model: nn.Module) -> str | None:
         return None  # preflight_checks covers (input_ids, labels) batches

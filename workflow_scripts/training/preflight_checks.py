@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 from torch import nn
 
-from workflow_scripts.core.errors import PreflightError
+from workflow_scripts.core.errors import PreflightError, WorkflowError
 from workflow_scripts.core.errors import few_names as _names
 from workflow_scripts.model import memory_estimate
 from workflow_scripts.model.parameter_names import lora_parameters, named_parameters, strip_wrapper_prefix, unwrap
@@ -263,6 +263,8 @@ def check_chat_prompt(task, tokenizer, variant: Mapping[str, Any] | None) -> str
     """
     from workflow_scripts.tasks import templates
 
+    if hasattr(task, "dropped_chat_turn"):  # conversation: always rendered through the chat template
+        return _check_chat_turns(task, tokenizer, variant)
     render = getattr(task, "render_prompt", None)
     if render is None or not variant or not variant.get("chat_template", False):
         return None
@@ -277,6 +279,29 @@ def check_chat_prompt(task, tokenizer, variant: Mapping[str, Any] | None) -> str
             "content as nothing)", "use a model whose chat template renders the user's content, or set the "
             "variant's chat_template: false")
     return f"the chat template of {name} keeps the prompt's text ({task.name}, probe row)"
+
+
+def _check_chat_turns(task, tokenizer, variant: Mapping[str, Any] | None) -> str | None:
+    """A task whose rows are conversations: its ``dropped_chat_turn(tokenizer, variant)`` renders a probe
+    conversation as the variant shows it; refused when a turn's content (e.g. the variant's system prompt)
+    is not in the rendering."""
+    if variant is None:
+        return None
+    variant = task.check_variant(dict(variant))
+    name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    try:
+        dropped = task.dropped_chat_turn(tokenizer, variant)
+    except WorkflowError as error:
+        raise PreflightError("chat_prompt", str(error), "use a model whose chat template renders every turn, or "
+                             "change the variant's system_prompt") from None
+    if dropped is not None:
+        what, rendered = dropped
+        raise PreflightError(
+            "chat_prompt", f"the chat template of {name} renders the probe conversation of variant {variant} as "
+            f"{rendered!r}, without {what}, so the model would be trained and scored without it",
+            "use a model whose chat template renders every turn's content (a template without a system role "
+            "needs the variant's system_prompt: false)")
+    return f"the chat template of {name} renders every turn ({task.name}, probe conversation of variant {variant})"
 
 
 def check_train_mode(model: nn.Module) -> str:
