@@ -48,7 +48,7 @@ def sha256_of_many(paths: list[str | Path], cache_file: Path = CACHE) -> list[st
     """
     cache, changed, digests = _load(cache_file), False, []
     for path in map(Path, paths):
-        stat, key = path.stat(), str(path.resolve())
+        stat, key = path.stat(), os.path.abspath(path)  # not resolve(): a syscall per folder, per image
         entry = cache.get(key)
         if not (entry and entry["identity"] == _identity(stat)):
             digest = hashlib.sha256()
