@@ -262,6 +262,12 @@ def local_source_sha256(wildcards):
     return as_json(source_files.sha256_of_existing(local_source(wildcards)))
 
 
+def local_images_sha256(wildcards):
+    """The content of the images download copies (images/, an image folder's splits): not inputs, so
+    replacing an image's bytes reruns download through this parameter (per-file hashes cached)."""
+    return source_files.tree_fingerprint(source_files.image_dirs(config["datasets"][wildcards.dataset]))
+
+
 def tiny_model_corpus(wildcards):
     """A tiny model's tokenizer is trained on the normalised datasets it runs on (never on templates)."""
     if MODELS[wildcards.model]["source"] != "tiny":

@@ -22,6 +22,7 @@ rule download:
     params:
         dataset=dataset_settings,
         source_sha256=local_source_sha256,  # content, not clocks, decides a rerun
+        images_sha256=local_images_sha256,  # images are copied, not inputs: their content decides too
     shell:
         "python -m workflow_scripts.download --name {wildcards.dataset:q} --dataset {params.dataset:q}"
         " --out {output.raw:q} --manifest {output.manifest:q} > {log:q} 2>&1"

@@ -118,6 +118,31 @@ def test_a_source_file_copied_in_with_its_old_time_still_reruns_download(tmp_pat
     assert code == 0 and job_counts(output).get("download") == 1, output
 
 
+def test_an_image_replaced_by_other_bytes_reruns_download_and_a_touched_one_does_not(tmp_path):
+    """Images are copied by download but are not inputs: their content fingerprint (a parameter) decides."""
+    import os
+    import shutil
+
+    data = tmp_path / "shapes"
+    shutil.copytree(ROOT / "demo_data" / "shapes", data)
+    config = absolute_demo_config(["shapes_demo"])
+    config["datasets"]["shapes_demo"]["source"]["path"] = str(data)
+    base = ["--configfile", str(config_file(tmp_path, config)), "--replace-workflow-config", "--cores", "1"]
+    code, output = snakemake(tmp_path, *base, "--until", "download")
+    assert code == 0, output
+    code, output = snakemake(tmp_path, *base, "-n", "--until", "download")
+    assert code == 0 and nothing_to_do(output), output  # an unchanged tree plans nothing
+    image = data / "images" / "test-0001.png"
+    os.utime(image)  # touched: newer time, same bytes
+    code, output = snakemake(tmp_path, *base, "-n", "--until", "download")
+    assert code == 0 and nothing_to_do(output), output
+    times = (image.stat().st_atime_ns, image.stat().st_mtime_ns)
+    image.write_bytes((data / "images" / "test-0002.png").read_bytes())  # other bytes ...
+    os.utime(image, ns=times)  # ... with the old time, as cp -p leaves it
+    code, output = snakemake(tmp_path, *base, "-n", "--until", "download")
+    assert code == 0 and job_counts(output).get("download") == 1, output
+
+
 # A second experiment set in the same directory (small_chain_config is used by test_workflow_e2e.py) ---
 def small_chain_config(dataset: str, model: str = "tiny-llama") -> dict:
     """One dataset, the baseline variant, one seed and two steps on a tiny model (named ``model``): the

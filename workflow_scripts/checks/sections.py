@@ -43,10 +43,13 @@ def check_dataset(name: str, dataset: Mapping[str, Any], source: str | None,
     src = dataset["source"]
     for canonical, split in dataset["splits"].items():  # a split is one file <split>.<format> (or a hub split)
         if "/" in split or "\\" in split or split.startswith(".") or not split.strip():
+            from workflow_scripts.data.split_names import bad_split_name_fix
+
             raise ConfigError(f"datasets.{name}.splits.{canonical}", f"'{split}' cannot be a split name: a split is "
                               "one file <split>.<format> in the source directory (or a hub split), so it holds no "
-                              "folder, no '/' and does not start with '.'; put the split's file beside the others "
-                              "and name it by its file name without the suffix", source)
+                              "folder, no '/' and does not start with '.'; "
+                              + bad_split_name_fix(canonical, split, dataset["splits"], dataset["format"],
+                                                   dataset.get("task", "generation")), source)
     needs = {"hub": ("id", "revision"), "url": ("url", "sha256"), "local": ("path",)}[src["type"]]
     _require(src, needs, f"datasets.{name}.source", f"when source.type is '{src['type']}'", source)
     if src["type"] == "hub":

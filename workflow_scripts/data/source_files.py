@@ -6,6 +6,10 @@ rule therefore also takes each local source file's sha256 as a parameter: other 
 parameter, rerun. Hashing a multi-GB corpus at every ``snakemake -n`` would cost minutes, so a hash
 is kept beside the workflow's state and reused while the file's size, mtime, ctime and inode are
 unchanged (``cp -p`` can restore an mtime but never a ctime).
+
+Images are copied by ``download`` but are not rule inputs (thousands of them would swell the DAG), so
+``tree_fingerprint`` of the image folders is a ``download`` parameter too: one digest over the cached
+per-file hashes, so an unchanged image set costs one ``stat`` per image at each parse, not a read.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any, Mapping
 
 CACHE = Path(".snakemake", "source_sha256.json")
 
@@ -21,28 +26,77 @@ def _identity(stat: os.stat_result) -> list[int]:
     return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
 
 
-def sha256_of(path: str | Path, cache_file: Path = CACHE) -> str:
-    """The file's sha256, from the cache when the file is provably unchanged since it was hashed."""
-    path = Path(path)
-    stat = path.stat()
-    key = str(path.resolve())
+def _load(cache_file: Path) -> dict:
     try:
-        cache = json.loads(cache_file.read_text())
+        return json.loads(cache_file.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
-        cache = {}
-    entry = cache.get(key)
-    if entry and entry["identity"] == _identity(stat):
-        return entry["sha256"]
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    cache[key] = {"identity": _identity(stat), "sha256": digest.hexdigest()}
+        return {}
+
+
+def _save(cache: dict, cache_file: Path) -> None:
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     temporary = cache_file.with_suffix(f".{os.getpid()}.tmp")
     temporary.write_text(json.dumps(cache, sort_keys=True))
     os.replace(temporary, cache_file)  # concurrent snakemake invocations never see half a file
-    return cache[key]["sha256"]
+
+
+def sha256_of_many(paths: list[str | Path], cache_file: Path = CACHE) -> list[str]:
+    """Each file's sha256, from the cache when the file is provably unchanged since it was hashed.
+
+    The cache is read and written once for all ``paths`` (thousands of images at every parse); only
+    new or changed files are read, streamed in 1 MiB blocks.
+    """
+    cache, changed, digests = _load(cache_file), False, []
+    for path in map(Path, paths):
+        stat, key = path.stat(), os.path.abspath(path)  # not resolve(): a syscall per folder, per image
+        entry = cache.get(key)
+        if not (entry and entry["identity"] == _identity(stat)):
+            digest = hashlib.sha256()
+            with open(path, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+            cache[key] = entry = {"identity": _identity(stat), "sha256": digest.hexdigest()}
+            changed = True
+        digests.append(entry["sha256"])
+    if changed:
+        _save(cache, cache_file)
+    return digests
+
+
+def sha256_of(path: str | Path, cache_file: Path = CACHE) -> str:
+    """The file's sha256, from the cache when the file is provably unchanged since it was hashed."""
+    return sha256_of_many([path], cache_file)[0]
+
+
+def image_dirs(settings: Mapping[str, Any]) -> list[Path]:
+    """The folders of a local dataset's images that ``download`` copies: an image folder's split folders
+    (``source.layout: imagefolder``), else the ``images/`` folder beside the split files of a dataset
+    with an image field (as ``download.copy_local`` decides)."""
+    source = settings["source"]
+    if source["type"] != "local":
+        return []
+    directory = Path(source["path"])
+    if source.get("layout") == "imagefolder":
+        return [directory / split for split in dict.fromkeys(settings["splits"].values())]
+    return [directory / "images"] if "image" in settings.get("fields", {}) else []
+
+
+def tree_fingerprint(directories: list[Path], cache_file: Path = CACHE) -> str:
+    """One sha256 over every file under ``directories`` (relative path and content), '' when there is none.
+
+    A parameter of ``download``: an image replaced by other bytes changes it and reruns the dataset's
+    chain, while a touched or re-copied image with the same bytes changes nothing. One digest rather than
+    a map per file keeps Snakemake's stored parameters small for large image sets.
+    """
+    files = [(directory, path) for directory in directories if directory.is_dir()
+             for path in sorted(directory.rglob("*")) if path.is_file()]
+    if not files:
+        return ""
+    digests = sha256_of_many([path for _, path in files], cache_file)
+    combined = hashlib.sha256()
+    for (directory, path), digest in zip(files, digests):
+        combined.update(f"{directory.name}/{path.relative_to(directory).as_posix()}\0{digest}\n".encode())
+    return f"{len(files)} files, sha256 {combined.hexdigest()}"
 
 
 def sha256_of_existing(paths: list[str]) -> dict[str, str | None]:

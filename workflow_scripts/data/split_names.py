@@ -39,6 +39,26 @@ def mapping_text(splits: Mapping[str, str]) -> str:
     return "splits: {" + ", ".join(f"{name}: {splits[name]}" for name in ordered) + "}"
 
 
+def bad_split_name_fix(canonical: str, split: str, splits: Mapping[str, str], fmt: str, task: str = "generation") -> str:
+    """The fix for a split name holding a folder (``train/metadata``): the layouts of ``split_layouts`` that
+    express it, as the YAML to write (the whole ``splits:`` mapping: it replaces the default)."""
+    path = split.replace("\\", "/")
+    if "/" not in path:
+        return "name the split by its file name without the suffix"
+    file = path if path.endswith(SUFFIXES[fmt]) else split_file_names(path, fmt)[0]
+    folder, base = path.rsplit("/", 1)
+    listed = mapping_text({**splits, canonical: canonical})
+    if base == split_layouts.METADATA:  # metadata.<format> names an image folder's metadata, never a listed file
+        if task == "vision_language" and "/" not in folder and fmt in split_layouts.IMAGEFOLDER_FORMATS:
+            return (f"for a Hugging Face image folder ({file} beside its images), write "
+                    f"{mapping_text({**splits, canonical: folder})} and, under source:, layout: imagefolder")
+        renamed = f"{folder}/{split_file_names(canonical, fmt)[0]}"
+        return (f"rename {file} to {renamed} ({split_layouts.METADATA}.{fmt} is an image folder's metadata) and "
+                f"write {listed} and, under source:, files: {{{canonical}: {renamed}}}")
+    return (f"to read {file} (under source.path) as the {canonical} split, write {listed} and, under source:, "
+            f"files: {{{canonical}: {file}}} (a glob or a list of files works too)")
+
+
 def missing_split_fix(source_split: str, splits: Mapping[str, str], available: Iterable[str], fmt: str | None = None) -> str:
     """What to do about ``source_split`` missing from a source whose splits are ``available``.
 
