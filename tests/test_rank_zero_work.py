@@ -82,20 +82,17 @@ def test_a_rank_zero_failure_stops_every_rank_with_its_message(tmp_path, tiny_mo
     assert not (out / "adapter").exists() and not (out / "run_manifest.json").exists()
 
 
-# --- on_main itself, two gloo processes without a model ---
+# --- on_main and gather_on_main themselves, two gloo processes without a model ---
 
-def _on_main_worker(rank, port, failure, results):
+def _two_ranks(rank, port, failure, results, work_of, call):
+    """One of two gloo ranks whose collectives time out after 2 s: ``call(context, work)`` with this rank's
+    work, its outcome (or its error) in ``results[rank]``; the group must still work afterwards."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    context = distributed.setup(use_cuda=False, timeout_minutes=2 / 60)  # collectives time out after 2 s
+    context = distributed.setup(use_cuda=False, timeout_minutes=2 / 60)
     try:
-        def work():
-            time.sleep(5)  # longer than the collective timeout
-            if failure:
-                raise OSError(28, "No space left on device")
-            return {"score": 0.5}
         try:
-            results[rank] = ("done", distributed.on_main(context, "scoring", work, share_result=True))
+            results[rank] = ("done", call(context, work_of(rank, failure)))
         except (WorkflowError, OSError) as error:
             results[rank] = ("failed", f"{type(error).__name__}: {error}")
         dist.all_reduce(torch.ones(1))  # the process group is still usable afterwards
@@ -103,15 +100,33 @@ def _on_main_worker(rank, port, failure, results):
         distributed.teardown(context)
 
 
-@pytest.mark.parametrize("failure", [False, True])
-def test_on_main_waits_past_the_collective_timeout_and_shares_the_outcome(failure):
+def _run_two_ranks(failure, work_of, call) -> dict:
     import socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_on_main_worker, args=(port, failure, results), nprocs=2, join=True)
+    mp.spawn(_two_ranks, args=(port, failure, results, work_of, call), nprocs=2, join=True)
+    return results
+
+
+def _scoring(rank, failure):
+    def work():
+        time.sleep(5)  # longer than the collective timeout
+        if failure:
+            raise OSError(28, "No space left on device")
+        return {"score": 0.5}
+    return work
+
+
+def _share_scoring(context, work):
+    return distributed.on_main(context, "scoring", work, share_result=True)
+
+
+@pytest.mark.parametrize("failure", [False, True])
+def test_on_main_waits_past_the_collective_timeout_and_shares_the_outcome(failure):
+    results = _run_two_ranks(failure, _scoring, _share_scoring)
     if failure:
         assert results[0] == ("failed", "OSError: [Errno 28] No space left on device")
         assert results[1] == ("failed", "WorkflowError: rank 1 stops: rank 0 failed while scoring: "
@@ -122,35 +137,23 @@ def test_on_main_waits_past_the_collective_timeout_and_shares_the_outcome(failur
 
 # --- gather_on_main: work split over the ranks (the validation metric's generation) ---
 
-def _gather_worker(rank, port, failure, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    context = distributed.setup(use_cuda=False, timeout_minutes=2 / 60)  # collectives time out after 2 s
-    try:
-        def work():
-            if rank == 1:
-                time.sleep(5)  # rank 0 waits longer than the collective timeout
-                if failure:
-                    raise OSError(12, "Cannot allocate memory")
-            return [f"prediction of rank {rank}"]
-        try:
-            results[rank] = ("done", distributed.gather_on_main(context, "generating", work))
-        except (WorkflowError, OSError) as error:
-            results[rank] = ("failed", f"{type(error).__name__}: {error}")
-        dist.all_reduce(torch.ones(1))  # the process group is still usable afterwards
-    finally:
-        distributed.teardown(context)
+def _generating(rank, failure):
+    def work():
+        if rank == 1:
+            time.sleep(5)  # rank 0 waits longer than the collective timeout
+            if failure:
+                raise OSError(12, "Cannot allocate memory")
+        return [f"prediction of rank {rank}"]
+    return work
+
+
+def _gather_generating(context, work):
+    return distributed.gather_on_main(context, "generating", work)
 
 
 @pytest.mark.parametrize("failure", [False, True])
 def test_gather_on_main_waits_past_the_collective_timeout_and_stops_every_rank_on_a_failure(failure):
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_gather_worker, args=(port, failure, results), nprocs=2, join=True)
+    results = _run_two_ranks(failure, _generating, _gather_generating)
     if failure:
         assert results[1] == ("failed", "OSError: [Errno 12] Cannot allocate memory")
         assert results[0] == ("failed", "WorkflowError: rank 0 stops: rank 1 failed while generating: "
