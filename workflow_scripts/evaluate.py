@@ -26,7 +26,7 @@ from workflow_scripts.core.atomic_output import write_json, write_jsonl
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.run_manifest import build_manifest
 from workflow_scripts.core.section_settings import EvaluationSettings
-from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
+from workflow_scripts.core.stage_arguments import StageArgumentParser, json_object_setting
 from workflow_scripts.tasks.templates import template_fields, template_row
 
 # The variant keys that are templates filled from each evaluated row (generation and vision_language:
@@ -59,13 +59,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--predictions-out", required=True)
     parser.add_argument("--summary-out", required=True)
     return parser.parse_args(argv)
-
-
-def parse_json_argument(text: str, name: str) -> dict:
-    value = json_setting(text, name)
-    if not isinstance(value, dict):
-        raise WorkflowError(f"argument {name}: expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 def parse_seed(text: str) -> int | str:
@@ -196,7 +189,7 @@ def refuse_unlabelled(task_meta: Mapping[str, Any], data_dir: str, split: str) -
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     task = task_named(args.task, "argument --task")
-    variant = task.check_variant(parse_json_argument(args.variant, "--variant"))
+    variant = task.check_variant(json_object_setting(args.variant, "--variant"))
     if args.metric not in task.metrics:
         raise WorkflowError(f"argument --metric: {args.metric!r} is not a metric of task {args.task!r} "
                             f"(choose from {list(task.metrics)})")

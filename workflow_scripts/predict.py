@@ -19,7 +19,7 @@ from workflow_scripts.core.atomic_output import write_json, write_jsonl
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.run_manifest import build_manifest
 from workflow_scripts.core.section_settings import EvaluationSettings
-from workflow_scripts.core.stage_arguments import StageArgumentParser
+from workflow_scripts.core.stage_arguments import StageArgumentParser, json_object_setting
 from workflow_scripts.data.normalised_data import read_task_meta
 from workflow_scripts.model import model_loading
 from workflow_scripts.tasks import task_named
@@ -39,7 +39,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def submission_settings(text: str) -> dict[str, Any]:
-    settings = {**SUBMISSION_DEFAULTS, **evaluate.parse_json_argument(text, "--submission")}
+    settings = {**SUBMISSION_DEFAULTS, **json_object_setting(text, "--submission")}
     unknown = sorted(set(settings) - set(SUBMISSION_DEFAULTS))
     if unknown:
         raise ConfigError("submission", f"unknown keys {unknown} (known: {sorted(SUBMISSION_DEFAULTS)})")
@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     task = task_named(args.task, "argument --task")
     if not hasattr(task, "predict"):
         raise WorkflowError(f"argument --task: task {args.task!r} cannot predict an unlabelled split")
-    variant = task.check_variant(evaluate.parse_json_argument(args.variant, "--variant"))
+    variant = task.check_variant(json_object_setting(args.variant, "--variant"))
     if args.metric not in task.metrics:
         raise WorkflowError(f"argument --metric: {args.metric!r} is not a metric of task {args.task!r} "
                             f"(choose from {list(task.metrics)})")

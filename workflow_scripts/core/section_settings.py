@@ -16,8 +16,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from workflow_scripts.core.errors import ConfigError, WorkflowError
-from workflow_scripts.core.stage_arguments import json_setting
+from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.core.stage_arguments import json_object_setting, json_setting
 
 
 def _validated(value: Any, section: str, key: str, source: str | None, entry: bool = False) -> dict[str, Any]:
@@ -86,10 +86,7 @@ class EvaluationSettings:
 
     @classmethod
     def from_json(cls, text: str, flag: str = "--evaluation") -> "EvaluationSettings":
-        value = json_setting(text, flag)
-        if not isinstance(value, dict):
-            raise WorkflowError(f"argument {flag}: expected a JSON object, got {type(value).__name__}")
-        return cls.parse(value, "evaluation", flag)
+        return cls.parse(json_object_setting(text, flag), "evaluation", flag)
 
     @property
     def compute_dtype(self) -> str:
@@ -128,10 +125,7 @@ class ComparisonSettings:
 
     @classmethod
     def from_json(cls, text: str, flag: str = "--comparison") -> "ComparisonSettings":
-        value = json_setting(text, flag)
-        if not isinstance(value, dict):
-            raise WorkflowError(f"argument {flag}: expected a JSON object")
-        return cls.parse(value, "comparison", flag)
+        return cls.parse(json_object_setting(text, flag), "comparison", flag)
 
     def reference_for(self, task: str) -> str | None:
         """The variant the others of ``task`` are compared with (None: the mapping names none for it)."""
@@ -214,10 +208,7 @@ class MixtureSettings:
 
     @classmethod
     def from_json(cls, text: str, name: str, flag: str = "--settings") -> "MixtureSettings":
-        value = json_setting(text, flag)
-        if not isinstance(value, dict):
-            raise WorkflowError(f"argument {flag}: expected a JSON object, got {type(value).__name__}")
-        return cls.parse(value, f"mixtures.{name}", flag)
+        return cls.parse(json_object_setting(text, flag), f"mixtures.{name}", flag)
 
     def to_dict(self) -> dict[str, Any]:
         """The mixture as the rule passes it (optional keys without a default only when set): the mixed data's

@@ -17,6 +17,14 @@ def json_setting(text: str, flag: str) -> Any:
         raise WorkflowError(f"argument {flag}: not valid JSON at character {error.pos}: {error.msg}") from None
 
 
+def json_object_setting(text: str, flag: str) -> dict:
+    """:func:`json_setting` for an argument that must be a JSON object (a stage's settings section)."""
+    value = json_setting(text, flag)
+    if not isinstance(value, dict):
+        raise WorkflowError(f"argument {flag}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 class StageArgumentParser(argparse.ArgumentParser):
     """argparse, but a usage error (a missing flag, ``--seed one``) is a WorkflowError like any other bad
     input: run_main prints it as its one ``error: ...`` line and exits 2, instead of argparse's usage
