@@ -190,3 +190,27 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False
     return WorkerGroupScheduling(config, log)
+
+
+# --- Where the suite's CPU goes (LORA_WORKFLOW_TEST_CPU_LOG=path) ------------------------------------------------
+# Wall time under two workers on two cores says little about one test's cost; CPU seconds (the test's process
+# and the children it waited for: launchers, torchrun ranks, Snakemake and its jobs) add up to the suite's.
+# Jobs run by slurmd are not our children, so a SLURM test's own jobs are not counted.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get("LORA_WORKFLOW_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    import time
+
+    before, start = os.times(), time.monotonic()
+    yield
+    after = os.times()
+    record = {"test": item.nodeid, "wall_s": round(time.monotonic() - start, 2),
+              "cpu_self_s": round(0.0 + after.user + after.system - before.user - before.system, 2),
+              "cpu_children_s": round(0.0 + after.children_user + after.children_system
+                                      - before.children_user - before.children_system, 2),
+              "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
+    with open(path, "a") as log:
+        log.write(json.dumps(record) + "\n")
