@@ -10,6 +10,7 @@ from workflow_scripts import evaluate
 from workflow_scripts.tasks import generation
 from workflow_scripts.tasks import metrics
 from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.data.normalised_data import load_rows
 
 BASELINE = {"prompt": "Question: {question}\nAnswer:", "target": " {answer}", "extractor": {"type": "whole"},
             "chat_template": False}
@@ -261,7 +262,7 @@ def test_duplicate_ids_are_refused(tmp_path):
     rows = {"id": ["x", "x"], "question": ["a", "b"], "answers": [["1"], ["2"]]}
     DatasetDict({"test": Dataset.from_dict(rows)}).save_to_disk(str(data))
     with pytest.raises(WorkflowError, match=r"row 1: duplicate id 'x'"):
-        evaluate.load_test_rows(str(data), "test", None)
+        load_rows(str(data), "test", None)
 
 
 def test_declared_gpus_lease_a_device_and_refuse_to_fall_back_to_cpu(tmp_path, tiny_model, normalised, monkeypatch):

@@ -25,8 +25,6 @@ TOP = 3
 
 # (importer, imported) -> why it is still there. Move the function to the layer that owns it, then drop the entry.
 KNOWN_UPWARD = {
-    ("workflow_scripts.training.validation_metric", "workflow_scripts.evaluate"):
-        "the validation metric reuses evaluate's row loading and template checks",
 }
 
 

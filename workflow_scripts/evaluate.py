@@ -19,7 +19,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from workflow_scripts.launch import device_leases
-from workflow_scripts.data.normalised_data import read_task_meta
+from workflow_scripts.data.normalised_data import load_rows, read_task_meta
 from workflow_scripts.tasks import also_metrics, task_named
 from workflow_scripts.model import model_loading, quantization
 from workflow_scripts.core.atomic_output import write_json, write_jsonl
@@ -27,11 +27,7 @@ from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.run_manifest import build_manifest
 from workflow_scripts.core.section_settings import EvaluationSettings
 from workflow_scripts.core.stage_arguments import StageArgumentParser, json_object_setting
-from workflow_scripts.tasks.templates import template_fields, template_row
-
-# The variant keys that are templates filled from each evaluated row (generation and vision_language:
-# prompt; classification: input). The target template is not rendered at evaluation.
-ROW_TEMPLATE_KEYS = ("prompt", "input")
+from workflow_scripts.tasks.templates import check_row_templates
 
 
 def add_prediction_arguments(parser: argparse.ArgumentParser, verb: str, record: str) -> None:
@@ -68,46 +64,6 @@ def parse_seed(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise WorkflowError(f"argument --seed: expected an integer or 'base', got {text!r}") from None
-
-
-def load_test_rows(data_dir: str, split: str, max_examples: int | None) -> list[dict]:
-    """Rows of the evaluation split, in stored order (the first ``max_examples`` when set)."""
-    from workflow_scripts.data.normalised_data import open_normalised
-
-    data = open_normalised(data_dir, required_split=None)
-    if split not in data:
-        raise ConfigError("evaluation.split", f"'{split}' is not a split of {data_dir} (it has {sorted(data)})")
-    table = data[split]
-    if "id" not in table.column_names:
-        raise WorkflowError(f"{data_dir} split '{split}': no 'id' column; is this normalise output?")
-    if max_examples is not None:
-        table = table.select(range(min(max_examples, len(table))))
-    rows = table.to_list()
-    if not rows:
-        raise WorkflowError(f"{data_dir} split '{split}': no rows to evaluate")
-    seen = set()
-    for index, row in enumerate(rows):
-        if row["id"] in seen:
-            raise WorkflowError(f"{data_dir} split '{split}' row {index}: duplicate id {row['id']!r}")
-        seen.add(row["id"])
-    return rows
-
-
-def check_templates(variant: Mapping[str, Any], rows: Sequence[dict], data_dir: str, split: str) -> None:
-    """Every field the variant's row templates name must be in every row, checked before the model loads;
-    the message names the data, split and row as pretokenise's does."""
-    for key in ROW_TEMPLATE_KEYS:
-        template = variant.get(key)
-        if not isinstance(template, str):
-            continue
-        names = template_fields(template)  # the task's check_variant already refused bad syntax
-        for index, row in enumerate(rows):
-            fields = template_row(row)
-            missing = [name for name in names if name not in fields]
-            if missing:
-                raise WorkflowError(
-                    f"{data_dir} split '{split}' row {index}: row id {row.get('id', '?')!r}: the {key} template "
-                    f"refers to field {missing[0]!r}, which the row does not have (it has {sorted(fields)})")
 
 
 @contextlib.contextmanager
@@ -197,8 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     evaluation = EvaluationSettings.from_json(args.evaluation)
     seed = parse_seed(args.seed)
 
-    rows = load_test_rows(args.data, evaluation.split, evaluation.max_examples)
-    check_templates(variant, rows, args.data, evaluation.split)
+    rows = load_rows(args.data, evaluation.split, evaluation.max_examples)
+    check_row_templates(variant, rows, args.data, evaluation.split)
     model_loading.check_model_directory(args.model)
     task_meta = read_task_meta(args.data, args.task)
     refuse_unlabelled(task_meta, args.data, evaluation.split)

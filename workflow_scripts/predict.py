@@ -20,9 +20,10 @@ from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.run_manifest import build_manifest
 from workflow_scripts.core.section_settings import EvaluationSettings
 from workflow_scripts.core.stage_arguments import StageArgumentParser, json_object_setting
-from workflow_scripts.data.normalised_data import read_task_meta
+from workflow_scripts.data.normalised_data import load_rows, read_task_meta
 from workflow_scripts.model import model_loading
 from workflow_scripts.tasks import task_named
+from workflow_scripts.tasks.templates import check_row_templates
 
 SUBMISSION_DEFAULTS = {"format": "json", "id_key": "questionId", "id_type": "string", "answer_key": "answer"}
 
@@ -85,9 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"submission.format is {submission['format']}; name it *.{submission['format']}")
     seed = evaluate.parse_seed(args.seed)
 
-    rows = evaluate.load_test_rows(args.data, args.split, None)  # every row: a submission needs every id
+    rows = load_rows(args.data, args.split, None)  # every row: a submission needs every id
     where = f"{args.data} split '{args.split}'"
-    evaluate.check_templates(variant, rows, args.data, args.split)
+    check_row_templates(variant, rows, args.data, args.split)
     model_loading.check_model_directory(args.model)
     task_meta = read_task_meta(args.data, args.task)
     if args.split not in task_meta.get("unlabelled", []):

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.core.errors import ConfigError, WorkflowError
 
 
 def open_normalised(directory: str | Path, required_split: str | None = "train"):
@@ -34,3 +34,25 @@ def read_task_meta(data_dir: Path, task: str) -> dict[str, Any]:
         raise WorkflowError(f"{data_dir}: normalised for task {task_meta.get('task')!r}, but --task is {task!r}; "
                             "set the dataset's task in the config and re-run normalise")
     return task_meta
+
+
+def load_rows(data_dir: str | Path, split: str, max_examples: int | None) -> list[dict]:
+    """Rows of a normalised split to score or predict (evaluate, predict, training's validation metric), in
+    stored order (the first ``max_examples`` when set); each row's id is unique."""
+    data = open_normalised(data_dir, required_split=None)
+    if split not in data:
+        raise ConfigError("evaluation.split", f"'{split}' is not a split of {data_dir} (it has {sorted(data)})")
+    table = data[split]
+    if "id" not in table.column_names:
+        raise WorkflowError(f"{data_dir} split '{split}': no 'id' column; is this normalise output?")
+    if max_examples is not None:
+        table = table.select(range(min(max_examples, len(table))))
+    rows = table.to_list()
+    if not rows:
+        raise WorkflowError(f"{data_dir} split '{split}': no rows to evaluate")
+    seen = set()
+    for index, row in enumerate(rows):
+        if row["id"] in seen:
+            raise WorkflowError(f"{data_dir} split '{split}' row {index}: duplicate id {row['id']!r}")
+        seen.add(row["id"])
+    return rows

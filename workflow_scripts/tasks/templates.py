@@ -192,3 +192,26 @@ def extract_answer(variant: Mapping[str, Any], text: str) -> tuple[str | None, s
         return (answer or None), (before.strip() or None)
     raise WorkflowError(f"unknown extractor type {kind!r}; known: whole, section")
 
+
+
+# The variant keys that are templates filled from each scored row (generation and vision_language:
+# prompt; classification: input). The target template is not rendered at evaluation.
+ROW_TEMPLATE_KEYS = ("prompt", "input")
+
+
+def check_row_templates(variant: Mapping[str, Any], rows: Sequence[dict], data_dir: str, split: str) -> None:
+    """Every field the variant's row templates name must be in every row, checked before the model loads
+    (evaluate, predict, training's validation metric); the message names the data, split and row as
+    pretokenise's does."""
+    for key in ROW_TEMPLATE_KEYS:
+        template = variant.get(key)
+        if not isinstance(template, str):
+            continue
+        names = template_fields(template)  # the task's check_variant already refused bad syntax
+        for index, row in enumerate(rows):
+            fields = template_row(row)
+            missing = [name for name in names if name not in fields]
+            if missing:
+                raise WorkflowError(
+                    f"{data_dir} split '{split}' row {index}: row id {row.get('id', '?')!r}: the {key} template "
+                    f"refers to field {missing[0]!r}, which the row does not have (it has {sorted(fields)})")

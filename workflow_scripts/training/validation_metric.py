@@ -57,9 +57,10 @@ def open_metric(text: str | None, settings: ValidationSettings, model_dir: str,
                 trust_remote_code: bool) -> ValidationMetric | None:
     """The ``--validation-metric`` argument (JSON: task, variant, evaluation {max_new_tokens, batch_size,
     max_length}, datasets [{name, data, metric}]) with its rows and tokenizer; None when the metric is off."""
-    from workflow_scripts import evaluate
+    from workflow_scripts.data.normalised_data import load_rows
     from workflow_scripts.model.model_loading import load_tokenizer
     from workflow_scripts.tasks import task_named
+    from workflow_scripts.tasks.templates import check_row_templates
 
     examples = settings.metric_examples
     if examples is None:
@@ -91,8 +92,8 @@ def open_metric(text: str | None, settings: ValidationSettings, model_dir: str,
         if not Path(data_dir, "validation").is_dir():
             raise WorkflowError(f"{data_dir}: no 'validation' split to score, but training.validation."
                                 f"metric_examples is set; give dataset '{name}' a validation split or unset it")
-        rows = evaluate.load_test_rows(data_dir, "validation", examples)
-        evaluate.check_templates(variant, rows, data_dir, "validation")
+        rows = load_rows(data_dir, "validation", examples)
+        check_row_templates(variant, rows, data_dir, "validation")
         sources.append(MetricSource(name, metric, rows))
     if not sources:
         raise WorkflowError("argument --validation-metric: no dataset to score")
