@@ -23,8 +23,11 @@ try:
     COMPARISON = ComparisonSettings.parse(config["comparison"], "comparison", "config")
     EVALUATION = EvaluationSettings.parse(config["evaluation"], "evaluation", "config")
     TRACKING = TrackingSettings.parse(config["tracking"], "tracking", "config")
+    # One entry of datasets, models and variants each, typed (core/entry_settings.py).
+    DATASETS = xc.dataset_entries(config, "config")
+    VARIANTS = xc.variant_entries(config, "config")
     trackers.check_workflow_tracking(TRACKING)
-    split_names.check_local_splits(config["datasets"], "config")
+    split_names.check_local_splits(DATASETS, "config")
     task_fit.check_vision_language_models(config, "config")  # where the model's config is readable now
     # Each (model, variant) whose model config is here, against the memory its config declares (a few
     # seconds of torch/transformers imports: once, not again in each job that re-reads the Snakefile).
@@ -36,17 +39,17 @@ except ConfigError as error:
     raise WorkflowError(str(error)) from None
 
 
-MODELS = xc.models(config)
+MODELS = xc.model_entries(config)
 MIXTURES = xc.mixtures(config)
 # What a run trains on: a dataset or a mixture (results/{model}/{dataset}/... and tokenised data alike).
-ENTRIES = [*config["datasets"], *MIXTURES]
+ENTRIES = [*DATASETS, *MIXTURES]
 
 
 wildcard_constraints:
     model="|".join(MODELS),
     dataset="|".join(ENTRIES),
     trained="|".join(ENTRIES),
-    variant="|".join(config["variants"]),
+    variant="|".join(VARIANTS),
     seed=r"\d+",
 
 
@@ -59,16 +62,25 @@ def as_json(value):
 
 
 def dataset_settings(wildcards):
-    return as_json(config["datasets"][wildcards.dataset])
+    return as_json(DATASETS[wildcards.dataset].to_dict())
 
 
 def variant_templates(wildcards):
     """A variant's format only (its task's keys): training overrides must not re-tokenise."""
-    return as_json(xc.variant_settings(config["variants"][wildcards.variant]))
+    return as_json(VARIANTS[wildcards.variant].to_dict())
 
 
 def dataset_task(wildcards):
-    return config["datasets"][wildcards.dataset]["task"]
+    return DATASETS[wildcards.dataset].task
+
+
+def dataset_metric(wildcards):
+    return DATASETS[wildcards.dataset].metric
+
+
+def submission_json(wildcards):
+    """predict's --submission: how the dataset's unlabelled splits are written."""
+    return as_json(DATASETS[wildcards.dataset].submission.to_dict())
 
 
 def evaluation_json(wildcards):
@@ -99,7 +111,7 @@ def component_arguments(wildcards, input):
 
 # Every (model, variant)'s training settings, validated and typed once when the workflow is read.
 TRAINING = {
-    (model, variant): xc.training_settings(config, variant, model) for model in MODELS for variant in config["variants"]
+    (model, variant): xc.training_settings(config, variant, model) for model in MODELS for variant in VARIANTS
 }
 
 
@@ -131,8 +143,8 @@ def cross_contamination_settings(wildcards):
     return as_json(
         {
             name: {
-                "contamination": config["datasets"][name]["contamination"],
-                "derived": sorted(config["datasets"][name].get("derived", {})),
+                "contamination": DATASETS[name].contamination.to_dict(),
+                "derived": sorted(DATASETS[name].derived),
             }
             for name in dict.fromkeys(trained + checked)
         }
@@ -145,12 +157,11 @@ def training_settings(wildcards):
 
 def model_json(wildcards):
     """What prepare_model needs (not the model's training overrides: changing those must not rebuild it)."""
-    settings = xc.model_settings(config, wildcards.model)
-    return as_json({key: value for key, value in settings.items() if key != "training"})
+    return as_json(MODELS[wildcards.model].building_settings())
 
 
 def trust_remote_code(wildcards):
-    return "--trust-remote-code" if MODELS[wildcards.model]["trust_remote_code"] else ""
+    return "--trust-remote-code" if MODELS[wildcards.model].trust_remote_code else ""
 
 
 def training_json(wildcards):
@@ -245,16 +256,16 @@ def training_threads(wildcards):
 def local_source(wildcards):
     """A local dataset's split files are inputs, so editing one reruns its chain (a directory's
     mtime does not change when a file inside is edited in place)."""
-    dataset = config["datasets"][wildcards.dataset]
-    if dataset["source"]["type"] != "local":
+    dataset = DATASETS[wildcards.dataset]
+    if dataset.source.type != "local":
         return []
-    splits = dict.fromkeys(dataset["splits"].values())
+    splits = dict.fromkeys(dataset.splits.values())
     if any(split_layouts.handles(dataset, split) for split in splits):  # an image folder's metadata, listed files
         return [str(path) for split in splits for path in split_layouts.local_files(dataset, split)]
-    if dataset["format"] == "text":  # plain-text corpora: <split>.txt, or gzipped <split>.txt.gz
-        paths = [os.path.join(dataset["source"]["path"], f"{split}.txt") for split in splits]
+    if dataset.format == "text":  # plain-text corpora: <split>.txt, or gzipped <split>.txt.gz
+        paths = [os.path.join(dataset.source.path, f"{split}.txt") for split in splits]
         return [path if os.path.exists(path) or not os.path.exists(f"{path}.gz") else f"{path}.gz" for path in paths]
-    return [os.path.join(dataset["source"]["path"], f"{split}.{dataset['format']}") for split in splits]
+    return [os.path.join(dataset.source.path, f"{split}.{dataset.format}") for split in splits]
 
 
 def local_source_sha256(wildcards):
@@ -265,12 +276,12 @@ def local_source_sha256(wildcards):
 def local_images_sha256(wildcards):
     """The content of the images download copies (images/, an image folder's splits): not inputs, so
     replacing an image's bytes reruns download through this parameter (per-file hashes cached)."""
-    return source_files.tree_fingerprint(source_files.image_dirs(config["datasets"][wildcards.dataset]))
+    return source_files.tree_fingerprint(source_files.image_dirs(DATASETS[wildcards.dataset]))
 
 
 def tiny_model_corpus(wildcards):
     """A tiny model's tokenizer is trained on the normalised datasets it runs on (never on templates)."""
-    if MODELS[wildcards.model]["source"] != "tiny":
+    if MODELS[wildcards.model].source != "tiny":
         return []
     return expand("results/data/{dataset}/normalised", dataset=xc.trained_datasets(config, wildcards.model))
 
@@ -331,7 +342,7 @@ def final_outputs():
 
 def also_metrics_argument(wildcards):
     """evaluate's --also-metrics (datasets.<name>.also_metrics); empty when none, so params stay as they were."""
-    names = config["datasets"][wildcards.dataset].get("also_metrics") or []
+    names = list(DATASETS[wildcards.dataset].also_metrics)
     return f"--also-metrics {shlex.quote(as_json(names))}" if names else ""
 
 
@@ -357,14 +368,14 @@ def validation_metric_argument(wildcards):
         return RuntimeOnly("")
     spec = {
         "task": xc.entry_task(config, wildcards.dataset),
-        "variant": xc.variant_settings(config["variants"][wildcards.variant]),
+        "variant": VARIANTS[wildcards.variant].to_dict(),
         "evaluation": {
             "max_new_tokens": EVALUATION.max_new_tokens,
             "batch_size": EVALUATION.batch_size,
             "max_length": training_settings(wildcards).max_length,
         },
         "datasets": [
-            {"name": name, "data": f"results/data/{name}/normalised", "metric": config["datasets"][name]["metric"]}
+            {"name": name, "data": f"results/data/{name}/normalised", "metric": DATASETS[name].metric}
             for name in names
         ],
     }

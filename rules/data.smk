@@ -83,7 +83,7 @@ rule pretokenise:
     benchmark:
         "results/benchmarks/pretokenise/{dataset}/{model}/{variant}.tsv"
     wildcard_constraints:
-        dataset="|".join(config["datasets"]),  # a mixture's tokenised data come from the mix rule
+        dataset="|".join(DATASETS),  # a mixture's tokenised data come from the mix rule
     conda:
         "../envs/data.yaml"
     threads: 8  # the fast tokenizer's thread pool; Snakemake scales it down to --cores

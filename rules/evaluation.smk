@@ -21,7 +21,7 @@ rule evaluate:
     params:
         task=dataset_task,
         variant=variant_templates,
-        metric=lambda wildcards: config["datasets"][wildcards.dataset]["metric"],
+        metric=dataset_metric,
         also_metrics=also_metrics_argument,
         evaluation=evaluation_json,
         trust_remote_code=trust_remote_code,
@@ -50,7 +50,7 @@ use rule evaluate as evaluate_base with:
     params:
         task=dataset_task,
         variant=variant_templates,
-        metric=lambda wildcards: config["datasets"][wildcards.dataset]["metric"],
+        metric=dataset_metric,
         also_metrics=also_metrics_argument,
         evaluation=evaluation_json,
         trust_remote_code=trust_remote_code,

@@ -31,10 +31,10 @@ rule predict:
     params:
         task=dataset_task,
         variant=variant_templates,
-        metric=lambda wildcards: config["datasets"][wildcards.dataset]["metric"],
+        metric=dataset_metric,
         evaluation=evaluation_json,
         # The dataset's submission settings (the stage fills in the defaults).
-        submission=lambda wildcards: as_json(config["datasets"][wildcards.dataset]["submission"]),
+        submission=submission_json,
         trust_remote_code=trust_remote_code,
     shell:
         "python -m workflow_scripts.predict --model {input.model:q} --adapter {input.adapter:q}"

@@ -8,8 +8,8 @@ def submission_outputs():
         os.path.join(
             f"results/{m}/{t}/{v}/seed{s}",
             xc.evaluation_subdirectory(t, d),
-            f"submission_{split}.{config['datasets'][d]['submission'].get('format', 'json')}",
+            f"submission_{split}.{DATASETS[d].submission.format}",
         )
         for m, t, v, s, d in xc.evaluations(config)
-        for split in config["datasets"][d].get("unlabelled", [])
+        for split in DATASETS[d].unlabelled
     ]

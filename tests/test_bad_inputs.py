@@ -362,11 +362,12 @@ def call(stage: str, argv: list[str]):
     if stage == "config":
         return load_config(argv[0])
     if stage == "parse":  # the checks rules/common.smk adds when snakemake reads the workflow (-n)
+        from workflow_scripts.core.experiment_config import dataset_entries
         from workflow_scripts.data.split_names import check_local_splits
         from workflow_scripts.model.task_fit import check_vision_language_models
 
         config = load_config(argv[0])
-        check_local_splits(config["datasets"], argv[0])
+        check_local_splits(dataset_entries(config), argv[0])
         return check_vision_language_models(config, argv[0])
     return importlib.import_module(f"workflow_scripts.{stage}").main(argv)
 

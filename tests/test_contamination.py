@@ -12,6 +12,7 @@ from PIL import Image
 
 from data_helpers import leftovers, local_dataset, run_download, run_normalise
 from workflow_scripts import normalise
+from workflow_scripts.core.entry_settings import DatasetSettings
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.data import contamination
 from workflow_scripts.data.rows import RecordMapper
@@ -248,8 +249,9 @@ def test_normalise_text(text, normalised):
 
 
 def test_row_keys_ignore_the_id_and_derived_fields_and_treat_answers_as_a_set():
-    mapper = RecordMapper({"fields": IDS, "flatten": False, "extra_fields": {},
-                           "derived": {"aux": {"transform": "answer_kind", "field": "answer"}}}, "datasets.d")
+    mapper = RecordMapper(DatasetSettings.parse({"source": {"type": "local", "path": "d"}, "fields": IDS, "metric": "exact_match",
+                                                 "derived": {"aux": {"transform": "answer_kind", "field": "answer"}}}, "d"),
+                          "datasets.d")
     one = {"id": "a", "question": "Q?", "answers": ["x", "y"], "aux": "text"}
     other = {"id": "b", "question": " q? ", "answers": ["Y", "x"], "aux": "number"}
     assert mapper.contamination_key(one) == mapper.contamination_key(other)

@@ -12,6 +12,7 @@ import torch
 
 from conftest import tiny_training_settings, training_json
 from data_helpers import local_dataset, run_download, run_normalise
+from workflow_scripts.core.entry_settings import DatasetSettings
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.data.rows import Rejected
 from workflow_scripts.model.tiny_model import CHAT_TEMPLATE, EOS_TOKEN, train_tokenizer
@@ -186,9 +187,16 @@ def test_the_variant_system_prompt_replaces_adds_or_removes_the_system_message(t
 
 
 # --- normalise -------------------------------------------------------------------------------------
-SETTINGS = {"fields": {"id": "id", "messages": "messages"}}
-SHAREGPT = {"fields": {"messages": "conversations"}, "keys": {"role": "from", "content": "value"},
-            "roles": {"user": "human", "assistant": "gpt", "system": "system"}}
+def dataset(**settings) -> DatasetSettings:
+    """A conversation dataset's typed settings (as normalise receives them)."""
+    return DatasetSettings.parse({"task": "conversation", "source": {"type": "local", "path": "chats"},
+                                  "metric": "exact_match", **settings}, "chat")
+
+
+SHAREGPT_SETTINGS = {"fields": {"messages": "conversations"}, "keys": {"role": "from", "content": "value"},
+                     "roles": {"user": "human", "assistant": "gpt", "system": "system"}}
+SETTINGS = dataset(fields={"id": "id", "messages": "messages"})
+SHAREGPT = dataset(**SHAREGPT_SETTINGS)
 
 
 def turns(*pairs):
@@ -242,9 +250,9 @@ def test_sharegpt_keys_and_roles_are_mapped():
 
 def test_an_ambiguous_mapping_is_a_config_error():
     with pytest.raises(ConfigError, match=r"datasets\.chat\.roles.*'user' and 'assistant' are both read from"):
-        TASK.record_mapper({**SHAREGPT, "roles": {"user": "x", "assistant": "x"}}, "datasets.chat")
+        TASK.record_mapper(dataset(**{**SHAREGPT_SETTINGS, "roles": {"user": "x", "assistant": "x"}}), "datasets.chat")
     with pytest.raises(ConfigError, match=r"datasets\.chat\.keys"):
-        TASK.record_mapper({**SHAREGPT, "keys": {"role": "v", "content": "v"}}, "datasets.chat")
+        TASK.record_mapper(dataset(**{**SHAREGPT_SETTINGS, "keys": {"role": "v", "content": "v"}}), "datasets.chat")
 
 
 def sharegpt_files():
@@ -258,8 +266,8 @@ def sharegpt_files():
 
 def test_normalise_stage_reads_sharegpt_and_reports_conversations(tmp_path):
     settings = local_dataset(tmp_path / "src", sharegpt_files(), task="conversation", metric="exact_match",
-                             fields={"id": "id", "messages": "conversations"}, keys=SHAREGPT["keys"],
-                             roles=SHAREGPT["roles"], max_rejected_fraction=0.1)
+                             fields={"id": "id", "messages": "conversations"}, keys=SHAREGPT_SETTINGS["keys"],
+                             roles=SHAREGPT_SETTINGS["roles"], max_rejected_fraction=0.1)
     data, report = run_normalise("chat", settings, run_download("chat", settings, tmp_path), tmp_path)
     report = json.loads(report.read_text())
     assert report["splits"]["train"]["reasons"] == {"empty_value": 1}
@@ -275,8 +283,8 @@ def test_normalise_stage_reports_the_tasks_own_reasons(tmp_path):
     files = sharegpt_files()
     files["train"].append({"id": "bot", "conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "x"}]})
     settings = local_dataset(tmp_path / "src", files, task="conversation", metric="exact_match",
-                             fields={"id": "id", "messages": "conversations"}, keys=SHAREGPT["keys"],
-                             roles=SHAREGPT["roles"], max_rejected_fraction=0.1)
+                             fields={"id": "id", "messages": "conversations"}, keys=SHAREGPT_SETTINGS["keys"],
+                             roles=SHAREGPT_SETTINGS["roles"], max_rejected_fraction=0.1)
     _, report = run_normalise("chat", settings, run_download("chat", settings, tmp_path), tmp_path)
     assert json.loads(report.read_text())["splits"]["train"]["reasons"]["unknown_role"] == 1
 
@@ -287,7 +295,7 @@ def test_the_config_layer_accepts_conversation_datasets_and_variants():
     from workflow_scripts.core.config_files import validate_schema
 
     dataset = {"task": "conversation", "source": {"type": "local", "path": "data/chat"},
-               "fields": {"messages": "conversations"}, "keys": SHAREGPT["keys"], "roles": SHAREGPT["roles"],
+               "fields": {"messages": "conversations"}, "keys": SHAREGPT_SETTINGS["keys"], "roles": SHAREGPT_SETTINGS["roles"],
                "metric": "token_f1"}
     config = {"model": {"name": "tiny", "source": "tiny"}, "datasets": {"chat": dataset}, "training": {"max_steps": 10},
               "variants": {"baseline": {"task": "conversation"},

@@ -207,16 +207,21 @@ def test_hub_source_lacking_a_configured_split_fails_cleanly(tmp_path, monkeypat
 
 
 def test_source_names_map_the_raw_copy_back_to_the_users_files():
+    from workflow_scripts.core.entry_settings import DatasetSettings
     from workflow_scripts.data.source_paths import SourceNames
 
-    local = SourceNames("results/data/d/raw", {"source": {"type": "local", "path": "data/mine"}})
+    def dataset(source):
+        return DatasetSettings.parse({"source": source, "fields": {"question": "q", "answers": "a"},
+                                      "metric": "exact_match"}, "d")
+
+    local = SourceNames("results/data/d/raw", dataset({"type": "local", "path": "data/mine"}))
     assert local.translate("results/data/d/raw/train.jsonl line 3: bad; see results/data/d/raw") == (
         "data/mine/train.jsonl line 3: bad; see data/mine")
     assert local.translate("results/data/d/raw_other/x and xresults/data/d/raw/y") == (
         "results/data/d/raw_other/x and xresults/data/d/raw/y")  # only the copy itself
-    url = SourceNames("/r/raw", {"source": {"type": "url", "url": "https://x.org/d.zip", "sha256": "0"}})
+    url = SourceNames("/r/raw", dataset({"type": "url", "url": "https://x.org/d.zip", "sha256": "0" * 64}))
     assert url.translate("/r/raw/train.csv: not valid CSV") == "train.csv in https://x.org/d.zip: not valid CSV"
-    hub = SourceNames("/r/raw", {"source": {"type": "hub", "id": "org/ds", "revision": "abc"}})
+    hub = SourceNames("/r/raw", dataset({"type": "hub", "id": "org/ds", "revision": "abc"}))
     assert hub.shown("/r/raw/train") == "hub dataset org/ds@abc split train"
 
 

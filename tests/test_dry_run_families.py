@@ -321,13 +321,14 @@ def test_each_task_config_is_valid_without_its_mistake(tmp_path, task):
     """The rows fail for their mistake only: each task's config passes the checks the Snakefile runs."""
     from workflow_scripts.checks.config import check_config
     from workflow_scripts.core.config_files import check_workflow_config
+    from workflow_scripts.core.experiment_config import dataset_entries
     from workflow_scripts.data.split_names import check_local_splits
 
     path, _ = planted(tmp_path, task, Mistake())
     config = yaml.safe_load(path.read_text())
     check_workflow_config([path], config)
     check_config(config, "config")
-    check_local_splits(config["datasets"])
+    check_local_splits(dataset_entries(config))
 
 
 def test_a_gpu_request_within_resources_builds_the_dag(tmp_path):
@@ -365,13 +366,15 @@ def test_a_hub_dataset_without_a_mapped_split_names_the_alias(tmp_path, monkeypa
     import datasets
 
     from workflow_scripts import download
+    from workflow_scripts.core.entry_settings import DatasetSettings
     from workflow_scripts.core.errors import WorkflowError
 
     rows = datasets.Dataset.from_list([{"q": "x?", "a": "1"}])
     monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: datasets.DatasetDict(
         {"train": rows, "val": rows, "test": rows}))
-    settings = {"source": {"type": "hub", "id": "org/set", "revision": "abc123"},
-                "splits": {"train": "train", "validation": "validation", "test": "test"}}
+    settings = DatasetSettings.parse({"source": {"type": "hub", "id": "org/set", "revision": "abc123"},
+                                      "splits": {"train": "train", "validation": "validation", "test": "test"},
+                                      "fields": {"question": "q", "answers": "a"}, "metric": "exact_match"}, "chart")
     with pytest.raises(WorkflowError) as caught:
         download.download_hub(settings, tmp_path / "raw")
     assert str(caught.value) == ("hub dataset org/set: no split ['validation'] (it has ['test', 'train', 'val']); if "

@@ -181,3 +181,89 @@ def test_warm_up_as_long_as_the_epochs_is_refused_once_the_rows_are_known():
                                     "effective_batch": 4, "validation": {"every_steps": 2, "keep": "best",
                                                                         "early_stopping_patience": 1}})
     assert valid.validation.keep == "best"
+
+
+# --- one entry of datasets, models and variants (core/entry_settings.py) ---
+ENTRY_DICT_ACCESS = re.compile(r"\b(dataset|model|model_spec|src|source|submission|contamination|limits|gguf)"
+                               r"(\[\"|\[\'|\.get\()|config\[[\"'](datasets|variants|models?)[\"']\]\[")
+# Modules whose dataset or model settings are named ``settings`` (the dataset stages and their data helpers).
+ENTRY_SETTINGS_READERS = ("workflow_scripts/download.py", "workflow_scripts/normalise.py",
+                          "workflow_scripts/prepare_model.py", "workflow_scripts/data/split_layouts.py",
+                          "workflow_scripts/data/split_names.py", "workflow_scripts/data/source_files.py",
+                          "workflow_scripts/data/source_paths.py", "workflow_scripts/data/rows.py")
+SETTINGS_DICT_ACCESS = re.compile(r"\bsettings(\[\"|\[\'|\.get\()")
+# The config layer reads the config's mappings once and types them: the matrix, the file reading, the
+# parse-time checks and the typed settings themselves.
+CONFIG_LAYER = ("workflow_scripts/core/experiment_config.py", "workflow_scripts/core/config_files.py",
+                "workflow_scripts/core/entry_settings.py", "workflow_scripts/checks/", "workflow_scripts/demo/")
+
+
+def dict_reads_of_typed_entries(root: Path) -> list[str]:
+    """Lines of the stages, the library and the rules that read a dataset's, model's or (in the rules) variant's
+    settings as a mapping rather than their typed settings (core/entry_settings.py) by attribute."""
+    found = []
+    for path in sorted([*(root / "workflow_scripts").rglob("*.py"), *(root / "rules").glob("*.smk")]):
+        relative = path.relative_to(root).as_posix()
+        if relative.startswith(CONFIG_LAYER):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if ENTRY_DICT_ACCESS.search(line) or (relative in ENTRY_SETTINGS_READERS and SETTINGS_DICT_ACCESS.search(line)):
+                found.append(f"{relative}:{number}: {line.strip()}")
+    return found
+
+
+def test_nothing_below_the_config_reads_a_dataset_model_or_variant_entry_as_a_dict():
+    assert dict_reads_of_typed_entries(REPO) == []
+
+
+def test_the_entry_guard_catches_a_planted_dict_read(tmp_path):
+    planted = (("workflow_scripts/normalise.py", 'fields = settings["fields"]'),
+               ("workflow_scripts/data/rows.py", 'flatten = settings.get("flatten")'),
+               ("workflow_scripts/tasks/generation.py", 'fields = dataset["fields"]'),
+               ("workflow_scripts/prepare_model.py", 'revision = model["revision"]'),
+               ("workflow_scripts/data/source_paths.py", 'kind = source["type"]'),
+               ("rules/common.smk", 'task = config["datasets"][wildcards.dataset]["task"]'),
+               ("rules/evaluation.smk", 'variant = config["variants"][wildcards.variant]'))
+    for relative, line in planted:
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp_path / relative, "a") as handle:
+            handle.write(f"{line}\nok = settings.fields, dataset.task, model.revision\n")
+    (tmp_path / "workflow_scripts/checks").mkdir()
+    (tmp_path / "workflow_scripts/checks/config.py").write_text('task = config["datasets"][name]["task"]\n')  # the config layer
+    assert len(dict_reads_of_typed_entries(tmp_path)) == len(planted)
+
+
+def test_entries_are_typed_with_the_schemas_defaults_and_give_back_what_the_rules_pass():
+    from workflow_scripts.checks.config import load_config
+    from workflow_scripts.core.entry_settings import DatasetSettings, ModelSettings, VariantSettings
+
+    config = load_config(REPO / "config" / "config.yaml")
+    datasets, variants, models = xc.dataset_entries(config), xc.variant_entries(config), xc.model_entries(config)
+    for name, dataset in datasets.items():
+        assert dataset.to_dict() == config["datasets"][name]  # the rules' --dataset JSON: unchanged
+        assert DatasetSettings.parse(dataset.to_dict(), name) == dataset
+    for name, variant in variants.items():
+        assert variant.to_dict() == xc.variant_settings(config["variants"][name])  # the rules' --variant JSON
+    for name, model in models.items():
+        given = xc.model_settings(config, name)
+        assert model.building_settings() == {key: value for key, value in given.items() if key != "training"}
+        assert ModelSettings.parse(model.building_settings()) == dataclasses.replace(model, training={},
+                                                                                     given=model.given | {"training": {}})
+    amr, corpus, topics = datasets["amr_demo"], datasets["corpus_demo"], datasets["topics_demo"]
+    assert amr.also_metrics == ("smatchpp",) and amr.derived["aux"].transform == "penman_skeleton"
+    assert amr.on_invalid_text == "stop" and amr.contamination.max_fraction == 0.01 and not amr.flatten
+    assert corpus.format == "text" and corpus.derived == {} and corpus.labels is None and corpus.fields == {}
+    assert topics.task == "classification" and topics.submission.id_key == "questionId" and topics.trains_alone
+    assert variants["mtup"].extractor.marker == "Task 2:" and variants["baseline"].extractor.type == "whole"
+    assert variants["mlm_whole_word"].whole_word and variants["mlm_whole_word"].mask_rate == 0.15
+    assert variants["text_only"].images is False and variants["vision"].images is True
+    assert models["tiny-bert"].tiny.architecture == "bert" and models["tiny-llava"].training["max_length"] == 64
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        amr.metric = "smatchpp"
+    with pytest.raises(TypeError):
+        amr.splits["train"] = "other"  # read-only, as the rest
+    with pytest.raises(ConfigError, match=r"^--dataset: config key 'datasets.d.source.type': 'ftp' is not one of"):
+        DatasetSettings.from_json('{"source": {"type": "ftp"}, "fields": {"question": "q", "answers": "a"}, '
+                                  '"metric": "exact_match"}', "d")
+    with pytest.raises(ConfigError, match=r"'variants.v'.*'input' was unexpected"):
+        VariantSettings.parse({"prompt": "{question}", "target": "{answer}", "input": "{text}"}, "generation", "v")

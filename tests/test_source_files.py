@@ -1,6 +1,7 @@
 """Content fingerprints of local sources (data/source_files.py): what download's parameters follow."""
 import os
 
+from workflow_scripts.core.entry_settings import DatasetSettings
 from workflow_scripts.data import source_files
 
 
@@ -9,9 +10,10 @@ def test_image_folder_fingerprint_follows_bytes_not_times_and_covers_image_folde
         (tmp_path / split / "charts").mkdir(parents=True)
         (tmp_path / split / "metadata.jsonl").write_text('{"file_name": "charts/0.png"}\n')
         (tmp_path / split / "charts" / "0.png").write_bytes(f"{split} image".encode())
-    settings = {"source": {"type": "local", "path": str(tmp_path), "layout": "imagefolder"},
-                "splits": {"train": "train", "test": "test"}, "fields": {"image": "file_name"}}
-    dirs = source_files.image_dirs(settings)
+    settings = {"source": {"type": "local", "path": str(tmp_path), "layout": "imagefolder"}, "task": "vision_language",
+                "splits": {"train": "train", "test": "test"}, "metric": "exact_match",
+                "fields": {"question": "q", "answers": "a", "image": "file_name"}}
+    dirs = source_files.image_dirs(DatasetSettings.parse(settings, "charts"))
     assert dirs == [tmp_path / "train", tmp_path / "test"]
     cache = tmp_path / "cache.json"
     first = source_files.tree_fingerprint(dirs, cache)
@@ -23,7 +25,9 @@ def test_image_folder_fingerprint_follows_bytes_not_times_and_covers_image_folde
     os.utime(image, ns=(1, 1))
     assert source_files.tree_fingerprint(dirs, cache) != first
     # a dataset without an image field, and one with no images/ folder, have nothing to fingerprint
-    assert source_files.image_dirs({**settings, "source": {"type": "local", "path": str(tmp_path)}, "fields": {}}) == []
+    assert source_files.image_dirs(DatasetSettings.parse(
+        {**settings, "source": {"type": "local", "path": str(tmp_path)}, "fields": {"question": "q", "answers": "a"},
+         "task": "generation"}, "qa")) == []
     assert source_files.tree_fingerprint([tmp_path / "images"], cache) == ""
 
 

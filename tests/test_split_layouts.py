@@ -21,11 +21,17 @@ from vlm_layouts import bar_chart_png, truncated
 from workflow_scripts import normalise
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.checks.sections import validate_section
+from workflow_scripts.core.entry_settings import DatasetSettings
 from workflow_scripts.data.split_names import check_local_splits
 
 
 def checked(name: str, settings: dict) -> dict:
     return validate_section(settings, "datasets", f"datasets.{name}")
+
+
+def typed(name: str, settings: dict) -> dict:
+    """``{name: the dataset's typed settings}``, as the Snakefile hands check_local_splits."""
+    return {name: DatasetSettings.parse(settings, name)}
 
 
 def rows_of(data: Path, split: str) -> list[dict]:
@@ -71,7 +77,7 @@ def imagefolder_settings(root: Path, fmt: str = "jsonl", **extra) -> dict:
 def test_an_image_folder_is_copied_with_its_images_and_normalised_relative_to_its_split_folder(tmp_path, fmt):
     images = write_imagefolder(tmp_path / "charts", fmt)
     settings = checked("charts", imagefolder_settings(tmp_path / "charts", fmt))
-    check_local_splits({"charts": settings})
+    check_local_splits(typed("charts", settings))
     raw = run_download("charts", settings, tmp_path)
     assert (raw / "train" / f"metadata.{fmt}").is_file() and (raw / "train" / "charts" / "train_0.png").is_file()
     manifest = json.loads((tmp_path / "results" / "charts" / "download_manifest.json").read_text())
@@ -111,7 +117,7 @@ def test_an_image_folder_split_without_its_metadata_is_refused_when_the_workflow
     write_imagefolder(tmp_path / "charts")
     (tmp_path / "charts" / "test" / "metadata.jsonl").rename(tmp_path / "charts" / "test" / "rows.jsonl")
     with pytest.raises(ConfigError, match=r"datasets\.charts\.splits\.test.*metadata\.jsonl is missing.*rows\.jsonl"):
-        check_local_splits({"charts": checked("charts", imagefolder_settings(tmp_path / "charts"))})
+        check_local_splits(typed("charts", checked("charts", imagefolder_settings(tmp_path / "charts"))))
 
 
 # --- several files per split ---
@@ -147,7 +153,7 @@ def corpus_settings(root: Path, train_files) -> dict:
 def test_a_sharded_corpus_reads_its_shards_in_name_order_beside_a_held_out_file_elsewhere(tmp_path):
     write_shards(tmp_path)
     by_glob = checked("corpus", corpus_settings(tmp_path, "shards/part-*.txt.gz"))
-    check_local_splits({"corpus": by_glob})
+    check_local_splits(typed("corpus", by_glob))
     raw = run_download("corpus", by_glob, tmp_path / "a")
     data, report = run_normalise("corpus", by_glob, raw, tmp_path / "a")
     train = rows_of(data, "train")
@@ -189,7 +195,7 @@ def test_jsonl_shards_name_the_shard_and_line_of_a_bad_row(tmp_path):
                                          "files": {"train": ["parts/train-2.jsonl", "parts/train-1.jsonl"]}},
                               "splits": {"train": "train", "test": "test"}, "fields": {"question": "q", "answers": "a"},
                               "metric": "exact_match"})
-    check_local_splits({"qa": settings})
+    check_local_splits(typed("qa", settings))
     data, report = run_normalise("qa", settings, run_download("qa", settings, tmp_path), tmp_path)
     train = rows_of(data, "train")
     assert [row["question"] for row in train[49:51]] == ["Question 1.49?", "Question 2.0?"]
@@ -212,7 +218,7 @@ def test_listed_files_that_are_not_there_are_refused_when_the_workflow_is_parsed
                               "splits": {"train": "train", "test": "test"}, "fields": {"question": "q", "answers": "a"},
                               "metric": "exact_match"})
     with pytest.raises(ConfigError, match=rf"datasets\.qa\.{key}.*{message}"):
-        check_local_splits({"qa": settings})
+        check_local_splits(typed("qa", settings))
 
 
 # --- through snakemake -n: the refusals come when the workflow is parsed, before any job ---

@@ -10,7 +10,8 @@ import pytest
 from workflow_scripts.core.errors import ConfigError
 from workflow_scripts.model.task_fit import check_vision_language_models
 
-VLM_DATASET = {"task": "vision_language", "source": {"type": "local", "path": "x"}}
+VLM_DATASET = {"task": "vision_language", "source": {"type": "local", "path": "x"}, "metric": "exact_match",
+               "fields": {"question": "q", "answers": "a", "image": "image"}}
 
 
 def config(model: dict, listed: bool = True) -> dict:

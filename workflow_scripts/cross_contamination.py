@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from workflow_scripts.core.atomic_output import write_json
+from workflow_scripts.core.entry_settings import ContaminationSettings
 from workflow_scripts.core.errors import WorkflowError, run_main
 from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
 from workflow_scripts.data import contamination
@@ -122,14 +123,23 @@ def described(fields: Mapping[str, Sequence[str]]) -> str:
 
 def problem(name: str, compared: Sequence[str], result: contamination.SplitOverlap, limits: Mapping[str, Any],
             fields: str = "input") -> str | None:
-    if not contamination.exceeds(result, limits) or limits["accept"]:
+    if not contamination.exceeds(result, limits) or limits.accept:
         return None
     named = ", ".join(f"'{e['id']}' = '{e['train_id']}'" for e in result.examples(contamination.EXAMPLES))
     return (f"datasets.{name}: {result.overlapping} of {result.checked} rows of split '{result.split}' "
             f"({result.fraction:.1%}) repeat a train row of {', '.join(compared)} (same {fields}, ignoring case, "
-            f"spacing and Unicode form), more than datasets.{name}.contamination.max_fraction = {limits['max_fraction']}; "
+            f"spacing and Unicode form), more than datasets.{name}.contamination.max_fraction = {limits.max_fraction}; "
             f"overlapping ids: {named}{', ...' if result.overlapping > contamination.EXAMPLES else ''}; deduplicate "
             f"the datasets, or set datasets.{name}.contamination.accept: true to run anyway")
+
+
+def contamination_limits(value: Any, name: str) -> ContaminationSettings:
+    """``datasets.<name>.contamination`` as the rule passes it (its defaults filled) in ``--settings``."""
+    try:
+        return ContaminationSettings(**value)
+    except TypeError:
+        raise WorkflowError(f"argument --settings: {name}.contamination: expected {{max_fraction, accept}}, "
+                            f"got {value!r:.80}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opened = {name: open_splits(directory) for name, directory in {**trained, **checked}.items()}
     report, problems = {"trained": sorted(trained), "checked": {}}, []
     for name in checked:
-        limits = settings[name]["contamination"]
+        limits = contamination_limits(settings[name].get("contamination"), name)
         for cross in check_dataset(name, opened[name], {t: opened[t] for t in trained}, derived):
             result, compared = cross.total, sorted(cross.by_dataset)
             entry = report["checked"].setdefault(name, {"compared_with": compared, "fields_compared": cross.fields,
@@ -160,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "checked": result.checked, "overlapping": result.overlapping, "fraction": result.fraction,
                 "overlapping_by_dataset": {other: overlap.overlapping for other, overlap in cross.by_dataset.items()},
                 "examples": result.examples(), "above_max_fraction": contamination.exceeds(result, limits),
-                "accepted": contamination.exceeds(result, limits) and limits["accept"]}
+                "accepted": contamination.exceeds(result, limits) and limits.accept}
             print(f"{name} {result.split} against {', '.join(compared)} (on {described(cross.fields)}): "
                   f"{contamination.summary(result, limits)}")
             message = problem(name, compared, result, limits, described(cross.fields))

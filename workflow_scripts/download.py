@@ -27,15 +27,16 @@ import urllib.parse
 import urllib.request
 import zipfile
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from workflow_scripts.data import raw_records, split_layouts, split_names, text_lines
 from workflow_scripts.data.source_paths import SourceNames
 from workflow_scripts.core.atomic_output import atomic_path, check_writable, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
-from workflow_scripts.checks.sections import validate_section
+from workflow_scripts.checks.sections import dataset_argument
+from workflow_scripts.core.entry_settings import DatasetSettings
 from workflow_scripts.core.run_manifest import build_manifest
-from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
+from workflow_scripts.core.stage_arguments import StageArgumentParser
 
 CHUNK_BYTES = 1 << 20
 IMAGES_DIR = "images"  # beside the split files: what image paths in the records refer to
@@ -50,9 +51,9 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def source_splits(settings: Mapping[str, Any]) -> list[str]:
+def source_splits(settings: DatasetSettings) -> list[str]:
     """The split names the config expects in the source (after aliasing)."""
-    return list(dict.fromkeys(settings["splits"].values()))
+    return list(dict.fromkeys(settings.splits.values()))
 
 
 def fetch_url(url: str, destination: Path, timeout: float = 60.0) -> str:
@@ -126,15 +127,15 @@ def _place_single_json(path: Path, out: Path, splits: list[str], url: str) -> No
         (out / f"{split}.json").write_text(json.dumps(records))
 
 
-def download_url(settings: Mapping[str, Any], out: Path, work: Path) -> dict[str, Any]:
-    source, fmt, splits = settings["source"], settings["format"], source_splits(settings)
-    url = source["url"]
+def download_url(settings: DatasetSettings, out: Path, work: Path) -> dict[str, Any]:
+    source, fmt, splits = settings.source, settings.format, source_splits(settings)
+    url = source.url
     url_path = urllib.parse.urlparse(url).path.lower()
     fetched = work / "download"
     actual = fetch_url(url, fetched)
-    if actual != source["sha256"].lower():
+    if actual != source.sha256.lower():
         raise WorkflowError(
-            f"download of {url}: sha256 mismatch (config says {source['sha256']}, received {actual}); nothing was written"
+            f"download of {url}: sha256 mismatch (config says {source.sha256}, received {actual}); nothing was written"
         )
     if url_path.endswith(ARCHIVE_SUFFIXES):
         _place_archive(fetched, url_path, out, fmt, splits, url)
@@ -155,8 +156,8 @@ def local_split_file(directory: Path, split: str, fmt: str) -> Path:
     return directory / f"{split}.{fmt}"
 
 
-def copy_local(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
-    directory, fmt = Path(settings["source"]["path"]), settings["format"]
+def copy_local(settings: DatasetSettings, out: Path) -> dict[str, Any]:
+    directory, fmt = Path(settings.source.path), settings.format
     if not directory.is_dir():
         raise WorkflowError(f"{directory}: source.path is not a directory (it must hold one <split>.{fmt} file per split)")
     problem = split_names.local_split_problem(directory, settings)
@@ -167,7 +168,7 @@ def copy_local(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
             continue
         path = local_split_file(directory, split, fmt)
         shutil.copyfile(path, out / path.name)
-    if "image" in settings.get("fields", {}) and (directory / IMAGES_DIR).is_dir():
+    if "image" in settings.fields and (directory / IMAGES_DIR).is_dir():
         copy_images(directory / IMAGES_DIR, out / IMAGES_DIR)
     return {"path": str(directory)}
 
@@ -193,31 +194,31 @@ def copy_images(source: Path, target: Path) -> None:
     shutil.copytree(source, target, copy_function=link_or_copy)
 
 
-def download_hub(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
+def download_hub(settings: DatasetSettings, out: Path) -> dict[str, Any]:
     import datasets
 
-    source = settings["source"]
+    source = settings.source
     try:
-        data = datasets.load_dataset(source["id"], source.get("config_name"), revision=source["revision"])
+        data = datasets.load_dataset(source.id, source.config_name, revision=source.revision)
     except Exception as error:  # the hub client raises many types; report one line, never a token
-        raise WorkflowError(f"hub dataset {source['id']}@{source['revision']}: {type(error).__name__}: {error}") from None
+        raise WorkflowError(f"hub dataset {source.id}@{source.revision}: {type(error).__name__}: {error}") from None
     if not isinstance(data, datasets.DatasetDict):
-        raise WorkflowError(f"hub dataset {source['id']}: expected splits, got a {type(data).__name__}")
+        raise WorkflowError(f"hub dataset {source.id}: expected splits, got a {type(data).__name__}")
     missing = [split for split in source_splits(settings) if split not in data]
     if missing:
-        fix = split_names.missing_split_fix(missing[0], settings["splits"], list(data))
-        raise WorkflowError(f"hub dataset {source['id']}: no split {missing} (it has {sorted(data)}); {fix}")
+        fix = split_names.missing_split_fix(missing[0], settings.splits, list(data))
+        raise WorkflowError(f"hub dataset {source.id}: no split {missing} (it has {sorted(data)}); {fix}")
     data.save_to_disk(str(out))
-    return {"id": source["id"], "config_name": source.get("config_name"), "revision": source["revision"]}
+    return {"id": source.id, "config_name": source.config_name, "revision": source.revision}
 
 
-def rows_per_split(out: Path, settings: Mapping[str, Any]) -> dict[str, int]:
+def rows_per_split(out: Path, settings: DatasetSettings) -> dict[str, int]:
     if raw_records.is_saved_dataset(out):
         from datasets import load_from_disk
 
         data = load_from_disk(str(out))
         return {split: data[split].num_rows for split in data}
-    fmt = settings["format"]
+    fmt = settings.format
     if fmt == text_lines.TEXT_FORMAT:  # rows = non-blank lines (a stream: corpora are large)
         return {split: sum(map(text_lines.count_lines, text_lines.split_files(out, split)))
                 for split in source_splits(settings)}
@@ -233,9 +234,9 @@ def file_hashes(directory: Path) -> dict[str, str]:
     }
 
 
-def fetch(settings: Mapping[str, Any], out: Path, final: Path) -> tuple[dict, dict, dict]:
+def fetch(settings: DatasetSettings, out: Path, final: Path) -> tuple[dict, dict, dict]:
     """The raw files into ``out`` (the staging directory of ``final``): origin, file hashes, rows per split."""
-    kind = settings["source"]["type"]
+    kind = settings.source.type
     out.mkdir(parents=True, exist_ok=True)
     if kind == "hub":
         origin = download_hub(settings, out)
@@ -254,10 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="Raw data directory to create.")
     parser.add_argument("--manifest", required=True, type=Path, help="download_manifest.json to write.")
     args = parser.parse_args(argv)
-    settings = validate_section(json_setting(args.dataset, "--dataset"), "datasets", f"datasets.{args.name}", "--dataset")
-    kind = settings["source"]["type"]
+    settings = dataset_argument(args.dataset, args.name)
+    kind = settings.source.type
     split_layouts.check_layouts(args.name, settings, "--dataset")  # as at parse time: the key named, nothing copied
-    if settings["format"] == text_lines.TEXT_FORMAT and kind != "local":
+    if settings.format == text_lines.TEXT_FORMAT and kind != "local":
         raise ConfigError(f"datasets.{args.name}.format", f"'text' is read from local directories only, not a {kind} source")
 
     check_writable(args.out, args.manifest)
@@ -267,8 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except WorkflowError as error:  # a copied file is named as the user knows it, not by its staging path
             raise SourceNames(out, settings).reraise(error) from None
         manifest = build_manifest(
-            "download", settings, dataset=args.name, source_type=kind, source=origin,
-            revision=settings["source"].get("revision"),
+            "download", settings.to_dict(), dataset=args.name, source_type=kind, source=origin,
+            revision=settings.source.revision,
             sha256=origin.get("sha256") or hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest(),
             files=files, rows=rows,
         )

@@ -42,8 +42,9 @@ from workflow_scripts.data.source_paths import SourceNames
 from workflow_scripts.data.rows import Rejected
 from workflow_scripts.core.atomic_output import atomic_path, check_writable, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
-from workflow_scripts.checks.sections import validate_section
-from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
+from workflow_scripts.checks.sections import dataset_argument
+from workflow_scripts.core.entry_settings import DatasetSettings
+from workflow_scripts.core.stage_arguments import StageArgumentParser
 from workflow_scripts.tasks import task_named
 
 CANONICAL_SPLITS = ("train", "validation", "test")  # train first: later splits may be checked against it
@@ -165,9 +166,9 @@ def _tally_records(mapper, raw_dir: Path, fmt: str, canonical: str, source_split
                 tally.kept += 1
 
 
-def check_submission_ids(rows: list[dict], tally: SplitTally, settings: Mapping[str, Any], key: str) -> None:
+def check_submission_ids(rows: list[dict], tally: SplitTally, settings: DatasetSettings, key: str) -> None:
     """An unlabelled split submitted with integer ids must have integer ids: refused here, not after training."""
-    if not tally.unlabelled or (settings.get("submission") or {}).get("id_type") != "integer":
+    if not tally.unlabelled or settings.submission.id_type != "integer":
         return
     for index, row in enumerate(rows):
         try:
@@ -221,17 +222,17 @@ def fail_with_report(report: dict, problems: list[str], report_path: Path) -> No
     raise WorkflowError(f"{len(problems)} problems, all listed in {failed}: {listed}")
 
 
-def contamination_outcome(results, fields: list[str], gold: list[str], settings: Mapping[str, Any],
+def contamination_outcome(results, fields: list[str], gold: list[str], settings: DatasetSettings,
                           files: Mapping[str, str], key: str) -> tuple[dict, str | None]:
     """The report's ``contamination`` section, and the message that stops the stage (None when the
     overlap is within ``max_fraction`` or accepted)."""
-    limits = settings["contamination"]
+    limits = settings.contamination
     section = contamination.report(results, limits, fields)
     problems = (contamination.problem(r, limits, file=files[r.split], key=key, fields=fields, gold=gold) for r in results)
     return section, next((message for message in problems if message), None)
 
 
-def check_record_contamination(mapper, splits: Mapping[str, list[dict]], settings: Mapping[str, Any],
+def check_record_contamination(mapper, splits: Mapping[str, list[dict]], settings: DatasetSettings,
                                files: Mapping[str, str], key: str) -> tuple[dict, str | None, list]:
     """Kept validation/test rows against the kept train rows, keyed by the mapper (``contamination_key``)."""
     keyed = functools.partial(contamination.keyed_rows, key=mapper.contamination_key)
@@ -260,7 +261,7 @@ def to_dataset(rows: list[dict], location: str, like=None):
         raise WorkflowError(f"{location}: the kept rows cannot be stored as one table: {error}") from None
 
 
-def normalise_by_task(normalise_source, args: argparse.Namespace, settings: Mapping[str, Any],
+def normalise_by_task(normalise_source, args: argparse.Namespace, settings: DatasetSettings,
                       names: SourceNames) -> int:
     """A task's own normalisation (``Task.normalise_source``): it writes the normalised data, with
     ``task_meta.json`` inside in the same atomic step, and returns its part of the report.
@@ -269,11 +270,11 @@ def normalise_by_task(normalise_source, args: argparse.Namespace, settings: Mapp
     contamination check has passed (streamed from the written Arrow data, memory-mapped)."""
     from datasets import load_from_disk
 
-    task_meta = {"task": settings["task"]}
+    task_meta = {"task": settings.task}
     key = f"datasets.{args.name}"
     with atomic_path(args.out, directory=True) as staging:
         staging.rmdir()  # the task creates its output itself, as it would at args.out
-        report = {"dataset": args.name, "raw": str(args.raw), "task": settings["task"]}
+        report = {"dataset": args.name, "raw": str(args.raw), "task": settings.task}
         try:
             extras = normalise_source(args.raw, settings, staging, extra_json={TASK_META: task_meta})
         except WorkflowError as error:  # a damaged or undecodable file: the report says so too
@@ -301,9 +302,9 @@ def normalise_by_task(normalise_source, args: argparse.Namespace, settings: Mapp
     return 0
 
 
-def print_contamination(name: str, results, settings: Mapping[str, Any]) -> None:
+def print_contamination(name: str, results, settings: DatasetSettings) -> None:
     for result in results:
-        print(f"{name}/{result.split}: contamination: {contamination.summary(result, settings['contamination'])}")
+        print(f"{name}/{result.split}: contamination: {contamination.summary(result, settings.contamination)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -316,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report", required=True, type=Path, help="normalise_report.json to write.")
     args = parser.parse_args(argv)
     key = f"datasets.{args.name}"
-    settings = validate_section(json_setting(args.dataset, "--dataset"), "datasets", key, "--dataset")
+    settings = dataset_argument(args.dataset, args.name)
     if not args.raw.is_dir():
         raise WorkflowError(f"{args.raw}: raw data directory not found; run the download rule first")
     check_writable(args.out, args.report)
@@ -327,23 +328,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise names.reraise(error) from None
 
 
-def normalise(args: argparse.Namespace, settings: Mapping[str, Any], key: str, names: SourceNames) -> int:
-    fmt = settings["format"]
-    task = task_named(settings["task"])
+def normalise(args: argparse.Namespace, settings: DatasetSettings, key: str, names: SourceNames) -> int:
+    fmt = settings.format
+    task = task_named(settings.task)
     own_normalisation = getattr(task, "normalise_source", None)
     if own_normalisation is not None:  # the task reads its raw files itself (e.g. plain text, line by line)
-        if settings.get("unlabelled"):
-            raise ConfigError(f"{key}.unlabelled", f"task '{settings['task']}' has no unlabelled splits; remove the key")
+        if settings.unlabelled:
+            raise ConfigError(f"{key}.unlabelled", f"task '{settings.task}' has no unlabelled splits; remove the key")
         return normalise_by_task(own_normalisation, args, settings, names)
     descriptions = {**REASONS, **getattr(task, "rejection_reasons", {})}  # a task's own reasons (images...)
     mapper = task.record_mapper(settings, key)
     mapper.raw_dir = args.raw  # files a record refers to (images) are found beside its split files
     rejections, splits, tallies = Rejections(), {}, {}
     for canonical in CANONICAL_SPLITS:
-        if canonical not in settings["splits"]:
+        if canonical not in settings.splits:
             continue
-        rows, tally = normalise_split(mapper, args.raw, fmt, canonical, settings["splits"][canonical], rejections, key, names,
-                                     settings.get("on_invalid_text", "stop"))
+        rows, tally = normalise_split(mapper, args.raw, fmt, canonical, settings.splits[canonical], rejections, key, names,
+                                     settings.on_invalid_text)
         splits[canonical], tallies[canonical] = rows, tally
         if tally.problem is None:
             try:
@@ -366,7 +367,7 @@ def normalise(args: argparse.Namespace, settings: Mapping[str, Any], key: str, n
     report = {
         "dataset": args.name,
         "raw": str(args.raw),
-        "max_rejected_fraction": settings["max_rejected_fraction"],
+        "max_rejected_fraction": settings.max_rejected_fraction,
         "splits": {
             canonical: {
                 "source_split": t.source_split, "file": t.file, "examined": t.examined, "kept": t.kept,
@@ -381,7 +382,7 @@ def normalise(args: argparse.Namespace, settings: Mapping[str, Any], key: str, n
         "unlabelled": [canonical for canonical, t in tallies.items() if t.unlabelled],
         # Splits left unread because train failed (they are checked against it): the report says so.
         **({"splits_not_read": not_read} if (not_read := [canonical for canonical in CANONICAL_SPLITS
-                                                          if canonical in settings["splits"] and canonical not in tallies])
+                                                          if canonical in settings.splits and canonical not in tallies])
            else {}),
         "reasons": {
             reason: {"count": count, "description": descriptions[reason], "examples": rejections.examples[reason]}
@@ -389,12 +390,12 @@ def normalise(args: argparse.Namespace, settings: Mapping[str, Any], key: str, n
         },
         **mapper.report(splits),
         "ignored_source_splits": sorted(
-            set(raw_records.available_splits(args.raw, fmt)) - set(settings["splits"].values())
+            set(raw_records.available_splits(args.raw, fmt)) - set(settings.splits.values())
         ),
         "contamination": overlap,
     }
     problems = [problem for canonical, tally in tallies.items()
-                if (problem := tally_problem(tally, settings["max_rejected_fraction"], key, canonical,
+                if (problem := tally_problem(tally, settings.max_rejected_fraction, key, canonical,
                                              getattr(mapper, "gold_source", None)))]
     if overlap_problem:  # after the rejections: a file with bad rows is fixed first
         problems.append(overlap_problem)
@@ -416,7 +417,7 @@ def normalise(args: argparse.Namespace, settings: Mapping[str, Any], key: str, n
     unlabelled = {"unlabelled": report["unlabelled"]} if report["unlabelled"] else {}
     with atomic_path(args.out, directory=True) as out:
         data.save_to_disk(str(out))
-        write_json(out / TASK_META, {"task": settings["task"], **mapper.task_meta(), **unlabelled})
+        write_json(out / TASK_META, {"task": settings.task, **mapper.task_meta(), **unlabelled})
     write_json(args.report, report)
     failure_report_path(args.report).unlink(missing_ok=True)  # an earlier failure's, now stale
     for canonical, tally in tallies.items():

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from workflow_scripts import evaluate
 from workflow_scripts.core.atomic_output import write_json, write_jsonl
+from workflow_scripts.core.entry_settings import SubmissionSettings
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.run_manifest import build_manifest
 from workflow_scripts.core.section_settings import EvaluationSettings
@@ -25,7 +26,7 @@ from workflow_scripts.model import model_loading
 from workflow_scripts.tasks import task_named
 from workflow_scripts.tasks.templates import check_row_templates
 
-SUBMISSION_DEFAULTS = {"format": "json", "id_key": "questionId", "id_type": "string", "answer_key": "answer"}
+SUBMISSION_DEFAULTS = SubmissionSettings().to_dict()
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -39,7 +40,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def submission_settings(text: str) -> dict[str, Any]:
+def submission_settings(text: str) -> SubmissionSettings:
+    """``--submission``: ``datasets.<name>.submission`` as the rule passes it (its defaults filled)."""
     settings = {**SUBMISSION_DEFAULTS, **json_object_setting(text, "--submission")}
     unknown = sorted(set(settings) - set(SUBMISSION_DEFAULTS))
     if unknown:
@@ -48,7 +50,7 @@ def submission_settings(text: str) -> dict[str, Any]:
         raise ConfigError("submission.format", f"must be json or jsonl, got {settings['format']!r}")
     if settings["id_type"] not in ("string", "integer"):
         raise ConfigError("submission.id_type", f"must be string or integer, got {settings['id_type']!r}")
-    return settings
+    return SubmissionSettings(**settings)
 
 
 def submitted_id(row_id: str, id_type: str, where: str) -> str | int:
@@ -62,10 +64,10 @@ def submitted_id(row_id: str, id_type: str, where: str) -> str | int:
 
 
 def submission_entries(rows: Sequence[Mapping[str, Any]], answers: Sequence[str | None],
-                       settings: Mapping[str, Any], where: str) -> list[dict]:
+                       settings: SubmissionSettings, where: str) -> list[dict]:
     """One entry per row, in the split's order: its id and its answer ('' where none could be parsed)."""
-    return [{settings["id_key"]: submitted_id(row["id"], settings["id_type"], f"{where} row {index}"),
-             settings["answer_key"]: answer if answer is not None else ""}
+    return [{settings.id_key: submitted_id(row["id"], settings.id_type, f"{where} row {index}"),
+             settings.answer_key: answer if answer is not None else ""}
             for index, (row, answer) in enumerate(zip(rows, answers, strict=True))]
 
 
@@ -81,9 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     evaluation = EvaluationSettings.from_json(args.evaluation)
     submission = submission_settings(args.submission)
     suffix = Path(args.submission_out).suffix
-    if suffix != f".{submission['format']}":
+    if suffix != f".{submission.format}":
         raise WorkflowError(f"argument --submission-out: {args.submission_out} ends in {suffix!r}, but "
-                            f"submission.format is {submission['format']}; name it *.{submission['format']}")
+                            f"submission.format is {submission.format}; name it *.{submission.format}")
     seed = evaluate.parse_seed(args.seed)
 
     rows = load_rows(args.data, args.split, None)  # every row: a submission needs every id
@@ -108,14 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "n_examples": len(entries),
         "n_unparseable": predicted.unparseable,
         "unparseable_ids": [record["id"] for record in predicted.records if not record["parsed"]][:20],
-        "submission": {**submission, "file": str(args.submission_out)},
+        "submission": {**submission.to_dict(), "file": str(args.submission_out)},
         **predicted.details,
         **evaluate.model_facts(args, loaded),
         "manifest": build_manifest("predict", {"evaluation": evaluation.to_dict(), "variant": variant, "metric": args.metric,
-                                               "submission": submission}),
+                                               "submission": submission.to_dict()}),
     }
     write_jsonl(args.predictions_out, predicted.records)
-    if submission["format"] == "json":
+    if submission.format == "json":
         write_json(args.submission_out, entries)
     else:
         write_jsonl(args.submission_out, entries)

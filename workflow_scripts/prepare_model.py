@@ -12,13 +12,14 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from workflow_scripts.core.atomic_output import atomic_path, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
-from workflow_scripts.checks.sections import validate_section
+from workflow_scripts.checks.sections import model_argument
+from workflow_scripts.core.entry_settings import ModelSettings
 from workflow_scripts.core.run_manifest import build_manifest
-from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
+from workflow_scripts.core.stage_arguments import StageArgumentParser
 
 MANIFEST_NAME = "model_manifest.json"
 # model.tiny.architecture -> the module whose build() makes it (others: tiny_model's causal LMs)
@@ -40,9 +41,9 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def needs_weights(model: Mapping[str, Any]) -> bool:
+def needs_weights(model: ModelSettings) -> bool:
     """``model.initialise: random`` draws the weights from the config at load time: none are fetched."""
-    return model.get("initialise", "pretrained") != "random"
+    return model.initialise != "random"
 
 
 def check_model_dir(directory: Path, origin: str, weights: bool = True) -> None:
@@ -61,12 +62,12 @@ def check_model_dir(directory: Path, origin: str, weights: bool = True) -> None:
         raise WorkflowError(f"{origin}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
 
 
-def snapshot_hub(model: Mapping[str, Any], out: Path) -> dict[str, Any]:
+def snapshot_hub(model: ModelSettings, out: Path) -> dict[str, Any]:
     """Download the pinned revision's safetensors + tokenizer files; refuse a repo with pickle weights only.
     For ``initialise: random`` the weights are not downloaded (a 7B model's 15 GB would never be read)."""
     import huggingface_hub
 
-    repo, revision = model["hub_id"], model["revision"]
+    repo, revision = model.hub_id, model.revision
     try:
         files = huggingface_hub.list_repo_files(repo, revision=revision)
         if needs_weights(model) and not any(name.endswith(".safetensors") for name in files):
@@ -76,7 +77,7 @@ def snapshot_hub(model: Mapping[str, Any], out: Path) -> dict[str, Any]:
                 "pickle weights are refused because loading them can run code"
             )
         # A repo's own Python code is fetched only when the config opts into running it.
-        patterns = HUB_PATTERNS + (["*.py"] if model["trust_remote_code"] else [])
+        patterns = HUB_PATTERNS + (["*.py"] if model.trust_remote_code else [])
         if not needs_weights(model):
             patterns = [pattern for pattern in patterns if pattern != "*.safetensors"]
         huggingface_hub.snapshot_download(repo, revision=revision, local_dir=str(out), allow_patterns=patterns)
@@ -90,8 +91,8 @@ def snapshot_hub(model: Mapping[str, Any], out: Path) -> dict[str, Any]:
     return {"hub_id": repo, "revision": revision}
 
 
-def copy_local(model: Mapping[str, Any], out: Path) -> dict[str, Any]:
-    source = Path(model["path"])
+def copy_local(model: ModelSettings, out: Path) -> dict[str, Any]:
+    source = Path(model.path)
     check_model_dir(source, f"model.path {source}")
     for path in sorted(source.iterdir()):
         if path.is_file() and not path.name.endswith(PICKLE_SUFFIXES) and path.name != MANIFEST_NAME:
@@ -102,17 +103,17 @@ def copy_local(model: Mapping[str, Any], out: Path) -> dict[str, Any]:
     return {"local_path": str(source)}
 
 
-def prepare(model: Mapping[str, Any], corpus: Sequence[str], out: Path) -> dict[str, Any]:
-    source = model["source"]
+def prepare(model: ModelSettings, corpus: Sequence[str], out: Path) -> dict[str, Any]:
+    source = model.source
     if source == "tiny":  # each family of tiny model has its own builder module
         import importlib
 
-        module = TINY_BUILDERS.get(model["tiny"]["architecture"], "workflow_scripts.model.tiny_model")
-        return importlib.import_module(module).build(model["tiny"], corpus, out)
+        module = TINY_BUILDERS.get(model.tiny.architecture, "workflow_scripts.model.tiny_model")
+        return importlib.import_module(module).build(model.tiny.builder_settings(), corpus, out)
     if source == "gguf":
         from workflow_scripts.model import gguf_model
 
-        return gguf_model.convert(model["gguf"], out, model["trust_remote_code"])
+        return gguf_model.convert(model.gguf, out, model.trust_remote_code)
     if source == "hub":
         return snapshot_hub(model, out)
     return copy_local(model, out)
@@ -124,22 +125,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="Model directory to create.")
     parser.add_argument("--corpus", nargs="*", default=[], help="Normalised datasets for the tiny model's tokenizer.")
     args = parser.parse_args(argv)
-    model = validate_section(json_setting(args.model, "--model"), "model", "model", "--model")
-    if model["source"] != "tiny" and args.corpus:
-        raise WorkflowError(f"--corpus is only used by model.source 'tiny', not '{model['source']}'")
+    model = model_argument(args.model)
+    if model.source != "tiny" and args.corpus:
+        raise WorkflowError(f"--corpus is only used by model.source 'tiny', not '{model.source}'")
 
     with atomic_path(args.out, directory=True) as out:
         out.mkdir(parents=True, exist_ok=True)
         facts = prepare(model, args.corpus, out)
         check_model_dir(out, f"prepared model {args.out}", weights=needs_weights(model))
-        if model["source"] in ("hub", "local"):  # the tiny and GGUF builders write configs transformers knows
+        if model.source in ("hub", "local"):  # the tiny and GGUF builders write configs transformers knows
             from workflow_scripts.model.model_loading import check_remote_code
 
-            origin = f"model.path {model['path']}" if model["source"] == "local" else f"model.hub_id {model['hub_id']}"
-            check_remote_code(out, model["trust_remote_code"], origin)
+            origin = f"model.path {model.path}" if model.source == "local" else f"model.hub_id {model.hub_id}"
+            check_remote_code(out, model.trust_remote_code, origin)
         files = {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
-        write_json(out / MANIFEST_NAME, build_manifest("prepare_model", model, model_source=model["source"], files=files, **facts))
-    print(f"model {model['name']} ({model['source']}) ready in {args.out}: {facts}")
+        write_json(out / MANIFEST_NAME, build_manifest("prepare_model", model.to_dict(), model_source=model.source, files=files, **facts))
+    print(f"model {model.name} ({model.source}) ready in {args.out}: {facts}")
     return 0
 
 

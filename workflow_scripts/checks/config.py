@@ -14,13 +14,14 @@ from workflow_scripts.checks.sections import check_dataset, check_model
 from workflow_scripts.core.config_files import deep_merge, read_config_file, validate_schema
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.core.experiment_config import (
-    RESERVED_MODEL_NAMES, dataset_models, entry_task, evaluation_split, mixtures, model_dataset_variants,
-    model_entry_variants, models, resolved_training, training_settings, variant_settings)
+    RESERVED_MODEL_NAMES, dataset_entries, dataset_models, entry_task, evaluation_split, mixtures, model_dataset_variants,
+    model_entries, model_entry_variants, models, resolved_training, training_settings, variant_settings)
 from workflow_scripts.core.section_settings import ComparisonSettings
 from workflow_scripts.core.settings import finetune_problem
 from workflow_scripts.tasks import check_also_metrics, task_named
 
 if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import ModelSettings
     from workflow_scripts.core.settings import TrainingSettings, ValidationSettings
 
 
@@ -41,20 +42,22 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
         raise ConfigError("model", "give the base model under model: (one) or under models: (several, by name), "
                           "not both" if "model" in config else "missing: give the base model under model: "
                           "(one) or models: (several, by name)", source)
-    for name, model in models(config).items():
+    typed_models = model_entries(config, source)
+    for name, model in typed_models.items():
         key = "model" if "model" in config else f"models.{name}"
         if name in RESERVED_MODEL_NAMES:  # results/{model}/... sits beside these folders
             raise ConfigError(f"{key}.name" if "model" in config else key,
                               f"'{name}' is reserved for results/{name}/; choose another model name", source)
         check_model(model, source, key)
-        unknown = set(model.get("training", {})) - set(config["training"])
+        unknown = set(model.training) - set(config["training"])
         if unknown:
             raise ConfigError(f"models.{name}.training", f"unknown training keys {sorted(unknown)}", source)
-    for name, dataset in config["datasets"].items():
-        check_dataset(name, dataset, source, evaluation_split(config, name))
-        if dataset.get("also_metrics"):
-            check_also_metrics(name, dataset, source)
-        for model in dataset.get("models", []):
+    typed_datasets = dataset_entries(config, source)
+    for name, dataset in typed_datasets.items():
+        check_dataset(dataset, source, evaluation_split(config, name))
+        if dataset.also_metrics:
+            check_also_metrics(dataset, source)
+        for model in dataset.models or ():
             if model not in models(config):
                 raise ConfigError(f"datasets.{name}.models", f"'{model}' is not a model of this config "
                                   f"(models: {sorted(models(config))})", source)
@@ -65,7 +68,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
         if unknown:
             raise ConfigError(f"{key}.training", f"unknown training keys {sorted(unknown)}", source)
         task = task_named(variant["task"])
-        datasets = {ds: d for ds, d in config["datasets"].items() if d["task"] == variant["task"]}
+        datasets = {ds: d for ds, d in typed_datasets.items() if d.task == variant["task"]}
         try:  # the task's own checks: templates against each dataset of its task, leaks of the gold
             task.check_config_variant(name, variant_settings(variant), datasets)
         except ConfigError as error:
@@ -78,7 +81,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
     _check_evaluated(config, source)
     for model, entry, variant in model_entry_variants(config):
         training = training_settings(config, variant, model, source)
-        _check_finetune(training, models(config)[model], entry_task(config, entry),
+        _check_finetune(training, typed_models[model], entry_task(config, entry),
                         f"variants.{variant}.training" if config["variants"][variant].get("training") else "training",
                         "model" if "model" in config else f"models.{model}", source)
         for dataset in mixtures(config)[entry]["datasets"] if entry in mixtures(config) else [entry]:
@@ -226,10 +229,10 @@ def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, i
                     "is the point", source)
 
 
-def _check_finetune(training: "TrainingSettings", model: Mapping[str, Any], task: str, where: str,
+def _check_finetune(training: "TrainingSettings", model: "ModelSettings", task: str, where: str,
                     model_key: str, source: str | None) -> None:
     """training.finetune against model.initialise, quantization, strategy and the task (training_setup's rule)."""
-    problem = finetune_problem(training, model.get("initialise", "pretrained"), task)
+    problem = finetune_problem(training, model.initialise, task)
     if problem is not None:
         key, message = problem
         raise ConfigError(key.replace("model", model_key, 1) if key.startswith("model.")

@@ -33,7 +33,7 @@ def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> 
     # meta_model builds): a BERT under a masked-LM task is not estimated as BertLMHeadModel.
     pairs = {(model, variant) for model, entry, variant in xc.model_entry_variants(config)
              if task_named(xc.entry_task(config, entry)).auto_model_class == "AutoModelForCausalLM"}
-    for name, spec in xc.models(config).items():
+    for name, spec in xc.model_entries(config).items():
         variants = [variant for variant in config["variants"] if (name, variant) in pairs]
         source = local_model_config(name, spec, root)
         if source is None or not variants or not is_causal_lm(source):

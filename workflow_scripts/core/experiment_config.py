@@ -14,6 +14,7 @@ from workflow_scripts.core.config_files import deep_merge
 from workflow_scripts.core.errors import ConfigError
 
 if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import DatasetSettings, ModelSettings, VariantSettings
     from workflow_scripts.core.settings import TrainingSettings
 
 CANONICAL_FIELDS = ("id", "question", "answers", "answer")
@@ -48,6 +49,31 @@ def model_settings(config: Mapping[str, Any], model: str | None = None) -> dict:
             raise ConfigError("models", f"several models ({sorted(all_models)}): name the model", None)
         model = next(iter(all_models))
     return {**all_models[model], "name": model}
+
+
+def model_entries(config: Mapping[str, Any], source: str | None = None) -> dict[str, "ModelSettings"]:
+    """name -> the model's typed settings (core.entry_settings), each key named as the config spells it."""
+    from workflow_scripts.core.entry_settings import ModelSettings
+
+    single = "model" in config
+    return {name: ModelSettings.parse(spec, name, "model" if single else f"models.{name}", source)
+            for name, spec in models(config).items()}
+
+
+def dataset_entries(config: Mapping[str, Any], source: str | None = None) -> dict[str, "DatasetSettings"]:
+    """name -> the dataset's typed settings (core.entry_settings)."""
+    from workflow_scripts.core.entry_settings import DatasetSettings
+
+    return {name: DatasetSettings.parse(dataset, name, source) for name, dataset in config["datasets"].items()}
+
+
+def variant_entries(config: Mapping[str, Any], source: str | None = None) -> dict[str, "VariantSettings"]:
+    """name -> the variant's typed settings (core.entry_settings; its training overrides are read by
+    :func:`resolved_training`)."""
+    from workflow_scripts.core.entry_settings import VariantSettings
+
+    return {name: VariantSettings.parse(variant, variant.get("task", "generation"), name, source)
+            for name, variant in config["variants"].items()}
 
 
 def dataset_models(config: Mapping[str, Any], dataset: str) -> list[str]:
@@ -168,30 +194,30 @@ def plot_names(model: str, trained: str, dataset: str) -> tuple[str, str]:
     return scores, f"loss_{model}_{trained}.png"
 
 
-def dataset_fields(dataset: Mapping[str, Any]) -> set[str]:
+def dataset_fields(dataset: "DatasetSettings") -> set[str]:
     """Fields a normalised row of this dataset offers to templates."""
-    return set(CANONICAL_FIELDS) | set(dataset.get("extra_fields", {})) | set(dataset.get("derived", {}))
+    return set(CANONICAL_FIELDS) | set(dataset.extra_fields) | set(dataset.derived)
 
 
-def gold_fields(dataset: Mapping[str, Any]) -> dict[str, str]:
+def gold_fields(dataset: "DatasetSettings") -> dict[str, str]:
     """Fields of this dataset's rows that are, or are computed from, the gold answers -> why (for messages).
 
     ``answer``/``answers`` themselves, an extra field carrying the answers' source field, and every derived
     field whose input is one of these (transitively: a derived field may take an earlier derived field).
     """
     gold = {"answer": "is the first gold answer", "answers": "holds the gold answers"}
-    answers_source = dataset.get("fields", {}).get("answers")
-    for name, source_field in dataset.get("extra_fields", {}).items():
+    answers_source = dataset.fields.get("answers")
+    for name, source_field in dataset.extra_fields.items():
         if source_field == answers_source:
             gold[name] = f"carries source field '{source_field}', the gold answers"
     chains: dict[str, str] = {}
     changed = True
     while changed:
         changed = False
-        for name, spec in dataset.get("derived", {}).items():
-            if name not in gold and spec["field"] in gold:
-                step = f"{name} = {spec['transform']}({spec['field']})"
-                chains[name] = f"{step}, {chains[spec['field']]}" if spec["field"] in chains else step
+        for name, spec in dataset.derived.items():
+            if name not in gold and spec.field in gold:
+                step = f"{name} = {spec.transform}({spec.field})"
+                chains[name] = f"{step}, {chains[spec.field]}" if spec.field in chains else step
                 gold[name] = f"is derived from the gold answer ({chains[name]})"
                 changed = True
     return gold

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import ContaminationSettings
     import numpy as np
 
 ID_FIELD = "id"
@@ -324,23 +325,23 @@ def name_train_ids(overlaps: Sequence[SplitOverlap], train_keyed: Keyed) -> None
 
 
 # --- the policy: the limit, the report section and the stop ---
-def exceeds(result: SplitOverlap, settings: Mapping[str, Any]) -> bool:
-    return bool(result.checked) and result.overlapping / result.checked > settings["max_fraction"]
+def exceeds(result: SplitOverlap, limits: "ContaminationSettings") -> bool:
+    return bool(result.checked) and result.overlapping / result.checked > limits.max_fraction
 
 
-def report(results: Sequence[SplitOverlap], settings: Mapping[str, Any], fields: Sequence[str]) -> dict[str, Any]:
+def report(results: Sequence[SplitOverlap], limits: "ContaminationSettings", fields: Sequence[str]) -> dict[str, Any]:
     """The normalise report's ``contamination`` section."""
     return {
         "compared_with": REFERENCE_SPLIT,
         "key": list(fields),
-        "max_fraction": settings["max_fraction"],
-        "accept": settings["accept"],
+        "max_fraction": limits.max_fraction,
+        "accept": limits.accept,
         "splits": {
             result.split: {
                 "checked": result.checked, "overlapping": result.overlapping, "fraction": result.fraction,
                 "pairs_overlapping": result.pairs_overlapping, "examples": result.examples(),
-                "above_max_fraction": exceeds(result, settings),
-                "accepted": exceeds(result, settings) and settings["accept"],
+                "above_max_fraction": exceeds(result, limits),
+                "accepted": exceeds(result, limits) and limits.accept,
             }
             for result in results
         },
@@ -358,10 +359,10 @@ def check(train: Callable[[], Keyed], splits: Mapping[str, Callable[[], Keyed]])
     return results
 
 
-def problem(result: SplitOverlap, settings: Mapping[str, Any], *, file: str, key: str, fields: Sequence[str],
+def problem(result: SplitOverlap, limits: "ContaminationSettings", *, file: str, key: str, fields: Sequence[str],
             gold: Sequence[str] = ()) -> str | None:
     """The one-line message that stops normalise for this split, or None (within the limit, or accepted)."""
-    if not exceeds(result, settings) or settings["accept"]:
+    if not exceeds(result, limits) or limits.accept:
         return None
     named = ", ".join(f"'{e['id']}' = '{e['train_id']}'" for e in result.examples(EXAMPLES))
     more = ", ..." if result.overlapping > EXAMPLES else ""
@@ -369,14 +370,14 @@ def problem(result: SplitOverlap, settings: Mapping[str, Any], *, file: str, key
     return (
         f"{file}: {result.overlapping} of {result.checked} rows of split '{result.split}' ({result.fraction:.1%}) repeat "
         f"a row of split '{REFERENCE_SPLIT}' (same {' + '.join(fields)}, ignoring case, spacing and Unicode form{pairs}), "
-        f"more than {key}.contamination.max_fraction = {settings['max_fraction']}; overlapping ids ({result.split} = "
+        f"more than {key}.contamination.max_fraction = {limits.max_fraction}; overlapping ids ({result.split} = "
         f"{REFERENCE_SPLIT}): {named}{more}; set {key}.contamination.accept: true to run anyway, or deduplicate the splits"
     )
 
 
-def summary(result: SplitOverlap, settings: Mapping[str, Any]) -> str:
+def summary(result: SplitOverlap, limits: "ContaminationSettings") -> str:
     """One log line per checked split."""
-    state = ("accepted by contamination.accept" if settings["accept"] else "") if exceeds(result, settings) \
-        else f"within max_fraction {settings['max_fraction']}"
+    state = ("accepted by contamination.accept" if limits.accept else "") if exceeds(result, limits) \
+        else f"within max_fraction {limits.max_fraction}"
     return (f"{result.overlapping} of {result.checked} rows ({(result.fraction or 0):.1%}) repeat a train row"
             + (f"; {state}" if state else ""))

@@ -15,11 +15,14 @@ string where other rows give lists (``answers_as_bare_string`` in the report).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from workflow_scripts.core.errors import ConfigError
 from workflow_scripts.data import raw_records
 from workflow_scripts.data.transforms import TRANSFORMS
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import DatasetSettings
 
 NAMED_PER_COUNT = 20  # the report names the first rows of a count (e.g. answers_as_bare_string_ids)
 
@@ -88,22 +91,22 @@ def _kind(value: Any) -> str:
 class RecordMapper:
     """Applies one dataset's declarative mapping to raw records."""
 
-    def __init__(self, settings: Mapping[str, Any], key: str):
-        self.fields = settings["fields"]
-        self.flatten = settings["flatten"]
-        self.extra = settings["extra_fields"]
-        self.derived = settings["derived"]
+    def __init__(self, settings: "DatasetSettings", key: str):
+        self.fields = settings.fields
+        self.flatten = settings.flatten
+        self.extra = settings.extra_fields
+        self.derived = settings.derived
         self.extra_kinds: dict[str, str] = {}
-        self.unlabelled = frozenset(settings.get("unlabelled", ()))
+        self.unlabelled = frozenset(settings.unlabelled)
         self.gold_source = self.fields["answers"]  # the source field an unlabelled split must not hold
         self.bare_string_ids: dict[str, set[str]] = {}  # split -> ids of rows whose answers were one string
         self.list_answers_seen = False
         available = {"id", "question", "answer"} | set(self.extra)
         for name, spec in self.derived.items():
-            if spec["field"] not in available:
+            if spec.field not in available:
                 raise ConfigError(
                     f"{key}.derived.{name}.field",
-                    f"'{spec['field']}' is not a field of the normalised row (choose from {sorted(available)})",
+                    f"'{spec.field}' is not a field of the normalised row (choose from {sorted(available)})",
                 )
             available.add(name)
 
@@ -189,15 +192,15 @@ class RecordMapper:
     def _derive(self, row: dict[str, Any]) -> dict[str, Any]:
         fields = {**row, "answer": row["answers"][0] if row["answers"] is not None else None}
         for name, spec in self.derived.items():
-            if fields[spec["field"]] is None:  # derived from the gold of an unlabelled row: no gold, no value
+            if fields[spec.field] is None:  # derived from the gold of an unlabelled row: no gold, no value
                 row[name] = fields[name] = None
                 continue
             try:
-                value = TRANSFORMS[spec["transform"]](fields[spec["field"]])
+                value = TRANSFORMS[spec.transform](fields[spec.field])
             except (ValueError, TypeError) as error:
-                raise Rejected("transform_failed", spec["field"], f"transform '{spec['transform']}' failed: {error}") from None
+                raise Rejected("transform_failed", spec.field, f"transform '{spec.transform}' failed: {error}") from None
             if not isinstance(value, str) or not value.strip():
-                raise Rejected("transform_failed", spec["field"], f"transform '{spec['transform']}' gave an empty result")
+                raise Rejected("transform_failed", spec.field, f"transform '{spec.transform}' gave an empty result")
             row[name] = fields[name] = value
         return row
 
@@ -236,11 +239,11 @@ class RecordMapper:
 class FieldsMapper:
     """Rows built by a task's ``normalise_fields(record, settings)``; one row per record."""
 
-    def __init__(self, task, settings: Mapping[str, Any], key: str):
+    def __init__(self, task, settings: "DatasetSettings", key: str):
         self.task, self.settings, self.key = task, settings, key
-        self.fields = settings["fields"]
+        self.fields = settings.fields
         self.state = task.normalise_state(settings) if hasattr(task, "normalise_state") else None
-        self.unlabelled = frozenset(settings.get("unlabelled", ()))
+        self.unlabelled = frozenset(settings.unlabelled)
         # The source field of the gold (a classifier's label); None for a task whose gold sits inside its input.
         gold = getattr(task, "gold_field", None)
         self.gold_source = self.fields.get(gold) if gold else None

@@ -17,7 +17,10 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import DatasetSettings
 
 CACHE = Path(".snakemake", "source_sha256.json")
 
@@ -68,17 +71,17 @@ def sha256_of(path: str | Path, cache_file: Path = CACHE) -> str:
     return sha256_of_many([path], cache_file)[0]
 
 
-def image_dirs(settings: Mapping[str, Any]) -> list[Path]:
+def image_dirs(settings: "DatasetSettings") -> list[Path]:
     """The folders of a local dataset's images that ``download`` copies: an image folder's split folders
     (``source.layout: imagefolder``), else the ``images/`` folder beside the split files of a dataset
     with an image field (as ``download.copy_local`` decides)."""
-    source = settings["source"]
-    if source["type"] != "local":
+    source = settings.source
+    if source.type != "local":
         return []
-    directory = Path(source["path"])
-    if source.get("layout") == "imagefolder":
-        return [directory / split for split in dict.fromkeys(settings["splits"].values())]
-    return [directory / "images"] if "image" in settings.get("fields", {}) else []
+    directory = Path(source.path)
+    if source.layout == "imagefolder":
+        return [directory / split for split in dict.fromkeys(settings.splits.values())]
+    return [directory / "images"] if "image" in settings.fields else []
 
 
 def tree_fingerprint(directories: list[Path], cache_file: Path = CACHE) -> str:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import DatasetSettings
 
 from workflow_scripts.core.errors import WorkflowError
 
@@ -21,11 +24,11 @@ _PATH_TAIL = r"(?:/[^\s:;,'\"()\[\]]*|(?![\w.-]))"  # a path inside the copy, or
 class SourceNames:
     """Maps paths under ``copy_dir`` (the raw copy or its staging directory) to the source's names."""
 
-    def __init__(self, copy_dir: str | Path, settings: Mapping[str, Any]):
+    def __init__(self, copy_dir: str | Path, settings: "DatasetSettings"):
         from workflow_scripts.data.split_layouts import copied_names
 
         self.copy_dir = Path(copy_dir)
-        self.source = settings["source"]
+        self.source = settings.source
         self.listed = copied_names(settings)  # a split's several files come from anywhere (source.files)
 
     def shown(self, path: str | Path) -> str:
@@ -34,14 +37,14 @@ class SourceNames:
             relative = Path(path).relative_to(self.copy_dir)
         except ValueError:
             return str(path)
-        kind = self.source["type"]
+        kind = self.source.type
         if relative.as_posix() in self.listed:
             return self.listed[relative.as_posix()]
         if kind == "local":
-            return str(Path(self.source["path"]) / relative) if str(relative) != "." else str(self.source["path"])
+            return str(Path(self.source.path) / relative) if str(relative) != "." else str(self.source.path)
         if kind == "url":
-            return self.source["url"] if str(relative) == "." else f"{relative} in {self.source['url']}"
-        where = f"hub dataset {self.source['id']}@{self.source.get('revision')}"
+            return self.source.url if str(relative) == "." else f"{relative} in {self.source.url}"
+        where = f"hub dataset {self.source.id}@{self.source.revision}"
         return where if str(relative) == "." else f"{where} split {relative}"
 
     def translate(self, message: str) -> str:

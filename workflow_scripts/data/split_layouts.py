@@ -24,9 +24,9 @@ import glob
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Mapping
 
 from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.core.entry_settings import DatasetSettings
 from workflow_scripts.data import text_lines
 
 IMAGEFOLDER = "imagefolder"
@@ -35,19 +35,19 @@ METADATA = "metadata"  # metadata.<format> in a split folder: what marks an imag
 RELATIVE = "paths and globs are relative to source.path, or absolute"
 
 
-def layout(settings: Mapping[str, Any]) -> str | None:
-    return settings["source"].get("layout")
+def layout(settings: DatasetSettings) -> str | None:
+    return settings.source.layout
 
 
-def listed_files(settings: Mapping[str, Any]) -> dict[str, list[str]]:
+def listed_files(settings: DatasetSettings) -> dict[str, list[str]]:
     """``source.files`` with each value as a list of paths or globs."""
-    files = settings["source"].get("files") or {}
+    files = settings.source.files
     return {split: [value] if isinstance(value, str) else list(value) for split, value in files.items()}
 
 
-def handles(settings: Mapping[str, Any], split: str) -> bool:
+def handles(settings: DatasetSettings, split: str) -> bool:
     """Whether source split ``split`` is laid out here (not as one ``<split>.<format>`` file)."""
-    return settings["source"]["type"] == "local" and (layout(settings) == IMAGEFOLDER or split in listed_files(settings))
+    return settings.source.type == "local" and (layout(settings) == IMAGEFOLDER or split in listed_files(settings))
 
 
 def suffixes(fmt: str) -> tuple[str, ...]:
@@ -87,10 +87,10 @@ def resolve(directory: Path, patterns: list[str], fmt: str) -> tuple[list[Path],
     return found, None
 
 
-def split_sources(directory: Path, settings: Mapping[str, Any], split: str) -> list[Path]:
+def split_sources(directory: Path, settings: DatasetSettings, split: str) -> list[Path]:
     """The source files of a laid-out split (for the rule's inputs and hashes): an image folder's metadata
     file, or the listed files in read order. Raises WorkflowError when they are not there."""
-    fmt = settings["format"]
+    fmt = settings.format
     if layout(settings) == IMAGEFOLDER:
         return [metadata_file(Path(directory) / split, fmt)]
     files, problem = resolve(Path(directory), listed_files(settings)[split], fmt)
@@ -99,23 +99,24 @@ def split_sources(directory: Path, settings: Mapping[str, Any], split: str) -> l
     return files
 
 
-def check_layouts(name: str, settings: Mapping[str, Any], source: str | None = None) -> None:
+def check_layouts(name: str, settings: DatasetSettings, source: str | None = None) -> None:
     """Parse-time checks of one dataset's ``source.layout`` and ``source.files`` (ConfigError naming the key)."""
-    src, key = settings["source"], f"datasets.{name}"
-    if "layout" not in src and "files" not in src:
+    src, key = settings.source, f"datasets.{name}"
+    given = [option for option in ("layout", "files") if getattr(src, option)]
+    if not given:
         return
-    for option in ("layout", "files"):
-        if option in src and src["type"] != "local":
-            raise ConfigError(f"{key}.source.{option}", f"is read from local sources only, not a {src['type']} "
+    for option in given:
+        if src.type != "local":
+            raise ConfigError(f"{key}.source.{option}", f"is read from local sources only, not a {src.type} "
                               "source (a hub dataset in this layout is read by the hub's own loader: use type hub)", source)
-    if "layout" in src and "files" in src:
+    if len(given) == 2:
         raise ConfigError(f"{key}.source.files", "an image folder's split is its folder; give layout: imagefolder or "
                           "files, not both", source)
-    directory, fmt, splits = Path(src["path"]), settings["format"], settings["splits"]
+    directory, fmt, splits = Path(src.path), settings.format, settings.splits
     if layout(settings) == IMAGEFOLDER:
-        if settings.get("task") != "vision_language":
+        if settings.task != "vision_language":
             raise ConfigError(f"{key}.source.layout", f"imagefolder holds images: it is read by task vision_language, "
-                              f"not {settings.get('task', 'generation')}", source)
+                              f"not {settings.task}", source)
         if fmt not in IMAGEFOLDER_FORMATS:
             raise ConfigError(f"{key}.format", f"an image folder's metadata is metadata.jsonl, metadata.csv or "
                               f"metadata.parquet: set format to jsonl, csv or parquet, not {fmt}", source)
@@ -138,7 +139,7 @@ def check_layouts(name: str, settings: Mapping[str, Any], source: str | None = N
             raise ConfigError(f"{key}.source.files.{split}", problem, source)
 
 
-def copy_split(directory: Path, settings: Mapping[str, Any], split: str, out: Path, copy_tree) -> bool:
+def copy_split(directory: Path, settings: DatasetSettings, split: str, out: Path, copy_tree) -> bool:
     """Copy a laid-out split into ``out/<split>/`` (False when the split is one plain file: not ours)."""
     if not handles(settings, split):
         return False
@@ -151,13 +152,13 @@ def copy_split(directory: Path, settings: Mapping[str, Any], split: str, out: Pa
     return True
 
 
-def copied_names(settings: Mapping[str, Any]) -> dict[str, str]:
+def copied_names(settings: DatasetSettings) -> dict[str, str]:
     """``<split>/<file name>`` in the raw copy -> the listed source file it was copied from (for messages)."""
-    if settings["source"]["type"] != "local" or not listed_files(settings):
+    if settings.source.type != "local" or not listed_files(settings):
         return {}
     names = {}
     for split, patterns in listed_files(settings).items():
-        files, _ = resolve(Path(settings["source"]["path"]), patterns, settings["format"])
+        files, _ = resolve(Path(settings.source.path), patterns, settings.format)
         names[split] = f"the files of split '{split}' ({', '.join(patterns)})"
         names.update({f"{split}/{path.name}": str(path) for path in files})
     return names
@@ -169,12 +170,12 @@ def image_base_dirs(raw_dir: Path, source_split: str, fmt: str) -> tuple[Path, .
     return (folder,) if metadata_file(folder, fmt).is_file() else None
 
 
-def local_files(settings: Mapping[str, Any], split: str) -> list[Path]:
+def local_files(settings: DatasetSettings, split: str) -> list[Path]:
     """A split's source files as the download rule's inputs (editing one reruns its chain): a laid-out
     split's files (an image folder's metadata: its images are copied, not hashed at every parse), else
     ``<split>.<format>``."""
-    directory = Path(settings["source"]["path"])
+    directory = Path(settings.source.path)
     if handles(settings, split):
         return split_sources(directory, settings, split)
-    names = [split + suffix for suffix in suffixes(settings["format"])]
+    names = [split + suffix for suffix in suffixes(settings.format)]
     return [next((directory / name for name in names if (directory / name).is_file()), directory / names[0])]

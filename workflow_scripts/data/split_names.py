@@ -12,7 +12,10 @@ for local, hub and archive sources.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import DatasetSettings
 
 from workflow_scripts.core.errors import ConfigError
 from workflow_scripts.data import split_layouts, text_lines
@@ -108,9 +111,9 @@ def available_splits(directory: Path, fmt: str) -> list[str]:
     return sorted({name[: -len(suffix)] for name in names for suffix in SUFFIXES[fmt] if name.endswith(suffix)})
 
 
-def local_split_problem(directory: Path, settings: Mapping[str, Any]) -> tuple[str, str] | None:
+def local_split_problem(directory: Path, settings: "DatasetSettings") -> tuple[str, str] | None:
     """(canonical split, one-line problem) for the first mapped split without its one file, or None."""
-    fmt, splits = settings["format"], settings["splits"]
+    fmt, splits = settings.format, settings.splits
     for canonical, split in splits.items():
         if split_layouts.handles(settings, split):  # an image folder or listed files (split_layouts checks them)
             continue
@@ -120,21 +123,21 @@ def local_split_problem(directory: Path, settings: Mapping[str, Any]) -> tuple[s
         if len(present) > 1:
             return canonical, f"{directory} holds both {present[0]} and {present[1]}; keep one"
         holds = sorted(path.name for path in directory.iterdir())
-        fix = _other_format(directory, split, fmt, settings.get("task", "generation")) or missing_split_fix(split, splits, available_splits(directory, fmt), fmt)
+        fix = _other_format(directory, split, fmt, settings.task) or missing_split_fix(split, splits, available_splits(directory, fmt), fmt)
         return canonical, f"{directory / split_file_names(split, fmt)[0]} is missing (the directory holds {holds}); {fix}"
     return None
 
 
-def check_local_splits(datasets: Mapping[str, Mapping[str, Any]], source: str | None = None) -> None:
+def check_local_splits(datasets: Mapping[str, "DatasetSettings"], source: str | None = None) -> None:
     """Refuse, when the workflow is parsed, a local source lacking the file of a mapped split."""
     for name, settings in datasets.items():
         split_layouts.check_layouts(name, settings, source)
-        if settings["source"]["type"] != "local":
+        if settings.source.type != "local":
             continue
-        directory = Path(settings["source"]["path"])
+        directory = Path(settings.source.path)
         if not directory.is_dir():
             raise ConfigError(f"datasets.{name}.source.path", f"{directory} is not a directory (it must hold one "
-                              f"{split_file_names('<split>', settings['format'])[0]} file per split)", source)
+                              f"{split_file_names('<split>', settings.format)[0]} file per split)", source)
         problem = local_split_problem(directory, settings)
         if problem is not None:
             raise ConfigError(f"datasets.{name}.splits.{problem[0]}", problem[1], source)

@@ -19,7 +19,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from workflow_scripts.core import fsdp_mesh
 from workflow_scripts.core.fsdp_mesh import MESHES
 from workflow_scripts.core.settings import TrainingSettings
 from workflow_scripts.model.model_loading import weights_dtype
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import ModelSettings
 
 STRATEGIES = ("ddp", "fsdp", "qlora")
 QLORA_DEFAULT = {"bits": 4, "double_quant": True}
@@ -279,12 +282,12 @@ def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[
 TINY_CAUSAL = ("llama", "qwen2")
 
 
-def local_model_config(name: str, spec: Mapping[str, Any], root: Path) -> dict | None:
+def local_model_config(name: str, spec: "ModelSettings", root: Path) -> dict | None:
     """The model's config without downloading anything: its prepared ``resources/models/<name>/config.json``,
     a local model's own directory, or for a tiny causal LM one built from ``model.tiny``; None otherwise
     (a hub or GGUF model not yet prepared: the gate estimates it once it exists)."""
     for path in (root / "resources" / "models" / name / "config.json",
-                 root / spec["path"] / "config.json" if spec["source"] == "local" else None):
+                 root / spec.path / "config.json" if spec.source == "local" else None):
         if path is not None and path.is_file():
             try:
                 fields = json.loads(path.read_text())
@@ -292,13 +295,13 @@ def local_model_config(name: str, spec: Mapping[str, Any], root: Path) -> dict |
                 raise ConfigError(f"models.{name}", f"{path} cannot be read as a model config ({error}); "
                                   "prepare the model again") from None
             return fields if isinstance(fields, dict) else {}
-    tiny = spec.get("tiny") or {}
-    if spec["source"] == "tiny" and tiny.get("architecture", "llama") in TINY_CAUSAL:
+    tiny = spec.tiny
+    if spec.source == "tiny" and tiny.architecture in TINY_CAUSAL:
         # model.tiny.vocab_size bounds the trained tokenizer's size, so the estimate cannot fall short.
-        return {"model_type": tiny.get("architecture", "llama"), "vocab_size": tiny.get("vocab_size", 1024),
-                "hidden_size": tiny.get("hidden_size", 64), "intermediate_size": tiny.get("intermediate_size", 128),
-                "num_hidden_layers": tiny.get("num_layers", 2), "num_attention_heads": tiny.get("num_heads", 4),
-                "num_key_value_heads": tiny.get("num_heads", 4), "tie_word_embeddings": False}
+        return {"model_type": tiny.architecture, "vocab_size": tiny.vocab_size,
+                "hidden_size": tiny.hidden_size, "intermediate_size": tiny.intermediate_size,
+                "num_hidden_layers": tiny.num_layers, "num_attention_heads": tiny.num_heads,
+                "num_key_value_heads": tiny.num_heads, "tie_word_embeddings": False}
     return None
 
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from workflow_scripts.core.errors import WorkflowError
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import GgufSettings
 
 
 def locate(package: str, file: str) -> Path:
@@ -26,13 +29,13 @@ def locate(package: str, file: str) -> Path:
     raise WorkflowError(f"model.gguf.file: '{file}' is not in package '{package}' (it ships {present})")
 
 
-def convert(gguf: Mapping[str, Any], out: Path, trust_remote_code: bool = False) -> dict[str, Any]:
+def convert(gguf: "GgufSettings", out: Path, trust_remote_code: bool = False) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = locate(gguf["package"], gguf["file"])
-    if gguf.get("tokenizer_id"):
-        tokenizer = AutoTokenizer.from_pretrained(gguf["tokenizer_id"], trust_remote_code=trust_remote_code)
+    path = locate(gguf.package, gguf.file)
+    if gguf.tokenizer_id:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.tokenizer_id, trust_remote_code=trust_remote_code)
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)

@@ -10,24 +10,27 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from workflow_scripts.core import experiment_config as xc
 from workflow_scripts.core.errors import ConfigError
 
+if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import ModelSettings
 
-def text_only_reason(name: str, spec: Mapping[str, Any], root: Path) -> str | None:
+
+def text_only_reason(name: str, spec: "ModelSettings", root: Path) -> str | None:
     """Why model ``name`` reads text only (its type, where it was read), or None (a vision model, or not known yet)."""
     from workflow_scripts.model import tiny_vlm
 
-    if spec["source"] == "tiny":
-        architecture = (spec.get("tiny") or {}).get("architecture", "llama")
+    if spec.source == "tiny":
+        architecture = spec.tiny.architecture
         return None if architecture in tiny_vlm.ARCHITECTURES else (
             f"a tiny '{architecture}' model (models.{name}.tiny.architecture; the vision ones are "
             f"{list(tiny_vlm.ARCHITECTURES)})")
     folders = [root / "resources" / "models" / name]
-    if spec["source"] == "local":
-        folders.insert(0, Path(spec["path"]))
+    if spec.source == "local":
+        folders.insert(0, Path(spec.path))
     config_file = next((folder / "config.json" for folder in folders if (folder / "config.json").is_file()), None)
     if config_file is None:
         return None
@@ -48,15 +51,15 @@ def text_only_reason(name: str, spec: Mapping[str, Any], root: Path) -> str | No
 
 def check_vision_language_models(config: Mapping[str, Any], source: str | None = None, root: str | Path = ".") -> None:
     """Refuse a vision_language dataset run on a model whose known config has no vision part."""
-    all_models = xc.models(config)
-    for dataset, settings in config["datasets"].items():
-        if settings.get("task") != "vision_language":
+    all_models = xc.model_entries(config, source)
+    for dataset, settings in xc.dataset_entries(config, source).items():
+        if settings.task != "vision_language":
             continue
         for model in xc.dataset_models(config, dataset):
             reason = text_only_reason(model, all_models[model], Path(root))
             if reason is None:
                 continue
-            listed = settings.get("models")
+            listed = settings.models
             fix = (f"remove '{model}' from datasets.{dataset}.models" if listed else
                    "run it on a vision-language model (e.g. a tiny one with tiny.architecture: llava)"
                    if len(all_models) == 1 else

@@ -4,7 +4,12 @@ Stages call :func:`task_named` with a dataset's ``task`` and never branch on the
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from workflow_scripts.core.errors import WorkflowError
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import DatasetSettings
 
 TASK_MODULES = {
     "generation": "workflow_scripts.tasks.generation",
@@ -24,12 +29,11 @@ def task_named(name: str, where: str | None = None):
     return importlib.import_module(TASK_MODULES[name]).TASK
 
 
-def check_also_metrics(name: str, dataset: dict, source: str | None = None) -> None:
+def check_also_metrics(dataset: "DatasetSettings", source: str | None = None) -> None:
     """At parse time: ``datasets.<name>.also_metrics`` against the dataset's task (``also_metrics.check_config``)."""
     from workflow_scripts.tasks import also_metrics
 
-    task = dataset.get("task", "generation")
-    also_metrics.check_config(name, dataset, task_named(task, f"datasets.{name}.task").metrics, source)
+    also_metrics.check_config(dataset, task_named(dataset.task, f"datasets.{dataset.name}.task").metrics, source)
 
 
 def stored_columns(meta: dict) -> list[str]:

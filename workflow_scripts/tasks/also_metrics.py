@@ -11,24 +11,27 @@ from a record; a classifier's or masked LM's metric needs the model again.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.tasks import metrics
 
+if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import DatasetSettings
+
 FIELD = "also_scores"
 
 
-def check_config(name: str, dataset: Mapping[str, Any], task_metrics: Sequence[str], source: str | None = None) -> None:
+def check_config(dataset: "DatasetSettings", task_metrics: Sequence[str], source: str | None = None) -> None:
     """``datasets.<name>.also_metrics``: metrics of the dataset's task, rescored from the answer, not the main one."""
-    key = f"datasets.{name}.also_metrics"
-    for metric in dataset.get("also_metrics", []):
-        if metric == dataset["metric"]:
+    key = f"datasets.{dataset.name}.also_metrics"
+    for metric in dataset.also_metrics:
+        if metric == dataset.metric:
             raise ConfigError(key, f"'{metric}' is the dataset's main metric already; list only other metrics", source)
         if metric not in task_metrics or metric not in metrics.METRICS:
-            fitting = [m for m in task_metrics if m in metrics.METRICS and m != dataset["metric"]]
+            fitting = [m for m in task_metrics if m in metrics.METRICS and m != dataset.metric]
             raise ConfigError(key, f"'{metric}' cannot be scored on the predictions of task "
-                              f"'{dataset.get('task', 'generation')}' (choose from {fitting}, or remove the key)", source)
+                              f"'{dataset.task}' (choose from {fitting}, or remove the key)", source)
 
 
 def parse_argument(text: str, task: str, task_metrics: Sequence[str], main_metric: str) -> list[str]:

@@ -32,6 +32,7 @@ from workflow_scripts.tasks import templates
 from workflow_scripts.tasks.base import EvaluationResult, Predictions
 
 if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import DatasetSettings
     from torch import nn
 
     from workflow_scripts.core.settings import TrainingSettings
@@ -502,11 +503,11 @@ class ClassificationTask:
 
     gold_field = "label"  # an unlabelled split's rows carry label None (normalise checks the source holds none)
 
-    def normalise_fields(self, record: Mapping[str, Any], settings: Mapping[str, Any],
+    def normalise_fields(self, record: Mapping[str, Any], settings: "DatasetSettings",
                          labelled: bool = True) -> dict[str, Any]:
         """The canonical row (``id`` only when mapped; the stage numbers the others); raises ``Rejected``.
         ``labelled=False`` (an unlabelled split): the label is not read and is None."""
-        fields = settings["fields"]
+        fields = settings.fields
         row = {}
         if fields.get("id"):
             value = _present(record, fields["id"])
@@ -518,8 +519,8 @@ class ClassificationTask:
             row["label"] = None
             return row
         row["label"] = _name(_present(record, fields["label"]), fields["label"])
-        if settings.get("labels") is not None:  # declared: every split, train included, must keep to it
-            check_label(row["label"], settings["labels"], fields["label"])
+        if settings.labels is not None:  # declared: every split, train included, must keep to it
+            check_label(row["label"], settings.labels, fields["label"])
         return row
 
     def tokenised_features(self):
@@ -558,16 +559,16 @@ class ClassificationTask:
         checked = self.check_variant(variant)
         fields = set(templates.template_fields(checked["input"]))
         for ds_name, dataset in datasets.items():
-            available = {"id", "text"} | ({"text_pair"} if dataset["fields"].get("text_pair") else set()) \
-                | set(dataset.get("extra_fields", {}))
+            available = {"id", "text"} | ({"text_pair"} if dataset.fields.get("text_pair") else set()) \
+                | set(dataset.extra_fields)
             if fields - available:
                 raise ConfigError(f"variants.{name}.input", f"refers to {sorted(fields - available)}, which dataset "
                                   f"'{ds_name}' does not provide (it has {sorted(available)})")
 
-    def record_mapper(self, settings: Mapping[str, Any], key: str) -> FieldsMapper:
+    def record_mapper(self, settings: "DatasetSettings", key: str) -> FieldsMapper:
         return FieldsMapper(self, settings, key)
 
-    def normalise_state(self, settings: Mapping[str, Any]) -> "LabelSetState":
+    def normalise_state(self, settings: "DatasetSettings") -> "LabelSetState":
         return LabelSetState(settings)
 
     def model_kwargs(self, task_meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -673,11 +674,11 @@ def _check_labels(rows, names: list[str]) -> None:
 class LabelSetState:
     """Normalise's memory across splits: the label set (declared, else train's) checks later splits."""
 
-    def __init__(self, settings: Mapping[str, Any]):
-        self.declared = settings.get("labels")
-        self.source = settings["fields"]["label"]
+    def __init__(self, settings: "DatasetSettings"):
+        self.declared = settings.labels
+        self.source = settings.fields["label"]
         self.labels: list[str] | None = list(self.declared) if self.declared is not None else None
-        self.unlabelled = frozenset(settings.get("unlabelled", ()))
+        self.unlabelled = frozenset(settings.unlabelled)
 
     def check(self, row: Mapping[str, Any], split: str) -> None:
         if split != "train" and self.labels is not None and row["label"] is not None:  # None: an unlabelled split

@@ -62,6 +62,7 @@ from workflow_scripts.tasks.base import EvaluationResult
 from workflow_scripts.tasks.templates import token_ids
 
 if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import DatasetSettings
     import torch
     from torch import nn
 
@@ -82,16 +83,16 @@ WHOLE = {"extractor": {"type": "whole"}}  # the gold is the whole assistant mess
 
 
 # --- normalise -------------------------------------------------------------------------------------
-def turn_mapping(settings: Mapping[str, Any], key: str = "dataset") -> tuple[dict[str, str], dict[str, str]]:
+def turn_mapping(settings: "DatasetSettings", key: str = "dataset") -> tuple[dict[str, str], dict[str, str]]:
     """``(keys, source role -> canonical role)`` from a dataset's ``keys`` and ``roles`` settings."""
-    keys = {**DEFAULT_KEYS, **(settings.get("keys") or {})}
+    keys = {**DEFAULT_KEYS, **settings.keys}
     unknown = sorted(set(keys) - set(DEFAULT_KEYS))
     if unknown:
         raise ConfigError(f"{key}.keys", f"{unknown} are not turn keys; map 'role' and 'content' only")
     if keys["role"] == keys["content"]:
         raise ConfigError(f"{key}.keys", f"role and content are both read from {keys['role']!r}")
     roles = {role: role for role in ROLES}
-    roles.update(settings.get("roles") or {})
+    roles.update(settings.roles)
     unknown = sorted(set(roles) - set(ROLES))
     if unknown:
         raise ConfigError(f"{key}.roles", f"{unknown} are not roles; map {list(ROLES)} to the source's names")
@@ -492,9 +493,9 @@ class ConversationTask:
         for ds_name, dataset in datasets.items():
             turn_mapping(dataset, f"datasets.{ds_name}")
 
-    def normalise_fields(self, record: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
+    def normalise_fields(self, record: Mapping[str, Any], settings: "DatasetSettings") -> dict[str, Any]:
         """The canonical row (``id`` only when mapped; the stage numbers the others); raises ``Rejected``."""
-        fields = settings["fields"]
+        fields = settings.fields
         keys, role_of = turn_mapping(settings)
         row = {}
         if fields.get("id"):
@@ -502,11 +503,11 @@ class ConversationTask:
         row["messages"] = normalise_messages(present(record, fields["messages"]), fields["messages"], keys, role_of)
         return row
 
-    def record_mapper(self, settings: Mapping[str, Any], key: str) -> FieldsMapper:
+    def record_mapper(self, settings: "DatasetSettings", key: str) -> FieldsMapper:
         turn_mapping(settings, key)  # a bad mapping fails once, naming the key, before any record is read
         return FieldsMapper(self, settings, key)
 
-    def normalise_state(self, settings: Mapping[str, Any]) -> ConversationStatistics:
+    def normalise_state(self, settings: "DatasetSettings") -> ConversationStatistics:
         return ConversationStatistics()
 
     def tokenised_features(self):

@@ -15,6 +15,7 @@ from workflow_scripts.tasks import metrics, templates
 from workflow_scripts.tasks.base import EvaluationResult, Predictions
 
 if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import DatasetSettings
     import torch
     from torch import nn
 
@@ -223,7 +224,7 @@ class GenerationTask:
     def check_config_variant(self, name: str, variant: Mapping[str, Any], datasets: Mapping[str, Mapping]) -> None:
         check_config_variant(name, variant, datasets)
 
-    def record_mapper(self, settings: Mapping[str, Any], key: str) -> RecordMapper:
+    def record_mapper(self, settings: "DatasetSettings", key: str) -> RecordMapper:
         return RecordMapper(settings, key)
 
     def tokenise_meta(self, variant, task_meta, *, tokenizer=None) -> dict[str, Any]:
@@ -294,18 +295,18 @@ class GenerationTask:
         return EvaluationResult(records, score, unparseable, predicted.details)
 
 
-def check_config_variant(name: str, variant: Mapping[str, Any], datasets: Mapping[str, Mapping[str, Any]]) -> None:
+def check_config_variant(name: str, variant: Mapping[str, Any], datasets: Mapping[str, "DatasetSettings"]) -> None:
     """At parse time: the extractor, the templates' syntax, their fields in every dataset, no gold in the prompt."""
     from workflow_scripts.core.errors import ConfigError
     from workflow_scripts.core.experiment_config import dataset_fields, gold_fields
 
     key = f"variants.{name}"
     for ds_name, dataset in datasets.items():
-        if "image" in dataset.get("fields", {}) and dataset["task"] != "vision_language":
+        if "image" in dataset.fields and dataset.task != "vision_language":
             raise ConfigError(f"datasets.{ds_name}.fields.image", "an image field needs task: vision_language (a "
-                              f"{dataset['task']} model would never see the image); set datasets.{ds_name}.task: "
+                              f"{dataset.task} model would never see the image); set datasets.{ds_name}.task: "
                               "vision_language or carry it under extra_fields")
-        if dataset["task"] == "vision_language" and "image" not in dataset.get("fields", {}):
+        if dataset.task == "vision_language" and "image" not in dataset.fields:
             raise ConfigError(f"datasets.{ds_name}.fields", "a vision_language dataset needs fields.image: the "
                               "source field with its image (a path, {bytes, path} or bytes)")
     if variant["extractor"]["type"] == "section" and not variant["extractor"].get("marker"):

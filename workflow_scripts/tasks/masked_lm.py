@@ -67,6 +67,7 @@ from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.tasks.base import EvaluationResult
 
 if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import DatasetSettings
     import torch
     from torch import nn
 
@@ -538,20 +539,20 @@ class MaskedLMTask:
         self.check_variant(variant)
 
     # Normalise: plain text has no records to map; the task writes the rows itself (normalise_source).
-    def record_mapper(self, settings: Mapping[str, Any], key: str):
+    def record_mapper(self, settings: "DatasetSettings", key: str):
         raise WorkflowError(f"{key}: masked_lm reads plain text through normalise_source, not a record mapper")
 
-    def normalise_source(self, raw_dir, settings: Mapping[str, Any], out_dir, *,
+    def normalise_source(self, raw_dir, settings: "DatasetSettings", out_dir, *,
                          extra_json: Mapping[str, Any]) -> dict[str, Any]:
         """``raw_dir``'s ``<split>.txt[.gz]`` files -> ``{id, text}`` rows at ``out_dir`` (with ``extra_json``
         files inside, atomically); returns the report's ``splits`` (lines, kept, blank per split and file)
         and ``ignored_source_splits``."""
         from workflow_scripts.data import text_lines
 
-        splits = dict(settings["splits"])
+        splits = dict(settings.splits)
         files = {canonical: text_lines.split_files(raw_dir, source) for canonical, source in splits.items()}
         counts = text_lines.write_normalised(files, out_dir, extra_json=extra_json,
-                                             on_invalid_text=settings.get("on_invalid_text", "stop"))
+                                             on_invalid_text=settings.on_invalid_text)
         return {
             "splits": {canonical: {"source_split": splits[canonical], **counts[canonical],
                                    "file": str(files[canonical][0] if len(files[canonical]) == 1

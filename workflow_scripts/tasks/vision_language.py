@@ -25,6 +25,7 @@ from workflow_scripts.tasks import generation, templates
 from workflow_scripts.tasks.base import Predictions
 
 if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import DatasetSettings
     from torch import nn
 
 VARIANT_KEYS = generation.VARIANT_KEYS + ("images",)
@@ -50,10 +51,10 @@ class ImageRecordMapper(RecordMapper):
 
     raw_dir = None
 
-    def __init__(self, settings: Mapping[str, Any], key: str):
+    def __init__(self, settings: "DatasetSettings", key: str):
         super().__init__(settings, key)
-        self.image_field = settings["fields"]["image"]
-        self.source_splits, self.format = settings["splits"], settings["format"]
+        self.image_field = settings.fields["image"]
+        self.source_splits, self.format = settings.splits, settings.format
         self.stats: dict[str, Any] = {}  # split -> data.images.ImageStats
 
     def rows(self, record, split: str, row: int):
