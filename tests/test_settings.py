@@ -253,7 +253,7 @@ def test_entries_are_typed_with_the_schemas_defaults_and_give_back_what_the_rule
     assert amr.also_metrics == ("smatchpp",) and amr.derived["aux"].transform == "penman_skeleton"
     assert amr.on_invalid_text == "stop" and amr.contamination.max_fraction == 0.01 and not amr.flatten
     assert corpus.format == "text" and corpus.derived == {} and corpus.labels is None and corpus.fields == {}
-    assert topics.task == "classification" and topics.submission.id_key == "questionId" and topics.trains_alone
+    assert topics.task == "classification" and topics.submission.id_key == "questionId" and topics.train_alone
     assert variants["mtup"].extractor.marker == "Task 2:" and variants["baseline"].extractor.type == "whole"
     assert variants["mlm_whole_word"].whole_word and variants["mlm_whole_word"].mask_rate == 0.15
     assert variants["text_only"].images is False and variants["vision"].images is True

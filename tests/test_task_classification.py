@@ -1,6 +1,7 @@
 """Task type ``classification`` on tiny random Llama / BERT classifiers and tokenizers built here (offline)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,13 +10,20 @@ import torch.nn.functional as F
 
 from workflow_scripts.core.section_settings import EvaluationSettings
 from workflow_scripts.demo import make_classification
+from workflow_scripts.core.entry_settings import DatasetSettings
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.normalise import Rejected
 from workflow_scripts.tasks import classification, classification_loss
 from workflow_scripts.tasks.classification import TASK
 
 LABELS = ["food", "sport", "weather"]
-SETTINGS = {"fields": {"id": "id", "text": "sentence", "label": "topic"}}
+def dataset(**settings) -> DatasetSettings:
+    """A classification dataset's typed settings (as normalise receives them)."""
+    return DatasetSettings.parse({"task": "classification", "source": {"type": "local", "path": "topics"},
+                                  "metric": "accuracy", **settings}, "topics")
+
+
+SETTINGS = dataset(fields={"id": "id", "text": "sentence", "label": "topic"})
 PLAIN = {"input": "{text}"}
 
 
@@ -24,7 +32,7 @@ def demo_rows(split: str = "train", count: int | None = None) -> list[dict]:
     rows = []
     for record in make_classification.build(0)[split]:
         try:
-            rows.append(TASK.normalise_fields(record, {**SETTINGS, "labels": LABELS}))
+            rows.append(TASK.normalise_fields(record, dataclasses.replace(SETTINGS, labels=tuple(LABELS))))
         except Rejected:
             pass
     return rows[:count]
@@ -106,10 +114,10 @@ def collate(tokenizer, rows, variant=PLAIN, max_length=64):
 
 # --- normalise ---
 def test_fields_map_to_canonical_rows_and_integer_labels_become_names():
-    settings = {"fields": {"id": "n", "text": "a", "text_pair": "b", "label": "y"}}
+    settings = dataset(fields={"id": "n", "text": "a", "text_pair": "b", "label": "y"})
     assert TASK.normalise_fields({"n": 7, "a": " Hello ", "b": "there", "y": 2}, settings) == \
         {"id": "7", "text": "Hello", "text_pair": "there", "label": "2"}
-    assert TASK.normalise_fields({"a": "x", "y": "pos"}, {"fields": {"text": "a", "label": "y"}}) == \
+    assert TASK.normalise_fields({"a": "x", "y": "pos"}, dataset(fields={"text": "a", "label": "y"})) == \
         {"text": "x", "label": "pos"}
 
 
@@ -128,7 +136,7 @@ def test_fields_map_to_canonical_rows_and_integer_labels_become_names():
 ])
 def test_bad_fields_are_rejected_with_their_reason(record, reason, field):
     with pytest.raises(Rejected) as caught:
-        TASK.normalise_fields(record, {"fields": {"id": "i", "text": "a", "label": "y"}, "labels": ["neg", "pos"]})
+        TASK.normalise_fields(record, dataset(fields={"id": "i", "text": "a", "label": "y"}, labels=["neg", "pos"]))
     assert (caught.value.reason, caught.value.field) == (reason, field)
 
 

@@ -136,11 +136,6 @@ class DatasetSettings:
     def from_json(cls, text: str, name: str, flag: str = "--dataset") -> "DatasetSettings":
         return cls.parse(json_object_setting(text, flag), name, flag)
 
-    @property
-    def trains_alone(self) -> bool:
-        """Trains on its own: it has a train split and ``train_alone`` is not false."""
-        return "train" in self.splits and self.train_alone
-
     def to_dict(self) -> dict[str, Any]:
         """The entry as the rules pass it (defaults filled, optional keys only where set)."""
         return _plain(self.given)
