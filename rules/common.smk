@@ -110,9 +110,7 @@ def component_arguments(wildcards, input):
 
 
 # Every (model, variant)'s training settings, validated and typed once when the workflow is read.
-TRAINING = {
-    (model, variant): xc.training_settings(config, variant, model) for model in MODELS for variant in VARIANTS
-}
+TRAINING = {(model, variant): xc.training_settings(config, variant, model) for model in MODELS for variant in VARIANTS}
 
 
 # The check across datasets (a mixture's components, evaluation-only datasets) -----------------------
@@ -375,8 +373,7 @@ def validation_metric_argument(wildcards):
             "max_length": training_settings(wildcards).max_length,
         },
         "datasets": [
-            {"name": name, "data": f"results/data/{name}/normalised", "metric": DATASETS[name].metric}
-            for name in names
+            {"name": name, "data": f"results/data/{name}/normalised", "metric": DATASETS[name].metric} for name in names
         ],
     }
     return f"--validation-metric {shlex.quote(as_json(spec))}"
