@@ -99,3 +99,14 @@ def _installed(name: str) -> bool:
         return True
     except metadata.PackageNotFoundError:
         return False
+
+
+def test_the_environment_phase_names_the_version_of_a_package_without_dunder_version(tmp_path, monkeypatch):
+    """liger-kernel has no __version__: it was reported 'unavailable' though it imports."""
+    pytest.importorskip("liger_kernel", reason="liger-kernel (the gpu extra) is not installed here")
+    from benchmarks import check_records, gpu_check
+
+    monkeypatch.setenv(check_records.VARIABLE, str(tmp_path / "measurements.jsonl"))
+    gpu_check.write_environment(tmp_path / "environment.txt")
+    lines = (tmp_path / "environment.txt").read_text().splitlines()
+    assert f"liger_kernel {metadata.version('liger-kernel')}" in lines, lines
