@@ -43,7 +43,8 @@ gpu-check:
 	  --minutes $(or $(GPU_CHECK_MINUTES),8) $(if $(PLAN),--plan)
 
 # Where pip reaches a registry: the packages a registry-less GPU machine lacks, as wheels in .whl/.
-gpu-wheels:
+gpu-wheels:  # afresh: a wheel left from an older list would travel and count in the upload
+	rm -rf .whl
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(or $(GPU_PYTHON_VERSION),3.12) \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 	  --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

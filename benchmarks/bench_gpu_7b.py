@@ -365,6 +365,33 @@ def run_trainer(base, rows, settings, rank, use_liger_kernel: bool, device) -> d
             _reset_peak(device)
 
 
+def trainer_that_fits(base, rows, settings, rank, use_liger_kernel: bool, device, deadline: float, log=print) -> dict:
+    """Trainer + PEFT at the largest micro-batch that fits, the effective batch kept: at its defaults its
+    loss materialises the logits of every padded position in fp32 (8 x 4096 x 152,064 x 4 B = 20 GB, twice
+    with log-softmax), which can exceed an 80 GB H100 at micro-batch 8; a user would halve it, so the side
+    halves it on CUDA's out-of-memory error (while the phase's time lasts) and records what it used."""
+    import gc
+
+    import torch
+
+    micro, refused = settings["micro_batch"], []
+    while True:
+        try:
+            result = run_trainer(base, rows, {**settings, "micro_batch": micro}, rank, use_liger_kernel, device)
+            break
+        except torch.cuda.OutOfMemoryError:
+            if micro == 1 or time.monotonic() > deadline:
+                raise
+            refused.append(micro)
+        gc.collect()  # the failed attempt's tensors, held by its frames until here
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        log(f"  7b trainer: out of memory at micro-batch {micro}; trying {micro // 2}")
+        micro //= 2
+    result.update(micro_batch=micro, out_of_memory_at_micro_batch=refused)
+    return result
+
+
 def measure(scale: str, on_cpu: bool, seconds: float, sides: list[str] | None = None, log=print) -> dict:
     import torch
 
@@ -412,7 +439,8 @@ def measure(scale: str, on_cpu: bool, seconds: float, sides: list[str] | None = 
         try:
             with liger_undone(base):
                 if side.startswith("trainer"):
-                    result = run_trainer(base, rows, settings, rank, switches["use_liger_kernel"], device)
+                    result = trainer_that_fits(base, rows, settings, rank, switches["use_liger_kernel"], device,
+                                               deadline, log)
                 else:
                     result = run_ours(base, rows, settings, rank, switches, device)
         except Exception as error:

@@ -404,9 +404,14 @@ def write_environment(path: Path) -> None:
 
     lines.append(f"torch {torch.__version__} cuda {torch.version.cuda} device "
                  f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}")
-    for name in ("transformers", "peft", "accelerate", "datasets", "bitsandbytes", "snakemake"):
+    from importlib import metadata
+
+    for name in ("transformers", "peft", "accelerate", "datasets", "bitsandbytes", "snakemake", "liger_kernel",
+                 "triton"):
         try:
-            lines.append(f"{name} {importlib.import_module(name).__version__}")
+            module = importlib.import_module(name)  # imported, not only installed: what the checks will meet
+            version = getattr(module, "__version__", None) or metadata.version(name.replace("_", "-"))
+            lines.append(f"{name} {version}")
         except Exception as error:  # a missing package is reported; its checks skip with the reason
             lines.append(f"{name} unavailable: {type(error).__name__} {str(error).splitlines()[0][:120]}")
     path.write_text("\n".join(lines) + "\n")

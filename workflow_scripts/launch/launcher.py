@@ -92,12 +92,29 @@ def _torchrun() -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run"]
 
 
+def torchrun_has_shutdown_timeout() -> bool:
+    """Whether this torch's torchrun takes --shutdown-timeout (torch 2.11, the oldest supported, does not:
+    it refuses the whole command). Read from its source, so that the launcher need not import torch."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch.distributed.run")
+    try:
+        return "--shutdown-timeout" in open(spec.origin, encoding="utf-8").read()
+    except (AttributeError, TypeError, OSError):
+        return False
+
+
 def signal_handling(grace_seconds: int = DEFAULT_GRACE_SECONDS) -> list[str]:
     """torchrun's options for a scheduler's signal: forward it to the workers, then give them
     ``grace_seconds`` (``training.signal_grace_seconds``) to checkpoint and exit before SIGKILL; torchrun's
-    own default of 30 s is too short to write a large adapter with its optimizer state."""
-    return ["--max-restarts", "0", "--signals-to-handle", ",".join(FORWARDED_SIGNALS),
-            "--shutdown-timeout", str(grace_seconds)]
+    own default of 30 s is too short to write a large adapter with its optimizer state. A torchrun without
+    --shutdown-timeout keeps its 30 s (said on stderr)."""
+    options = ["--max-restarts", "0", "--signals-to-handle", ",".join(FORWARDED_SIGNALS)]
+    if torchrun_has_shutdown_timeout():
+        return [*options, "--shutdown-timeout", str(grace_seconds)]
+    print(f"launcher: this torch's torchrun has no --shutdown-timeout: a signalled checkpoint gets torchrun's "
+          f"30 s, not training.signal_grace_seconds ({grace_seconds} s)", file=sys.stderr)
+    return options
 
 
 def torchrun_command(module: str, argv: Sequence[str], nproc: int, rendezvous_port: int | None = None,
