@@ -19,7 +19,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 # --durations: every run (CI's too) prints where the suite's time goes. Two pytest-xdist workers (this kind of
 # machine has 2 cores; PYTEST_WORKERS=0 runs in one process): tests/conftest.py groups what must share a worker
-# (the whole-workflow runs one after another, a module's shared fixture) and orders the longest first.
+# (the real-SLURM tests one after another, the local Snakemake runs likewise beside them, a module's shared
+# fixture) and orders the longest first.
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 test: install

@@ -108,26 +108,28 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(_variable, "1")
 
-# Tests that drive a whole workflow (Snakemake end-to-end runs, the real SLURM cluster) run one after another
-# on one worker: the SLURM tests share one cluster per machine (/etc/slurm/slurm.conf), the end-to-end runs each
-# use both cores, and two of them at once only stretches both towards their timeouts. The other worker
-# meanwhile runs the in-process tests.
-SERIAL_GROUP = "whole_workflow_runs"
-SERIAL_MARKERS = ("slow", "slurm")
+# Tests that drive a whole workflow run one after another in two groups, each on one worker, the two groups
+# side by side from the start: the real-SLURM tests (they share one cluster per machine, /etc/slurm/slurm.conf,
+# and mostly wait on its jobs) and the local Snakemake runs (each uses both cores: two of them at once only
+# stretch both towards their timeouts). A test that is both stays with the cluster. Meanwhile the in-process
+# tests fill in wherever a worker has room.
+SLURM_GROUP, SNAKEMAKE_GROUP = "slurm_cluster", "snakemake_runs"
+SERIAL_GROUPS = {"slurm": SLURM_GROUP, "slow": SNAKEMAKE_GROUP}  # marker -> group; the first marker found wins
 # Where the workers write each test's group for the controller's scheduler (set by the controller).
 GROUPS_FILE_VARIABLE = "LORA_WORKFLOW_XDIST_GROUPS"
 
 
 def xdist_group_of(item) -> str | None:
     """The group an item must share a worker with, or None (free to run anywhere): its own
-    ``xdist_group`` mark, else the serial group for whole-workflow runs, else its module when it uses a
-    module- or class-scoped fixture (built once per worker that needs it: the tests using one stay together,
-    so a shared run such as test_workflow_e2e's is still built once)."""
+    ``xdist_group`` mark, else the SLURM or the Snakemake group for whole-workflow runs, else its module when it
+    uses a module- or class-scoped fixture (built once per worker that needs it: the tests using one stay
+    together, so a shared run such as test_workflow_e2e's is still built once)."""
     mark = item.get_closest_marker("xdist_group")
     if mark:
         return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
-    if any(item.get_closest_marker(name) for name in SERIAL_MARKERS):
-        return SERIAL_GROUP
+    for marker, group in SERIAL_GROUPS.items():
+        if item.get_closest_marker(marker):
+            return group
     fixture_defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}) or {}
     if any(definition.scope in ("module", "class", "package")
            for definitions in fixture_defs.values() for definition in definitions):
@@ -159,10 +161,13 @@ def pytest_collection_modifyitems(config, items):
         if groups[item.nodeid] and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # Longest first (the scheduler keeps the collection's order): the serial group starts at once on one
-        # worker, the grouped modules next, single tests fill in at the end.
+        # Longest first (the scheduler keeps the collection's order and hands each worker the next group at the
+        # start): the two serial groups start at once on two workers, the grouped modules next, single tests
+        # fill in at the end.
+        serial_order = list(SERIAL_GROUPS.values())
         sizes = collections.Counter(groups.values())
-        items.sort(key=lambda item: (groups[item.nodeid] != SERIAL_GROUP,
+        items.sort(key=lambda item: (serial_order.index(groups[item.nodeid]) if groups[item.nodeid] in serial_order
+                                     else len(serial_order),
                                      -sizes[groups[item.nodeid]] if groups[item.nodeid] else 0))
         path = os.environ.get(GROUPS_FILE_VARIABLE)
         if path:  # every worker collects the same tests: each writes the same mapping, whole or not at all

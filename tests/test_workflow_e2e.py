@@ -1,8 +1,9 @@
 """The whole chain through Snakemake on a reduced demo config, and what reruns after a change.
 
-One module-scoped run (2 of the demo's 3 datasets x 2 variants x 2 seeds, the demo's settings) backs every
-test here: the comparison's content, a changed template rerunning only its variant, and
-``--forcerun evaluate`` rerunning evaluation and the comparison only.
+One module-scoped run (the demo's amr_demo x 2 variants x 2 seeds, the demo's settings) backs every test here:
+the comparison's content, a changed template rerunning only its variant, and ``--forcerun evaluate`` rerunning
+evaluation and the comparison only. (It ran chartqa_demo too, until issue 25: chartqa_demo's whole chain runs
+through SLURM in test_slurm.py, and beside ocrvqa_demo in test_mixtures.py's two-model mixture.)
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-DATASETS = ("chartqa_demo", "amr_demo")
+DATASETS = ("amr_demo",)  # the slowest to learn (Smatch, and Smatch++ beside it)
 VARIANTS = ("baseline", "mtup")
 SEEDS = (1, 2)
 

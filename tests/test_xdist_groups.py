@@ -1,8 +1,8 @@
 """`make test` runs two pytest-xdist workers: tests/conftest.py keeps together what must share a worker.
 
-The whole-workflow runs (Snakemake end to end, the real SLURM cluster) form one group that runs first and
-one test after another; tests using a module-scoped fixture stay with their module (the fixture is built
-once); the rest are free. Collected in a child pytest that sees itself as an xdist worker."""
+The whole-workflow runs form two groups that start first, side by side on two workers, each running its
+tests one after another: the real-SLURM tests (one cluster per machine) and the local Snakemake runs; tests
+using a module-scoped fixture stay with their module (the fixture is built once); the rest are free. Collected in a child pytest that sees itself as an xdist worker."""
 from __future__ import annotations
 
 import json
@@ -43,14 +43,17 @@ def collected_groups(env_extra: dict) -> list[tuple[str, list[str]]]:
     return [tuple(pair) for pair in json.loads(line.removeprefix("GROUPS="))]
 
 
-def test_whole_workflow_runs_share_one_group_that_comes_first_and_module_fixtures_keep_their_module():
+def test_whole_workflow_runs_form_a_slurm_and_a_snakemake_group_that_come_first_and_module_fixtures_keep_their_module():
     items = collected_groups({"PYTEST_XDIST_WORKER": "gw0"})
     groups = dict(items)
-    serial = [nodeid for nodeid, marks in items if marks == ["whole_workflow_runs"]]
-    assert {nodeid.split("::")[0] for nodeid in serial} == {"tests/test_slurm.py", "tests/test_workflow_e2e.py"}
-    assert all(groups[n] == ["whole_workflow_runs"] for n in groups if n.startswith(("tests/test_slurm.py",
-                                                                                      "tests/test_workflow_e2e.py")))
-    # The serial group heads the queue (make test keeps this order with --no-loadscope-reorder).
+    by_group = {group: [nodeid for nodeid, marks in items if marks == [group]] for group in ("slurm_cluster", "snakemake_runs")}
+    assert {nodeid.split("::")[0] for nodeid in by_group["slurm_cluster"]} == {"tests/test_slurm.py"}
+    assert {nodeid.split("::")[0] for nodeid in by_group["snakemake_runs"]} == {"tests/test_workflow_e2e.py"}
+    assert all(groups[n] == ["slurm_cluster"] for n in groups if n.startswith("tests/test_slurm.py"))
+    assert all(groups[n] == ["snakemake_runs"] for n in groups if n.startswith("tests/test_workflow_e2e.py"))
+    # The two serial groups head the queue, one after the other (make test keeps this order with
+    # --no-loadscope-reorder): the scheduler hands them to two workers at the start.
+    serial = by_group["slurm_cluster"] + by_group["snakemake_runs"]
     assert [nodeid for nodeid, _ in items[: len(serial)]] == serial
     # test_bad_inputs' module fixture `shared`: every test using it stays on one worker.
     bad_inputs = [marks for nodeid, marks in items if nodeid.startswith("tests/test_bad_inputs.py")]
@@ -93,18 +96,24 @@ def test_shares_the_module_fixture(shared, k):
 @pytest.mark.slurm
 @pytest.mark.parametrize("k", range(2))
 def test_a_cluster_run(k):
-    record("serial", k)
-    time.sleep(0.3)
+    record("slurm", k)
+    time.sleep(0.5)
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_slow_cluster_run():
+    record("slurm", "slow")
+    time.sleep(0.5)
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", range(2))
+@pytest.mark.parametrize("k", range(3))
 def test_an_end_to_end_run(k):
-    record("serial", k)
-    time.sleep(0.3)
+    record("snakemake", k)
+    time.sleep(0.5)
 '''
 
 
-def test_two_workers_keep_each_group_on_one_worker_and_build_a_module_fixture_once(tmp_path):
+def test_two_workers_run_the_slurm_and_snakemake_groups_side_by_side_and_build_a_module_fixture_once(tmp_path):
     """Run for real with -n 2 --dist loadgroup (xdist's own loadgroup no longer groups under pytest 9: the
     conftest's scheduler must)."""
     (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
@@ -116,9 +125,15 @@ def test_two_workers_keep_each_group_on_one_worker_and_build_a_module_fixture_on
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    workers = {kind: {worker for k, _, worker, _ in records if k == kind} for kind in ("serial", "shared", "built", "free")}
-    assert len(workers["serial"]) == 1 and len(workers["shared"]) == 1, workers
+    kinds = ("slurm", "snakemake", "shared", "built", "free")
+    workers = {kind: {worker for k, _, worker, _ in records if k == kind} for kind in kinds}
+    assert all(len(workers[kind]) == 1 for kind in ("slurm", "snakemake", "shared")), workers
     assert [name for kind, name, _, _ in records if kind == "built"] == ["shared"]  # built once
-    serial_worker = workers["serial"].pop()
-    on_serial_worker = [kind for kind, _, worker, _ in sorted(records, key=lambda r: r[3]) if worker == serial_worker]
-    assert on_serial_worker[:4] == ["serial"] * 4, on_serial_worker  # the whole-workflow runs go first
+    # The SLURM group and the local Snakemake group run side by side, on two workers, each first on its worker.
+    slurm_worker, snakemake_worker = workers["slurm"].pop(), workers["snakemake"].pop()
+    assert slurm_worker != snakemake_worker
+    for kind, worker in (("slurm", slurm_worker), ("snakemake", snakemake_worker)):
+        on_worker = [k for k, _, w, _ in sorted(records, key=lambda r: r[3]) if w == worker]
+        assert on_worker[:3] == [kind] * 3, on_worker
+    starts = {kind: sorted(at for k, _, _, at in records if k == kind) for kind in ("slurm", "snakemake")}
+    assert starts["slurm"][0] < starts["snakemake"][-1] and starts["snakemake"][0] < starts["slurm"][-1], starts
