@@ -91,3 +91,11 @@ def leftovers(directory: Path) -> list[str]:
     """Files or folders left in ``directory`` (temporary '.partial' ones included); a failed normalise's
     report (``*.failed.json``, its account of the failure, not an output) is not counted."""
     return sorted(p.name for p in directory.iterdir() if not p.name.endswith(".failed.json")) if directory.exists() else []
+
+
+def typed_variant(given: dict, task: str = "generation", name: str = "v"):
+    """A variant's keys as a stage types them (``--variant``: core.entry_settings.VariantSettings, the schema's
+    defaults filled), for calling the tasks directly."""
+    from workflow_scripts.core.entry_settings import VariantSettings
+
+    return VariantSettings.parse(given, task, name)

@@ -192,8 +192,8 @@ def table() -> list:  # called at collection, after the helpers below are define
 
         # --- stage command lines: pretokenise ---
         case("cli", "pretokenise-variant-bad-json", pretok({"--variant": "{'prompt': 1}"}), "pretokenise", "argument --variant: not valid JSON at character 1: Expecting property name enclosed in double quotes"),
-        case("cli", "pretokenise-variant-without-target", pretok({"--variant": {"prompt": "{question}"}}), "pretokenise", "argument --variant: needs a JSON object with at least 'prompt' and 'target'"),
-        case("cli", "pretokenise-variant-unknown-key", pretok({"--variant": {**BASELINE, "colour": 1}}), "pretokenise", "argument --variant: unknown keys ['colour'] (known: ['prompt', 'target', 'extractor', 'chat_template'])"),
+        case("cli", "pretokenise-variant-without-target", pretok({"--variant": {"prompt": "{question}"}}), "pretokenise", "--variant: config key 'variants.<name>.target': required, but missing (variants.<name> has keys ['chat_template', 'extractor', 'prompt', 'task', 'training'])"),
+        case("cli", "pretokenise-variant-unknown-key", pretok({"--variant": {**BASELINE, "colour": 1}}), "pretokenise", "--variant: config key 'variants.<name>': Additional properties are not allowed ('colour' was unexpected)"),
         case("cli", "pretokenise-unknown-task", pretok({"--task": "translation"}), "pretokenise", rx(r"argument --task: unknown task 'translation'; known: \[.*'generation'.*\]")),
         case("cli", "pretokenise-template-field-missing", pretok({"--variant": {"prompt": "{title}", "target": " {answer}"}}), "pretokenise", "{data} split 'train' row 0: row id 'r0': the prompt template refers to field 'title', which the row does not have (it has ['answer', 'answers', 'id', 'question'])"),
         case("cli", "pretokenise-template-syntax", pretok({"--variant": {"prompt": "{question.upper}", "target": " {answer}"}}), "pretokenise", "{data} split 'train' row 0: the prompt template '{question.upper}': {question.upper} uses attribute access or indexing; " + HINT),

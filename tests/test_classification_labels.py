@@ -17,6 +17,7 @@ from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.model import model_loading
 from workflow_scripts.tasks import classification
 from workflow_scripts.tasks.classification import TASK
+from data_helpers import typed_variant
 
 TRAINED = ["negative", "positive"]
 TEXTS = ["the film was dull and far too long", "a warm and funny story", "I loved every minute of it",
@@ -81,7 +82,7 @@ def trained(model_dir, tmp_path_factory):
     model_loading.save_full_model(full_model, full)
     predicted = {}
     for name, model in (("adapter", peft_model.eval()), ("full", full_model.eval())):
-        result = TASK.predict(model, tokenizer, VARIANT, rows, "accuracy", EvaluationSettings.parse(EVALUATION),
+        result = TASK.predict(model, tokenizer, TASK.check_variant(typed_variant(VARIANT, "classification")), rows, "accuracy", EvaluationSettings.parse(EVALUATION),
                               torch.device("cpu"))
         predicted[name] = [record["predicted"] for record in result.records]
     return {"adapter": adapter, "full": full}, predicted

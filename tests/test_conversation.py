@@ -11,13 +11,19 @@ import pytest
 import torch
 
 from conftest import tiny_training_settings, training_json
-from data_helpers import local_dataset, run_download, run_normalise
+from data_helpers import local_dataset, run_download, run_normalise, typed_variant
 from workflow_scripts.core.entry_settings import DatasetSettings
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.data.rows import Rejected
 from workflow_scripts.model.tiny_model import CHAT_TEMPLATE, EOS_TOKEN, train_tokenizer
 from workflow_scripts.tasks import conversation, task_named
 from workflow_scripts.tasks.conversation import TASK, TemplateRefused
+
+
+def typed(given):
+    """A conversation variant as pretokenise and evaluate take it (typed, the task's checks)."""
+    return TASK.check_variant(typed_variant(given, "conversation"))
+
 
 SYSTEM = {"role": "system", "content": "Answer with one word."}
 DIALOGUE = [SYSTEM, {"role": "user", "content": "colour of sky?"}, {"role": "assistant", "content": "blue"},
@@ -143,22 +149,22 @@ def test_the_gate_describes_the_labelling_or_refuses(tiny_tokenizer):
 
 def test_truncation_cuts_from_the_end_and_drops_rows_without_an_assistant_token(tiny_tokenizer):
     rows = {"id": ["a"], "messages": [DIALOGUE]}
-    whole = TASK.tokenise_batch(rows, tokenizer=tiny_tokenizer, variant={}, max_length=512)
+    whole = TASK.tokenise_batch(rows, tokenizer=tiny_tokenizer, variant=typed({}), max_length=512)
     length = whole["length"][0]
     assert not whole["truncated"][0] and not whole["dropped"][0]
-    cut = TASK.tokenise_batch(rows, tokenizer=tiny_tokenizer, variant={}, max_length=length - 2)
+    cut = TASK.tokenise_batch(rows, tokenizer=tiny_tokenizer, variant=typed({}), max_length=length - 2)
     assert cut["truncated"] == [True] and cut["dropped"] == [False]
     assert cut["input_ids"][0] == whole["input_ids"][0][:length - 2] and cut["labels"][0] == whole["labels"][0][:length - 2]
     [item] = conversation.label_conversations(tiny_tokenizer, [DIALOGUE], ["a"])
     first_target = next(i for i, label in enumerate(item.labels) if label != -100)
-    dropped = TASK.tokenise_batch(rows, tokenizer=tiny_tokenizer, variant={}, max_length=first_target)
+    dropped = TASK.tokenise_batch(rows, tokenizer=tiny_tokenizer, variant=typed({}), max_length=first_target)
     assert dropped["dropped"] == [True] and dropped["truncated"] == [True]
 
 
 def test_rows_pad_and_pack_with_generations_collators_to_the_same_targets(tiny_tokenizer):
     shorter = DIALOGUE[1:3]
     columns = TASK.tokenise_batch({"id": ["a", "b"], "messages": [DIALOGUE, shorter]}, tokenizer=tiny_tokenizer,
-                                  variant={}, max_length=512)
+                                  variant=typed({}), max_length=512)
     rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
     meta = {"pad_token_id": tiny_tokenizer.pad_token_id}
     padded = TASK.collator(meta, len(tiny_tokenizer), seed=1)(rows)
@@ -177,13 +183,14 @@ def test_the_variant_system_prompt_replaces_adds_or_removes_the_system_message(t
                                                                        *no_system]
     assert conversation.with_system_prompt(DIALOGUE, False) == no_system
     rows = {"id": ["a"], "messages": [DIALOGUE]}
-    kept = TASK.tokenise_batch(rows, tokenizer=tiny_tokenizer, variant={"system_prompt": None}, max_length=512)
-    removed = TASK.tokenise_batch(rows, tokenizer=tiny_tokenizer, variant={"system_prompt": False}, max_length=512)
+    kept = TASK.tokenise_batch(rows, tokenizer=tiny_tokenizer, variant=typed({"system_prompt": None}), max_length=512)
+    removed = TASK.tokenise_batch(rows, tokenizer=tiny_tokenizer, variant=typed({"system_prompt": False}), max_length=512)
     assert removed["length"][0] < kept["length"][0]
-    assert TASK.check_variant({}) == {"system_prompt": None}
-    for bad in ({"system_prompt": ""}, {"system_prompt": True}, {"prompt": "{question}"}):
+    assert TASK.variant_record(typed({})) == {"system_prompt": None}
+    assert typed({"system_prompt": " Be terse. "}).system_prompt == "Be terse."
+    for bad in ({"system_prompt": ""}, {"system_prompt": "   "}, {"system_prompt": True}, {"prompt": "{question}"}):
         with pytest.raises(WorkflowError):
-            TASK.check_variant(bad)
+            typed(bad)  # the schema's refusals, then the task's (a blank system prompt)
 
 
 # --- normalise -------------------------------------------------------------------------------------

@@ -11,11 +11,13 @@ from workflow_scripts.tasks import generation
 from workflow_scripts.tasks import metrics
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.data.normalised_data import load_rows
+from data_helpers import typed_variant
 
 BASELINE = {"prompt": "Question: {question}\nAnswer:", "target": " {answer}", "extractor": {"type": "whole"},
             "chat_template": False}
 MTUP = {"prompt": "Question: {question}\nSolve Task 1 then Task 2.\n", "target": "Task 1: {aux}\nTask 2: {answer}",
         "extractor": {"type": "section", "marker": "Task 2:"}, "chat_template": False}
+TYPED_BASELINE, TYPED_MTUP = typed_variant(BASELINE), typed_variant(MTUP)  # as evaluate passes them to the task
 EVALUATION = {"split": "test", "max_new_tokens": 6, "batch_size": 4, "max_examples": None, "gpus": 0,
               "evaluate_base_model": True}
 QUESTIONS = [
@@ -125,8 +127,8 @@ def test_left_padded_batches_generate_what_single_prompts_do(tiny_model, adapter
     tokenizer = model_loading.load_tokenizer(tiny_model)
     model = model_loading.load_with_adapter(tiny_model, adapter, torch.device("cpu"))
     prompts = [BASELINE["prompt"].format(question=q) for _, q, _ in QUESTIONS]
-    one_by_one = generation.generate(model, tokenizer, BASELINE, prompts, 1, 8, torch.device("cpu"))
-    batched = generation.generate(model, tokenizer, BASELINE, prompts, 4, 8, torch.device("cpu"))
+    one_by_one = generation.generate(model, tokenizer, TYPED_BASELINE, prompts, 1, 8, torch.device("cpu"))
+    batched = generation.generate(model, tokenizer, TYPED_BASELINE, prompts, 4, 8, torch.device("cpu"))
     assert batched == one_by_one
     assert len(set(one_by_one)) > 1  # the check means something only if outputs vary
 
@@ -147,7 +149,7 @@ def test_greedy_ignores_sampling_defaults_of_the_model(tmp_path, tiny_model, ada
 
 def argmax_loop(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     """Greedy decoding written out by hand: the token with the highest logit, one at a time."""
-    ids = torch.tensor([generation.templates.encode_prompts(tokenizer, BASELINE, [prompt])[0]])
+    ids = torch.tensor([generation.templates.encode_prompts(tokenizer, TYPED_BASELINE, [prompt])[0]])
     new = []
     for _ in range(max_new_tokens):
         next_id = int(model(input_ids=ids).logits[0, -1].argmax())
@@ -174,7 +176,7 @@ def test_penalties_shipped_with_the_model_do_not_act(tmp_path, tiny_model, adapt
     model = model_loading.load_with_adapter(penalised, adapter, torch.device("cpu"))
     assert model.generation_config.repetition_penalty == 5.0  # the shipped config is really loaded
     prompts = [BASELINE["prompt"].format(question=q) for _, q, _ in QUESTIONS]
-    generated = generation.generate(model, tokenizer, BASELINE, prompts, 3, 12, torch.device("cpu"))
+    generated = generation.generate(model, tokenizer, TYPED_BASELINE, prompts, 3, 12, torch.device("cpu"))
     assert generated == [argmax_loop(model, tokenizer, prompt, 12) for prompt in prompts]
     # The hand loop repeats tokens, so a repetition penalty or n-gram block would have changed the output.
     assert any(len(set(tokenizer.encode(text))) < len(tokenizer.encode(text)) for text in generated)
@@ -203,7 +205,7 @@ def test_max_examples_and_generation_length_follow_the_config(tmp_path, tiny_mod
 def test_mtup_extraction_scores_the_final_section_and_counts_unparseable():
     rows = [{"id": "a", "answers": ["42"]}, {"id": "b", "answers": ["7"]}, {"id": "c", "answers": ["yes"]}]
     outputs = ["Task 1: number\nTask 2: 43", "Task 1: number\nTask 2: 9", "Task 1: yes/no and no final task"]
-    records, score, unparseable = generation.score_outputs(rows, ["p"] * 3, outputs, MTUP, "relaxed_accuracy")
+    records, score, unparseable = generation.score_outputs(rows, ["p"] * 3, outputs, TYPED_MTUP, "relaxed_accuracy")
     assert [r["extracted"] for r in records] == ["43", "9", None]
     assert records[0]["auxiliary"] == "Task 1: number"
     assert [r["parsed"] for r in records] == [True, True, False]
@@ -216,7 +218,7 @@ def test_smatch_records_counts_and_scores_micro():
     gold = "(w / want-01 :ARG0 (b / boy))"
     rows = [{"id": "a", "answers": [gold]}, {"id": "b", "answers": [gold]}]
     outputs = [gold, "(w / want-01 :ARG0 (b))"]  # "(b)" has no concept: smatch cannot parse it
-    records, score, unparseable = generation.score_outputs(rows, ["p", "p"], outputs, BASELINE, "smatch")
+    records, score, unparseable = generation.score_outputs(rows, ["p", "p"], outputs, TYPED_BASELINE, "smatch")
     assert [r["counts"] for r in records] == [[4, 4, 4], [0, 0, 4]]
     assert [r["parsed"] for r in records] == [True, False] and unparseable == 1  # counted, and scored 0 counts
     assert score == pytest.approx(metrics.f1_from_counts(4, 4, 8))

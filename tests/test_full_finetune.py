@@ -33,7 +33,6 @@ from workflow_scripts.checks.config import check_config
 from workflow_scripts.core.config_files import validate_schema
 from workflow_scripts.core.settings import LoraSettings
 from workflow_scripts.model import memory_estimate, model_loading
-from workflow_scripts.tasks import task_named
 from workflow_scripts.training import checkpointing, training_setup
 from workflow_scripts.training.distributed import DistributedContext
 
@@ -425,8 +424,10 @@ def test_train_refuses_what_full_fine_tuning_cannot_run(mlm, overrides, initiali
 
 
 def test_a_variant_asking_for_full_training_is_pointed_to_the_training_setting():
+    from workflow_scripts.core.entry_settings import VariantSettings
+
     for value in ("full", "lora"):  # lora too: the variant's value would be ignored while training.finetune decides
-        with pytest.raises(WorkflowError, match="variant key 'finetune': .* set training.finetune: full"):
-            task_named("masked_lm").check_variant({"finetune": value})
-    with pytest.raises(WorkflowError, match="variant key 'from_scratch'.*model.initialise: random"):
-        task_named("masked_lm").check_variant({"from_scratch": True})
+        with pytest.raises(WorkflowError, match="'variants.v.finetune': how the model trains .* set training.finetune: full"):
+            VariantSettings.parse({"finetune": value}, "masked_lm", "v")
+    with pytest.raises(WorkflowError, match="'variants.v.from_scratch'.*model.initialise: random"):
+        VariantSettings.parse({"from_scratch": True}, "masked_lm", "v")

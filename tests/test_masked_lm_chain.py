@@ -136,8 +136,11 @@ def test_the_gate_runs_the_task_checks_and_refuses_an_unmasked_batch(chain):
 
 
 def test_full_training_in_a_variant_points_to_the_training_setting():
-    with pytest.raises(WorkflowError, match="variant key 'finetune'.*training.finetune: full"):
-        task_named("masked_lm").check_variant({"finetune": "full"})
+    from workflow_scripts.core.entry_settings import VariantSettings
+
+    with pytest.raises(WorkflowError, match="'variants.v.finetune': how the model trains is a training setting.*"
+                                            "training.finetune: full"):
+        VariantSettings.from_json('{"finetune": "full"}', "masked_lm", "v")  # as pretokenise's --variant
 
 
 def test_train_evaluate_and_compare(chain):

@@ -6,14 +6,14 @@ import pytest
 import torch
 from datasets import load_from_disk
 
-from data_helpers import default_config, demo_settings, leftovers, run_download, run_normalise
+from data_helpers import default_config, demo_settings, leftovers, run_download, run_normalise, typed_variant
 from workflow_scripts import pretokenise
 from workflow_scripts.tasks import templates
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.model.model_loading import load_tokenizer
 
 VARIANTS = default_config()["variants"]
-BASELINE, MTUP = VARIANTS["baseline"], VARIANTS["mtup"]
+BASELINE, MTUP = VARIANTS["baseline"], VARIANTS["mtup"]  # as the rules pass them (--variant)
 TINY = {"name": "tiny", "source": "tiny", "tiny": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
                                                   "num_heads": 2, "vocab_size": 400, "seed": 0}}
 
@@ -48,14 +48,15 @@ def test_prompt_tokens_are_masked_and_the_target_ends_with_eos(inputs, tmp_path,
     tokenizer, source = load_tokenizer(model), load_from_disk(str(data_dir))["train"]
     assert tokenised["train"].features["input_ids"].feature.dtype == "int32"
     for row, out in zip(source.select(range(20)), tokenised["train"].select(range(20))):
-        prompt = templates.encode_prompts(tokenizer, variant, [templates.render_prompt(variant, row)])[0]
-        target = templates.encode_targets(tokenizer, [templates.render_target(variant, row)])[0]
+        typed = typed_variant(variant)
+        prompt = templates.encode_prompts(tokenizer, typed, [templates.render_prompt(typed, row)])[0]
+        target = templates.encode_targets(tokenizer, [templates.render_target(typed, row)])[0]
         assert out["id"] == row["id"]
         assert out["input_ids"] == prompt + target and target[-1] == tokenizer.eos_token_id
         assert out["labels"] == [-100] * len(prompt) + target
         assert out["length"] == len(out["input_ids"])
     decoded = tokenizer.decode([t for t in tokenised["train"][0]["labels"] if t != -100], skip_special_tokens=True)
-    assert decoded == templates.render_target(variant, source[0])
+    assert decoded == templates.render_target(typed_variant(variant), source[0])
     assert report["splits"]["train"]["rows"] == len(source) and report["splits"]["train"]["truncated"] == 0
     meta = json.loads((tmp_path / "tok" / "tokenise_meta.json").read_text())
     assert {"cache_key", "tokenizer_fingerprint", "templates", "max_length", "input_fingerprint", "vocab_size",
@@ -68,7 +69,7 @@ def test_truncation_is_counted_and_rows_without_target_are_dropped(inputs, tmp_p
     tokenizer = load_tokenizer(model)
     source = load_from_disk(str(data_dir))["train"]
     prompt_lengths = [len(ids) for ids in templates.encode_prompts(
-        tokenizer, BASELINE, [templates.render_prompt(BASELINE, row) for row in source])]
+        tokenizer, typed_variant(BASELINE), [templates.render_prompt(typed_variant(BASELINE), row) for row in source])]
     limit = sorted(prompt_lengths)[len(prompt_lengths) // 2]  # half the prompts fill the whole budget
     tokenised, report = tokenise(data_dir, model, tmp_path / "tok", max_length=limit)
     train = tokenised["train"]
@@ -208,8 +209,9 @@ def test_chat_template_variant_uses_the_tokenizers_template(inputs, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"--variant": '{"prompt": "{question}"}'}, "needs a JSON object with at least 'prompt' and 'target'"),
-    ({"--variant": '{"prompt": "{question}", "target": "{answer}", "colour": 1}'}, "unknown keys"),
+    ({"--variant": '{"prompt": "{question}"}'}, r"^--variant: config key 'variants.<name>.target': required, but missing"),
+    ({"--variant": '{"prompt": "{question}", "target": "{answer}", "colour": 1}'}, r"^--variant: config key "
+     r"'variants.<name>': Additional properties are not allowed \('colour' was unexpected\)"),
     ({"--variant": '{"prompt": "{title}", "target": "{answer}"}'}, r"normalised split 'train' row 0: row id 'amr-train-0000': the prompt template refers to field 'title'"),
     ({"--max-length": "1"}, "argument --max-length"),
     ({"--model": "/nonexistent/model"}, "run prepare_model first"),
@@ -228,8 +230,9 @@ def test_report_statistics_cover_every_row_including_dropped_ones(inputs, tmp_pa
     data_dir, model = inputs
     tokenizer = load_tokenizer(model)
     source = load_from_disk(str(data_dir))["train"]
-    prompts = templates.encode_prompts(tokenizer, BASELINE, [templates.render_prompt(BASELINE, r) for r in source])
-    targets = templates.encode_targets(tokenizer, [templates.render_target(BASELINE, r) for r in source])
+    typed = typed_variant(BASELINE)
+    prompts = templates.encode_prompts(tokenizer, typed, [templates.render_prompt(typed, r) for r in source])
+    targets = templates.encode_targets(tokenizer, [templates.render_target(typed, r) for r in source])
     limit = sorted(len(p) for p in prompts)[len(prompts) // 2]
     lengths = [min(len(p) + len(t), limit) for p, t in zip(prompts, targets)]
     _, report = tokenise(data_dir, model, tmp_path / "tok", max_length=limit)

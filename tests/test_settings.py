@@ -192,6 +192,9 @@ ENTRY_SETTINGS_READERS = ("workflow_scripts/download.py", "workflow_scripts/norm
                           "workflow_scripts/data/split_names.py", "workflow_scripts/data/source_files.py",
                           "workflow_scripts/data/source_paths.py", "workflow_scripts/data/rows.py")
 SETTINGS_DICT_ACCESS = re.compile(r"\bsettings(\[\"|\[\'|\.get\()")
+# A variant below the config layer: the stages type ``--variant`` once (VariantSettings, the task's
+# check_variant) and the tasks, templates and gate checks read it by attribute (issue 27).
+VARIANT_DICT_ACCESS = re.compile(r"\bvariant(\[\"|\[\'|\.get\()")
 # The config layer reads the config's mappings once and types them: the matrix, the file reading, the
 # parse-time checks and the typed settings themselves.
 CONFIG_LAYER = ("workflow_scripts/core/experiment_config.py", "workflow_scripts/core/config_files.py",
@@ -199,15 +202,17 @@ CONFIG_LAYER = ("workflow_scripts/core/experiment_config.py", "workflow_scripts/
 
 
 def dict_reads_of_typed_entries(root: Path) -> list[str]:
-    """Lines of the stages, the library and the rules that read a dataset's, model's or (in the rules) variant's
-    settings as a mapping rather than their typed settings (core/entry_settings.py) by attribute."""
+    """Lines of the stages, the library (the tasks, templates and training's gate checks among them) and the rules
+    that read a dataset's, model's or variant's settings as a mapping rather than their typed settings
+    (core/entry_settings.py) by attribute."""
     found = []
     for path in sorted([*(root / "workflow_scripts").rglob("*.py"), *(root / "rules").glob("*.smk")]):
         relative = path.relative_to(root).as_posix()
         if relative.startswith(CONFIG_LAYER):
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            if ENTRY_DICT_ACCESS.search(line) or (relative in ENTRY_SETTINGS_READERS and SETTINGS_DICT_ACCESS.search(line)):
+            if (ENTRY_DICT_ACCESS.search(line) or VARIANT_DICT_ACCESS.search(line)
+                    or (relative in ENTRY_SETTINGS_READERS and SETTINGS_DICT_ACCESS.search(line))):
                 found.append(f"{relative}:{number}: {line.strip()}")
     return found
 
@@ -223,11 +228,15 @@ def test_the_entry_guard_catches_a_planted_dict_read(tmp_path):
                ("workflow_scripts/prepare_model.py", 'revision = model["revision"]'),
                ("workflow_scripts/data/source_paths.py", 'kind = source["type"]'),
                ("rules/common.smk", 'task = config["datasets"][wildcards.dataset]["task"]'),
-               ("rules/evaluation.smk", 'variant = config["variants"][wildcards.variant]'))
+               ("rules/evaluation.smk", 'variant = config["variants"][wildcards.variant]'),
+               ("workflow_scripts/tasks/templates.py", 'prompt = variant["prompt"]'),
+               ("workflow_scripts/tasks/classification.py", 'template = variant.get("input", DEFAULT_INPUT)'),
+               ("workflow_scripts/training/preflight_checks.py", "chat = variant['chat_template']"),
+               ("workflow_scripts/pretokenise.py", 'grouping = variant.get("grouping")'))
     for relative, line in planted:
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         with open(tmp_path / relative, "a") as handle:
-            handle.write(f"{line}\nok = settings.fields, dataset.task, model.revision\n")
+            handle.write(f"{line}\nok = settings.fields, dataset.task, model.revision, variant.prompt, meta['variant']\n")
     (tmp_path / "workflow_scripts/checks").mkdir()
     (tmp_path / "workflow_scripts/checks/config.py").write_text('task = config["datasets"][name]["task"]\n')  # the config layer
     assert len(dict_reads_of_typed_entries(tmp_path)) == len(planted)
@@ -267,3 +276,69 @@ def test_entries_are_typed_with_the_schemas_defaults_and_give_back_what_the_rule
                                   '"metric": "exact_match"}', "d")
     with pytest.raises(ConfigError, match=r"'variants.v'.*'input' was unexpected"):
         VariantSettings.parse({"prompt": "{question}", "target": "{answer}", "input": "{text}"}, "generation", "v")
+
+
+# The records the tasks wrote before the variant was typed (task.check_variant's mapping), pinned: pretokenise's
+# cache key and its ``templates`` record, and evaluate's and predict's manifests, must not change, or every
+# finished demo would re-tokenise and rerun (cache keys over tokenizer "tokenizer-fp", input "input-fp", 64 tokens).
+PINNED_RECORDS = {
+    "baseline": ('{"extractor": {"type": "whole"}, "chat_template": false, "prompt": "Question: {question}\\nAnswer:", '
+                 '"target": " {answer}"}', "65ab730853d7845c966f95c5db8beaae6c097901a8bd3c4beddd5ceafee71dd1"),
+    "mtup": ('{"extractor": {"type": "section", "marker": "Task 2:"}, "chat_template": false, "prompt": "Question: '
+             '{question}\\nSolve Task 1 then Task 2.\\n", "target": "Task 1: {aux}\\nTask 2: {answer}"}',
+             "32222d8ebab116afa66f590bcfd1b8f602fa7eba6fb0ce405a8a6e6c74ea311f"),
+    "plain": ('{"input": "{text}", "class_weights": null}',
+              "63bd5376f1cab4564792f0b78ae1f61ae9957c8498e3fd033f6db5c6184117c1"),
+    "framed": ('{"input": "Which topic is this about: {text}", "class_weights": null}',
+               "b5da607642e5e3a4b4fba24b49916e87f6fee2e6b9e795a1a9505f6306de21ef"),
+    "mlm_tokens": ('{"mask_rate": 0.15, "whole_word": false, "grouping": "lines"}',
+                   "2013ebe5b28767e85cae34e120f6243043fc2a82030df6ceb1e2699bb065eaff"),
+    "mlm_whole_word": ('{"mask_rate": 0.15, "whole_word": true, "grouping": "lines"}',
+                       "0525ab9525835f7599c775650af04c4f81477ab34d38067c05b6333063ad2829"),
+    "vision": ('{"extractor": {"type": "whole"}, "chat_template": false, "prompt": "Question: {question}\\nAnswer:", '
+               '"target": " {answer}", "images": true}', "24c6c56aebdcb311abdbd568b1fc9af4bd5c321a8e10cee7710df3cb179b6c2d"),
+    "text_only": ('{"extractor": {"type": "whole"}, "chat_template": false, "prompt": "Question: {question}\\nAnswer:", '
+                  '"target": " {answer}", "images": false}', "7a7b74e43330fffbdd52c43701ab7be4b62bdd45fa6b01ff31536c905837481d"),
+}
+
+
+def test_each_demo_variants_record_and_cache_key_are_what_they_were_before_typing():
+    import json
+
+    from workflow_scripts.checks.config import load_config
+    from workflow_scripts.core.entry_settings import VariantSettings
+    from workflow_scripts.pretokenise import cache_key
+    from workflow_scripts.tasks import task_named
+
+    config = load_config(REPO / "config" / "config.yaml")
+    assert set(config["variants"]) == set(PINNED_RECORDS)
+    for name, settings in xc.variant_entries(config).items():
+        task = task_named(settings.task)
+        # As pretokenise, evaluate and predict parse --variant (the rules' JSON): typed once, the task's checks.
+        variant = task.check_variant(VariantSettings.from_json(json.dumps(settings.to_dict()), settings.task, name))
+        record = task.variant_record(variant)
+        assert (json.dumps(record), cache_key("tokenizer-fp", record, 64, "input-fp", settings.task)) == PINNED_RECORDS[name]
+        # sanity and train type the recorded variant again (tokenise_meta.json templates): the same settings
+        assert task.check_variant(VariantSettings.from_record(record, settings.task)).to_dict().items() >= {
+            key: value for key, value in variant.to_dict().items() if key != "class_weights"}.items()
+
+
+@pytest.mark.parametrize("task, given, record", [
+    ("classification", {"class_weights": {"b": 2, "a": 0.5}, "input": "{text} || {text_pair}"},
+     '{"input": "{text} || {text_pair}", "class_weights": {"b": 2, "a": 0.5}}'),
+    ("masked_lm", {}, '{"mask_rate": 0.15, "whole_word": false, "grouping": "blocks"}'),
+    ("conversation", {"system_prompt": "  Be brief.  "}, '{"system_prompt": "Be brief."}'),
+    ("conversation", {"system_prompt": False}, '{"system_prompt": false}'),
+    ("vision_language", {"images": True, "prompt": "{question}", "target": " {answer}", "chat_template": True},
+     '{"extractor": {"type": "whole"}, "chat_template": true, "prompt": "{question}", "target": " {answer}", "images": true}'),
+])
+def test_a_variants_record_keeps_the_tasks_defaults_and_order(task, given, record):
+    """Pinned to the old check_variant's output for these variants (the task's defaults first, images last,
+    the system prompt stripped, class weights as given)."""
+    import json
+
+    from workflow_scripts.core.entry_settings import VariantSettings
+    from workflow_scripts.tasks import task_named
+
+    checked = task_named(task).check_variant(VariantSettings.from_json(json.dumps(given), task, "v"))
+    assert json.dumps(task_named(task).variant_record(checked)) == record

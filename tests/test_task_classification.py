@@ -15,6 +15,12 @@ from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.normalise import Rejected
 from workflow_scripts.tasks import classification, classification_loss
 from workflow_scripts.tasks.classification import TASK
+from data_helpers import typed_variant
+
+
+def typed(given):
+    """A classification variant as pretokenise and evaluate take it (typed, the task's checks)."""
+    return TASK.check_variant(typed_variant(given, "classification"))
 
 LABELS = ["food", "sport", "weather"]
 def dataset(**settings) -> DatasetSettings:
@@ -24,7 +30,7 @@ def dataset(**settings) -> DatasetSettings:
 
 
 SETTINGS = dataset(fields={"id": "id", "text": "sentence", "label": "topic"})
-PLAIN = {"input": "{text}"}
+PLAIN = typed({"input": "{text}"})
 
 
 def demo_rows(split: str = "train", count: int | None = None) -> list[dict]:
@@ -165,17 +171,17 @@ def test_class_balance():
 
 # --- variants ---
 def test_check_variant_defaults_and_refusals():
-    assert TASK.check_variant({}) == {"input": "{text}", "class_weights": None}
-    assert TASK.check_variant({"input": "Review: {text}", "class_weights": {"pos": 2}})["class_weights"] == {"pos": 2}
-    assert TASK.check_variant({"class_weights": {0: 2.5}})["class_weights"] == {"0": 2.5}  # YAML int keys, like int labels
+    assert TASK.variant_record(typed({})) == {"input": "{text}", "class_weights": None}
+    assert typed({"input": "Review: {text}", "class_weights": {"pos": 2}}).class_weights == {"pos": 2}
+    assert typed({"class_weights": {0: 2.5}}).class_weights == {"0": 2.5}  # YAML int keys, like int labels
     for bad in ({"prompt": "{text}"}, {"input": "{text} {label}"}, {"input": "{text_pair}"}, {"input": "{text.upper}"},
                 {"input": 3}, {"class_weights": {"pos": 0}}, {"class_weights": {"pos": True}}, {"class_weights": [1, 2]}):
         with pytest.raises(WorkflowError) as caught:
-            TASK.check_variant(bad)
+            typed(bad)  # the schema's refusals, then the task's (the template's fields)
         assert "\n" not in str(caught.value)
-    assert classification.class_weight_vector({"class_weights": {"weather": 3}}, LABELS) == [1.0, 1.0, 3.0]
+    assert classification.class_weight_vector(typed({"class_weights": {"weather": 3}}), LABELS) == [1.0, 1.0, 3.0]
     with pytest.raises(WorkflowError, match="not in the label set"):
-        classification.class_weight_vector({"class_weights": {"politics": 3}}, LABELS)
+        classification.class_weight_vector(typed({"class_weights": {"politics": 3}}), LABELS)
 
 
 # --- tokenising and collation ---
@@ -183,7 +189,7 @@ def test_tokenise_batch_encodes_text_and_maps_labels_to_ids(llama_tokenizer):
     from datasets import Dataset
 
     rows = demo_rows(count=6)
-    out = tokenise(llama_tokenizer, rows, {"input": "Topic of: {text}"})
+    out = tokenise(llama_tokenizer, rows, typed({"input": "Topic of: {text}"}))
     for row, tokenised in zip(rows, out):
         assert tokenised["input_ids"] == llama_tokenizer("Topic of: " + row["text"])["input_ids"]
         assert tokenised["label"] == LABELS.index(row["label"]) and tokenised["length"] == len(tokenised["input_ids"])
@@ -211,7 +217,7 @@ def test_pairs_are_two_segments_unless_the_template_shows_the_pair(bert_tokenize
     cut = tokenise(bert_tokenizer, rows, max_length=9)
     assert cut[0]["truncated"] and not cut[1]["truncated"]
     assert cut[0]["input_ids"] == bert_tokenizer(rows[0]["text"], rows[0]["text_pair"], truncation=True, max_length=9)["input_ids"]
-    inline = tokenise(bert_tokenizer, rows, {"input": "{text} / {text_pair}"})
+    inline = tokenise(bert_tokenizer, rows, typed({"input": "{text} / {text_pair}"}))
     assert inline[0]["pair_start"] == -1 and inline[0]["input_ids"] == bert_tokenizer("the soup was cold / is it about food or sport?")["input_ids"]
     assert TASK.dropped_reason and not any(t["dropped"] for t in out)
     # Nothing of the texts left, only [CLS] [SEP] [SEP]: dropped (pretokenise counts and removes it).
@@ -259,7 +265,7 @@ def test_loss_is_summed_cross_entropy_of_the_models_logits(kind, llama_tokenizer
     expected = F.cross_entropy(logits, batch["labels"], weight=torch.tensor(weights), reduction="sum")
     assert torch.allclose(TASK.loss_module(model, weights)(batch), expected, atol=1e-5)
     # The training path: the weights come from the variant through tokenise_meta.json and the collator.
-    weighted = collate(tokenizer, rows, {"input": "{text}", "class_weights": dict(zip(LABELS, weights))})
+    weighted = collate(tokenizer, rows, typed({"input": "{text}", "class_weights": dict(zip(LABELS, weights))}))
     assert weighted["class_weights"].tolist() == weights
     assert torch.allclose(TASK.loss_module(model)(weighted), expected, atol=1e-5)
     with pytest.raises(RuntimeError, match="given twice"):
@@ -275,7 +281,7 @@ def test_class_weighted_step_loss_is_torchs_weighted_mean(llama_tokenizer):
     model = tiny_llama(llama_tokenizer)
     rows = demo_rows(count=7)
     weights = [1.0, 4.0, 0.25]
-    variant = {"input": "{text}", "class_weights": dict(zip(LABELS, weights))}
+    variant = typed({"input": "{text}", "class_weights": dict(zip(LABELS, weights))})
     micro_batches = [collate(llama_tokenizer, rows[:3], variant), collate(llama_tokenizer, rows[3:], variant)]
     loss_module = TASK.loss_module(model)
     with torch.no_grad():

@@ -12,6 +12,12 @@ from workflow_scripts.core.section_settings import EvaluationSettings
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.tasks import masked_lm, stored_columns
 from workflow_scripts.tasks.masked_lm import TASK
+from data_helpers import typed_variant
+
+
+def typed(given):
+    """A masked LM variant as pretokenise, evaluate and training's checks take it (typed, the task's checks)."""
+    return TASK.check_variant(typed_variant(given, "masked_lm"))
 
 WORDS = ("the quick brown fox jumps over the lazy dog while unbelievable things happen to "
          "tokenisation and pretraining of language models on small corpora every day").split()
@@ -61,7 +67,7 @@ def tiny_roberta(tokenizer, seed: int = 0):
 
 def tokenise(tokenizer, lines, variant=None, max_length=16, prefix="c"):
     batch = {"id": [f"{prefix}-{k + 1}" for k in range(len(lines))], "text": list(lines)}
-    return TASK.tokenise_batch(batch, tokenizer=tokenizer, variant=TASK.check_variant(variant or {}),
+    return TASK.tokenise_batch(batch, tokenizer=tokenizer, variant=typed(variant or {}),
                                max_length=max_length)
 
 
@@ -72,17 +78,17 @@ def as_rows(columns) -> list[dict]:
 
 def make_collator(tokenizer, seed=0, **variant):
     meta = {"pad_token_id": tokenizer.pad_token_id, "mask_token_id": tokenizer.mask_token_id,
-            "vocab_size": len(tokenizer), "templates": TASK.check_variant(variant)}
+            "vocab_size": len(tokenizer), "templates": TASK.variant_record(typed(variant))}
     return TASK.collator(meta, len(tokenizer), seed=seed)
 
 
 # Variant, tokenising ------------------------------------------------------------------------------
 def test_variant_defaults_and_refusals():
-    assert TASK.check_variant({}) == {"mask_rate": 0.15, "whole_word": False, "grouping": "blocks"}
+    assert TASK.variant_record(typed({})) == {"mask_rate": 0.15, "whole_word": False, "grouping": "blocks"}
     assert TASK.variant_keys == {"mask_rate", "whole_word", "grouping"}
     for bad in ({"mask_rate": 0}, {"mask_rate": True}, {"whole_word": "yes"}, {"grouping": "docs"}, {"prompt": "x"}):
         with pytest.raises(WorkflowError):
-            TASK.check_variant(bad)
+            typed(bad)
 
 
 def test_blocks_have_exactly_max_length_tokens_and_the_remainder_is_dropped(tokenizer):
@@ -411,7 +417,7 @@ def test_a_few_steps_from_scratch_reduce_the_loss_on_a_repetitive_corpus(tokeniz
     test = [{"id": f"t-{k}", "text": line} for k, line in enumerate(lines[:16])]
     evaluation = EvaluationSettings.parse({"max_length": 24, "batch_size": 8})
     model = tiny_bert(tokenizer, seed=1)
-    before = TASK.evaluate(model, tokenizer, {}, test, "mlm_loss", evaluation, torch.device("cpu")).score
+    before = TASK.evaluate(model, tokenizer, typed({}), test, "mlm_loss", evaluation, torch.device("cpu")).score
     loss_module = TASK.loss_module(model).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     collate = make_collator(tokenizer, seed=0)
@@ -421,7 +427,7 @@ def test_a_few_steps_from_scratch_reduce_the_loss_on_a_repetitive_corpus(tokeniz
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    after = TASK.evaluate(model, tokenizer, {}, test, "mlm_loss", evaluation, torch.device("cpu")).score
+    after = TASK.evaluate(model, tokenizer, typed({}), test, "mlm_loss", evaluation, torch.device("cpu")).score
     assert after < before - 1.0, (before, after)  # nats per masked token; ln(90) = 4.5 at the start
 
 
@@ -430,9 +436,9 @@ def test_evaluation_mask_is_fixed_and_scores_are_micro_averages(tokenizer):
     model = tiny_bert(tokenizer).eval()
     rows = [{"id": f"t-{k}", "text": line} for k, line in enumerate(toy_lines(20, seed=8))]
     evaluation = EvaluationSettings.parse({"max_length": 12, "batch_size": 6})
-    first = TASK.evaluate(model, tokenizer, {}, rows, "masked_accuracy", evaluation, torch.device("cpu"))
+    first = TASK.evaluate(model, tokenizer, typed({}), rows, "masked_accuracy", evaluation, torch.device("cpu"))
     torch.manual_seed(99)
-    other_variant = TASK.evaluate(model, tokenizer, {"mask_rate": 0.4, "whole_word": True}, rows[::-1],
+    other_variant = TASK.evaluate(model, tokenizer, typed({"mask_rate": 0.4, "whole_word": True}), rows[::-1],
                                   "masked_accuracy", evaluation.replace(batch_size=4), torch.device("cpu"))
     by_id = {r["id"]: r for r in other_variant.records}
     for record in first.records:  # same positions (the same losses), whatever the variant, order, batching
@@ -443,10 +449,10 @@ def test_evaluation_mask_is_fixed_and_scores_are_micro_averages(tokenizer):
     assert all(r["counts"] == [r["correct"], r["masked"]] for r in first.records)
     assert first.details["scores"]["perplexity"] == pytest.approx(np.exp(first.details["scores"]["mlm_loss"]))
     assert first.details["truncated_lines"] == sum(len(tokenizer(r["text"])["input_ids"]) > 12 for r in rows) > 0
-    perplexity = TASK.evaluate(model, tokenizer, {}, rows, "perplexity", evaluation, torch.device("cpu"))
+    perplexity = TASK.evaluate(model, tokenizer, typed({}), rows, "perplexity", evaluation, torch.device("cpu"))
     assert perplexity.score == pytest.approx(first.details["scores"]["perplexity"])
     with pytest.raises(ConfigError, match="evaluation.max_length"):
-        TASK.evaluate(model, tokenizer, {}, rows, "perplexity", EvaluationSettings.parse({"batch_size": 2}), torch.device("cpu"))
+        TASK.evaluate(model, tokenizer, typed({}), rows, "perplexity", EvaluationSettings.parse({"batch_size": 2}), torch.device("cpu"))
 
 
 # Gate checks --------------------------------------------------------------------------------------
@@ -491,7 +497,7 @@ def test_from_text_files_through_a_grouping_map_to_batches(tokenizer, tmp_path):
     write_normalised({"train": [tmp_path / "corpus.txt"]}, tmp_path / "normalised")
     train = load_from_disk(str(tmp_path / "normalised"))["train"]
     tokenised = train.map(
-        functools.partial(TASK.tokenise_batch, tokenizer=tokenizer, variant=TASK.check_variant({}), max_length=64),
+        functools.partial(TASK.tokenise_batch, tokenizer=tokenizer, variant=typed({}), max_length=64),
         batched=True, batch_size=100, remove_columns=train.column_names, features=TASK.tokenised_features(),
     )
     assert len(tokenised) != len(train) and sum(tokenised["dropped"]) == 3  # one short remainder per map batch
@@ -509,7 +515,7 @@ def test_eval_mask_records_what_decides_the_scored_tokens(tokenizer):
     rows = [{"id": f"t-{k}", "text": line} for k, line in enumerate(toy_lines(12, seed=8))]
 
     def eval_mask(variant, max_length):
-        result = TASK.evaluate(model, tokenizer, variant, rows, "mlm_loss",
+        result = TASK.evaluate(model, tokenizer, typed(variant), rows, "mlm_loss",
                                EvaluationSettings.parse({"max_length": max_length, "batch_size": 4}),
                                torch.device("cpu"))
         return result.details["eval_mask"]

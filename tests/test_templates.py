@@ -1,16 +1,20 @@
 """Variants are data: rendering prompts and targets, encoding them, extracting answers."""
+import dataclasses
+
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from workflow_scripts.core.entry_settings import ExtractorSettings, VariantSettings
 from workflow_scripts.core.errors import WorkflowError
+from data_helpers import typed_variant
 from workflow_scripts.tasks.templates import (encode_prompts, encode_targets, extract_answer, render_prompt,
                                         render_target, template_row)
 
 ROW = {"id": "r1", "question": "What is 2+2?", "answers": ["4", "four"], "aux": "number"}
-BASELINE = {"prompt": "Question: {question}\nAnswer:", "target": " {answer}", "extractor": {"type": "whole"}}
-MTUP = {"prompt": "Question: {question}\n", "target": "Task 1: {aux}\nTask 2: {answer}",
-        "extractor": {"type": "section", "marker": "Task 2:"}}
+BASELINE = typed_variant({"prompt": "Question: {question}\nAnswer:", "target": " {answer}", "extractor": {"type": "whole"}})
+MTUP = typed_variant({"prompt": "Question: {question}\n", "target": "Task 1: {aux}\nTask 2: {answer}",
+                      "extractor": {"type": "section", "marker": "Task 2:"}})
 
 
 def bos_tokenizer(chat_template=None):
@@ -36,11 +40,11 @@ def test_render_baseline_and_mtup():
 
 def test_a_field_the_row_lacks_is_an_error_naming_it_and_the_row():
     with pytest.raises(WorkflowError, match=r"'r1'.*field 'title'"):
-        render_prompt({"prompt": "{title}: {question}", "target": "{answer}"}, ROW)
+        render_prompt(typed_variant({"prompt": "{title}: {question}", "target": "{answer}"}), ROW)
 
 
 def test_chat_template_wraps_the_prompt_and_needs_a_tokenizer_that_has_one():
-    chat = {**BASELINE, "chat_template": True}
+    chat = dataclasses.replace(BASELINE, chat_template=True)
     template = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
     assert render_prompt(chat, ROW, bos_tokenizer(template)) == "<|user|> Question: What is 2+2?\nAnswer: <|assistant|>"
     with pytest.raises(WorkflowError, match="chat template"):
@@ -54,7 +58,7 @@ def test_encode_prompts_adds_bos_once():
     plain = encode_prompts(tokenizer, BASELINE, ["Question: What is 2+2?"])[0]
     assert plain[0] == tokenizer.bos_token_id and plain.count(tokenizer.bos_token_id) == 1
     # a chat-templated prompt already carries its special tokens: none are added again
-    chat = encode_prompts(tokenizer, {**BASELINE, "chat_template": True}, ["<s> Question: What"])[0]
+    chat = encode_prompts(tokenizer, dataclasses.replace(BASELINE, chat_template=True), ["<s> Question: What"])[0]
     assert chat.count(tokenizer.bos_token_id) == 1
 
 
@@ -84,9 +88,9 @@ def test_extract_section_takes_the_part_after_the_last_marker(text, expected):
 
 def test_extract_rejects_unknown_extractors():
     with pytest.raises(WorkflowError, match="unknown extractor"):
-        extract_answer({"extractor": {"type": "regex"}}, "x")
+        extract_answer(VariantSettings("v", "generation", extractor=ExtractorSettings("regex")), "x")
     with pytest.raises(WorkflowError, match="marker"):
-        extract_answer({"extractor": {"type": "section"}}, "x")
+        extract_answer(VariantSettings("v", "generation", extractor=ExtractorSettings("section")), "x")
 
 
 HINT = "a field is a plain name such as {question}, write {{ and }} for literal braces"
@@ -107,27 +111,27 @@ HINT = "a field is a plain name such as {question}, write {{ and }} for literal 
 ])
 def test_a_template_takes_plain_field_names_only(template, problem):
     with pytest.raises(WorkflowError) as caught:
-        render_prompt({"prompt": template, "target": " {answer}"}, ROW)
+        render_prompt(typed_variant({"prompt": template, "target": " {answer}"}), ROW)
     assert str(caught.value) == f"the prompt template {template!r}: {problem}"
     with pytest.raises(WorkflowError) as caught:
-        render_target({"prompt": "{question}", "target": template}, ROW)
+        render_target(typed_variant({"prompt": "{question}", "target": template}), ROW)
     assert str(caught.value) == f"the target template {template!r}: {problem}"
 
 
 def test_doubled_braces_are_literal_and_values_render_as_str_format_would():
     row = {**ROW, "count": 3, "score": 0.5}
     template = 'Reply as {{"answer": ...}}. {question} ({count}, {score}) {answer}'
-    assert render_prompt({"prompt": template}, row) == template.format_map({**row, "answer": "4"})
-    assert render_prompt({"prompt": template}, row) == 'Reply as {"answer": ...}. What is 2+2? (3, 0.5) 4'
+    assert render_prompt(typed_variant({"prompt": template, "target": ""}), row) == template.format_map({**row, "answer": "4"})
+    assert render_prompt(typed_variant({"prompt": template, "target": ""}), row) == 'Reply as {"answer": ...}. What is 2+2? (3, 0.5) 4'
 
 
 def test_a_prompt_or_target_that_renders_empty_names_the_part_and_the_row():
     row = {**ROW, "title": "  \n", "aux": ""}
     with pytest.raises(WorkflowError) as caught:
-        render_prompt({"prompt": "{title}", "target": " {answer}"}, row)
+        render_prompt(typed_variant({"prompt": "{title}", "target": " {answer}"}), row)
     assert str(caught.value) == ("row id 'r1': the prompt renders empty from template '{title}'; "
                                  "every row needs a non-empty prompt: fill the row's fields or change the template")
     with pytest.raises(WorkflowError) as caught:
-        render_target({"prompt": "{question}", "target": " {aux}"}, row)
+        render_target(typed_variant({"prompt": "{question}", "target": " {aux}"}), row)
     assert str(caught.value) == ("row id 'r1': the target renders empty from template ' {aux}'; "
                                  "every row needs a non-empty target: fill the row's fields or change the template")

@@ -8,6 +8,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from data_helpers import typed_variant
 from workflow_scripts.tasks import generation, vision_language
 from workflow_scripts.training import preflight_checks
 from workflow_scripts.training.preflight_checks import PreflightError
@@ -56,14 +57,14 @@ def tokenizer_with(chat_template: str) -> PreTrainedTokenizerFast:
 @pytest.mark.parametrize("family", sorted(TEMPLATES))
 def test_text_only_control_keeps_its_question_under_real_vlm_templates(family):
     tokenizer = tokenizer_with(TEMPLATES[family])
-    control = vision_language.check_variant({**VISION, "images": False})
+    control = vision_language.check_variant(typed_variant({**VISION, "images": False}, "vision_language"))
     assert vision_language.render_prompt(tokenizer, control, ROW) == EXPECTED[family][0]
 
 
 @pytest.mark.parametrize("family", sorted(TEMPLATES))
 def test_image_variant_renders_the_image_then_the_question(family):
     tokenizer = tokenizer_with(TEMPLATES[family])
-    vision = vision_language.check_variant(VISION)
+    vision = vision_language.check_variant(typed_variant(VISION, "vision_language"))
     assert vision_language.render_prompt(tokenizer, vision, ROW) == EXPECTED[family][1]
 
 
@@ -103,7 +104,7 @@ def test_the_gate_stage_refuses_a_chat_variant_whose_prompt_the_template_drops(t
     data = tmp_path / "tokenised"
     shutil.copytree(tiny_tokenised_dir, data)
     meta = json.loads((data / "tokenise_meta.json").read_text())
-    meta["templates"] = generation.TASK.check_variant({**VISION})
+    meta["templates"] = generation.TASK.variant_record(typed_variant(VISION))  # as pretokenise records it
     (data / "tokenise_meta.json").write_text(json.dumps(meta))
     monkeypatch.setattr(sanity.LazyTokenizer, "_loaded", lambda self: tokenizer_with(LLAVA_15_TEMPLATE))
     settings = tiny_training_settings(sanity_batches=1)

@@ -26,7 +26,7 @@ from workflow_scripts.core.atomic_output import write_json, write_jsonl
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.run_manifest import build_manifest
 from workflow_scripts.core.section_settings import EvaluationSettings
-from workflow_scripts.core.stage_arguments import StageArgumentParser, json_object_setting
+from workflow_scripts.core.stage_arguments import StageArgumentParser
 from workflow_scripts.tasks.templates import check_row_templates
 
 
@@ -145,7 +145,9 @@ def refuse_unlabelled(task_meta: Mapping[str, Any], data_dir: str, split: str) -
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     task = task_named(args.task, "argument --task")
-    variant = task.check_variant(json_object_setting(args.variant, "--variant"))
+    from workflow_scripts.core.entry_settings import VariantSettings
+
+    variant = task.check_variant(VariantSettings.from_json(args.variant, args.task, args.variant_name))
     if args.metric not in task.metrics:
         raise WorkflowError(f"argument --metric: {args.metric!r} is not a metric of task {args.task!r} "
                             f"(choose from {list(task.metrics)})")
@@ -178,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **model_facts(args, loaded),
         # how it was batched and computed: greedy outputs can move with these (the fairness guard compares them)
         "batch_size": evaluation.batch_size, "processes": 1, "dtype_setting": evaluation.compute_dtype,
-        "manifest": build_manifest("evaluate", {"evaluation": evaluation.to_dict(), "variant": variant, "metric": args.metric}),
+        "manifest": build_manifest("evaluate", {"evaluation": evaluation.to_dict(), "variant": task.variant_record(variant), "metric": args.metric}),
     }
     write_jsonl(args.predictions_out, records)
     write_json(args.summary_out, summary)

@@ -76,7 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     task = task_named(args.task, "argument --task")
     if not hasattr(task, "predict"):
         raise WorkflowError(f"argument --task: task {args.task!r} cannot predict an unlabelled split")
-    variant = task.check_variant(json_object_setting(args.variant, "--variant"))
+    from workflow_scripts.core.entry_settings import VariantSettings
+
+    variant = task.check_variant(VariantSettings.from_json(args.variant, args.task, args.variant_name))
     if args.metric not in task.metrics:
         raise WorkflowError(f"argument --metric: {args.metric!r} is not a metric of task {args.task!r} "
                             f"(choose from {list(task.metrics)})")
@@ -113,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "submission": {**submission.to_dict(), "file": str(args.submission_out)},
         **predicted.details,
         **evaluate.model_facts(args, loaded),
-        "manifest": build_manifest("predict", {"evaluation": evaluation.to_dict(), "variant": variant, "metric": args.metric,
+        "manifest": build_manifest("predict", {"evaluation": evaluation.to_dict(), "variant": task.variant_record(variant), "metric": args.metric,
                                                "submission": submission.to_dict()}),
     }
     write_jsonl(args.predictions_out, predicted.records)

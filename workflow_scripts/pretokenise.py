@@ -34,10 +34,11 @@ from workflow_scripts.data import arrow_split
 from workflow_scripts.data.fingerprints import input_fingerprint, tokenizer_fingerprint
 from workflow_scripts.data.normalised_data import read_task_meta
 from workflow_scripts.tasks import task_named
+from workflow_scripts.core.entry_settings import VariantSettings
 from workflow_scripts.core.atomic_output import atomic_path, scratch_directory, stop_signals_exit, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
 from workflow_scripts.core.run_manifest import config_hash
-from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
+from workflow_scripts.core.stage_arguments import StageArgumentParser
 
 TRAINING_SPLITS = ("train", "validation")
 META_NAME = "tokenise_meta.json"
@@ -122,7 +123,7 @@ class Tokeniser:
 
     task: Any
     tokenizer: Any
-    variant: Mapping[str, Any]
+    variant: VariantSettings
     max_length: int
     task_meta: Mapping[str, Any]
     input_features: Any
@@ -141,7 +142,7 @@ class Tokeniser:
         import pyarrow.compute as pc
 
         output = self.task.tokenise_batch(self.formatter.format_batch(table), tokenizer=self.tokenizer,
-                                          variant=dict(self.variant), max_length=self.max_length,
+                                          variant=self.variant, max_length=self.max_length,
                                           task_meta=self.task_meta)
         if not isinstance(output, pa.Table):
             if set(output) != set(self.features):
@@ -310,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report", required=True, type=Path, help="Tokenise report JSON to write.")
     args = parser.parse_args(argv)
     task = task_named(args.task, "argument --task")
-    variant = task.check_variant(json_setting(args.variant, "--variant"))
+    variant = task.check_variant(VariantSettings.from_json(args.variant, args.task))
     if args.max_length < 2:
         raise WorkflowError(f"argument --max-length: {args.max_length} leaves no room for a prompt and a target")
     if args.threads < 1:
@@ -320,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return tokenise_all(args, task, variant)
 
 
-def tokenise_all(args, task, variant) -> int:
+def tokenise_all(args, task, variant: VariantSettings) -> int:
     data, tokenizer_dir = open_inputs(args.data, args.model)
     from workflow_scripts.model.model_loading import check_task_architecture
 
@@ -335,10 +336,11 @@ def tokenise_all(args, task, variant) -> int:
                             task_meta=task_meta)
     except WorkflowError as error:
         raise WorkflowError(f"{args.data} split 'train' row 0: {error}") from None
+    record = task.variant_record(variant)  # the variant as the cache key and the records have always held it
     meta = {
         "tokenizer_fingerprint": tokenizer_fingerprint(args.model),
         "task": args.task,
-        "templates": variant,
+        "templates": record,
         "max_length": args.max_length,
         "input_fingerprint": input_fingerprint(args.data),
         "vocab_size": len(tokenizer),
@@ -347,7 +349,7 @@ def tokenise_all(args, task, variant) -> int:
         "task_meta": task_meta,
         **task.tokenise_meta(variant, task_meta, tokenizer=tokenizer),
     }
-    meta["cache_key"] = cache_key(meta["tokenizer_fingerprint"], variant, args.max_length, meta["input_fingerprint"],
+    meta["cache_key"] = cache_key(meta["tokenizer_fingerprint"], record, args.max_length, meta["input_fingerprint"],
                                   args.task)
 
     existing = args.out / META_NAME
@@ -358,7 +360,7 @@ def tokenise_all(args, task, variant) -> int:
             print(f"{args.out}: up to date (cache key {meta['cache_key'][:12]}); not re-tokenised")
             return 0
 
-    report = {"data": str(args.data), "model": str(args.model), "task": args.task, "templates": variant,
+    report = {"data": str(args.data), "model": str(args.model), "task": args.task, "templates": record,
               "max_length": args.max_length, "cache_key": meta["cache_key"], "splits": {}}
     with scratch_directory(args.out) as work, atomic_path(args.out, directory=True) as out:
         for split in splits:

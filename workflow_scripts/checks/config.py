@@ -15,7 +15,7 @@ from workflow_scripts.core.config_files import deep_merge, read_config_file, val
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.core.experiment_config import (
     RESERVED_MODEL_NAMES, dataset_entries, dataset_models, entry_task, evaluation_split, mixtures, model_dataset_variants,
-    model_entries, model_entry_variants, models, resolved_training, training_settings, variant_settings)
+    model_entries, model_entry_variants, models, resolved_training, training_settings, variant_entries)
 from workflow_scripts.core.section_settings import ComparisonSettings
 from workflow_scripts.core.settings import finetune_problem
 from workflow_scripts.tasks import check_also_metrics, task_named
@@ -62,6 +62,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
                 raise ConfigError(f"datasets.{name}.models", f"'{model}' is not a model of this config "
                                   f"(models: {sorted(models(config))})", source)
     training_keys = set(config["training"])
+    typed_variants = variant_entries(config, source)
     for name, variant in config["variants"].items():
         key = f"variants.{name}"
         unknown = set(variant.get("training", {})) - training_keys
@@ -70,7 +71,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
         task = task_named(variant["task"])
         datasets = {ds: d for ds, d in typed_datasets.items() if d.task == variant["task"]}
         try:  # the task's own checks: templates against each dataset of its task, leaks of the gold
-            task.check_config_variant(name, variant_settings(variant), datasets)
+            task.check_config_variant(name, typed_variants[name], datasets)
         except ConfigError as error:
             raise ConfigError(error.key, error.problem, source) from None
         except WorkflowError as error:

@@ -222,6 +222,10 @@ class ExtractorSettings:
     marker: str | None = None  # section: the final task's header
 
 
+# Keys that ask how the model trains: training settings, not variant keys (named in the refusal).
+TRAINING_NOT_VARIANT_KEYS = ("finetune", "full_finetune", "from_scratch", "pretrain_from_scratch")
+
+
 @dataclass(frozen=True)
 class VariantSettings:
     """One entry of ``variants`` as a stage receives it (``--variant``: without ``task`` and ``training``,
@@ -253,6 +257,11 @@ class VariantSettings:
         if not isinstance(value, Mapping):
             raise ConfigError(key, "must be a mapping of variant settings", source)
         own = {setting: item for setting, item in value.items() if setting not in ("task", "training")}
+        asked = [setting for setting in TRAINING_NOT_VARIANT_KEYS if setting in own]
+        if asked:  # any value: a variant's 'lora' here would be ignored while training.finetune decides
+            raise ConfigError(f"{key}.{asked[0]}", "how the model trains is a training setting, not a variant key; "
+                              "set training.finetune: full (and model.initialise: random to pretrain from scratch) "
+                              "under training:, or under the variant's training: block", source)
         checked = _validated({**own, "task": task}, "variants", key, source, entry=True)
         del checked["task"], checked["training"]
         extractor, weights = checked.get("extractor"), checked.get("class_weights")
@@ -269,7 +278,17 @@ class VariantSettings:
     def from_json(cls, text: str, task: str, name: str = "<name>", flag: str = "--variant") -> "VariantSettings":
         return cls.parse(json_object_setting(text, flag), task, name, flag, key=f"variants.{name}")
 
+    @classmethod
+    def from_record(cls, record: Any, task: str, source: str = "tokenise_meta.json") -> "VariantSettings":
+        """The variant as pretokenise recorded it (``templates``: the task's ``variant_record``, defaults filled),
+        typed again for sanity's and train's readers; classification records no class weights as null."""
+        if not isinstance(record, Mapping):
+            raise ConfigError("templates", "must be a mapping of variant settings; rerun pretokenise", source)
+        given = {setting: item for setting, item in record.items() if not (setting == "class_weights" and item is None)}
+        return cls.parse(given, task, "<recorded>", source, key="templates")
+
     def to_dict(self) -> dict[str, Any]:
-        """The variant as the rules pass it (``--variant``; the tokenised data's fingerprint)."""
+        """The variant as the rules pass it (``--variant``). What pretokenise's cache key and the records hold
+        is the task's ``variant_record`` of it (the task's defaults filled, as they have always been written)."""
         return _plain(self.given)
 

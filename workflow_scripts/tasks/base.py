@@ -59,6 +59,8 @@ The contract, stage by stage (batches are dicts of tensors plus plain fields):
   metric's convention).
 - configuration: ``variant_keys`` are the keys a variant of this task may set (what the fairness
   guard lets differ between variants); ``metrics`` the metric names a dataset of this task may use.
+  Every hook takes the variant typed (``VariantSettings``, through ``check_variant``) and reads it by
+  attribute; ``variant_record(variant)`` is the mapping pretokenise's cache key and records hold.
 """
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ if TYPE_CHECKING:  # annotations only: loading a task for its data needs no torc
     import torch
     from torch import nn
 
+    from workflow_scripts.core.entry_settings import VariantSettings
     from workflow_scripts.core.section_settings import EvaluationSettings
     from workflow_scripts.core.settings import TrainingSettings
 
@@ -103,18 +106,23 @@ class Task(Protocol):
     variant_keys: frozenset[str]
     metrics: tuple[str, ...]
 
-    def check_variant(self, variant: Mapping[str, Any]) -> dict[str, Any]: ...
+    # The variant typed once by the stage (core.entry_settings.VariantSettings), with the task's own checks
+    # (and its defaults filled), read by attribute below.
+    def check_variant(self, variant: VariantSettings) -> VariantSettings: ...
+
+    # The variant as pretokenise's cache key, its ``templates`` record and the manifests have always held it.
+    def variant_record(self, variant: VariantSettings) -> dict[str, Any]: ...
 
     dropped_reason: str
 
     def tokenised_features(self): ...  # datasets.Features of tokenise_batch's columns
 
-    def tokenise_batch(self, batch: Mapping[str, list], *, tokenizer, variant: Mapping[str, Any],
+    def tokenise_batch(self, batch: Mapping[str, list], *, tokenizer, variant: VariantSettings,
                        max_length: int, task_meta: Mapping[str, Any]) -> dict[str, list]: ...
 
     def record_mapper(self, settings: Mapping[str, Any], key: str): ...  # data.rows.RecordMapper / FieldsMapper
 
-    def tokenise_meta(self, variant: Mapping[str, Any], task_meta: Mapping[str, Any], *,
+    def tokenise_meta(self, variant: VariantSettings, task_meta: Mapping[str, Any], *,
                       tokenizer=None) -> dict[str, Any]: ...
 
     # None, or the task's own normalisation of a raw directory (see the module docstring).
@@ -137,7 +145,7 @@ class Task(Protocol):
 
     def loss_module(self, peft_model: nn.Module) -> nn.Module: ...
 
-    def evaluate(self, model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict], metric: str,
+    def evaluate(self, model, tokenizer, variant: VariantSettings, rows: Sequence[dict], metric: str,
                  evaluation: "EvaluationSettings", device: torch.device) -> EvaluationResult: ...
 
     # Optional: tasks that can predict a split without gold (the ``predict`` stage, unlabelled splits) set it.

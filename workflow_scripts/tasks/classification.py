@@ -20,8 +20,10 @@ finite, non-zero gradient).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import types
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -32,7 +34,7 @@ from workflow_scripts.tasks import templates
 from workflow_scripts.tasks.base import EvaluationResult, Predictions
 
 if TYPE_CHECKING:
-    from workflow_scripts.core.entry_settings import DatasetSettings
+    from workflow_scripts.core.entry_settings import DatasetSettings, VariantSettings
     from torch import nn
 
     from workflow_scripts.core.settings import TrainingSettings
@@ -162,9 +164,9 @@ def model_kwargs(label_names: Sequence[str]) -> dict[str, Any]:
             "label2id": {name: i for i, name in enumerate(label_names)}}
 
 
-def class_weight_vector(variant: Mapping[str, Any], label_names: Sequence[str]) -> list[float] | None:
+def class_weight_vector(variant: "VariantSettings", label_names: Sequence[str]) -> list[float] | None:
     """The variant's class weights by class id; an unlisted class weighs 1.0 (as scikit-learn's ``class_weight``)."""
-    weights = variant.get("class_weights")
+    weights = variant.class_weights
     if weights is None:
         return None
     unknown = sorted(set(weights) - set(label_names))
@@ -173,7 +175,7 @@ def class_weight_vector(variant: Mapping[str, Any], label_names: Sequence[str]) 
     return [float(weights.get(name, 1.0)) for name in label_names]
 
 
-def encode(tokenizer, variant: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], max_length: int) -> list[dict]:
+def encode(tokenizer, variant: "VariantSettings", rows: Sequence[Mapping[str, Any]], max_length: int) -> list[dict]:
     """Per row: ``input_ids``, ``pair_start`` (first token of the second segment, -1 if none), ``truncated``, ``dropped``.
 
     Rows are encoded whole first and only the over-long ones again with truncation, so ``truncated``
@@ -182,7 +184,7 @@ def encode(tokenizer, variant: Mapping[str, Any], rows: Sequence[Mapping[str, An
     """
     if not rows:
         return []
-    template = variant.get("input", DEFAULT_INPUT)
+    template = variant.input or DEFAULT_INPUT
     texts = [templates._render(template, row, "input") for row in rows]
     pairs = None
     if "text_pair" not in templates.template_fields(template):
@@ -481,25 +483,30 @@ class ClassificationTask:
         "(no labels=) and Hugging Face evaluate's f1 average over the classes present in gold or predictions instead, "
         "which is higher when a class is neither.")
 
-    def check_variant(self, variant: Mapping[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(variant) - self.variant_keys)
-        if unknown:
-            raise WorkflowError(f"variant keys {unknown} are not used by classification (known: {sorted(self.variant_keys)})")
-        template = variant.get("input", DEFAULT_INPUT)
-        if not isinstance(template, str):
-            raise WorkflowError(f"variant input: expected a template string, got {type(template).__name__}")
+    def check_variant(self, variant: "VariantSettings") -> "VariantSettings":
+        """The typed variant with its input template's fields checked, the default template filled and the
+        class weights' labels as strings."""
+        template = variant.input if variant.input is not None else DEFAULT_INPUT
         try:
             fields = templates.template_fields(template)
         except ValueError as error:
             raise WorkflowError(f"variant input template {template!r}: {error}") from None
         if "text" not in fields or set(fields) & set(GOLD_FIELDS):
             raise WorkflowError(f"variant input template {template!r} must show {{text}} and never {{label}} (the gold)")
-        weights = variant.get("class_weights")
-        if weights is not None and (not isinstance(weights, dict) or not all(
-                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0 for w in weights.values())):
-            raise WorkflowError(f"variant class_weights: expected a mapping label -> positive number, got {weights!r:.80}")
+        weights = variant.class_weights
+        if weights is not None and not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0 for w in weights.values()):
+            raise WorkflowError(f"variant class_weights: expected a mapping label -> positive number, got {dict(weights)!r:.80}")
         # Keys as strings, as labels are (YAML reads ``0: 2.0`` with an int key; the JSON argument would not).
-        return {"input": template, "class_weights": {str(k): w for k, w in weights.items()} if weights is not None else None}
+        return dataclasses.replace(variant, input=template, class_weights=None if weights is None else
+                                   types.MappingProxyType({str(k): w for k, w in weights.items()}))
+
+    def variant_record(self, variant: "VariantSettings") -> dict[str, Any]:
+        """The variant as pretokenise's cache key, its ``templates`` record and the manifests hold it (the input
+        template, and the class weights or None), as they have always been written."""
+        checked = self.check_variant(variant)
+        weights = checked.class_weights
+        return {"input": checked.input, "class_weights": None if weights is None else dict(weights)}
 
     gold_field = "label"  # an unlabelled split's rows carry label None (normalise checks the source holds none)
 
@@ -530,7 +537,7 @@ class ClassificationTask:
                          "label": Value("int32"), "length": Value("int32"), "truncated": Value("bool"),
                          "dropped": Value("bool")})
 
-    def tokenise_batch(self, batch: Mapping[str, list], *, tokenizer, variant: Mapping[str, Any], max_length: int,
+    def tokenise_batch(self, batch: Mapping[str, list], *, tokenizer, variant: "VariantSettings", max_length: int,
                        task_meta: Mapping[str, Any]) -> dict[str, list]:
         """Columns of :meth:`tokenised_features`; ``task_meta["labels"]`` is the label set (class id = its index)."""
         labels = task_meta["labels"]
@@ -546,18 +553,18 @@ class ClassificationTask:
                 "length": [len(e["input_ids"]) for e in encoded], "truncated": [e["truncated"] for e in encoded],
                 "dropped": [e["dropped"] for e in encoded]}
 
-    def tokenise_meta(self, variant: Mapping[str, Any], task_meta: Mapping[str, Any], *, tokenizer=None) -> dict[str, Any]:
+    def tokenise_meta(self, variant: "VariantSettings", task_meta: Mapping[str, Any], *, tokenizer=None) -> dict[str, Any]:
         """What train needs beside the token ids (for ``tokenise_meta.json``): classes and class weights."""
         labels = task_meta["labels"]
         return {"label_names": list(labels), "num_labels": len(labels),
                 "class_weights": class_weight_vector(self.check_variant(variant), labels)}
 
-    def check_config_variant(self, name: str, variant: Mapping[str, Any], datasets: Mapping[str, Mapping]) -> None:
+    def check_config_variant(self, name: str, variant: "VariantSettings", datasets: Mapping[str, "DatasetSettings"]) -> None:
         """At parse time: the variant's keys and template, and its fields in every classification dataset."""
         from workflow_scripts.core.errors import ConfigError
 
         checked = self.check_variant(variant)
-        fields = set(templates.template_fields(checked["input"]))
+        fields = set(templates.template_fields(checked.input))
         for ds_name, dataset in datasets.items():
             available = {"id", "text"} | ({"text_pair"} if dataset.fields.get("text_pair") else set()) \
                 | set(dataset.extra_fields)
@@ -640,7 +647,7 @@ class ClassificationTask:
         records = []
         for row, pred in zip(rows, predicted):  # text: the rendered input, as the model saw it
             pair = {"text_pair": row["text_pair"]} if row.get("text_pair") is not None else {}
-            records.append({"id": row["id"], "text": templates._render(variant["input"], row, "input"), **pair,
+            records.append({"id": row["id"], "text": templates._render(variant.input, row, "input"), **pair,
                             "predicted": pred, "parsed": True})
         return Predictions(records, "predicted", {"labels": names})
 

@@ -52,6 +52,7 @@ and evaluation alike.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -62,7 +63,7 @@ from workflow_scripts.tasks.base import EvaluationResult
 from workflow_scripts.tasks.templates import token_ids
 
 if TYPE_CHECKING:
-    from workflow_scripts.core.entry_settings import DatasetSettings
+    from workflow_scripts.core.entry_settings import DatasetSettings, VariantSettings
     import torch
     from torch import nn
 
@@ -79,7 +80,6 @@ REJECTION_REASONS = {
     "turn_order": "the turns are out of order: a system message only first, then user and assistant alternating "
                   "from a user turn, ending with an assistant turn",
 }
-WHOLE = {"extractor": {"type": "whole"}}  # the gold is the whole assistant message
 
 
 # --- normalise -------------------------------------------------------------------------------------
@@ -345,13 +345,13 @@ def label_conversations(tokenizer, conversations: Sequence[Sequence[Mapping[str,
     return out
 
 
-def row_conversation(row: Mapping[str, Any], variant: Mapping[str, Any]) -> list[dict]:
+def row_conversation(row: Mapping[str, Any], variant: "VariantSettings") -> list[dict]:
     if not row.get("messages"):
         raise WorkflowError(f"row id {row.get('id')!r}: no messages; re-run normalise for task conversation")
-    return with_system_prompt(row["messages"], variant.get("system_prompt"))
+    return with_system_prompt(row["messages"], variant.system_prompt)
 
 
-def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: Mapping[str, Any],
+def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: "VariantSettings",
                    max_length: int) -> dict[str, list]:
     """Batched map function: label the assistant turns, cut from the end, drop rows with no target left."""
     variant = check_variant(variant)
@@ -395,7 +395,7 @@ def generate_from_ids(model, tokenizer, prompts: Sequence[Sequence[int]], stop_i
     return outputs
 
 
-def evaluate(model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict], metric: str,
+def evaluate(model, tokenizer, variant: "VariantSettings", rows: Sequence[dict], metric: str,
              evaluation: "EvaluationSettings", device: torch.device) -> EvaluationResult:
     if metric not in metrics.STRING_METRICS:
         raise WorkflowError(f"metric {metric!r} is not a conversation metric (known: {list(metrics.STRING_METRICS)})")
@@ -410,8 +410,11 @@ def evaluate(model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict],
     outputs = generate_from_ids(model, tokenizer, prompts, stop_ids, evaluation.batch_size,
                                 evaluation.max_new_tokens, device)
     golds = [{"id": row["id"], "answers": [row["messages"][-1]["content"]]} for row in rows]
+    from workflow_scripts.core.entry_settings import ExtractorSettings, VariantSettings
+
+    whole_message = VariantSettings("whole_message", "generation", extractor=ExtractorSettings("whole"))  # the gold
     records, score, unparseable = generation.score_outputs(golds, [item.prompt_text for item in labelled], outputs,
-                                                           WHOLE, metric)
+                                                           whole_message, metric)
     config = generation.greedy_generation_config(evaluation.max_new_tokens, stop_ids, tokenizer.pad_token_id)
     return EvaluationResult(records, score, unparseable, {
         "decoding": "greedy", "generation_config": generation.recorded_decoding(config),
@@ -420,18 +423,20 @@ def evaluate(model, tokenizer, variant: Mapping[str, Any], rows: Sequence[dict],
 
 
 # --- the task --------------------------------------------------------------------------------------------
-def check_variant(variant: Any) -> dict[str, Any]:
-    """The variant with its default filled (``system_prompt``: None keeps each conversation's own)."""
-    if not isinstance(variant, Mapping):
-        raise WorkflowError(f"argument --variant: expected a JSON object, got {type(variant).__name__}")
-    unknown = sorted(set(variant) - set(VARIANT_KEYS))
-    if unknown:
-        raise WorkflowError(f"variant keys {unknown} are not used by conversation (known: {list(VARIANT_KEYS)})")
-    system_prompt = variant.get("system_prompt")
+def check_variant(variant: "VariantSettings") -> "VariantSettings":
+    """The typed variant with its system prompt stripped (``system_prompt``: None keeps each conversation's
+    own); a blank one is refused."""
+    system_prompt = variant.system_prompt
     if not (system_prompt is None or system_prompt is False or (isinstance(system_prompt, str) and system_prompt.strip())):
         raise WorkflowError(f"variant system_prompt: expected a non-empty string (replace or add the system message), "
                             f"false (remove it) or null (keep each conversation's own), got {system_prompt!r:.60}")
-    return {"system_prompt": system_prompt.strip() if isinstance(system_prompt, str) else system_prompt}
+    return dataclasses.replace(variant, system_prompt=system_prompt.strip() if isinstance(system_prompt, str)
+                               else system_prompt)
+
+
+def variant_record(variant: "VariantSettings") -> dict[str, Any]:
+    """The variant as pretokenise's cache key, its ``templates`` record and the manifests hold it."""
+    return {"system_prompt": check_variant(variant).system_prompt}
 
 
 def probe_tokenizer(tokenizer) -> str:
@@ -449,7 +454,7 @@ PROBE_TURNS = (("user", "probe first question"), ("assistant", "probe first answ
                ("user", "probe second question"), ("assistant", "probe second answer"))
 
 
-def dropped_turn(tokenizer, variant: Mapping[str, Any]) -> tuple[str, str] | None:
+def dropped_turn(tokenizer, variant: "VariantSettings") -> tuple[str, str] | None:
     """``(the turn the chat template drops, the rendering)`` for a probe conversation as the variant shows it
     (its ``system_prompt`` added or removed), else None; spacing ignored, as templates may trim.
 
@@ -458,7 +463,7 @@ def dropped_turn(tokenizer, variant: Mapping[str, Any]) -> tuple[str, str] | Non
     With ``system_prompt`` null the probe has no system turn (each conversation's own is kept, unseen here).
     """
     probe = with_system_prompt([{"role": role, "content": text} for role, text in PROBE_TURNS],
-                               check_variant(variant)["system_prompt"])
+                               check_variant(variant).system_prompt)
     rendered = render(tokenizer, probe, False)
     flat = " ".join(rendered.split())
     for index, turn in enumerate(probe):
@@ -481,10 +486,13 @@ class ConversationTask:
     dropped_reason = "no assistant token left after truncation to max_length"
     normalise_source = None  # raw records go through record_mapper
 
-    def check_variant(self, variant: Mapping[str, Any]) -> dict[str, Any]:
+    def check_variant(self, variant: "VariantSettings") -> "VariantSettings":
         return check_variant(variant)
 
-    def check_config_variant(self, name: str, variant: Mapping[str, Any], datasets: Mapping[str, Mapping]) -> None:
+    def variant_record(self, variant: "VariantSettings") -> dict[str, Any]:
+        return variant_record(variant)
+
+    def check_config_variant(self, name: str, variant: "VariantSettings", datasets: Mapping[str, "DatasetSettings"]) -> None:
         """At parse time: the variant's value, and each conversation dataset's role and key mapping."""
         try:
             check_variant(variant)
@@ -545,7 +553,7 @@ class ConversationTask:
             raise PreflightError("conversation_tokenizer", str(error), "see the message; the task's labels depend "
                                  "on the chat template (tasks/conversation.py)") from None
 
-    def dropped_chat_turn(self, tokenizer, variant: Mapping[str, Any]) -> tuple[str, str] | None:
+    def dropped_chat_turn(self, tokenizer, variant: "VariantSettings") -> tuple[str, str] | None:
         """The gate's chat_prompt check (preflight_checks.check_chat_prompt): every turn is rendered."""
         return dropped_turn(tokenizer, variant)
 

@@ -15,7 +15,7 @@ from workflow_scripts.tasks import metrics, templates
 from workflow_scripts.tasks.base import EvaluationResult, Predictions
 
 if TYPE_CHECKING:
-    from workflow_scripts.core.entry_settings import DatasetSettings
+    from workflow_scripts.core.entry_settings import DatasetSettings, VariantSettings
     import torch
     from torch import nn
 
@@ -24,18 +24,23 @@ if TYPE_CHECKING:
 VARIANT_KEYS = ("prompt", "target", "extractor", "chat_template")
 
 
-def check_variant(variant: Any) -> dict[str, Any]:
-    """The variant with defaults filled; unknown keys refused."""
-    if not isinstance(variant, dict) or not {"prompt", "target"} <= set(variant):
-        raise WorkflowError("argument --variant: needs a JSON object with at least 'prompt' and 'target'")
-    unknown = set(variant) - set(VARIANT_KEYS)
-    if unknown:
-        raise WorkflowError(f"argument --variant: unknown keys {sorted(unknown)} (known: {list(VARIANT_KEYS)})")
-    return {"extractor": {"type": "whole"}, "chat_template": False, **variant}
+def check_variant(variant: "VariantSettings") -> "VariantSettings":
+    """The typed variant (the schema has refused unknown keys and filled the extractor); it must have
+    both templates, as a variant typed for another task has not."""
+    if variant.prompt is None or variant.target is None:
+        raise WorkflowError(f"argument --variant: a {variant.task} variant, but this task needs 'prompt' and 'target'")
+    return variant
+
+
+def variant_record(variant: "VariantSettings") -> dict[str, Any]:
+    """The variant as pretokenise's cache key, its ``templates`` record and the manifests hold it: the
+    mapping the rules pass (``to_dict()``) with the extractor and chat_template defaults first, as the
+    records have always been written (changing it would re-tokenise every finished run)."""
+    return {"extractor": {"type": "whole"}, "chat_template": False, **variant.to_dict()}
 
 
 
-def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: Mapping[str, Any], max_length: int) -> dict[str, list]:
+def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: "VariantSettings", max_length: int) -> dict[str, list]:
     """Batched map function: render, tokenise prompt and target separately, mask, truncate."""
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
     prompts = [templates.render_prompt(variant, row, tokenizer) for row in rows]
@@ -124,7 +129,7 @@ def recorded_decoding(config) -> dict:
             and key not in ("transformers_version", "generation_kwargs")}
 
 
-def generate(model, tokenizer, variant: Mapping[str, Any], prompts: Sequence[str], batch_size: int,
+def generate(model, tokenizer, variant: "VariantSettings", prompts: Sequence[str], batch_size: int,
              max_new_tokens: int, device: torch.device) -> list[str]:
     """Greedy continuations of ``prompts``, batched by similar length, returned in input order."""
     import torch
@@ -164,7 +169,7 @@ def is_parsed(metric: str, extracted: str | None) -> bool:
 
 
 def prediction_records(rows: Sequence[dict], prompts: Sequence[str], outputs: Sequence[str],
-                       variant: Mapping[str, Any], metric: str) -> list[dict]:
+                       variant: "VariantSettings", metric: str) -> list[dict]:
     """Per-example predictions, unscored: ``{id, prompt, raw_output, extracted, auxiliary, parsed}``."""
     records = []
     for row, prompt, output in zip(rows, prompts, outputs, strict=True):
@@ -190,7 +195,7 @@ def score_records(rows: Sequence[dict], predicted: Sequence[dict], metric: str) 
 
 
 def score_outputs(rows: Sequence[dict], prompts: Sequence[str], outputs: Sequence[str],
-                  variant: Mapping[str, Any], metric: str) -> tuple[list[dict], float, int]:
+                  variant: "VariantSettings", metric: str) -> tuple[list[dict], float, int]:
     """Per-example prediction records, the corpus score and the number of unparseable outputs."""
     return score_records(rows, prediction_records(rows, prompts, outputs, variant, metric), metric)
 
@@ -207,8 +212,11 @@ class GenerationTask:
     dropped_reason = "no target token left after truncation to max_length"
     normalise_source = None  # raw records go through record_mapper
 
-    def check_variant(self, variant: Mapping[str, Any]) -> dict[str, Any]:
+    def check_variant(self, variant: "VariantSettings") -> "VariantSettings":
         return check_variant(variant)
+
+    def variant_record(self, variant: "VariantSettings") -> dict[str, Any]:
+        return variant_record(variant)
 
     def tokenised_features(self):
         from datasets import Features, List, Value
@@ -221,7 +229,7 @@ class GenerationTask:
     def tokenise_batch(self, batch, *, tokenizer, variant, max_length, task_meta=None):
         return tokenise_batch(batch, tokenizer=tokenizer, variant=variant, max_length=max_length)
 
-    def check_config_variant(self, name: str, variant: Mapping[str, Any], datasets: Mapping[str, Mapping]) -> None:
+    def check_config_variant(self, name: str, variant: "VariantSettings", datasets: Mapping[str, "DatasetSettings"]) -> None:
         check_config_variant(name, variant, datasets)
 
     def record_mapper(self, settings: "DatasetSettings", key: str) -> RecordMapper:
@@ -257,7 +265,7 @@ class GenerationTask:
         """The LoRA settings as the config gives them: a text model needs no rewriting."""
         return refuse_vision_keys(lora)
 
-    def render_prompt(self, tokenizer, variant: Mapping[str, Any], row: Mapping[str, Any]) -> str:
+    def render_prompt(self, tokenizer, variant: "VariantSettings", row: Mapping[str, Any]) -> str:
         """The prompt as training and evaluation render it (the gate's chat_prompt check renders a probe row)."""
         return templates.render_prompt(variant, row, tokenizer)
 
@@ -295,7 +303,7 @@ class GenerationTask:
         return EvaluationResult(records, score, unparseable, predicted.details)
 
 
-def check_config_variant(name: str, variant: Mapping[str, Any], datasets: Mapping[str, "DatasetSettings"]) -> None:
+def check_config_variant(name: str, variant: "VariantSettings", datasets: Mapping[str, "DatasetSettings"]) -> None:
     """At parse time: the extractor, the templates' syntax, their fields in every dataset, no gold in the prompt."""
     from workflow_scripts.core.errors import ConfigError
     from workflow_scripts.core.experiment_config import dataset_fields, gold_fields
@@ -309,15 +317,15 @@ def check_config_variant(name: str, variant: Mapping[str, Any], datasets: Mappin
         if dataset.task == "vision_language" and "image" not in dataset.fields:
             raise ConfigError(f"datasets.{ds_name}.fields", "a vision_language dataset needs fields.image: the "
                               "source field with its image (a path, {bytes, path} or bytes)")
-    if variant["extractor"]["type"] == "section" and not variant["extractor"].get("marker"):
+    if variant.extractor.type == "section" and not variant.extractor.marker:
         raise ConfigError(f"{key}.extractor.marker", "a section extractor needs the final task's marker")
     fields = {}
     for part in ("prompt", "target"):
         try:
-            fields[part] = templates.template_fields(variant[part])
+            fields[part] = templates.template_fields(getattr(variant, part))
         except ValueError as error:
             raise ConfigError(f"{key}.{part}", str(error)) from None
-        if not fields[part] and not variant[part].strip():
+        if not fields[part] and not getattr(variant, part).strip():
             raise ConfigError(f"{key}.{part}", f"the {part} is empty for every row; write a template such as "
                               + ("'Question: {question}'" if part == "prompt" else "' {answer}'"))
     for ds_name, dataset in datasets.items():

@@ -41,7 +41,7 @@ teaches nothing). The gate refuses a batch whose masked share is far from ``mask
 
 Model: ``AutoModelForMaskedLM``, trained with LoRA (continued pretraining of a pretrained masked LM) or,
 with ``training.finetune: full``, whole (pretraining from scratch with ``model.initialise: random``); a
-variant naming those keys is pointed to the training settings. The PEFT task type is None: PEFT has no
+variant naming those keys is pointed to the training settings (``VariantSettings.parse``). The PEFT task type is None: PEFT has no
 masked-LM task type, and TOKEN_CLS would wrap a token-classification forward and mark a
 ``classifier`` to save. A plain ``PeftModel`` forwards to the model unchanged; the MLM head is
 pretrained (its decoder tied to the input embeddings), so it is not in ``modules_to_save`` unless
@@ -67,7 +67,7 @@ from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.tasks.base import EvaluationResult
 
 if TYPE_CHECKING:
-    from workflow_scripts.core.entry_settings import DatasetSettings
+    from workflow_scripts.core.entry_settings import DatasetSettings, VariantSettings
     import torch
     from torch import nn
 
@@ -85,30 +85,17 @@ EVAL_MASK_RATE = 0.15
 EVAL_MASK_SEED = 1515
 
 
-# Keys that ask how the model trains: training settings, not variant keys (named in the refusal).
-FULL_TRAINING_KEYS = ("finetune", "full_finetune", "from_scratch", "pretrain_from_scratch")
+def check_variant(variant: "VariantSettings") -> "VariantSettings":
+    """The typed variant: the schema has checked ``mask_rate`` (0 < rate < 1), ``whole_word`` and ``grouping``
+    and refused any other key (how the model trains, e.g. ``finetune``, is a training setting): nothing is left
+    to check here."""
+    return variant
 
 
-def check_variant(variant: Any) -> dict[str, Any]:
-    if not isinstance(variant, Mapping):
-        raise WorkflowError(f"argument --variant: needs a JSON object with keys among {sorted(VARIANT_DEFAULTS)}")
-    asked = [key for key in FULL_TRAINING_KEYS if key in variant]
-    if asked:  # any value: a variant's 'lora' here would be ignored while training.finetune decides
-        raise WorkflowError(f"variant key '{asked[0]}': how the model trains is a training setting, not a variant "
-                            "key; set training.finetune: full (and model.initialise: random to pretrain from "
-                            "scratch) under training:, or under the variant's training: block")
-    unknown = set(variant) - set(VARIANT_DEFAULTS)
-    if unknown:
-        raise WorkflowError(f"argument --variant: unknown keys {sorted(unknown)} (known: {sorted(VARIANT_DEFAULTS)})")
-    checked = {**VARIANT_DEFAULTS, **variant}
-    rate = checked["mask_rate"]
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < 1:
-        raise WorkflowError(f"variant key 'mask_rate': must be a number between 0 and 1 (exclusive), got {rate!r}")
-    if not isinstance(checked["whole_word"], bool):
-        raise WorkflowError(f"variant key 'whole_word': must be true or false, got {checked['whole_word']!r}")
-    if checked["grouping"] not in GROUPINGS:
-        raise WorkflowError(f"variant key 'grouping': must be one of {list(GROUPINGS)}, got {checked['grouping']!r}")
-    return {**checked, "mask_rate": float(rate)}
+def variant_record(variant: "VariantSettings") -> dict[str, Any]:
+    """The variant as pretokenise's cache key, its ``templates`` record (read back by :meth:`MaskedLMTask.collator`)
+    and the manifests hold it: every key with its default, as they have always been written."""
+    return {**VARIANT_DEFAULTS, **variant.to_dict(), "mask_rate": float(variant.mask_rate)}
 
 
 # Tokenising ---------------------------------------------------------------------------------------
@@ -158,7 +145,7 @@ def _flat_columns(encodings, special_ids: np.ndarray):
     return ids, special, word_start, starts, lengths
 
 
-def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: Mapping[str, Any], max_length: int) -> dict[str, list]:
+def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: "VariantSettings", max_length: int) -> dict[str, list]:
     """Batched map function over ``{id, text}`` rows (see the module docstring for the groupings)."""
     check_tokenizer(tokenizer)
     variant = check_variant(variant)
@@ -168,12 +155,12 @@ def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: Mapping[str
     line_ids, texts = list(batch["id"]), list(batch["text"])
     encodings = _encode(tokenizer, texts, None)
     truncated = [len(e.ids) > max_length for e in encodings]
-    if variant["grouping"] == "lines" and any(truncated):  # rare: re-encode only the long lines, cut
+    if variant.grouping == "lines" and any(truncated):  # rare: re-encode only the long lines, cut
         long = [k for k, cut in enumerate(truncated) if cut]
         for k, encoding in zip(long, _encode(tokenizer, [texts[k] for k in long], max_length)):
             encodings[k] = encoding
     ids, special, word_start, starts, lengths = _flat_columns(encodings, np.asarray(tokenizer.all_special_ids))
-    if variant["grouping"] == "lines":
+    if variant.grouping == "lines":
         spans = [(int(s), int(s + n), line_ids[k], truncated[k]) for k, (s, n) in enumerate(zip(starts, lengths))]
     elif specials == 0:
         raise WorkflowError("grouping 'blocks' separates lines by the tokenizer's special tokens, but it adds none; "
@@ -193,7 +180,7 @@ def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: Mapping[str
         out["truncated"].append(was_cut)
         # Nothing to mask, or a block's short remainder (blocks are exactly max_length, as group_texts).
         out["dropped"].append(bool(special[begin:end].all())
-                              or (variant["grouping"] == "blocks" and end - begin < max_length))
+                              or (variant.grouping == "blocks" and end - begin < max_length))
     return out
 
 
@@ -511,8 +498,11 @@ class MaskedLMTask:
     evaluation_training_keys = ("max_length",)
     dropped_reason = "only special tokens, or the short remainder of a map batch in 'blocks' grouping"
 
-    def check_variant(self, variant: Mapping[str, Any]) -> dict[str, Any]:
+    def check_variant(self, variant: "VariantSettings") -> "VariantSettings":
         return check_variant(variant)
+
+    def variant_record(self, variant: "VariantSettings") -> dict[str, Any]:
+        return variant_record(variant)
 
     def tokenised_features(self):
         from datasets import Features, List, Value
@@ -527,14 +517,14 @@ class MaskedLMTask:
         # task_meta (normalise's findings) holds nothing masked LM needs: lines carry no labels.
         return tokenise_batch(batch, tokenizer=tokenizer, variant=variant, max_length=max_length)
 
-    def tokenise_meta(self, variant: Mapping[str, Any], task_meta: Mapping[str, Any], *, tokenizer=None) -> dict[str, Any]:
+    def tokenise_meta(self, variant: "VariantSettings", task_meta: Mapping[str, Any], *, tokenizer=None) -> dict[str, Any]:
         """The mask token's id for the collator (tokenise_meta.json): train never loads the tokenizer."""
         if tokenizer is None:
             raise WorkflowError("masked_lm needs the tokenizer to record its mask token; pretokenise passes it")
         check_tokenizer(tokenizer)
         return {"mask_token_id": tokenizer.mask_token_id}
 
-    def check_config_variant(self, name: str, variant: Mapping[str, Any], datasets: Mapping[str, Mapping]) -> None:
+    def check_config_variant(self, name: str, variant: "VariantSettings", datasets: Mapping[str, "DatasetSettings"]) -> None:
         """At parse time: the variant's keys and values (a masked LM variant names no data field)."""
         self.check_variant(variant)
 
@@ -568,12 +558,15 @@ class MaskedLMTask:
         return None  # nothing to size or add: the collator pads and masks with the tokenizer's own ids
 
     def collator(self, meta: Mapping[str, Any], vocab_size: int, *, seed: int) -> MaskingCollator:
-        variant = check_variant(meta["variant"] if "variant" in meta else meta["templates"])
+        from workflow_scripts.core.entry_settings import VariantSettings
+
+        recorded = meta["variant"] if "variant" in meta else meta["templates"]  # pretokenise's variant_record
+        variant = check_variant(VariantSettings.from_record(recorded, self.name))
         if meta.get("mask_token_id") is None:
             raise WorkflowError("tokenise_meta.json has no mask_token_id; rerun pretokenise for the masked_lm task")
         return MaskingCollator(pad_token_id=meta["pad_token_id"], mask_token_id=meta["mask_token_id"],
                                vocab_size=vocab_size, tokenizer_vocab_size=meta["vocab_size"],
-                               mask_rate=variant["mask_rate"], whole_word=variant["whole_word"], seed=seed)
+                               mask_rate=variant.mask_rate, whole_word=variant.whole_word, seed=seed)
 
     def loss_module(self, peft_model: nn.Module) -> nn.Module:
         from workflow_scripts.tasks.masked_lm_loss import MaskedTokenLoss

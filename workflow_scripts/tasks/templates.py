@@ -1,6 +1,7 @@
 """Prompt variants are data: a prompt template, a target template and an answer extractor.
 
-A variant is the dict from the config: ``{prompt, target, extractor: {type, marker}, chat_template}``.
+A variant is its typed settings (``core.entry_settings.VariantSettings``: ``prompt``, ``target``,
+``extractor.type``/``.marker``, ``chat_template``), read by attribute.
 Training (pretokenise) and evaluation both go through these functions, so the prompt a model is
 scored on is byte for byte the prompt it was trained on.
 """
@@ -9,9 +10,12 @@ from __future__ import annotations
 import re
 import string
 from functools import lru_cache
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from workflow_scripts.core.errors import WorkflowError
+
+if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import VariantSettings
 
 #: The fields that hold the gold answers: a prompt must never show them (or anything derived from them).
 TARGET_FIELDS = ("answer", "answers")
@@ -99,10 +103,10 @@ def require_chat_template(tokenizer) -> None:
         )
 
 
-def render_prompt(variant: Mapping[str, Any], row: Mapping[str, Any], tokenizer=None) -> str:
+def render_prompt(variant: "VariantSettings", row: Mapping[str, Any], tokenizer=None) -> str:
     """The prompt text; with ``chat_template`` it is wrapped as one user turn plus the generation prompt."""
-    text = _render(variant["prompt"], row, "prompt")
-    if not variant.get("chat_template", False):
+    text = _render(variant.prompt, row, "prompt")
+    if not variant.chat_template:
         return text
     require_chat_template(tokenizer)
     return tokenizer.apply_chat_template(
@@ -110,28 +114,28 @@ def render_prompt(variant: Mapping[str, Any], row: Mapping[str, Any], tokenizer=
     )
 
 
-def probe_row(variant: Mapping[str, Any]) -> dict[str, Any]:
+def probe_row(variant: "VariantSettings") -> dict[str, Any]:
     """A row for checking how a variant's prompt renders: each field its prompt names holds a distinct text,
     and one image (for vision_language; other tasks never read it)."""
     return {"id": "gate-probe", "images": [b"probe image"],
-            **{name: f"probe {name} text" for name in template_fields(variant["prompt"])}}
+            **{name: f"probe {name} text" for name in template_fields(variant.prompt)}}
 
 
 def missing_prompt_text(render: Callable[[Any, Mapping[str, Any], Mapping[str, Any]], str], tokenizer,
-                        variant: Mapping[str, Any]) -> tuple[str, str] | None:
+                        variant: "VariantSettings") -> tuple[str, str] | None:
     """``(prompt text, rendered prompt)`` when the chat-templated prompt does not contain the prompt's own text
     (spacing ignored: templates may trim), else None. ``render(tokenizer, variant, row)`` is the task's."""
     row = probe_row(variant)
-    text = _render(variant["prompt"], row, "prompt")
+    text = _render(variant.prompt, row, "prompt")
     rendered = render(tokenizer, variant, row)
     if " ".join(text.split()) in " ".join(rendered.split()):
         return None
     return text, rendered
 
 
-def render_target(variant: Mapping[str, Any], row: Mapping[str, Any]) -> str:
+def render_target(variant: "VariantSettings", row: Mapping[str, Any]) -> str:
     """The training target (without eos; pretokenise appends the tokenizer's eos token)."""
-    return _render(variant["target"], row, "target")
+    return _render(variant.target, row, "target")
 
 
 def token_ids(tokenizer, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
@@ -150,13 +154,13 @@ def token_ids(tokenizer, texts: Sequence[str], add_special_tokens: bool) -> list
                      return_token_type_ids=False)["input_ids"]
 
 
-def encode_prompts(tokenizer, variant: Mapping[str, Any], prompts: Sequence[str]) -> list[list[int]]:
+def encode_prompts(tokenizer, variant: "VariantSettings", prompts: Sequence[str]) -> list[list[int]]:
     """Token ids of rendered prompts, exactly as training saw them.
 
     Plain prompts get the tokenizer's own special tokens (e.g. a BOS); chat-templated prompts
     already contain them, so adding them again would double the BOS.
     """
-    add_special = not variant.get("chat_template", False)
+    add_special = not variant.chat_template
     return token_ids(tokenizer, prompts, add_special)
 
 
@@ -169,20 +173,19 @@ def encode_targets(tokenizer, targets: Sequence[str]) -> list[list[int]]:
     return [list(target) + eos for target in ids]
 
 
-def extract_answer(variant: Mapping[str, Any], text: str) -> tuple[str | None, str | None]:
+def extract_answer(variant: "VariantSettings", text: str) -> tuple[str | None, str | None]:
     """(final answer, auxiliary section) from a model's output.
 
     ``whole``: the whole output, stripped; ``section``: the text after the last ``marker``, with the
     text before it as the auxiliary section. The answer is None (unparseable) when the marker is
     missing or the answer is empty.
     """
-    extractor = variant.get("extractor") or {"type": "whole"}
-    kind = extractor.get("type", "whole")
+    kind = variant.extractor.type
     if kind == "whole":
         answer = text.strip()
         return (answer or None), None
     if kind == "section":
-        marker = extractor.get("marker")
+        marker = variant.extractor.marker
         if not marker:
             raise WorkflowError("extractor type 'section' needs a marker (e.g. 'Task 2:')")
         before, found, after = text.rpartition(marker)
@@ -199,12 +202,12 @@ def extract_answer(variant: Mapping[str, Any], text: str) -> tuple[str | None, s
 ROW_TEMPLATE_KEYS = ("prompt", "input")
 
 
-def check_row_templates(variant: Mapping[str, Any], rows: Sequence[dict], data_dir: str, split: str) -> None:
+def check_row_templates(variant: "VariantSettings", rows: Sequence[dict], data_dir: str, split: str) -> None:
     """Every field the variant's row templates name must be in every row, checked before the model loads
     (evaluate, predict, training's validation metric); the message names the data, split and row as
     pretokenise's does."""
     for key in ROW_TEMPLATE_KEYS:
-        template = variant.get(key)
+        template = getattr(variant, key)
         if not isinstance(template, str):
             continue
         names = template_fields(template)  # the task's check_variant already refused bad syntax

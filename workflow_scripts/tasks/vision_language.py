@@ -25,20 +25,21 @@ from workflow_scripts.tasks import generation, templates
 from workflow_scripts.tasks.base import Predictions
 
 if TYPE_CHECKING:
-    from workflow_scripts.core.entry_settings import DatasetSettings
+    from workflow_scripts.core.entry_settings import DatasetSettings, VariantSettings
     from torch import nn
 
 VARIANT_KEYS = generation.VARIANT_KEYS + ("images",)
 
 
-def check_variant(variant: Any) -> dict[str, Any]:
-    if not isinstance(variant, dict):
-        raise WorkflowError("argument --variant: needs a JSON object with at least 'prompt' and 'target'")
-    images = variant.get("images", True)
-    if not isinstance(images, bool):
-        raise WorkflowError(f"argument --variant: 'images' must be true or false, got {images!r}")
-    text_part = generation.check_variant({k: v for k, v in variant.items() if k != "images"})
-    return {**text_part, "images": images}
+def check_variant(variant: "VariantSettings") -> "VariantSettings":
+    """Generation's templates; ``images`` (default true) the schema has checked."""
+    return generation.check_variant(variant)
+
+
+def variant_record(variant: "VariantSettings") -> dict[str, Any]:
+    """Generation's record of the templates, then ``images`` (pretokenise's cache key: see generation's)."""
+    templates_only = {key: value for key, value in variant.to_dict().items() if key != "images"}
+    return {"extractor": {"type": "whole"}, "chat_template": False, **templates_only, "images": variant.images}
 
 
 # --- normalise: generation's mapping plus the image field, decoded once and stored as bytes ---
@@ -119,16 +120,16 @@ def open_images(blobs: Sequence[bytes]):
     return opened
 
 
-def render_prompt(tokenizer, variant: Mapping[str, Any], row: Mapping[str, Any]) -> str:
+def render_prompt(tokenizer, variant: "VariantSettings", row: Mapping[str, Any]) -> str:
     """The prompt text with one image placeholder per image of the row (none for the text-only control):
     before the prompt, or with ``chat_template`` inside the user turn, where the model's chat format puts it.
 
     With ``chat_template`` the user turn's content is always a list of typed parts, also without an image:
     VLM templates (SmolVLM/Idefics3, llava-1.5-hf) iterate ``content`` as parts and render a plain string
     as nothing, which would train and score the text-only control without its question."""
-    count = len(row.get("images") or []) if variant["images"] else 0
-    text = templates.render_prompt({**variant, "chat_template": False}, row)
-    if not variant.get("chat_template", False):
+    count = len(row.get("images") or []) if variant.images else 0
+    text = templates._render(variant.prompt, row, "prompt")
+    if not variant.chat_template:
         return processor_for(tokenizer).image_token * count + "\n" + text if count else text
     templates.require_chat_template(tokenizer)
     content = [{"type": "image"}] * count + [{"type": "text", "text": text}]
@@ -137,20 +138,20 @@ def render_prompt(tokenizer, variant: Mapping[str, Any], row: Mapping[str, Any])
 
 
 def encode_prompt(processor, tokenizer, variant, prompt: str, blobs: Sequence[bytes]) -> list[int]:
-    if not variant["images"] or not blobs:
+    if not variant.images or not blobs:
         return templates.encode_prompts(tokenizer, variant, [prompt])[0]
     encoded = processor(text=[prompt], images=[open_images(blobs)],
-                        add_special_tokens=not variant.get("chat_template", False))
+                        add_special_tokens=not variant.chat_template)
     return list(encoded["input_ids"][0])
 
 
-def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: Mapping[str, Any], max_length: int) -> dict[str, list]:
-    processor = processor_for(tokenizer) if variant["images"] else None
+def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: "VariantSettings", max_length: int) -> dict[str, list]:
+    processor = processor_for(tokenizer) if variant.images else None
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
     targets = templates.encode_targets(tokenizer, [templates.render_target(variant, row) for row in rows])
     out = {name: [] for name in ("id", "input_ids", "labels", "length", "truncated", "dropped", "images")}
     for row, target in zip(rows, targets):
-        blobs = list(row["images"]) if variant["images"] else []
+        blobs = list(row["images"]) if variant.images else []
         prompt = encode_prompt(processor, tokenizer, variant, render_prompt(tokenizer, variant, row), blobs)
         full = len(prompt) + len(target)
         # Image tokens sit in the prompt: a row whose prompt fills max_length is dropped, never cut.
@@ -217,7 +218,7 @@ def generate(model, tokenizer, variant, rows, prompts, batch_size: int, max_new_
 
     from workflow_scripts.tasks.vision_language_loss import IMAGE_INPUTS
 
-    processor = processor_for(tokenizer) if variant["images"] else None
+    processor = processor_for(tokenizer) if variant.images else None
     stop_ids = generation.stop_token_ids(tokenizer, model)
     tokenizer.padding_side = "left"
     config = generation.greedy_generation_config(max_new_tokens, stop_ids, tokenizer.pad_token_id)
@@ -225,11 +226,11 @@ def generate(model, tokenizer, variant, rows, prompts, batch_size: int, max_new_
     with torch.no_grad(), generation.decoding_with(model, config):
         for start in range(0, len(rows), batch_size):
             index = list(range(start, min(start + batch_size, len(rows))))
-            encoded = [encode_prompt(processor, tokenizer, variant, prompts[i], rows[i]["images"] if variant["images"] else [])
+            encoded = [encode_prompt(processor, tokenizer, variant, prompts[i], rows[i]["images"] if variant.images else [])
                        for i in index]
             padded = tokenizer.pad({"input_ids": encoded}, padding=True, return_tensors="pt")
             inputs = {"input_ids": padded["input_ids"].to(device), "attention_mask": padded["attention_mask"].to(device)}
-            if variant["images"]:
+            if variant.images:
                 processed = processor.image_processor([open_images(rows[i]["images"]) for i in index], return_tensors="pt") \
                     if _takes_nested(processor) else processor.image_processor(
                         [image for i in index for image in open_images(rows[i]["images"])], return_tensors="pt")
@@ -267,8 +268,11 @@ class VisionLanguageTask(generation.GenerationTask):
 
         return IMAGE_REASONS
 
-    def check_variant(self, variant):
+    def check_variant(self, variant: "VariantSettings") -> "VariantSettings":
         return check_variant(variant)
+
+    def variant_record(self, variant: "VariantSettings") -> dict[str, Any]:
+        return variant_record(variant)
 
     def tokenised_features(self):
         from datasets import Features, List, Value
@@ -286,14 +290,14 @@ class VisionLanguageTask(generation.GenerationTask):
         return render_prompt(tokenizer, variant, row)
 
     def check_config_variant(self, name, variant, datasets) -> None:
-        generation.check_config_variant(name, {k: v for k, v in variant.items() if k != "images"}, datasets)
+        generation.check_config_variant(name, variant, datasets)
 
     def record_mapper(self, settings, key):
         return ImageRecordMapper(settings, key)
 
     def tokenise_meta(self, variant, task_meta, *, tokenizer=None) -> dict[str, Any]:
         """The image processor's settings, so the collator can make pixel values without the model directory."""
-        if not variant["images"]:
+        if not variant.images:
             return {"image_processor": None}
         settings = processor_for(tokenizer).image_processor.to_dict()
         return {"image_processor": {k: v for k, v in settings.items() if not k.startswith("_")}}
@@ -341,7 +345,7 @@ class VisionLanguageTask(generation.GenerationTask):
     def predict(self, model, tokenizer, variant, rows, metric, evaluation, device) -> Predictions:
         """Generation's predictions, conditioned on each row's images (none for the text-only control)."""
         variant = check_variant(variant)
-        if variant["images"]:
+        if variant.images:
             missing = [row["id"] for row in rows if not row.get("images")]
             if missing:
                 raise WorkflowError(f"rows {missing[:3]}: no image; is this normalise output of a vision_language dataset?")
@@ -351,7 +355,7 @@ class VisionLanguageTask(generation.GenerationTask):
         decoding = generation.recorded_decoding(generation.greedy_generation_config(
             evaluation.max_new_tokens, generation.stop_token_ids(tokenizer, model), tokenizer.pad_token_id))
         return Predictions(generation.prediction_records(rows, prompts, outputs, variant, metric), "extracted",
-                           {"decoding": "greedy", "generation_config": decoding, "images": variant["images"]})
+                           {"decoding": "greedy", "generation_config": decoding, "images": variant.images})
 
     # evaluate: generation's (check the rows, self.predict, score the records).
 

@@ -18,6 +18,7 @@ from workflow_scripts.model import memory_estimate
 from workflow_scripts.model.parameter_names import lora_parameters, named_parameters, strip_wrapper_prefix, unwrap
 
 if TYPE_CHECKING:
+    from workflow_scripts.core.entry_settings import VariantSettings
     from workflow_scripts.core.settings import TrainingSettings
 
 
@@ -253,22 +254,27 @@ def check_batch(batch: Mapping[str, Any], device: torch.device, vocab_size: int)
     return f"{input_ids.shape[0]} rows x {input_ids.shape[1]} tokens"
 
 
-def check_chat_prompt(task, tokenizer, variant: Mapping[str, Any] | None) -> str | None:
+def check_chat_prompt(task, tokenizer, recorded: Mapping[str, Any] | None) -> str | None:
     """A variant rendered through the tokenizer's chat template still shows the prompt's own text.
 
     A template can drop the user's content without an error: VLM templates (SmolVLM/Idefics3, llava-1.5-hf)
     read ``content`` as a list of typed parts and render a plain string as nothing, so the model would be
     trained and scored without its question. The task's ``render_prompt(tokenizer, variant, row)`` renders
-    a probe row whose fields hold distinct texts. None when the task or variant uses no chat template.
+    a probe row whose fields hold distinct texts. ``recorded``: the variant as pretokenise recorded it
+    (``tokenise_meta.json`` ``templates``), typed here. None when the task or variant uses no chat template.
     """
     from workflow_scripts.tasks import templates
 
-    if hasattr(task, "dropped_chat_turn"):  # conversation: always rendered through the chat template
-        return _check_chat_turns(task, tokenizer, variant)
-    render = getattr(task, "render_prompt", None)
-    if render is None or not variant or not variant.get("chat_template", False):
+    if recorded is None:
         return None
-    variant = task.check_variant(dict(variant))
+    if hasattr(task, "dropped_chat_turn"):  # conversation: always rendered through the chat template
+        return _check_chat_turns(task, tokenizer, _typed_variant(task, recorded))
+    render = getattr(task, "render_prompt", None)
+    if render is None or not recorded:
+        return None
+    variant = _typed_variant(task, recorded)
+    if not variant.chat_template:
+        return None
     missing = templates.missing_prompt_text(render, tokenizer, variant)
     name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
     if missing is not None:
@@ -281,13 +287,16 @@ def check_chat_prompt(task, tokenizer, variant: Mapping[str, Any] | None) -> str
     return f"the chat template of {name} keeps the prompt's text ({task.name}, probe row)"
 
 
-def _check_chat_turns(task, tokenizer, variant: Mapping[str, Any] | None) -> str | None:
+def _typed_variant(task, recorded: Mapping[str, Any]) -> "VariantSettings":
+    from workflow_scripts.core.entry_settings import VariantSettings
+
+    return task.check_variant(VariantSettings.from_record(dict(recorded), task.name))
+
+
+def _check_chat_turns(task, tokenizer, variant: "VariantSettings") -> str | None:
     """A task whose rows are conversations: its ``dropped_chat_turn(tokenizer, variant)`` renders a probe
     conversation as the variant shows it; refused when a turn's content (e.g. the variant's system prompt)
     is not in the rendering."""
-    if variant is None:
-        return None
-    variant = task.check_variant(dict(variant))
     name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
     try:
         dropped = task.dropped_chat_turn(tokenizer, variant)
@@ -297,11 +306,11 @@ def _check_chat_turns(task, tokenizer, variant: Mapping[str, Any] | None) -> str
     if dropped is not None:
         what, rendered = dropped
         raise PreflightError(
-            "chat_prompt", f"the chat template of {name} renders the probe conversation of variant {variant} as "
+            "chat_prompt", f"the chat template of {name} renders the probe conversation of variant {task.variant_record(variant)} as "
             f"{rendered!r}, without {what}, so the model would be trained and scored without it",
             "use a model whose chat template renders every turn's content (a template without a system role "
             "needs the variant's system_prompt: false)")
-    return f"the chat template of {name} renders every turn ({task.name}, probe conversation of variant {variant})"
+    return f"the chat template of {name} renders every turn ({task.name}, probe conversation of variant {task.variant_record(variant)})"
 
 
 def check_train_mode(model: nn.Module) -> str:

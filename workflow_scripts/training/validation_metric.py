@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from workflow_scripts.core.entry_settings import VariantSettings
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.core.section_settings import EvaluationSettings
 from workflow_scripts.training import distributed, training_setup
@@ -44,7 +45,7 @@ class ValidationMetric:
     """What scoring needs beside the model: the task, its tokenizer, the variant and the decoding settings."""
     task: Any
     tokenizer: Any
-    variant: dict
+    variant: VariantSettings
     evaluation: EvaluationSettings
     sources: list[MetricSource]
 
@@ -77,7 +78,8 @@ def open_metric(text: str | None, settings: ValidationSettings, model_dir: str,
     try:
         spec = json.loads(text)
         task = task_named(spec["task"], "argument --validation-metric: task")
-        variant = task.check_variant(spec["variant"])
+        variant = task.check_variant(VariantSettings.parse(spec["variant"], task.name, source="--validation-metric",
+                                                           key="variant"))
         evaluation = {**spec["evaluation"], "split": "validation", "max_examples": examples, "gpus": 0}
         datasets = [(entry["name"], entry["data"], entry["metric"]) for entry in spec["datasets"]]
     except (json.JSONDecodeError, KeyError, TypeError) as error:
