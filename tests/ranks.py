@@ -170,6 +170,12 @@ def start(target: Callable[[], int | None], world_size: int = 2, local_world_siz
     return Ranks(pids, logs, directory)
 
 
+def run(target: Callable[[], int | None], world_size: int = 2, timeout: float = 240,
+        local_world_size: int | None = None) -> list[RankResult]:
+    """``target()`` on ``world_size`` forked ranks, to their end (see :meth:`Ranks.wait`)."""
+    return start(target, world_size, local_world_size).results(timeout)
+
+
 def start_stage(main: Callable[[Sequence[str]], int | None], argv: Sequence[str], world_size: int = 2,
                 before: Callable[[], None] | None = None, local_world_size: int | None = None) -> Ranks:
     """A stage's ``main(argv)`` on ``world_size`` forked ranks, as ``core.errors.run_main`` runs it under

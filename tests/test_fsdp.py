@@ -12,7 +12,9 @@
 - the gate passes under fsdp; bf16 trains through MixedPrecisionPolicy; a world of one shards too;
 - what FSDP cannot run is refused naming training.strategy.
 
-Process start-up (torch, transformers) dominates the time: 3 two-process runs.
+The uninterrupted 2-process run is two gloo ranks forked from this process (tests/ranks.py); the killed run
+goes through torchrun and its resume through the workflow's launcher, exactly as the rules start them, and
+must end bit-identical to the forked run.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import pytest
 import torch
 from torch import nn
 
+import ranks
 from conftest import build_tiny_tokenised, tiny_training_settings, training_json
 from test_train import REPO, adapter, log_rows, subprocess_env, train_argv, wait_for
 from test_train_ddp_resume import torchrun
@@ -68,8 +71,10 @@ def one_process(tmp_path_factory, tiny_model_dir, tiny_tokenised_dir):
 
 @pytest.fixture(scope="module")
 def fsdp_two(tmp_path_factory, tiny_model_dir, tiny_tokenised_dir):
+    """The uninterrupted 2-process FSDP run: two gloo ranks forked from this process."""
     out = tmp_path_factory.mktemp("fsdp-2p")
-    run_train(out, tiny_model_dir, tiny_tokenised_dir, settings("fsdp", 2))
+    ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(out, tiny_model_dir, tiny_tokenised_dir,
+                                                                  settings("fsdp", 2)), timeout=300))
     return out
 
 
@@ -209,8 +214,9 @@ def test_fsdp_validation_with_fewer_batches_than_ranks_matches_one_process(tmp_p
         training = settings(strategy, processes, max_steps=4, validation=checks)
         if processes == 1:
             assert train.main(train_argv(out, tiny_model_dir, data, training)) == 0
-        else:
-            run_train(out, tiny_model_dir, data, training)
+        else:  # two gloo ranks forked from this process; ranks out of step hang until the timeout fails them
+            ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(out, tiny_model_dir, data, training),
+                                                   timeout=180))
         losses.append([r["validation_loss"] for r in log_rows(out) if "validation_loss" in r])
     assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-4)
     kept = [adapter(tmp_path / strategy) for strategy in ("ddp", "fsdp")]

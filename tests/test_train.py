@@ -119,9 +119,9 @@ def slow_micro_steps():
     training_setup.micro_step = slowed
 
 
-def start_slow_argv(argv: list[str], world_size: int = 1) -> ranks.Ranks:
+def start_slow_argv(argv: list[str], world_size: int = 1, local_world_size: int | None = None) -> ranks.Ranks:
     """The train stage with ``argv`` in ``world_size`` ranks forked from this process, each micro-step slowed."""
-    return ranks.start_stage(train.main, argv, world_size, before=slow_micro_steps)
+    return ranks.start_stage(train.main, argv, world_size, before=slow_micro_steps, local_world_size=local_world_size)
 
 
 def start_slow(out, model_dir, data_dir, settings) -> ranks.Ranks:
