@@ -154,13 +154,18 @@ def uninterrupted(tmp_path_factory, tiny_model_dir, tiny_tokenised_dir, resume_s
     return out
 
 
-def finish(out, model_dir, data_dir, settings) -> str:
-    """The train stage in this process, to its end; what it printed."""
+def train_here(argv: list[str]) -> str:
+    """The train stage with ``argv`` in this process, to its end; what it printed."""
     torch.set_num_threads(1)  # as in the forked ranks (a module fixture may run before the autouse one)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert train.main(train_argv(out, model_dir, data_dir, settings)) == 0
+        assert train.main(argv) == 0
     return printed.getvalue()
+
+
+def finish(out, model_dir, data_dir, settings) -> str:
+    """The train stage in this process, to its end; what it printed."""
+    return train_here(train_argv(out, model_dir, data_dir, settings))
 
 
 def assert_same_run(out, reference):
