@@ -1,4 +1,8 @@
-"""Two gloo processes, signalled mid-run as SLURM does before a time limit, resume to the same adapter."""
+"""Two gloo processes, signalled mid-run as SLURM does before a time limit, resume to the same adapter.
+
+The DDP family's run through torchrun: the signalled run and its resume are torchrun's workers, as the rules
+start them; the uninterrupted reference is two ranks forked from this process (tests/ranks.py), which the
+resumed run must match bit for bit."""
 import json
 import signal
 import subprocess
@@ -7,8 +11,10 @@ import time
 
 import torch
 
+import ranks
 from conftest import tiny_training_settings
 from test_train import REPO, adapter, log_rows, subprocess_env, train_argv
+from workflow_scripts import train
 from workflow_scripts.training import checkpointing
 
 
@@ -23,9 +29,8 @@ def test_two_process_run_signalled_and_resumed_matches_uninterrupted(tmp_path, t
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     train_module = ["-m", "workflow_scripts.train"]
 
-    done = subprocess.run(torchrun(train_module + train_argv(reference, tiny_model_dir, tiny_tokenised_dir, settings)),
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(reference, tiny_model_dir, tiny_tokenised_dir,
+                                                                  settings)))
 
     slowed = subprocess.Popen(torchrun([str(REPO / "tests" / "slowed_train.py"),
                                         *train_argv(resumed, tiny_model_dir, tiny_tokenised_dir, settings)]),
