@@ -211,15 +211,16 @@ def test_the_config_refuses_any_query_or_user_info_in_the_uri(uri):
 
 
 def test_the_train_rule_passes_the_tracking_block_with_the_run_name(tmp_path):
-    from test_dag import absolute_demo_config, config_file, snakemake
+    from test_dag import absolute_demo_config, config_file
+    from test_dry_run_families import dry_run
 
     config = absolute_demo_config(["chartqa_demo"])
     config["tracking"] = {"mlflow": {"enabled": True, "experiment": "demo"}}
-    code, output = snakemake(tmp_path, "-n", "-p", "--configfile", str(config_file(tmp_path, config)),
-                             "--replace-workflow-config", "--cores", "1", "--until", "train")
+    code, output = dry_run(tmp_path, "-n", "-p", "--configfile", str(config_file(tmp_path, config)),
+                           "--replace-workflow-config", "--cores", "1", "--until", "train")
     assert code == 0, output
     assert '"run_name": "tiny-llama/chartqa_demo/baseline/seed1"' in output and '"experiment": "demo"' in output
     config["tracking"]["mlflow"]["tracking_uri"] = f"https://bob:{SECRET}@mlflow.example.org"
-    code, output = snakemake(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)),
-                             "--replace-workflow-config", "--cores", "1")
+    code, output = dry_run(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)),
+                           "--replace-workflow-config", "--cores", "1")
     assert code != 0 and "tracking.mlflow.tracking_uri" in output and SECRET not in output

@@ -265,7 +265,8 @@ def test_the_config_accepts_the_metric_and_a_mixture_of_one_metric():
 
 
 def test_the_train_rule_gets_the_normalised_data_and_the_argument_only_when_the_metric_is_on(tmp_path):
-    from test_dag import ROOT, config_file, snakemake
+    from test_dag import ROOT, config_file
+    from test_dry_run_families import dry_run
 
     config = mixture_config()
     for name in list(config["datasets"]):
@@ -274,8 +275,8 @@ def test_the_train_rule_gets_the_normalised_data_and_the_argument_only_when_the_
     config["variants"]["baseline"]["training"] = {"validation": {"every_steps": 5, "metric_examples": 3}}
     config["comparison"]["intended_differences"] = ["training.validation.every_steps",
                                                     "training.validation.metric_examples"]
-    code, output = snakemake(tmp_path, "-n", "-p", "--configfile", str(config_file(tmp_path, config)),
-                             "--replace-workflow-config", "--cores", "8")
+    code, output = dry_run(tmp_path, "-n", "-p", "--configfile", str(config_file(tmp_path, config)),
+                           "--replace-workflow-config", "--cores", "8")
     assert code == 0, output[-3000:]
     commands = [line for line in output.splitlines() if "workflow_scripts.train " in line]
     with_metric = [line for line in commands if "/baseline/seed1/" in line]
