@@ -1,8 +1,8 @@
 """Two gloo processes, signalled mid-run as SLURM does before a time limit, resume to the same adapter.
 
-The DDP family's run through torchrun: the signalled run and its resume are torchrun's workers, as the rules
-start them; the uninterrupted reference is two ranks forked from this process (tests/ranks.py), which the
-resumed run must match bit for bit."""
+The DDP family's run through torchrun: the signalled run is torchrun's (it hands the signal to both ranks, as
+under SLURM); the uninterrupted reference and the resume are two ranks forked from this process
+(tests/ranks.py), and the resumed run must match the reference bit for bit."""
 import json
 import signal
 import subprocess
@@ -27,7 +27,6 @@ def test_two_process_run_signalled_and_resumed_matches_uninterrupted(tmp_path, t
     settings = tiny_training_settings(max_steps=8, checkpoint_every=100, cpu_processes=2, lora={"dropout": 0.1})
     env = subprocess_env()
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    train_module = ["-m", "workflow_scripts.train"]
 
     ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(reference, tiny_model_dir, tiny_tokenised_dir,
                                                                   settings)))
@@ -48,10 +47,9 @@ def test_two_process_run_signalled_and_resumed_matches_uninterrupted(tmp_path, t
     assert json.loads((path / "state.json").read_text())["world_size"] == 2  # both ranks' RNG states
     assert not (resumed / "adapter").exists()
 
-    finished = subprocess.run(torchrun(train_module + train_argv(resumed, tiny_model_dir, tiny_tokenised_dir, settings)),
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    assert f"resumed from {path}" in finished.stdout
+    finished = ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(resumed, tiny_model_dir,
+                                                                             tiny_tokenised_dir, settings)))
+    assert f"resumed from {path}" in finished
     ours, theirs = adapter(resumed), adapter(reference)
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), name
