@@ -86,6 +86,7 @@ class Ranks:
     def __init__(self, pids: list[int], logs: list[Path], directory: tempfile.TemporaryDirectory):
         self.pids, self.logs, self._directory = pids, logs, directory
         self.codes: dict[int, int] = {}
+        self._parent = os.getpid()
 
     @property
     def returncode(self) -> int | None:
@@ -144,6 +145,8 @@ class Ranks:
         return results
 
     def __del__(self):  # a test that failed half-way leaves no rank running
+        if os.getpid() != self._parent:  # a copy inherited by a later fork: not that process's ranks
+            return
         try:
             self.kill()
         except Exception:  # noqa: BLE001 - interpreter shutdown
