@@ -328,22 +328,18 @@ def test_rules_call_evaluate_and_compare_with_arguments_they_accept(tmp_path):
     """A dry run of the default config: every evaluate/compare command line parses with the scripts' CLI."""
     import shlex
     import shutil
-    import subprocess
-    import sys
     from pathlib import Path
 
+    from test_dry_run_families import dry_run
     from workflow_scripts import evaluate
 
     root = Path(__file__).resolve().parent.parent
     (tmp_path / "config").mkdir()
     shutil.copy(root / "config" / "config.yaml", tmp_path / "config" / "config.yaml")
     (tmp_path / "demo_data").symlink_to(root / "demo_data")
-    result = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(root / "Snakefile"), "-d", str(tmp_path), "-n", "-p",
-         "results/comparison.md"], capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    commands = [line.removeprefix("Shell command: ") for line in result.stdout.splitlines()
+    code, output = dry_run(tmp_path, "-n", "-p", "results/comparison.md")  # snakemake in a fork of this process
+    assert code == 0, output
+    commands = [line.removeprefix("Shell command: ") for line in output.splitlines()
                 if line.startswith("Shell command: python -m workflow_scripts.")]
     parsed = {"evaluate": [], "compare": []}
     for command in commands:
@@ -364,8 +360,8 @@ def test_rules_call_evaluate_and_compare_with_arguments_they_accept(tmp_path):
     assert len(json.loads(arguments.experiments)) == 12 * seeds
     assert arguments.normalise_reports == sorted({f"results/data/{item[-1]}/normalise_report.json"
                                                   for item in json.loads(arguments.experiments)})
-    assert "results/plots/scores_tiny-llama_amr_demo.png" in result.stdout and "results/plots/loss_tiny-llama_ocrvqa_demo.png" in result.stdout
-    assert "results/plots/scores_tiny-llava_shapes_demo.png" in result.stdout
+    assert "results/plots/scores_tiny-llama_amr_demo.png" in output and "results/plots/loss_tiny-llama_ocrvqa_demo.png" in output
+    assert "results/plots/scores_tiny-llava_shapes_demo.png" in output
 
 
 @pytest.mark.parametrize(

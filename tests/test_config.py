@@ -159,12 +159,13 @@ def test_answer_derived_fields_stay_allowed_in_the_target():
 
 
 def test_a_prompt_showing_the_gold_stops_a_snakemake_dry_run(tmp_path):
-    from test_dag import absolute_demo_config, config_file, snakemake
+    from test_dag import absolute_demo_config, config_file
+    from test_dry_run_families import dry_run
 
     config = absolute_demo_config(["chartqa_demo"])
     config["variants"]["hinted"] = {"prompt": "Q: {question} hint: {aux}", "target": " {answer}"}
-    code, output = snakemake(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)),
-                             "--replace-workflow-config", "--cores", "1")
+    code, output = dry_run(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)),
+                           "--replace-workflow-config", "--cores", "1")
     assert code != 0
     assert ("config: config key 'variants.hinted.prompt': shows field 'aux', which in dataset 'chartqa_demo' is derived "
             "from the gold answer (aux = answer_kind(answer)), " + LEAK_FIX % "aux") in output
@@ -307,12 +308,13 @@ def test_a_variant_changing_a_compared_training_key_is_refused_before_any_job():
 
 
 def test_an_unfair_variant_stops_a_snakemake_dry_run(tmp_path):
-    from test_dag import absolute_demo_config, config_file, snakemake
+    from test_dag import absolute_demo_config, config_file
+    from test_dry_run_families import dry_run
 
     config = absolute_demo_config(["chartqa_demo"])
     config["variants"]["mtup"]["training"] = {"max_length": 256}
-    code, output = snakemake(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)),
-                             "--replace-workflow-config", "--cores", "1")
+    code, output = dry_run(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)),
+                           "--replace-workflow-config", "--cores", "1")
     assert code != 0 and UNFAIR in output and "Job stats" not in output
 
 

@@ -258,24 +258,19 @@ def test_a_hub_model_is_estimated_only_once_prepared_here(tmp_path):
                                       # GPU ranks' host memory (issue 23, point 3): 8 x 3 GiB over 16000 MB
                                       {"mem_mb": 16000, "gpus": 8, "effective_batch": 128}])
 def test_snakemake_dry_run_refuses_before_any_job(tmp_path, training):
-    import subprocess
-    import sys
-
     import yaml
 
     from data_helpers import ROOT
+    from test_dry_run_families import dry_run
 
     config = yaml.safe_load(DEMO.read_text())
     for dataset in config["datasets"].values():
         dataset["source"]["path"] = str(ROOT / dataset["source"]["path"])
     config["training"].update(training)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    result = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "-n",
-         "--configfile", str(tmp_path / "config.yaml"), "--replace-workflow-config", "--cores", "1"],
-        capture_output=True, text=True, timeout=600)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
+    code, output = dry_run(tmp_path, "-n", "--configfile", str(tmp_path / "config.yaml"), "--replace-workflow-config",
+                           "--cores", "1")  # snakemake in a fork of this process
+    assert code != 0
     assert "config key 'training.mem_mb': model 'tiny-llama', variant" in output
     assert "Job stats" not in output and "Traceback" not in output
     assert not (tmp_path / "results").exists() and not (tmp_path / "resources").exists()

@@ -95,12 +95,13 @@ def training_arguments(output: str) -> list[dict]:
 
 
 def test_a_dry_run_takes_seeds_and_training_overrides(tmp_path):
-    from test_dag import absolute_demo_config, config_file, snakemake
+    from test_dag import absolute_demo_config, config_file
+    from test_dry_run_families import dry_run
 
-    code, output = snakemake(tmp_path, "-n", "-p", "--configfile",
-                             str(config_file(tmp_path, absolute_demo_config(["amr_demo"]))),
-                             "--replace-workflow-config", "--cores", "1",
-                             "--config", "seeds=[3,4]", "training={max_steps: 17, learning_rate: 2e-4}")
+    code, output = dry_run(tmp_path, "-n", "-p", "--configfile",
+                           str(config_file(tmp_path, absolute_demo_config(["amr_demo"]))),
+                           "--replace-workflow-config", "--cores", "1",
+                           "--config", "seeds=[3,4]", "training={max_steps: 17, learning_rate: 2e-4}")
     assert code == 0, output[-3000:]
     settings = training_arguments(output)
     assert settings and all(s["max_steps"] == 17 and s["learning_rate"] == 2e-4 for s in settings), output[-3000:]
@@ -108,10 +109,11 @@ def test_a_dry_run_takes_seeds_and_training_overrides(tmp_path):
 
 
 def test_a_dry_run_refuses_a_dotted_key_before_any_job(tmp_path):
-    from test_dag import absolute_demo_config, config_file, snakemake
+    from test_dag import absolute_demo_config, config_file
+    from test_dry_run_families import dry_run
 
-    code, output = snakemake(tmp_path, "-n", "--configfile",
-                             str(config_file(tmp_path, absolute_demo_config(["amr_demo"]))),
-                             "--replace-workflow-config", "--cores", "1", "--config", "training.max_steps=10")
+    code, output = dry_run(tmp_path, "-n", "--configfile",
+                           str(config_file(tmp_path, absolute_demo_config(["amr_demo"]))),
+                           "--replace-workflow-config", "--cores", "1", "--config", "training.max_steps=10")
     assert code != 0 and "Job stats" not in output and not (tmp_path / "results").exists()
     assert "Invalid config definition: Config entry must start with a valid identifier." in output, output[-2000:]

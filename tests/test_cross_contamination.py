@@ -3,14 +3,13 @@ the other datasets a run trains on (workflow_scripts/cross_contamination.py), be
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from data_helpers import local_dataset, run_download, run_normalise
+from test_dry_run_families import dry_run
 from test_mixtures import checked, mixture_config
 from workflow_scripts import cross_contamination
 from workflow_scripts.core import experiment_config as xc
@@ -107,12 +106,9 @@ def test_the_gate_of_a_mixture_waits_for_the_check(tmp_path):
         if dataset["source"]["type"] == "local":
             dataset["source"]["path"] = str(ROOT / dataset["source"]["path"])
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    dry = subprocess.run([sys.executable, "-m", "snakemake", "results/tiny-llama/qa_mix/baseline/seed1/sanity.json",
-                          "-n", "-p", "--cores", "2", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path),
-                          "--configfile", str(tmp_path / "config.yaml")],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    output = dry.stdout + dry.stderr
-    assert dry.returncode == 0, output[-3000:]
+    code, output = dry_run(tmp_path, "results/tiny-llama/qa_mix/baseline/seed1/sanity.json", "-n", "-p", "--cores", "2",
+                           "--configfile", str(tmp_path / "config.yaml"))  # snakemake in a fork of this process
+    assert code == 0, output[-3000:]
     assert "rule cross_contamination:" in output and "--settings" in output
     assert ("--train chartqa_demo=results/data/chartqa_demo/normalised --train ocrvqa_demo=results/data/ocrvqa_demo/"
             "normalised --checked chartqa_demo=") in output and "--checked chart_eval=results/data/chart_eval/normalised" in output

@@ -12,7 +12,9 @@
 - the gate passes under fsdp; bf16 trains through MixedPrecisionPolicy; a world of one shards too;
 - what FSDP cannot run is refused naming training.strategy.
 
-Process start-up (torch, transformers) dominates the time: 3 two-process runs.
+The uninterrupted and the killed 2-process runs are two gloo ranks forked from this process (tests/ranks.py);
+the resume goes through the workflow's launcher and torchrun, exactly as the rules start it, and must end
+bit-identical to the forked uninterrupted run.
 """
 from __future__ import annotations
 
@@ -22,14 +24,13 @@ import signal
 import subprocess
 import sys
 
-import psutil
 import pytest
 import torch
 from torch import nn
 
+import ranks
 from conftest import build_tiny_tokenised, tiny_training_settings, training_json
-from test_train import REPO, adapter, log_rows, subprocess_env, train_argv, wait_for
-from test_train_ddp_resume import torchrun
+from test_train import REPO, adapter, log_rows, start_slow_argv, subprocess_env, train_argv, wait_for
 from workflow_scripts import sanity, train
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.training import checkpointing, fsdp
@@ -50,7 +51,7 @@ def settings(strategy: str, processes: int, **overrides) -> dict:
 
 
 def run_train(out, model_dir, data_dir, training: dict) -> str:
-    """The train stage in a subprocess (the launcher starts torchrun for 2 processes); its stdout."""
+    """The train stage as the rules run it, a command (the launcher starts torchrun for 2 processes); its stdout."""
     done = subprocess.run([sys.executable, "-m", "workflow_scripts.train", *train_argv(out, model_dir, data_dir, training)],
                           cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -68,8 +69,10 @@ def one_process(tmp_path_factory, tiny_model_dir, tiny_tokenised_dir):
 
 @pytest.fixture(scope="module")
 def fsdp_two(tmp_path_factory, tiny_model_dir, tiny_tokenised_dir):
+    """The uninterrupted 2-process FSDP run: two gloo ranks forked from this process."""
     out = tmp_path_factory.mktemp("fsdp-2p")
-    run_train(out, tiny_model_dir, tiny_tokenised_dir, settings("fsdp", 2))
+    ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(out, tiny_model_dir, tiny_tokenised_dir,
+                                                                  settings("fsdp", 2)), timeout=300))
     return out
 
 
@@ -110,16 +113,11 @@ def test_fsdp_adapter_is_a_plain_peft_adapter(tiny_model_dir, one_process, fsdp_
 
 @pytest.fixture(scope="module")
 def killed_fsdp_run(tmp_path_factory, tiny_model_dir, tiny_tokenised_dir):
-    """A 2-process FSDP run killed (SIGKILL, every process) after its first checkpoint."""
+    """A 2-process FSDP run (two forked ranks, each micro-step slowed) killed after its first checkpoint
+    (SIGKILL to both ranks: no clean-up, as a node failure)."""
     out = tmp_path_factory.mktemp("fsdp-killed")
-    command = torchrun([str(REPO / "tests" / "slowed_train.py"),
-                        *train_argv(out, tiny_model_dir, tiny_tokenised_dir, settings("fsdp", 2))])
-    process = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = start_slow_argv(train_argv(out, tiny_model_dir, tiny_tokenised_dir, settings("fsdp", 2)), world_size=2)
     wait_for(lambda: (out / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}" / "state.json").exists(), process, 180)
-    # Both ranks (torchrun starts them in sessions of their own), then torchrun: no clean-up, as a node failure.
-    for child in psutil.Process(process.pid).children(recursive=True):
-        child.send_signal(signal.SIGKILL)
     process.send_signal(signal.SIGKILL)
     process.communicate()
     step, path = checkpointing.checkpoints(out / "checkpoints")[-1]
@@ -209,8 +207,9 @@ def test_fsdp_validation_with_fewer_batches_than_ranks_matches_one_process(tmp_p
         training = settings(strategy, processes, max_steps=4, validation=checks)
         if processes == 1:
             assert train.main(train_argv(out, tiny_model_dir, data, training)) == 0
-        else:
-            run_train(out, tiny_model_dir, data, training)
+        else:  # two gloo ranks forked from this process; ranks out of step hang until the timeout fails them
+            ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(out, tiny_model_dir, data, training),
+                                                   timeout=180))
         losses.append([r["validation_loss"] for r in log_rows(out) if "validation_loss" in r])
     assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-4)
     kept = [adapter(tmp_path / strategy) for strategy in ("ddp", "fsdp")]

@@ -1,8 +1,10 @@
 """training.fsdp_mesh: hybrid (HSDP, issue 23 "Slow"): on several nodes FSDP shards within a node and
-replicates across nodes. Simulated here as 2 nodes x 2 gloo processes on one machine: two torchrun
-agents (``--nnodes 2 --node-rank 0|1``, a static rendezvous on 127.0.0.1), each starting 2 processes,
-with the settings ``nodes: 2, cpu_processes: 2``, so torchrun's LOCAL_WORLD_SIZE (2) and WORLD_SIZE (4)
-are those of a real 2-node job and the train stage runs as it would under srun.
+replicates across nodes. Simulated here as 2 nodes x 2 gloo processes on one machine, with the settings
+``nodes: 2, cpu_processes: 2``: LOCAL_WORLD_SIZE 2 and WORLD_SIZE 4, those of a real 2-node job, so the
+train stage runs as it would under srun. Mostly as 4 ranks forked from this process (tests/ranks.py,
+torchrun's worker environment, ranks 0-1 on "node" 0 and 2-3 on "node" 1); the resume of the killed run
+goes through two torchrun agents (``--nnodes 2 --node-rank 0|1``, a static rendezvous on 127.0.0.1), and
+must end bit-identical to the forked run.
 
 - the hybrid run follows the one-process loss curve (the tolerance of tests/test_fsdp.py's 2-process curve);
 - each rank holds 1/2 of the model after rank-0 loading (a node's share), not 1/4 (flat over 4);
@@ -17,13 +19,15 @@ import socket
 import subprocess
 import sys
 
-import psutil
 import pytest
 import torch
 
+import fsdp_loading_memory
+import ranks
 from conftest import tiny_training_settings
 from test_fsdp import STEPS, CHECKPOINT_EVERY, one_process, settings  # noqa: F401 (one_process: a fixture)
-from test_train import REPO, adapter, log_rows, subprocess_env, train_argv, wait_for
+from test_train import REPO, adapter, log_rows, start_slow_argv, subprocess_env, train_argv, wait_for
+from workflow_scripts import train
 from workflow_scripts.core import fsdp_mesh
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.training import checkpointing
@@ -66,8 +70,11 @@ def train_entry(out, model_dir, data_dir, training) -> list[str]:
 
 @pytest.fixture(scope="module")
 def hybrid_run(tmp_path_factory, tiny_model_dir, tiny_tokenised_dir):
+    """The uninterrupted hybrid run: 4 ranks forked from this process, 2 per simulated node."""
     out = tmp_path_factory.mktemp("fsdp-hybrid")
-    run_nodes(train_entry(out, tiny_model_dir, tiny_tokenised_dir, hybrid_settings()))
+    ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(out, tiny_model_dir, tiny_tokenised_dir,
+                                                                  hybrid_settings()),
+                                           world_size=4, local_world_size=2, timeout=300))
     return out
 
 
@@ -90,8 +97,9 @@ def test_each_rank_holds_its_nodes_share_after_loading(tmp_path, tiny_model_dir,
     """Rank-0 loading (set_model_state_dict broadcast_from_rank0) onto the 2-D mesh: every rank ends with
     rank 0's values (the loss curve above) and half the model, a quarter on the flat mesh."""
     training = two_by_two(**({"fsdp_mesh": mesh} if mesh else {}))
-    run_nodes([str(REPO / "tests" / "fsdp_loading_memory.py"), str(tiny_model_dir), str(tiny_model_dir),
-               json.dumps(training.to_dict()), str(tmp_path)])
+    ranks.assert_succeeded(ranks.run(  # 4 ranks forked from this process, 2 per simulated node
+        lambda: fsdp_loading_memory.main(str(tiny_model_dir), str(tiny_model_dir), json.dumps(training.to_dict()),
+                                         str(tmp_path)), world_size=4, local_world_size=2, timeout=300))
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
     for report in reports:
         assert report["world_size"] == 4 and report["sharded"]
@@ -103,17 +111,14 @@ def test_each_rank_holds_its_nodes_share_after_loading(tmp_path, tiny_model_dir,
 
 def test_killed_hybrid_run_resumes_to_the_identical_adapter(tmp_path, tiny_model_dir, tiny_tokenised_dir, hybrid_run):
     out = tmp_path / "killed"
-    entry = [str(REPO / "tests" / "slowed_train.py"),
-             *train_argv(out, tiny_model_dir, tiny_tokenised_dir, hybrid_settings())]
-    processes = start_nodes(entry)
-    wait_for(lambda: (out / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}" / "state.json").exists(), processes[0], 240)
-    for process in processes:  # every worker of both nodes, then the agents: no clean-up, as a failure
-        for child in psutil.Process(process.pid).children(recursive=True):
-            child.send_signal(signal.SIGKILL)
-        process.send_signal(signal.SIGKILL)
-        process.communicate()
+    killed = start_slow_argv(train_argv(out, tiny_model_dir, tiny_tokenised_dir, hybrid_settings()), world_size=4,
+                             local_world_size=2)  # 4 forked ranks, each micro-step slowed
+    wait_for(lambda: (out / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}" / "state.json").exists(), killed, 240)
+    killed.send_signal(signal.SIGKILL)  # every rank of both nodes: no clean-up, as a failure
+    killed.communicate()
     step, _ = checkpointing.checkpoints(out / "checkpoints")[-1]
     assert CHECKPOINT_EVERY <= step < STEPS and not (out / "adapter").exists()
+    # The resume through two torchrun agents, one per simulated node.
     stdout = "".join(run_nodes(train_entry(out, tiny_model_dir, tiny_tokenised_dir, hybrid_settings())))
     assert f"resumed from {out / 'checkpoints' / f'step-{step:08d}'}" in stdout
     ours, theirs = adapter(out), adapter(hybrid_run)

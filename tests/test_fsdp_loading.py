@@ -8,6 +8,10 @@ one layer (its shards, and the one tensor being broadcast); rank 0 also holds th
 which is expected. When every rank loaded the whole model before sharding, rank 1's peak was the
 whole model. That the loss after rank-0 loading is the one-process loss is
 ``tests/test_fsdp.py::test_two_fsdp_processes_follow_the_one_process_loss_curve``.
+
+The measured loading runs under torchrun, in fresh interpreters: a rank forked from this process would
+inherit its heap, and could reuse memory the test process freed without the resident set growing. The
+classification head's check compares values only, on two ranks forked from this process (tests/ranks.py).
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import subprocess
 
 import pytest
 
+import fsdp_classification_head
+import ranks
 from conftest import build_tiny_model, tiny_training_settings
 from test_train import REPO, subprocess_env
 from test_train_ddp_resume import torchrun
@@ -97,10 +103,9 @@ def test_a_classification_head_reaches_every_rank_from_rank0(tmp_path, tiny_mode
     it), PEFT keeps a trainable copy (modules_to_save); the meta-built rank must end with rank 0's values,
     not uninitialised storage. Compared with the same model built unsharded from the same seed."""
     training = tiny_training_settings(strategy="fsdp", cpu_processes=2, micro_batch=2)
-    done = subprocess.run(torchrun([str(REPO / "tests" / "fsdp_classification_head.py"), str(tiny_model_dir),
-                                    json.dumps(training.to_dict()), str(tmp_path)]),
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    ranks.assert_succeeded(ranks.run(  # two gloo ranks forked from this process (tests/ranks.py)
+        lambda: fsdp_classification_head.main(str(tiny_model_dir), json.dumps(training.to_dict()), str(tmp_path)),
+        timeout=300))
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for report in reports:
         names = report["names"]

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import ranks
 from conftest import tiny_training_settings, training_json
 from data_helpers import default_config, run_download, run_normalise
 from test_masked_lm_chain import EVALUATION, FACTS, corpus
 from test_task_gates import CLASSIFIER_MAX_LENGTH, CLASSIFIER_VARIANT, build_classification_data
-from test_train import REPO, log_rows, start_slow, subprocess_env, train_argv, wait_for
+from test_train import log_rows, start_slow, train_argv, wait_for
 from workflow_scripts import evaluate, prepare_model, pretokenise, sanity, train
 from workflow_scripts.analysis import fairness
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
@@ -242,10 +241,8 @@ def one_process(mlm, tmp_path_factory):
 
 def test_one_and_two_gloo_processes_follow_the_same_loss_curve(mlm, one_process, tmp_path):
     model_dir, tokenised, _, _ = mlm
-    done = subprocess.run([sys.executable, "-m", "workflow_scripts.train",
-                           *train_argv(tmp_path, model_dir, tokenised, full_settings(cpu_processes=2))],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    ranks.assert_succeeded(ranks.run_stage(  # two gloo ranks forked from this process (tests/ranks.py)
+        train.main, train_argv(tmp_path, model_dir, tokenised, full_settings(cpu_processes=2)), timeout=300))
     assert json.loads((tmp_path / "run_manifest.json").read_text())["world_size"] == 2
     one, two = [r["loss"] for r in log_rows(one_process)], [r["loss"] for r in log_rows(tmp_path)]
     assert len(one) == STEPS and one == pytest.approx(two, rel=1e-5, abs=1e-6)
@@ -259,7 +256,7 @@ def test_one_and_two_gloo_processes_follow_the_same_loss_curve(mlm, one_process,
 def test_killed_run_resumes_to_the_identical_model(mlm, one_process, tmp_path, capsys):
     model_dir, tokenised, _, _ = mlm
     settings = full_settings()
-    process = start_slow(tmp_path, model_dir, tokenised, settings)  # each micro-step slowed, in a subprocess
+    process = start_slow(tmp_path, model_dir, tokenised, settings)  # each micro-step slowed, in a forked process
     wait_for(lambda: (tmp_path / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}" / "state.json").exists(), process,
              timeout=180)
     process.send_signal(signal.SIGKILL)  # no clean-up, as with an OOM kill or a node failure

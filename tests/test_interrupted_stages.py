@@ -43,14 +43,33 @@ def corpus_inputs(tmp_path_factory):
     data, _ = run_normalise("lines", settings, run_download("lines", settings, tmp), tmp)
     save_tiny_bert(lines[:2000], tmp / "model")
     reference = tmp / "reference" / "tokenised"
-    subprocess.run(command(tmp / "model", data, reference), check=True, cwd=REPO, capture_output=True)
+    pretokenise_here(tmp / "model", data, reference)
     return tmp / "model", data, reference
 
 
+def arguments(model: Path, data: Path, out: Path) -> list[str]:
+    return ["--model", str(model), "--data", str(data), "--task", "masked_lm", "--variant", json.dumps(VARIANT),
+            "--max-length", str(MAX_LENGTH), "--threads", "2", "--out", str(out),
+            "--report", str(out.parent / "report.json")]
+
+
 def command(model: Path, data: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "workflow_scripts.pretokenise", "--model", str(model), "--data", str(data),
-            "--task", "masked_lm", "--variant", json.dumps(VARIANT), "--max-length", str(MAX_LENGTH),
-            "--threads", "2", "--out", str(out), "--report", str(out.parent / "report.json")]
+    """The stage as the rules start it: the run that is stopped, so the signal reaches a process of its own."""
+    return [sys.executable, "-m", "workflow_scripts.pretokenise", *arguments(model, data, out)]
+
+
+def pretokenise_here(model: Path, data: Path, out: Path) -> None:
+    """An uninterrupted run (the reference, and the run after a stopped one) in this process; the tokenizer
+    settings the stage puts in the environment are put back."""
+    saved = {name: os.environ.get(name) for name in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+    try:
+        assert pretokenise.main(arguments(model, data, out)) == 0
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def contents(directory: Path) -> dict[str, bytes]:
@@ -96,7 +115,7 @@ def test_a_stopped_pretokenise_leaves_nothing_after_its_next_run(corpus_inputs, 
     if stop == signal.SIGKILL:  # nothing could clean up: the debris is there until the next run
         assert [p.name for p in out.parent.iterdir() if p.name.startswith(".tokenised.")]
 
-    subprocess.run(command(model, data, out), check=True, cwd=REPO, capture_output=True)
+    pretokenise_here(model, data, out)  # the next run
     assert sorted(p.name for p in out.parent.iterdir()) == ["report.json", "tokenised"]
     assert contents(out) == contents(reference)
 

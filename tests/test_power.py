@@ -154,13 +154,14 @@ def test_compare_marks_an_unresolved_delta_and_repeats_the_achieved_mde(tmp_path
 @pytest.mark.parametrize("evaluate_base", [True, False])
 def test_the_gate_waits_for_the_power_report_of_the_untrained_model(tmp_path, evaluate_base):
     """A dry run for one gate: the power rule (and the untrained model's evaluation it reads) come before sanity."""
-    from test_dag import absolute_demo_config, config_file, job_counts, snakemake
+    from test_dag import absolute_demo_config, config_file, job_counts
+    from test_dry_run_families import dry_run
 
     config = absolute_demo_config(datasets=["chartqa_demo"])
     config["evaluation"]["evaluate_base_model"] = evaluate_base
-    code, output = snakemake(tmp_path, "-n", "-p", "--configfile", str(config_file(tmp_path, config)),
-                             "--replace-workflow-config", "--cores", "2",
-                             "results/tiny-llama/chartqa_demo/baseline/seed1/sanity.json")
+    code, output = dry_run(tmp_path, "-n", "-p", "--configfile", str(config_file(tmp_path, config)),
+                           "--replace-workflow-config", "--cores", "2",
+                           "results/tiny-llama/chartqa_demo/baseline/seed1/sanity.json")
     assert code == 0, output
     counts = job_counts(output)
     if evaluate_base:

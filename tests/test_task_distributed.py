@@ -8,20 +8,20 @@ learnable corpus), both through the real normalise -> pretokenise stages. LoRA d
 and BERT's own dropout too: each micro-batch's randomness must be the same in any process and after
 the resume (masked LM masks come from the seed and the batch's row ids).
 
-Time: process start-up (torch, transformers) dominates; the 2-process runs are the slow part."""
+The 2-process runs are two gloo ranks forked from this process (tests/ranks.py), so no rank pays the imports
+again; the launch through torchrun has its own tests (tests/test_train_ddp_resume.py, tests/test_launcher.py)."""
 from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
+import ranks
 from conftest import tiny_training_settings
 from test_task_gates import CLASSIFIER_MAX_LENGTH, build_classification_data, build_masked_lm_data
-from test_train import REPO, adapter, log_rows, start_slow, subprocess_env, train_argv, wait_for
+from test_train import adapter, log_rows, start_slow, train_argv, wait_for
 from workflow_scripts import train
 from workflow_scripts.training import checkpointing
 
@@ -67,13 +67,11 @@ def one_process(task_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_processes(task_data, tmp_path_factory):
-    """An uninterrupted 2-process run through the workflow's launcher (torchrun, gloo)."""
+    """An uninterrupted 2-process run (gloo): two ranks forked from this process."""
     task, model_dir, tokenised = task_data
     out = tmp_path_factory.mktemp(f"{task}-2p")
-    done = subprocess.run([sys.executable, "-m", "workflow_scripts.train",
-                           *train_argv(out, model_dir, tokenised, settings_for(task, 2))],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(out, model_dir, tokenised, settings_for(task, 2)),
+                                           timeout=300))
     assert json.loads((out / "run_manifest.json").read_text())["world_size"] == 2
     return out
 
@@ -92,7 +90,7 @@ def test_one_and_two_processes_follow_the_same_loss_curve(task_data, one_process
 def test_killed_run_resumes_to_identical_adapter(tmp_path, capsys, task_data, one_process):
     task, model_dir, tokenised = task_data
     settings = settings_for(task, 1)
-    process = start_slow(tmp_path, model_dir, tokenised, settings)  # each micro-step slowed, in a subprocess
+    process = start_slow(tmp_path, model_dir, tokenised, settings)  # each micro-step slowed, in a forked process
     wait_for(lambda: (tmp_path / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}" / "state.json").exists(), process,
              timeout=180)
     process.send_signal(signal.SIGKILL)  # no chance to clean up, as with an OOM kill or node failure

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import build_tiny_tokenised, tiny_training_settings
-from test_train import REPO, SLOW_TRAIN, log_rows, subprocess_env, train_argv, wait_for
+from test_train import REPO, log_rows, subprocess_env, train_argv, train_here, wait_for
 from workflow_scripts import train
 from workflow_scripts.analysis.fairness import flatten
 from workflow_scripts.core.errors import ConfigError, WorkflowError
@@ -95,6 +95,17 @@ def test_params_metrics_and_artifacts_reach_a_local_store(tmp_path, tiny_model_d
     assert not (out / "checkpoints" / trackers.RUN_ID_FILE).exists()  # a forced rerun opens a new run
 
 
+# The killed job: a fresh interpreter, not a rank forked from this process (tests/ranks.py), which would inherit
+# this process's open connections to the same SQLite store (MLflow caches its store).
+SLOW_TRAIN = (
+    # Slows each micro-step so the test can signal the run mid-way; the training code is unchanged.
+    "import sys, time; from workflow_scripts import train; from workflow_scripts.training import training_setup; "
+    "from workflow_scripts.core.errors import run_main; step = training_setup.micro_step; "
+    "training_setup.micro_step = lambda *a, **k: (time.sleep(0.1), step(*a, **k))[1]; "
+    "sys.argv[0] = 'train'; run_main(train.main)"
+)
+
+
 def test_a_killed_run_is_continued_with_each_step_once(tmp_path, tiny_model_dir, data_dir, store):
     out = tmp_path / "out"
     settings = tiny_training_settings(max_steps=10, checkpoint_every=2, lora={"dropout": 0.1})
@@ -109,10 +120,8 @@ def test_a_killed_run_is_continued_with_each_step_once(tmp_path, tiny_model_dir,
     assert killed.info.status == "RUNNING" and first_job == list(range(1, len(first_job) + 1)) and len(first_job) >= 4
     assert (out / "checkpoints" / trackers.RUN_ID_FILE).read_text().strip() == killed.info.run_id
 
-    result = subprocess.run([sys.executable, "-m", "workflow_scripts.train", *argv], cwd=REPO, env=subprocess_env(),
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "resumed from" in result.stdout and f"run {killed.info.run_id}" in result.stdout
+    printed = train_here(argv)  # the requeued job, in this process
+    assert "resumed from" in printed and f"run {killed.info.run_id}" in printed
     client, run = only_run(store, "resume")
     assert run.info.run_id == killed.info.run_id and run.info.status == "FINISHED"
     rows = log_rows(out)
@@ -202,15 +211,16 @@ def test_the_config_refuses_any_query_or_user_info_in_the_uri(uri):
 
 
 def test_the_train_rule_passes_the_tracking_block_with_the_run_name(tmp_path):
-    from test_dag import absolute_demo_config, config_file, snakemake
+    from test_dag import absolute_demo_config, config_file
+    from test_dry_run_families import dry_run
 
     config = absolute_demo_config(["chartqa_demo"])
     config["tracking"] = {"mlflow": {"enabled": True, "experiment": "demo"}}
-    code, output = snakemake(tmp_path, "-n", "-p", "--configfile", str(config_file(tmp_path, config)),
-                             "--replace-workflow-config", "--cores", "1", "--until", "train")
+    code, output = dry_run(tmp_path, "-n", "-p", "--configfile", str(config_file(tmp_path, config)),
+                           "--replace-workflow-config", "--cores", "1", "--until", "train")
     assert code == 0, output
     assert '"run_name": "tiny-llama/chartqa_demo/baseline/seed1"' in output and '"experiment": "demo"' in output
     config["tracking"]["mlflow"]["tracking_uri"] = f"https://bob:{SECRET}@mlflow.example.org"
-    code, output = snakemake(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)),
-                             "--replace-workflow-config", "--cores", "1")
+    code, output = dry_run(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)),
+                           "--replace-workflow-config", "--cores", "1")
     assert code != 0 and "tracking.mlflow.tracking_uri" in output and SECRET not in output

@@ -1,9 +1,13 @@
-"""The train stage: outputs, loss falls, 1 vs 2 processes agree, kill-and-resume is exact, NaN stops."""
+"""The train stage: outputs, loss falls, 1 vs 2 processes agree, kill-and-resume is exact, NaN stops.
+
+The stage runs in this process, or in ranks forked from it (tests/ranks.py: no fresh interpreter pays the
+imports again); the launch through torchrun has its own tests (tests/test_train_ddp_resume.py,
+tests/test_launcher.py)."""
+import contextlib
+import io
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -11,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import ranks
 from conftest import tiny_training_settings, training_json
 from workflow_scripts.training import checkpointing, training_setup
 from workflow_scripts import train
@@ -77,7 +82,8 @@ def test_train_writes_peft_adapter_log_and_manifest(tmp_path, tiny_model_dir, ti
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_one_and_two_processes_follow_the_same_loss_curve(tmp_path, tiny_model_dir, tiny_tokenised_dir, dropout):
-    """Real DDP on CPU (gloo): same effective batch, 1 vs 2 processes, via the workflow's launcher.
+    """Real DDP on CPU (gloo): same effective batch, 1 vs 2 processes (two ranks forked from this one,
+    in torchrun's worker environment).
 
     With LoRA dropout on, each micro-batch's mask is seeded from (seed, step, micro-batch index), so
     both runs draw the same masks; what remains is the order of float sums across ranks (DDP's
@@ -91,10 +97,8 @@ def test_one_and_two_processes_follow_the_same_loss_curve(tmp_path, tiny_model_d
         if processes == 1:  # in this process: no launch needed
             assert train.main(train_argv(out, tiny_model_dir, tiny_tokenised_dir, settings)) == 0
         else:
-            result = subprocess.run([sys.executable, "-m", "workflow_scripts.train",
-                                     *train_argv(out, tiny_model_dir, tiny_tokenised_dir, settings)],
-                                    cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=180)
-            assert result.returncode == 0, result.stderr[-3000:]
+            ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(out, tiny_model_dir, tiny_tokenised_dir,
+                                                                          settings), timeout=180))
         assert json.loads((out / "run_manifest.json").read_text())["world_size"] == processes
         curves.append([r["loss"] for r in log_rows(out)])
         adapters.append(adapter(out))
@@ -103,25 +107,37 @@ def test_one_and_two_processes_follow_the_same_loss_curve(tmp_path, tiny_model_d
         torch.testing.assert_close(adapters[0][name], adapters[1][name], rtol=1e-4, atol=1e-6)
 
 
-SLOW_TRAIN = (
-    # Slows each micro-step so the test can signal the run mid-way; the training code is unchanged.
-    "import sys, time; from workflow_scripts import train; from workflow_scripts.training import training_setup; from workflow_scripts.core.errors import run_main; "
-    "step = training_setup.micro_step; "
-    "training_setup.micro_step = lambda *a, **k: (time.sleep(0.1), step(*a, **k))[1]; "
-    "sys.argv[0] = 'train'; run_main(train.main)"
-)
+def slow_micro_steps():
+    """In a forked rank: each micro-step slowed, so the test can signal the run mid-way; the training code is
+    unchanged."""
+    step = training_setup.micro_step
+
+    def slowed(*args, **kwargs):
+        time.sleep(0.1)
+        return step(*args, **kwargs)
+
+    training_setup.micro_step = slowed
 
 
-def start_slow(out, model_dir, data_dir, settings):
-    return subprocess.Popen([sys.executable, "-c", SLOW_TRAIN, *train_argv(out, model_dir, data_dir, settings)],
-                            cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start_slow_argv(argv: list[str], world_size: int = 1, local_world_size: int | None = None) -> ranks.Ranks:
+    """The train stage with ``argv`` in ``world_size`` ranks forked from this process, each micro-step slowed."""
+    return ranks.start_stage(train.main, argv, world_size, before=slow_micro_steps, local_world_size=local_world_size)
+
+
+def start_slow(out, model_dir, data_dir, settings) -> ranks.Ranks:
+    return start_slow_argv(train_argv(out, model_dir, data_dir, settings))
 
 
 def wait_for(condition, process, timeout=120):
+    """Until ``condition()``; fails if ``process`` (a Popen or forked ranks) ends first or time runs out."""
     deadline = time.time() + timeout
     while not condition():
-        assert process.poll() is None, process.stdout.read()[-3000:]
-        assert time.time() < deadline, "timed out"
+        if process.poll() is not None:
+            raise AssertionError(process.communicate()[0][-3000:] if isinstance(process, ranks.Ranks)
+                                 else process.stdout.read()[-3000:])
+        if time.time() >= deadline:
+            output = process.communicate(timeout=0)[0] if isinstance(process, ranks.Ranks) else ""
+            raise AssertionError(f"timed out\n{output}")
         time.sleep(0.02)
 
 
@@ -134,18 +150,22 @@ def resume_settings():
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, tiny_model_dir, tiny_tokenised_dir, resume_settings):
     out = tmp_path_factory.mktemp("uninterrupted")
-    result = subprocess.run([sys.executable, "-m", "workflow_scripts.train",
-                             *train_argv(out, tiny_model_dir, tiny_tokenised_dir, resume_settings)],
-                            cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
+    finish(out, tiny_model_dir, tiny_tokenised_dir, resume_settings)
     return out
 
 
-def finish(out, model_dir, data_dir, settings):
-    result = subprocess.run([sys.executable, "-m", "workflow_scripts.train", *train_argv(out, model_dir, data_dir, settings)],
-                            cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+def train_here(argv: list[str]) -> str:
+    """The train stage with ``argv`` in this process, to its end; what it printed."""
+    torch.set_num_threads(1)  # as in the forked ranks (a module fixture may run before the autouse one)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert train.main(argv) == 0
+    return printed.getvalue()
+
+
+def finish(out, model_dir, data_dir, settings) -> str:
+    """The train stage in this process, to its end; what it printed."""
+    return train_here(train_argv(out, model_dir, data_dir, settings))
 
 
 def assert_same_run(out, reference):

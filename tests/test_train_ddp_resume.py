@@ -1,4 +1,8 @@
-"""Two gloo processes, signalled mid-run as SLURM does before a time limit, resume to the same adapter."""
+"""Two gloo processes, signalled mid-run as SLURM does before a time limit, resume to the same adapter.
+
+The DDP family's run through torchrun: the signalled run is torchrun's (it hands the signal to both ranks, as
+under SLURM); the uninterrupted reference and the resume are two ranks forked from this process
+(tests/ranks.py), and the resumed run must match the reference bit for bit."""
 import json
 import signal
 import subprocess
@@ -7,8 +11,10 @@ import time
 
 import torch
 
+import ranks
 from conftest import tiny_training_settings
 from test_train import REPO, adapter, log_rows, subprocess_env, train_argv
+from workflow_scripts import train
 from workflow_scripts.training import checkpointing
 
 
@@ -21,11 +27,9 @@ def test_two_process_run_signalled_and_resumed_matches_uninterrupted(tmp_path, t
     settings = tiny_training_settings(max_steps=8, checkpoint_every=100, cpu_processes=2, lora={"dropout": 0.1})
     env = subprocess_env()
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    train_module = ["-m", "workflow_scripts.train"]
 
-    done = subprocess.run(torchrun(train_module + train_argv(reference, tiny_model_dir, tiny_tokenised_dir, settings)),
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(reference, tiny_model_dir, tiny_tokenised_dir,
+                                                                  settings)))
 
     slowed = subprocess.Popen(torchrun([str(REPO / "tests" / "slowed_train.py"),
                                         *train_argv(resumed, tiny_model_dir, tiny_tokenised_dir, settings)]),
@@ -43,10 +47,9 @@ def test_two_process_run_signalled_and_resumed_matches_uninterrupted(tmp_path, t
     assert json.loads((path / "state.json").read_text())["world_size"] == 2  # both ranks' RNG states
     assert not (resumed / "adapter").exists()
 
-    finished = subprocess.run(torchrun(train_module + train_argv(resumed, tiny_model_dir, tiny_tokenised_dir, settings)),
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    assert f"resumed from {path}" in finished.stdout
+    finished = ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(resumed, tiny_model_dir,
+                                                                             tiny_tokenised_dir, settings)))
+    assert f"resumed from {path}" in finished
     ours, theirs = adapter(resumed), adapter(reference)
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), name

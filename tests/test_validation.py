@@ -2,15 +2,14 @@
 import json
 import signal
 from pathlib import Path
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import ranks
 from conftest import build_tiny_tokenised, tiny_training_settings, training_json
-from test_train import REPO, adapter, finish, log_rows, start_slow, subprocess_env, train_argv, wait_for
+from test_train import adapter, finish, log_rows, start_slow, train_argv, wait_for
 from workflow_scripts import sanity, train
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.training import validation
@@ -58,11 +57,8 @@ def test_validation_loss_is_logged_and_the_same_on_one_and_two_processes(tmp_pat
         out = tmp_path / f"p{processes}"
         if processes == 1:
             assert train.main(train_argv(out, tiny_model_dir, data_dir, settings)) == 0
-        else:
-            result = subprocess.run([sys.executable, "-m", "workflow_scripts.train",
-                                     *train_argv(out, tiny_model_dir, data_dir, settings)],
-                                    cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=240)
-            assert result.returncode == 0, result.stderr[-3000:]
+        else:  # two gloo ranks forked from this process (tests/ranks.py)
+            ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(out, tiny_model_dir, data_dir, settings)))
         rows = log_rows(out)
         assert [r["step"] for r in rows if "validation_loss" in r] == [3, 6, 8]  # every 3 steps and the last
         losses.append([r["validation_loss"] for r in rows if "validation_loss" in r])
@@ -166,20 +162,13 @@ def test_two_processes_with_fewer_validation_batches_than_ranks_finish_with_the_
         out = tmp_path / f"p{processes}"
         if processes == 1:
             assert train.main(train_argv(out, tiny_model_dir, data_dir, settings)) == 0
-        else:
-            job = subprocess.Popen([sys.executable, "-m", "workflow_scripts.train",
-                                    *train_argv(out, tiny_model_dir, data_dir, settings)],
-                                   cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True)
+        else:  # two gloo ranks forked from this process (tests/ranks.py); hung ranks are killed at the timeout
+            job = ranks.start_stage(train.main, train_argv(out, tiny_model_dir, data_dir, settings))
             try:
-                output = job.communicate(timeout=90)[0]
-            except subprocess.TimeoutExpired:
-                import psutil
-
-                for process in [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]:
-                    process.kill()  # the launcher, torchrun and both hung ranks (torchrun starts them in their own sessions)
-                job.communicate()
-                pytest.fail("two processes with one validation batch between them did not finish (collectives out of step)")
-            assert job.returncode == 0, output[-3000:]
+                job.wait(timeout=90)
+            except AssertionError as hung:
+                pytest.fail("two processes with one validation batch between them did not finish (collectives out "
+                            f"of step)\n{hung}")
+            assert job.returncode == 0, job.outputs()
         losses.append([r["validation_loss"] for r in log_rows(out) if "validation_loss" in r])
     assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-5)

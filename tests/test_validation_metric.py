@@ -6,17 +6,16 @@ from __future__ import annotations
 import copy
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import ranks
 from conftest import tiny_training_settings
 from test_evaluate import BASELINE, QUESTIONS, tiny_model  # noqa: F401 (a fixture)
 from test_mixtures import mixture_config
-from test_train import REPO, adapter, log_rows, subprocess_env, train_argv
+from test_train import adapter, log_rows, train_argv
 from workflow_scripts import evaluate, pretokenise, train
 from workflow_scripts.checks.config import check_config
 from workflow_scripts.core.config_files import validate_schema
@@ -184,21 +183,20 @@ def test_two_processes_report_the_metric_of_one(tmp_path, tiny_model, tokenised,
         "every_steps": 2, "metric_examples": EXAMPLES})
     assert train.main(argv(tmp_path / "p1", tiny_model, tokenised, settings, normalised)) == 0
     two = settings.replace(cpu_processes=2)
-    result = subprocess.run([sys.executable, "-m", "workflow_scripts.train",
-                             *argv(tmp_path / "p2", tiny_model, tokenised, two, normalised)],
-                            cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # Two gloo ranks forked from this process (tests/ranks.py); each rank's stdout and stderr together.
+    results = ranks.run_stage(train.main, argv(tmp_path / "p2", tiny_model, tokenised, two, normalised), timeout=300)
+    ranks.assert_succeeded(results)
+    output = "\n".join(result.output for result in results)
     metrics = [[r["validation_metric"] for r in log_rows(tmp_path / out) if "validation_metric" in r]
                for out in ("p1", "p2")]
     assert len(metrics[0]) == 2 and metrics[0] == pytest.approx(metrics[1], abs=1e-9)
     # Each rank generated its half of the rows at each of the 2 validation points (not rank 0 all of them).
     generated = re.findall(r"validation metric chart: rank (\d) generated (\d+) of (\d+) rows",
-                           result.stdout + result.stderr)
-    assert sorted(generated) == [("0", "2", "4")] * 2 + [("1", "2", "4")] * 2, (result.stdout + result.stderr)[-3000:]
+                           output)
+    assert sorted(generated) == [("0", "2", "4")] * 2 + [("1", "2", "4")] * 2, output[-3000:]
     # generation's own progress line (one per batch of one generate call): 2 rows per call, never all 4.
-    # The two ranks share one stdout, so two progress lines may run together on one line.
-    progress = re.findall(r"generated (\d+)/(\d+)(?!\d)(?! of)", result.stdout)
-    assert progress == [("2", "2")] * 4, result.stdout[-3000:]
+    progress = re.findall(r"generated (\d+)/(\d+)(?!\d)(?! of)", output)
+    assert progress == [("2", "2")] * 4, output[-3000:]
 
 
 @pytest.mark.parametrize("count, world_size", [(4, 2), (5, 2), (1, 2), (3, 8), (0, 3), (100, 7)])
@@ -267,7 +265,8 @@ def test_the_config_accepts_the_metric_and_a_mixture_of_one_metric():
 
 
 def test_the_train_rule_gets_the_normalised_data_and_the_argument_only_when_the_metric_is_on(tmp_path):
-    from test_dag import ROOT, config_file, snakemake
+    from test_dag import ROOT, config_file
+    from test_dry_run_families import dry_run
 
     config = mixture_config()
     for name in list(config["datasets"]):
@@ -276,8 +275,8 @@ def test_the_train_rule_gets_the_normalised_data_and_the_argument_only_when_the_
     config["variants"]["baseline"]["training"] = {"validation": {"every_steps": 5, "metric_examples": 3}}
     config["comparison"]["intended_differences"] = ["training.validation.every_steps",
                                                     "training.validation.metric_examples"]
-    code, output = snakemake(tmp_path, "-n", "-p", "--configfile", str(config_file(tmp_path, config)),
-                             "--replace-workflow-config", "--cores", "8")
+    code, output = dry_run(tmp_path, "-n", "-p", "--configfile", str(config_file(tmp_path, config)),
+                           "--replace-workflow-config", "--cores", "8")
     assert code == 0, output[-3000:]
     commands = [line for line in output.splitlines() if "workflow_scripts.train " in line]
     with_metric = [line for line in commands if "/baseline/seed1/" in line]

@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+import ranks
 from conftest import tiny_training_settings, training_json
 from data_helpers import run_download, run_normalise
-from test_train import REPO, adapter, log_rows, start_slow, subprocess_env, train_argv, wait_for
+from test_train import adapter, log_rows, start_slow, train_argv, wait_for
 from vlm_layouts import write_chartqa, write_infographicvqa, write_ocrvqa
 from workflow_scripts import evaluate, prepare_model, pretokenise, sanity, train
 from workflow_scripts.demo import make_images
@@ -524,19 +523,18 @@ def one_process(models, mixed, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def two_processes(models, mixed, tmp_path_factory):
-    """The 2-process run through the workflow's launcher (torchrun, gloo): (out dir, finished process)."""
+    """The 2-process run (gloo), two ranks forked from this process (tests/ranks.py): (out dir, the ranks'
+    results)."""
     out = tmp_path_factory.mktemp("mixed-2p")
-    done = subprocess.run([sys.executable, "-m", "workflow_scripts.train",
-                           *train_argv(out, models["llava"], mixed, ddp_settings(2))],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=240)
-    return out, done
+    return out, ranks.run_stage(train.main, train_argv(out, models["llava"], mixed, ddp_settings(2)), timeout=240)
 
 
 def test_one_and_two_processes_follow_the_same_loss_curve_with_mixed_batches(one_process, two_processes):
-    out, done = two_processes
+    out, results = two_processes
+    output = "\n".join(result.output for result in results)
     for symptom in ("unused", "finished reduction", "collective mismatch"):
-        assert symptom not in done.stderr, done.stderr[-3000:]
-    assert done.returncode == 0, done.stderr[-3000:]
+        assert symptom not in output, output[-3000:]
+    ranks.assert_succeeded(results)
     assert json.loads((out / "run_manifest.json").read_text())["world_size"] == 2
     one, two = [r["loss"] for r in log_rows(one_process)], [r["loss"] for r in log_rows(out)]
     assert len(one) == STEPS and one == pytest.approx(two, rel=1e-5, abs=1e-6)
@@ -549,7 +547,7 @@ def test_one_and_two_processes_follow_the_same_loss_curve_with_mixed_batches(one
 
 def test_killed_run_resumes_to_identical_adapter(tmp_path, capsys, models, mixed, one_process):
     settings = ddp_settings(1)
-    process = start_slow(tmp_path, models["llava"], mixed, settings)  # each micro-step slowed, in a subprocess
+    process = start_slow(tmp_path, models["llava"], mixed, settings)  # each micro-step slowed, in a forked process
     wait_for(lambda: (tmp_path / "checkpoints" / f"step-{CHECKPOINT_EVERY:08d}" / "state.json").exists(), process,
              timeout=180)
     process.send_signal(signal.SIGKILL)  # no chance to clean up, as with an OOM kill or node failure
