@@ -26,9 +26,9 @@ XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --di
 test: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -rs --durations=40 $(XDIST) tests
 
-# The inner loop: everything but the Snakemake end-to-end runs and the real SLURM cluster.
+# The inner loop: everything but the Snakemake end-to-end runs, the real SLURM cluster and the benchmark harness runs.
 test-fast: install
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -rs --durations=20 $(XDIST) -m "not slow and not slurm" tests
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -rs --durations=20 $(XDIST) -m "not slow and not slurm and not bench" tests
 
 demo: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --profile profiles/local --cores 2

@@ -15,6 +15,7 @@ RECORD_KEYS = {"name", "title", "status", "message", "units", "ours", "reference
 MiB = 2**20
 
 
+@pytest.mark.bench
 def test_strategies_benchmark_at_tiny_size_through_the_harness(tmp_path):
     code = bench_run.main(["--scale", "tiny", "--only", "strategies", "--out-dir", str(tmp_path),
                            "--work-dir", str(tmp_path)])

@@ -110,6 +110,7 @@ def test_reference_loop_produces_the_same_tokens_as_the_stage(tmp_path):
     assert costs["rows"] == 120 and costs["batched_us_per_row"] > 0 and costs["per_call_us_per_row"] > 0
 
 
+@pytest.mark.bench
 def test_run_writes_results_and_summary_at_tiny_size(tmp_path):
     code = bench_run.main(["--scale", "tiny", "--only", "worker_memory", "workflow_overhead", "gpu_lora_bf16",
                            "--out-dir", str(tmp_path), "--work-dir", str(tmp_path)])
@@ -193,6 +194,7 @@ def test_corpus_generator_is_deterministic_and_the_small_corpus_is_a_prefix(tmp_
     assert all(line == line.strip() for line in large)
 
 
+@pytest.mark.bench
 def test_corpus_benchmark_runs_at_tiny_size(tmp_path, monkeypatch):
     """The whole harness with the probes run in this process (fast); one probe as the benchmark starts it."""
     import os
@@ -225,6 +227,7 @@ def test_corpus_benchmark_runs_at_tiny_size(tmp_path, monkeypatch):
     assert os.path.isdir(tmp_path / "normalised" / "train")
 
 
+@pytest.mark.bench
 def test_vision_batches_benchmark_runs_at_tiny_size(tmp_path, monkeypatch):
     """The whole benchmark at a tiny size: the workflow's stages build the data, the probes run in a
     fresh process as `make bench` starts them; no timing is asserted."""
@@ -353,6 +356,7 @@ def test_gpu_check_writes_into_a_relative_or_absolute_out(tmp_path, relative):
     assert "| environment | passed |" in (target / "summary.md").read_text()
 
 
+@pytest.mark.bench
 def test_gpu_benchmark_harness_with_dataloader_workers_keeps_each_side(tmp_path, monkeypatch):
     """Issue 24: with DataLoader workers (as at full size) the Trainer reference counted zero tokens in
     the main process and failed with ZeroDivisionError, losing ours too. Tiny scale, workers on, on CPU:
@@ -534,6 +538,7 @@ def test_the_workflow_phase_collects_wall_time_start_up_and_the_comparison(tmp_p
     assert "123 s wall" in summary and "stage start -> first step 21.5 s" in summary and "train/mtup 31.2" in summary
 
 
+@pytest.mark.bench
 def test_the_7b_benchmark_harness_runs_tiny_on_cpu(tmp_path, monkeypatch):
     """The 7B phase's harness at a tiny scale on CPU: the model built on its device, ours and Trainer + PEFT
     measured at both ranks, each side's record appended as it ends, CUDA-only sides refused with the

@@ -84,6 +84,13 @@ def test_a_signal_reaches_the_workers_and_killing_the_launcher_frees_its_gpus(si
     device_leases.release(lease)
 
 
+# torch 2.11's torchrun (the GPU image's, the oldest supported) has no --shutdown-timeout: the launcher leaves the
+# option out there and torchrun's own 30 s grace applies (tests/test_gpu_image_versions.py).
+needs_shutdown_timeout = pytest.mark.skipif(not launcher.torchrun_has_shutdown_timeout(),
+                                            reason="this torchrun has no --shutdown-timeout (torch 2.11)")
+
+
+@needs_shutdown_timeout
 @pytest.mark.parametrize("grace, survives", [(2, False), (20, True)])
 def test_torchrun_gives_a_signalled_checkpoint_the_configured_grace(simulated_gpus, tmp_path, grace, survives):
     # A 6 s checkpoint after SIGUSR1: killed under a 2 s grace, finished under 20 s. Before the launcher passed
@@ -134,6 +141,7 @@ def test_in_a_slurm_job_snakemake_and_the_rules_shell_outlive_the_warning_signal
         assert done.returncode == -signal.SIGUSR1 and done.stdout == "ignoring: False\n", (done.returncode, done.stdout)
 
 
+@needs_shutdown_timeout
 def test_the_grace_comes_from_the_training_settings(monkeypatch):
     from conftest import tiny_training_settings
 

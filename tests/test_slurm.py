@@ -25,7 +25,7 @@ from workspace import ROOT, make_workspace, reduced_config, run_snakemake, train
 FAKE_GPUS = 4
 # No slurmdbd here: sacct cannot answer, so job states come from squeue (MinJobAge=600 in cluster.py).
 # Every test here needs the cluster (the profile checks that do not are in test_profiles.py):
-# `make test-fast` (-m "not slow and not slurm") leaves them out, `make test` and CI run them.
+# `make test-fast` (-m "not slow and not slurm and not bench") leaves them out, `make test` and CI run them.
 pytestmark = pytest.mark.slurm
 
 SLURM_ARGS = ["--profile", "profiles/slurm", "--slurm-status-command", "squeue",
