@@ -122,10 +122,10 @@ def recorded_jobs(workdir: Path) -> dict[str, tuple[str, str]]:
 
 
 def pick(jobs: dict[str, tuple[str, str]], rule: str, piece: str) -> str | None:
-    for output, (job_rule, command) in sorted(jobs.items()):
-        if job_rule == rule and piece in output and (rule == "compare" or DATASET in output):
-            return command
-    return None
+    """The recorded command of ``rule`` whose output contains ``piece``: DATASET's where there is one."""
+    found = [(DATASET not in output, output, command) for output, (job_rule, command) in jobs.items()
+             if job_rule == rule and piece in output]
+    return min(found)[2] if found else None
 
 
 def import_seconds(stderr: str) -> tuple[float, dict[str, float]]:
@@ -193,7 +193,8 @@ def clean_train_outputs(command: str, workdir: Path) -> None:
             shutil.rmtree(workdir / words[words.index(flag) + 1], ignore_errors=True)
 
 
-def measure(workdir: Path, repetitions: int = 1, codes: dict[str, Path] | None = None, log=print) -> list[dict]:
+def measure(workdir: Path, repetitions: int = 1, codes: dict[str, Path] | None = None, log=print,
+            only: set[str] | None = None) -> list[dict]:
     """One row per job of JOBS (and per checkout of ``codes``, run alternately so that a load change on a
     shared machine touches each alike): medians over ``repetitions`` runs of each event time and the imports."""
     codes = codes or {"": REPO}
@@ -202,6 +203,8 @@ def measure(workdir: Path, repetitions: int = 1, codes: dict[str, Path] | None =
     with tempfile.TemporaryDirectory(prefix="stage-startup-") as tmp:
         copy = copy_workdir(workdir, Path(tmp))
         for label, rule, piece in JOBS:
+            if only and label not in only:
+                continue
             command = pick(jobs, rule, piece)
             if command is None:
                 log(f"  {label}: no recorded job of rule {rule} in {workdir}")
@@ -221,6 +224,7 @@ def measure(workdir: Path, repetitions: int = 1, codes: dict[str, Path] | None =
                     values = [run[key] for run in done if key in run]
                     if values:
                         row[key] = statistics.median(values)
+                        row.setdefault("samples", {})[key] = values
                 for package in HEAVY:
                     row[package] = statistics.median(run["heavy_imports"].get(package, 0.0) for run in done)
                 row["loaded"] = sorted(set().union(*(run.get("loaded", []) for run in done)))
@@ -249,10 +253,11 @@ def main(argv=None) -> int:
                         help="a checkout to run the stages from (repeat to compare, e.g. before=/tmp/old); "
                         "default: this one")
     parser.add_argument("--json-out", type=Path, help="the rows as JSON")
+    parser.add_argument("--only", action="append", help="a stage label of the table (repeat); default: all")
     args = parser.parse_args(argv)
     print(TABLE_HEAD)
     codes = {name: Path(path).resolve() for name, _, path in (item.partition("=") for item in args.code)}
-    rows = measure(args.workdir.resolve(), args.repetitions, codes or None)
+    rows = measure(args.workdir.resolve(), args.repetitions, codes or None, only=set(args.only or []))
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
