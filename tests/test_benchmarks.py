@@ -606,3 +606,35 @@ def test_import_seconds_sums_the_top_level_imports_and_names_the_heavy_ones():
               "some other line\n")
     total, heavy = import_seconds(stderr)
     assert total == pytest.approx(2.0) and heavy == {"torch": pytest.approx(1.5)}
+
+
+def test_demo_schedule_runs_independent_jobs_side_by_side_and_a_two_core_job_alone():
+    from benchmarks.demo_schedule import schedule
+
+    assert schedule({"a": (3.0, 1, []), "b": (5.0, 1, []), "c": (1.0, 1, ["a", "b"])}) == 6.0
+    assert schedule({"a": (3.0, 2, []), "b": (5.0, 1, [])}) == 8.0  # a takes both cores
+    assert schedule({"a": (3.0, 1, []), "b": (5.0, 1, ["a"])}, overhead=0.5) == 9.0
+
+
+def test_demo_schedule_cuts_train_at_the_logged_step_and_repeats_the_seed_jobs(tmp_path):
+    from benchmarks.demo_schedule import Demo
+
+    def bench(relative, seconds):
+        path = tmp_path / "benchmarks" / f"{relative}.tsv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"s\tcpu_time\n{seconds}\t0\n")
+
+    run = "tiny-llama/amr_demo/baseline"
+    for relative, seconds in [("download/amr_demo", 1), ("normalise/amr_demo", 1), ("prepare_model/tiny-llama", 2),
+                              ("pretokenise/amr_demo/tiny-llama/baseline", 3), (f"{run}/base/evaluate", 4),
+                              ("tiny-llama/amr_demo/power", 1), (f"{run}/seed1/sanity", 5), (f"{run}/seed1/train", 20),
+                              (f"{run}/seed1/evaluate", 6), ("compare", 2)]:
+        bench(relative, seconds)
+    log = tmp_path / run / "seed1" / "train_log.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(json.dumps({"step": step, "elapsed_seconds": step / 30}) + "\n" for step in (1, 200, 300)))
+    demo = Demo(tmp_path)
+    jobs = demo.jobs(3, {300: 200}, peft_saving=1.0)
+    assert jobs["train/tiny-llama/amr_demo/baseline/2"][0] == pytest.approx(20 - 10 + 200 / 30 - 1.0)
+    assert sum(name.startswith("sanity/") for name in jobs) == 3 and jobs["sanity/tiny-llama/amr_demo/baseline/3"][0] == 4.0
+    assert demo.jobs(3, {}, gate_once=True)["sanity/tiny-llama/amr_demo/baseline/2"][0] == 0.0
