@@ -101,10 +101,10 @@ def main(argv=None) -> int:
     cases = [("1 seed, as it was", demo.jobs(1, {})),
              ("3 seeds, as it was", demo.jobs(3, {})),
              ("3 seeds, bitsandbytes left out", demo.jobs(3, {}, args.peft_saving)),
-             ("3 seeds, that + 200/100 steps", demo.jobs(3, cut, args.peft_saving)),
-             ("... + 150 steps instead of 200", demo.jobs(3, {300: 150, 120: 100}, args.peft_saving)),
-             ("... + the gate on seed 1 only", demo.jobs(3, cut, args.peft_saving, gate_once=True)),
-             ("2 seeds, bitsandbytes left out + 200/100 steps", demo.jobs(2, cut, args.peft_saving))]
+             ("... + 200 steps instead of 300, 100 instead of 120", demo.jobs(3, cut, args.peft_saving)),
+             ("... + 150 steps instead of 300", demo.jobs(3, {300: 150, 120: 100}, args.peft_saving)),
+             ("3 seeds, bitsandbytes left out, the gate on seed 1 only", demo.jobs(3, {}, args.peft_saving, gate_once=True)),
+             ("2 seeds, bitsandbytes left out", demo.jobs(2, {}, args.peft_saving))]
     print(f"per-job overhead fitted to the measured {args.measured:.0f} s: {overhead:.1f} s")
     print("| demo | jobs | job-seconds | simulated quiet wall |\n|---|---:|---:|---:|")
     for label, jobs in cases:
