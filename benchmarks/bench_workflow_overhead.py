@@ -6,7 +6,9 @@
 (b) a no-op rerun (``snakemake --cores 2`` with nothing to do) of the completed demo: the repository's
     own results when ``make demo`` has completed them, otherwise a reduced demo (one dataset, one
     variant, one seed, a few steps) run first in a temporary directory. If neither can be had, (b) is
-    reported as not measured, with the reason.
+    reported as not measured, with the reason;
+(c) in the same completed directory, each stage's fixed cost per job (``benchmarks/stage_startup.py``): one
+    recorded job of each stage rerun, timed from process start to its first useful line, with its imports.
 
 Both are wall-clock times of the whole ``snakemake`` command, start-up included, as a user sees them.
 """
@@ -22,14 +24,17 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks import stage_startup
 from benchmarks.records import Goal, Series, record
 
 NAME = "workflow_overhead"
 MIN_SECONDS = 30  # a minimal run at full scale on 2 quiet cores, for run.py's time planning
 TITLE = "Workflow overhead: dry run of 60 experiments; no-op rerun of the completed demo"
 REPO = Path(__file__).resolve().parent.parent
-SCALES = {"full": {"repetitions": 5, "datasets": 4, "variants": 3, "seeds": 5, "demo_budget_s": 300},
-          "tiny": {"repetitions": 1, "datasets": 1, "variants": 1, "seeds": 1, "demo_budget_s": 0}}
+SCALES = {"full": {"repetitions": 5, "datasets": 4, "variants": 3, "seeds": 5, "demo_budget_s": 300,
+                   "startup_repetitions": 3},
+          "tiny": {"repetitions": 1, "datasets": 1, "variants": 1, "seeds": 1, "demo_budget_s": 0,
+                   "startup_repetitions": 0}}
 NOTHING_TO_DO = "Nothing to be done"
 
 
@@ -143,25 +148,32 @@ def reduced_demo(tmp: Path, budget_s: float) -> tuple[Path | None, Path | None, 
     return tmp, configfile, f"reduced demo (1 dataset, 1 variant, 1 seed, 4 steps) completed in {seconds:.0f} s"
 
 
-def noop_rerun_times(repetitions: int, budget_s: float, work_dir: Path | None) -> tuple[list[float], str]:
-    """Times of a no-op rerun and a description of what was rerun (or why nothing could be)."""
+def noop_rerun_times(repetitions: int, budget_s: float, work_dir: Path | None,
+                     startup_repetitions: int = 0) -> tuple[list[float], str, list[dict]]:
+    """Times of a no-op rerun, a description of what was rerun (or why nothing could be), and with
+    ``startup_repetitions`` the stage start-up rows (stage_startup.measure) of the same completed directory."""
     ready, why_not = ((REPO / "results" / "comparison.md").exists(), "no results/comparison.md in the repository")
     if ready:
         ready, why_not = _pending_jobs(REPO, None)
         why_not = f"the repository's demo is not complete: {why_not}" if not ready else ""
     if ready:
-        return _time_noop(REPO, None, repetitions), "the repository's completed demo (`make demo`, default config)"
+        return (_time_noop(REPO, None, repetitions), "the repository's completed demo (`make demo`, default config)",
+                _startup(REPO, startup_repetitions))
     if budget_s < 60:
         return [], (f"not measured: {why_not}, and too little of the benchmark's time budget is left "
-                    f"({max(budget_s, 0):.0f} s) to run a reduced demo first")
+                    f"({max(budget_s, 0):.0f} s) to run a reduced demo first"), []
     with tempfile.TemporaryDirectory(prefix="bench-demo-", dir=work_dir) as tmp:
         workdir, configfile, what = reduced_demo(Path(tmp), budget_s)
         if workdir is None:
-            return [], f"not measured: {why_not}; {what}"
+            return [], f"not measured: {why_not}; {what}", []
         ready, pending = _pending_jobs(workdir, configfile)
         if not ready:
-            return [], f"not measured: after the reduced demo a dry run still finds work ({pending})"
-        return _time_noop(workdir, configfile, repetitions), what + f"; {why_not}"
+            return [], f"not measured: after the reduced demo a dry run still finds work ({pending})", []
+        return _time_noop(workdir, configfile, repetitions), what + f"; {why_not}", _startup(workdir, startup_repetitions)
+
+
+def _startup(workdir: Path, repetitions: int) -> list[dict]:
+    return stage_startup.measure(workdir, repetitions, log=lambda line: None) if repetitions else []
 
 
 def _time_noop(workdir: Path, configfile: Path | None, repetitions: int) -> list[float]:
@@ -190,7 +202,7 @@ def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: 
     budget = settings["demo_budget_s"]
     if deadline is not None:
         budget = min(budget, deadline - time.monotonic() - 30 * settings["repetitions"])
-    rerun, what = noop_rerun_times(settings["repetitions"], budget, work_dir)
+    rerun, what, startup = noop_rerun_times(settings["repetitions"], budget, work_dir, settings["startup_repetitions"])
     log(f"  no-op rerun: {what}" + (": " + ", ".join(f"{t:.2f} s" for t in rerun) if rerun else ""))
     if rerun:
         noop = Series("no-op rerun of the completed demo (snakemake --cores 2)", rerun, "seconds", {"what": what})
@@ -200,6 +212,14 @@ def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: 
                                           "modification time, parameters and code")))
     else:
         notes.append(f"No-op rerun {what}.")
+    for row in startup:  # (c): what every job of the stage pays before its own work
+        samples = row["samples"].get("ready") or row["samples"].get("end")
+        others.append(Series(f"{row['stage']}: process start to its first useful line", samples, "seconds",
+                             {key: row[key] for key in row if key != "samples"}))
+    if startup:
+        notes.append("Stage start-up (first useful line: the model built for training, loaded for evaluation, the "
+                     "tokenizer loaded for pretokenise, main() for the others):\n\n" + stage_startup.TABLE_HEAD
+                     + "\n" + "\n".join(stage_startup.table_row(row) for row in startup) + "\n")
     notes.append("No tool is compared here: the reference is the 10 s goal; times include Snakemake's start-up.")
     return record(NAME, TITLE, ours, None, higher_is_better=False, goals=goals, others=others, notes=notes,
                   setup={"datasets": settings["datasets"], "variants": settings["variants"], "seeds": settings["seeds"],

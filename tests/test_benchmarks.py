@@ -585,3 +585,71 @@ def test_7b_flops_count_frozen_weights_without_weight_gradients():
     assert lora == 28 * 16 * (2 * 7168 + 2 * 4096 + 3 * 22528)
     expected = 4 * frozen + 4 * 3584 * 152064 * 0.5 + 6 * lora + 12 * 28 * 3584 * 4096
     assert bench_gpu_7b.flops_per_token(config, lengths, 0.5, 16) == pytest.approx(expected)
+
+
+def test_stage_startup_reruns_a_recorded_job_and_times_it(tmp_path):
+    """benchmarks/stage_startup: a normalise job as Snakemake records it (.snakemake/metadata, the output path
+    base64-encoded) is rerun in a copy of results/ under the probe; the original outputs are left alone."""
+    import base64
+    import shlex
+
+    from benchmarks import stage_startup
+    from data_helpers import demo_settings, run_download
+
+    settings = demo_settings("amr_demo")
+    raw = run_download("amr_demo", settings, tmp_path)
+    report = "results/amr_demo/normalise_report.json"
+    command = (f"python -m workflow_scripts.normalise --name amr_demo --dataset {shlex.quote(json.dumps(settings))} "
+               f"--raw {raw.relative_to(tmp_path)} --out results/amr_demo/normalised --report {report} > logs/n.log 2>&1")
+    metadata = tmp_path / ".snakemake" / "metadata"
+    metadata.mkdir(parents=True)
+    (metadata / base64.b64encode(report.encode()).decode().replace("/", "@")).write_text(
+        json.dumps({"rule": "normalise", "shellcmd": command}))
+    assert stage_startup.recorded_jobs(tmp_path) == {report: ("normalise", command.split(" > ")[0])}
+    (row,) = stage_startup.measure(tmp_path, 1, log=lambda line: None, only={"normalise"})
+    assert 0 < row["main"] < row["end"] and row["imports"] > 0 and "torch" not in row["loaded"]
+    assert not (tmp_path / "results" / "amr_demo" / "normalised").exists()  # ran in the copy
+
+
+def test_import_seconds_sums_the_top_level_imports_and_names_the_heavy_ones():
+    from benchmarks.stage_startup import import_seconds
+
+    stderr = ("import time: self [us] | cumulative | imported package\n"
+              "import time:       100 |     200000 |   torch._C\n"
+              "import time:      1000 |    1500000 | torch\n"
+              "import time:        10 |     500000 | workflow_scripts.core\n"
+              "some other line\n")
+    total, heavy = import_seconds(stderr)
+    assert total == pytest.approx(2.0) and heavy == {"torch": pytest.approx(1.5)}
+
+
+def test_demo_schedule_runs_independent_jobs_side_by_side_and_a_two_core_job_alone():
+    from benchmarks.demo_schedule import schedule
+
+    assert schedule({"a": (3.0, 1, []), "b": (5.0, 1, []), "c": (1.0, 1, ["a", "b"])}) == 6.0
+    assert schedule({"a": (3.0, 2, []), "b": (5.0, 1, [])}) == 8.0  # a takes both cores
+    assert schedule({"a": (3.0, 1, []), "b": (5.0, 1, ["a"])}, overhead=0.5) == 9.0
+
+
+def test_demo_schedule_cuts_train_at_the_logged_step_and_repeats_the_seed_jobs(tmp_path):
+    from benchmarks.demo_schedule import Demo
+
+    def bench(relative, seconds):
+        path = tmp_path / "benchmarks" / f"{relative}.tsv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"s\tcpu_time\n{seconds}\t0\n")
+
+    run = "tiny-llama/amr_demo/baseline"
+    for relative, seconds in [("download/amr_demo", 1), ("normalise/amr_demo", 1), ("prepare_model/tiny-llama", 2),
+                              ("pretokenise/amr_demo/tiny-llama/baseline", 3), (f"{run}/base/evaluate", 4),
+                              ("tiny-llama/amr_demo/power", 1), (f"{run}/seed1/sanity", 5), (f"{run}/seed1/train", 20),
+                              (f"{run}/seed1/evaluate", 6), ("compare", 2)]:
+        bench(relative, seconds)
+    log = tmp_path / run / "seed1" / "train_log.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(json.dumps({"step": step, "elapsed_seconds": step / 30}) + "\n" for step in (1, 200, 300)))
+    demo = Demo(tmp_path)
+    jobs = demo.jobs(3, {300: 200}, peft_saving=1.0)
+    assert jobs["train/tiny-llama/amr_demo/baseline/2"][0] == pytest.approx(20 - 10 + 200 / 30 - 1.0)
+    assert sum(name.startswith("sanity/") for name in jobs) == 3 and jobs["sanity/tiny-llama/amr_demo/baseline/3"][0] == 4.0
+    assert demo.jobs(3, {}, gate_once=True)["sanity/tiny-llama/amr_demo/baseline/2"][0] == 0.0

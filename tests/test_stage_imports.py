@@ -88,3 +88,75 @@ def test_the_generation_task_loaded_for_its_data_loads_no_torch():
                            "if hasattr(task, 'rejection_reasons') else None\n")
     assert "torch" not in loaded
     assert "torch" in modules_after("from workflow_scripts.tasks import generation\ngeneration.TargetTokenLoss")
+
+
+# A stage run as a command (its own interpreter) whose job quantises nothing leaves bitsandbytes out: peft
+# imports it whenever it is installed, and it imports torch._inductor (model/quantization.leave_out_bitsandbytes).
+STAGE_COMMAND_PROBE = """
+import atexit, json, runpy, sys
+atexit.register(lambda: print('MODULES=' + json.dumps(sorted(name for name, module in sys.modules.items() if module))))
+sys.argv = [sys.argv[1]] + sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)
+"""
+
+
+def stage_command_modules(stage: str, argv: list[str]) -> set[str]:
+    """The modules loaded by ``python -m workflow_scripts.<stage> argv``, which must succeed."""
+    done = subprocess.run([sys.executable, "-c", STAGE_COMMAND_PROBE, f"workflow_scripts.{stage}", *argv],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("MODULES="))
+    return set(json.loads(line.removeprefix("MODULES=")))
+
+
+@pytest.fixture(scope="module")
+def gate_model(tmp_path_factory):
+    """The demo's tiny Llama shape (hidden 64: bitsandbytes' 4-bit blocks fit it), a byte-level tokenizer."""
+    from workflow_scripts.model import tiny_model
+
+    tokenizer = tiny_model.train_tokenizer(iter(["stage imports"]), 128)
+    directory = tmp_path_factory.mktemp("gate_model")
+    tiny = {"architecture": "llama", "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
+            "seed": 0}
+    tiny_model.build_model(tiny, tokenizer).save_pretrained(str(directory))
+    return directory
+
+
+@pytest.mark.parametrize("quantised", [False, True], ids=["lora", "qlora"])
+def test_a_model_stage_run_as_a_command_loads_bitsandbytes_only_when_it_quantises(tmp_path, gate_model,
+                                                                                    tiny_tokenised_dir, quantised):
+    """The sanity gate as Snakemake runs it: LoRA without bitsandbytes (peft still loads and trains), QLoRA with it."""
+    from conftest import tiny_training_settings, training_json
+
+    if quantised:
+        pytest.importorskip("bitsandbytes")
+    quantization = {"bits": 4, "type": "nf4", "double_quant": True, "compute_dtype": "fp32"} if quantised else None
+    settings = tiny_training_settings(sanity_batches=1, quantization=quantization)
+    out = tmp_path / "sanity.json"
+    loaded = stage_command_modules("sanity", ["--model", str(gate_model), "--data", str(tiny_tokenised_dir),
+                                              "--training", training_json(settings), "--seed", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["passed"] is True
+    assert "peft" in loaded
+    assert ("bitsandbytes" in loaded) is quantised
+
+
+def test_a_stage_called_in_process_keeps_bitsandbytes_for_a_later_qlora_run():
+    """main() called by a test or a notebook: this interpreter is not the stage's own, nothing is left out."""
+    from workflow_scripts.model import quantization
+
+    before = sys.modules.get("bitsandbytes", "absent")
+    assert quantization.leave_out_bitsandbytes("workflow_scripts.sanity", quantised=False) is False
+    assert sys.modules.get("bitsandbytes", "absent") is before
+
+
+def test_an_evaluation_quantises_only_a_qlora_adapter_on_its_quantised_base(tmp_path):
+    from workflow_scripts.model import quantization
+
+    record = {"bits": 4, "type": "nf4", "double_quant": True, "compute_dtype": "fp32"}
+    qlora, plain = tmp_path / "qlora", tmp_path / "plain"
+    qlora.mkdir(), plain.mkdir()
+    (qlora / quantization.ADAPTER_RECORD).write_text(json.dumps(record))
+    assert quantization.evaluation_quantises(qlora, "quantised") is True
+    assert quantization.evaluation_quantises(qlora, "unquantised") is False
+    assert quantization.evaluation_quantises(plain, "quantised") is False
+    assert quantization.evaluation_quantises(None, "quantised") is False  # the untrained base

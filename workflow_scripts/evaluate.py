@@ -153,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"(choose from {list(task.metrics)})")
     extra_metrics = also_metrics.parse_argument(args.also_metrics, args.task, task.metrics, args.metric)
     evaluation = EvaluationSettings.from_json(args.evaluation)
+    quantization.leave_out_bitsandbytes("workflow_scripts.evaluate",
+                                        quantization.evaluation_quantises(args.adapter, evaluation.qlora_base))
     seed = parse_seed(args.seed)
 
     rows = load_rows(args.data, evaluation.split, evaluation.max_examples)

@@ -22,7 +22,7 @@ from workflow_scripts.core.run_manifest import build_manifest
 from workflow_scripts.core.section_settings import EvaluationSettings
 from workflow_scripts.core.stage_arguments import StageArgumentParser, json_object_setting
 from workflow_scripts.data.normalised_data import load_rows, read_task_meta
-from workflow_scripts.model import model_loading
+from workflow_scripts.model import model_loading, quantization
 from workflow_scripts.tasks import task_named
 from workflow_scripts.tasks.templates import check_row_templates
 
@@ -83,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise WorkflowError(f"argument --metric: {args.metric!r} is not a metric of task {args.task!r} "
                             f"(choose from {list(task.metrics)})")
     evaluation = EvaluationSettings.from_json(args.evaluation)
+    quantization.leave_out_bitsandbytes("workflow_scripts.predict",
+                                        quantization.evaluation_quantises(args.adapter, evaluation.qlora_base))
     submission = submission_settings(args.submission)
     suffix = Path(args.submission_out).suffix
     if suffix != f".{submission.format}":

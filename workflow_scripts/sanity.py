@@ -18,7 +18,7 @@ from workflow_scripts.data import batching
 from workflow_scripts.tasks import stored_columns
 from workflow_scripts.training import distributed, preflight_checks as checks, training_setup, validation
 from workflow_scripts.launch import launcher
-from workflow_scripts.model import memory_estimate, model_loading
+from workflow_scripts.model import memory_estimate, model_loading, quantization
 from workflow_scripts.core.atomic_output import write_json
 from workflow_scripts.core.errors import run_main
 from workflow_scripts.core.settings import TrainingSettings
@@ -41,6 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     training = TrainingSettings.from_json(args.training)
+    quantization.leave_out_bitsandbytes("workflow_scripts.sanity", training.quantization is not None)
     return launcher.run_here_or_launch("workflow_scripts.sanity", argv, training, lambda: run_gate(args, training))
 
 

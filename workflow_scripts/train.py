@@ -135,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     training = TrainingSettings.from_json(args.training)
+    quantization.leave_out_bitsandbytes("workflow_scripts.train", training.quantization is not None)
     return launcher.run_here_or_launch("workflow_scripts.train", argv, training, lambda: train(args, training))
 
 

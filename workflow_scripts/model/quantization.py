@@ -18,6 +18,7 @@ score may differ. ``eval.json`` records which (``qlora_base``).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -40,6 +41,29 @@ SEQ_CLS_HEADS = ("classifier", "score")
 def compute_dtype(quantization: QuantizationSettings, precision: str) -> torch.dtype:
     """The dtype 4-bit layers dequantise to for their matmuls; by default the training precision's."""
     return COMPUTE_DTYPES[quantization.compute_dtype or precision]
+
+
+def leave_out_bitsandbytes(stage: str, quantised: bool) -> bool:
+    """Keep bitsandbytes out of ``stage``'s own interpreter when its job quantises nothing; True if left out.
+
+    peft imports bitsandbytes whenever it is installed (``peft/helpers.py``, on ``import peft``), and
+    bitsandbytes imports ``torch._inductor`` and probes for its CPU kernels (the "No module named 'kernels'"
+    line in the logs): seconds of every LoRA job that uses none of it (benchmarks/RESULTS.md, "Each stage's
+    fixed cost"). A ``None`` in ``sys.modules`` makes ``import bitsandbytes`` raise ImportError and
+    ``importlib.util.find_spec`` answer None, which is how peft and transformers decide it is not installed.
+
+    Only where the process runs ``stage`` as its command (``python -m <stage>``, also each torchrun rank),
+    and only before peft or transformers is imported (both remember their answer: peft's
+    ``is_bnb_available`` is cached). A test or notebook calling the stage's ``main()`` keeps its interpreter
+    as it is, since a QLoRA run later in the same process needs the package.
+    """
+    main = sys.modules.get("__main__")
+    if quantised or getattr(getattr(main, "__spec__", None), "name", None) != stage:
+        return False
+    if any(name in sys.modules for name in ("bitsandbytes", "peft", "transformers")):
+        return False
+    sys.modules["bitsandbytes"] = None
+    return True
 
 
 def require_bitsandbytes():
@@ -111,6 +135,11 @@ def read_adapter_record(adapter_dir: str | Path | None) -> dict[str, Any] | None
         raise WorkflowError(f"{path}: not the record train writes ({{bits: 4|8, type: nf4|fp4, double_quant, "
                             f"compute_dtype: {'|'.join(COMPUTE_DTYPES)}}}); train the adapter again")
     return record
+
+
+def evaluation_quantises(adapter_dir: str | Path | None, qlora_base: str) -> bool:
+    """Whether evaluating ``adapter_dir`` loads a quantised base (a QLoRA adapter, ``qlora_base: quantised``)."""
+    return qlora_base == "quantised" and read_adapter_record(adapter_dir) is not None
 
 
 def evaluation_base(adapter_dir: str | Path | None, qlora_base: str, device: torch.device) -> tuple[dict[str, Any], dict[str, Any]]:
