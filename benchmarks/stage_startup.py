@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", type=Path, default=REPO, help="a directory where the demo has completed")
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--code", action="append", default=[], metavar="NAME=DIR",
-                        help="a checkout to run the stages from (repeat to compare, e.g. before=/tmp/old); "
+                        help="a checkout to run the stages from (repeat to compare, e.g. before=../old-checkout); "
                         "default: this one")
     parser.add_argument("--json-out", type=Path, help="the rows as JSON")
     parser.add_argument("--only", action="append", help="a stage label of the table (repeat); default: all")
