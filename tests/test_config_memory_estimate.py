@@ -237,7 +237,9 @@ def test_a_hub_model_is_estimated_only_once_prepared_here(tmp_path):
 
     raw = single_model_config()
     raw["model"] = {"name": "qwen", "source": "hub", "hub_id": "Qwen/Qwen2.5-0.5B", "revision": "0" * 40}
-    raw["training"].update(mem_mb=2000, lora={"target_modules": ["q_proj", "v_proj"]})
+    # checkpointing on and micro-batches of 8, so that the weights, not the activations, are what does not fit
+    raw["training"].update(mem_mb=2000, lora={"target_modules": ["q_proj", "v_proj"]}, gradient_checkpointing=True,
+                           micro_batch=8)
     config_path = tmp_path / "config.yaml"
     config_path.write_text(json.dumps(raw))  # JSON is YAML
     config = load_config(config_path)
