@@ -126,3 +126,76 @@ def test_loader_workers_survive_stop_signals(tiny_tokenised_dir):
         os.kill(worker.pid, signal.SIGTERM)
         os.kill(worker.pid, signal.SIGUSR1)
     assert len([next(iterator)] + list(iterator)) == 11
+
+
+# --- training.micro_batch_tokens: micro-batches filled to a token budget -------------------------------------
+def _slots(lengths, micro) -> int:
+    return len(micro) * int(lengths[micro].max())  # the padded tensor's size; packing only shrinks it
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_budget_micro_batches_fit_cover_the_batch_once_and_run_in_lockstep(world):
+    lengths = _lengths()
+    budget = 1024
+    plan = batching.GlobalBatchPlan(lengths, effective_batch=32, seed=5)
+    seen, counts = [], set()
+    for step in range(plan.batches_per_epoch):
+        per_rank = plan.budget_micro_batches(step, world, budget)
+        assert len(per_rank) == world and len({len(m) for m in per_rank}) == 1  # the same count on every rank
+        fewest = max(len(batching.fewest_cuts(np.sort(lengths[np.concatenate(m)])[::-1], budget)) for m in per_rank)
+        assert len(per_rank[0]) == fewest  # no more micro-steps than the neediest rank's share needs
+        counts.add(len(per_rank[0]))
+        for micro in (m for rank in per_rank for m in rank):
+            assert len(micro) and _slots(lengths, micro) <= budget
+        shares = [np.concatenate(m) for m in per_rank]
+        assert len({len(s) for s in shares}) == 1  # the effective batch split evenly over ranks
+        step_rows = np.concatenate(shares)
+        assert sorted(step_rows.tolist()) == sorted(plan.global_batch(step).tolist())
+        seen.extend(step_rows.tolist())
+    assert len(seen) == len(set(seen)) == plan.batches_per_epoch * 32  # every example once per epoch
+    assert len(counts) > 1  # long-tailed lengths: the count follows the step's lengths
+
+
+def test_ranks_run_the_same_micro_steps_when_their_shares_need_different_counts():
+    """Rank 0 gets the one long example, rank 1 only short ones: alone, rank 0's share needs 2 micro-batches
+    of 100 slots and rank 1's one; DDP pairs micro-steps, so both run 2."""
+    lengths = np.array([20, 20, 100, 20, 20, 20, 20, 20])
+    plan = batching.GlobalBatchPlan(lengths, effective_batch=8, seed=0, group_by_length=False)
+    per_rank = plan.budget_micro_batches(0, 2, 100)
+    shares = [sorted(lengths[np.concatenate(m)].tolist()) for m in per_rank]
+    assert shares == [[20, 20, 20, 100], [20, 20, 20, 20]]
+    assert [len(batching.fewest_cuts(np.sort(s)[::-1], 100)) for s in shares] == [2, 1]
+    assert [len(m) for m in per_rank] == [2, 2]
+    assert all(_slots(lengths, micro) <= 100 for rank in per_rank for micro in rank)
+    samplers = [batching.RankBatchSampler(plan, 1, r, 2, 0, 1, token_budget=100) for r in range(2)]
+    assert [s.micro_steps(0) for s in samplers] == [2, 2] and [len(list(s)) for s in samplers] == [2, 2]
+
+
+def test_budget_plan_is_deterministic_and_resumes_at_any_step():
+    lengths = _lengths()
+    full = list(batching.RankBatchSampler(batching.GlobalBatchPlan(lengths, 16, seed=1), 4, 1, 2, 0, 70,
+                                          token_budget=512))
+    resumed = batching.RankBatchSampler(batching.GlobalBatchPlan(lengths, 16, seed=1), 4, 1, 2, 45, 70,
+                                        token_budget=512)
+    skipped = sum(resumed.micro_steps(step) for step in range(0, 45))
+    assert [list(m) for m in resumed] == [list(m) for m in full[skipped:]]  # epoch 2 included (31 steps an epoch)
+    again = list(batching.RankBatchSampler(batching.GlobalBatchPlan(lengths, 16, seed=1), 4, 1, 2, 0, 70,
+                                           token_budget=512))
+    assert [list(m) for m in again] == [list(m) for m in full] and [m.epoch for m in again] == [m.epoch for m in full]
+    assert len(full) == sum(resumed.micro_steps(step) for step in range(70))
+
+
+def test_a_budget_fills_micro_batches_fewer_than_fixed_ones():
+    """Short rows go many to a micro-batch: at micro_batch x max_length slots (the fixed shape's memory
+    bound), a step of short rows runs in one micro-step where micro_batch 4 takes 4."""
+    lengths = _lengths()
+    plan = batching.GlobalBatchPlan(lengths, 16, seed=2)
+    fixed = len(plan.micro_batches(0, 4)) * plan.batches_per_epoch
+    budget = sum(len(plan.budget_micro_batches(step, 1, 4 * 512)[0]) for step in range(plan.batches_per_epoch))
+    assert budget < fixed / 2
+
+
+def test_an_example_longer_than_the_budget_is_refused():
+    plan = batching.GlobalBatchPlan(np.array([70, 10, 10, 10]), 4, seed=0)
+    with pytest.raises(WorkflowError, match=r"has 70 tokens, more than training.micro_batch_tokens \(64\)"):
+        plan.budget_micro_batches(0, 1, 64)

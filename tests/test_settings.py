@@ -51,6 +51,11 @@ def test_derived_values():
     ({"max_steps": 5, "validation": {"early_stopping_patience": 2}}, "validation.early_stopping_patience", "never stop early"),
     ({"max_steps": 5, "validation": {"keep": "best"}}, "validation.keep", "no best step to keep"),
     ({"max_steps": 5, "packing": True, "micro_batch": 1, "effective_batch": 4}, "packing", "would pack nothing"),
+    ({"max_steps": 5, "max_length": 512, "micro_batch_tokens": 511}, "micro_batch_tokens",
+     "below max_length (512), so an example of max_length tokens fits no micro-batch"),
+    ({"max_steps": 5, "micro_batch_tokens": 4096, "effective_batch": 6, "cpu_processes": 4}, "effective_batch",
+     "not a multiple of the 4 processes"),
+    ({"max_steps": 5, "micro_batch_tokens": 0}, "micro_batch_tokens", "minimum"),
 ])
 def test_each_refusal_names_the_key(value, key, words):
     with pytest.raises(ConfigError) as raised:
@@ -58,6 +63,26 @@ def test_each_refusal_names_the_key(value, key, words):
     message = str(raised.value)
     assert "variants.mtup.training" in message and key in message and words in message and "\n" not in message
     assert message.startswith("config.yaml")
+
+
+def test_a_token_budget_replaces_micro_batch_in_the_batch_shape():
+    """training.micro_batch_tokens: micro-batches are cut by tokens, so micro_batch need not divide the batch,
+    packing needs no micro_batch above 1, and the accumulation is the plan's per step (None here)."""
+    settings = TrainingSettings.parse({"max_steps": 5, "effective_batch": 6, "micro_batch": 4, "packing": True,
+                                       "max_length": 256, "micro_batch_tokens": 256, "cpu_processes": 2})
+    assert settings.micro_batch_tokens == 256 and settings.accumulation is None
+    assert TrainingSettings.parse(settings.to_dict()) == settings
+    assert TrainingSettings.parse({"max_steps": 5}).micro_batch_tokens is None  # default: micro_batch examples
+    assert "micro_batch_tokens" not in {k for k, v in xc_schema_defaults().items()}  # no default: no reruns
+
+
+def xc_schema_defaults() -> dict:
+    """The training keys the schema fills in when a config leaves them out."""
+    import yaml
+
+    schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())
+    properties = schema["$defs"]["training_settings"]["properties"]
+    return {key: spec["default"] for key, spec in properties.items() if "default" in spec}
 
 
 def test_the_config_names_where_the_batch_shape_was_set():

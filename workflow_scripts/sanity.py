@@ -146,7 +146,8 @@ def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report, t
     report.record("train_mode", checks.check_train_mode(setup.model))
     plan = batching.GlobalBatchPlan(dataset.lengths(), training.effective_batch, seed, training.length_grouping)
     steps = training.sanity_batches + (MAX_FP16_OVERFLOW_STEPS if setup.scaler is not None else 0)
-    sampler = batching.RankBatchSampler(plan, training.micro_batch, context.rank, context.world_size, 0, steps)
+    sampler = batching.RankBatchSampler(plan, training.micro_batch, context.rank, context.world_size, 0, steps,
+                                        training.micro_batch_tokens)
     collator = setup.task.collator(meta, setup.vocab_size, seed=seed,
                                    **({"packing_for": setup.packing} if setup.packing else {}))
     batches = iter(batching.build_loader(dataset, sampler, collator, 0, False, seed))
@@ -154,7 +155,7 @@ def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report, t
     losses, padding, gradients_checked = [], [], False
     initial_scale = float(setup.scaler.get_scale()) if setup.scaler is not None else None
     for step in range(steps):
-        micro_batches = [next(batches) for _ in range(setup.accumulation)]
+        micro_batches = [next(batches) for _ in range(sampler.micro_steps(step))]
         padding.append(batching.padding_share(micro_batches))
         targets = torch.tensor(float(sum(b["target_tokens"] for b in micro_batches)), device=context.device)
         loss_scale = context.world_size / distributed.all_reduce_sum(targets, context).clamp(min=1.0)  # as train's

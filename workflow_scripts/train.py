@@ -190,7 +190,9 @@ def train(args: argparse.Namespace, training: TrainingSettings) -> int:
             None, TrainingLog(running_log, start_step, training.max_steps, training.log_every, enabled=False))
         log.message(
             f"training {training.max_steps} steps on {context.world_size} process(es), device {context.device}, "
-            f"{setup.accumulation} micro-batches of {training.micro_batch} per process per step, "
+            + (f"{setup.accumulation} micro-batches of {training.micro_batch}" if setup.accumulation else
+               f"micro-batches of up to {training.micro_batch_tokens} token slots")
+            + " per process per step, "
             f"estimated peak {memory_estimate.human(estimate['total'])}"
         )
         outcome, stopped_early_at = run_steps(setup, dataset, meta, training, args, start_step, stop, log,
@@ -249,7 +251,7 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
     device = context.device
     plan = batching.GlobalBatchPlan(dataset.lengths(), training.effective_batch, args.seed, training.length_grouping)
     sampler = batching.RankBatchSampler(plan, training.micro_batch, context.rank, context.world_size,
-                                        start_step, training.max_steps)
+                                        start_step, training.max_steps, training.micro_batch_tokens)
     collator = setup.task.collator(meta, setup.vocab_size, seed=args.seed,
                                    **({"packing_for": setup.packing} if setup.packing else {}))
     loader = batching.build_loader(dataset, sampler, collator, training.dataloader_workers, device.type == "cuda", args.seed)
@@ -270,7 +272,7 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
         log_step = log.write
     for step in range(start_step, training.max_steps):
         step_started = time.perf_counter()
-        micro_batches = [next(batches) for _ in range(setup.accumulation)]
+        micro_batches = [next(batches) for _ in range(sampler.micro_steps(step))]  # the same count on every rank
         local_targets = sum(b["target_tokens"] for b in micro_batches)
         if context.is_distributed:
             targets = torch.tensor(float(local_targets), device=device)
@@ -335,6 +337,7 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
             "peak_memory_bytes": memory_estimate.peak_memory_bytes(device),
             "elapsed_seconds": now - started,
             "update_skipped": not applied,
+            **({"micro_steps": len(micro_batches)} if training.micro_batch_tokens else {}),  # varies per step
         })
         preempted = stop_votes > 0
         if completed % training.checkpoint_every == 0 or (preempted and completed < training.max_steps):

@@ -95,6 +95,8 @@ class TrainingSettings:
     compile_layers: bool = False
     activation_offloading: bool = False
     fsdp_mesh: str | None = None  # hybrid | flat; unset resolves in core/fsdp_mesh.py (no schema default)
+    # Token slots per micro-batch (data/batching.py's budget split); None: micro_batch examples. No schema default.
+    micro_batch_tokens: int | None = None
 
     @classmethod
     def parse(cls, value: Any, key: str = "training", source: str | None = None,
@@ -149,8 +151,11 @@ class TrainingSettings:
         return self.nodes * (self.gpus if self.gpus > 0 else self.cpu_processes)
 
     @property
-    def accumulation(self) -> int:
-        """Micro-batches per process per optimizer step (parse checked that the division is exact)."""
+    def accumulation(self) -> int | None:
+        """Micro-batches per process per optimizer step (parse checked that the division is exact); None
+        under ``micro_batch_tokens``, where the batch plan gives each step its own count."""
+        if self.micro_batch_tokens is not None:
+            return None
         return self.effective_batch // (self.micro_batch * self.world_size)
 
     @property
@@ -185,6 +190,9 @@ class TrainingSettings:
 
     # The checks no schema can state -------------------------------------------------------------------
     def _check_batch_shape(self, key: str, source: str | None) -> None:
+        if self.micro_batch_tokens is not None:
+            self._check_token_budget(key, source)
+            return
         per_step = self.micro_batch * self.world_size
         if self.effective_batch % per_step:
             raise ConfigError(
@@ -192,6 +200,20 @@ class TrainingSettings:
                 f"{self.effective_batch} is not a multiple of micro_batch ({self.micro_batch}) x processes "
                 f"({self.world_size}); choose an effective batch divisible by {per_step} or change micro_batch",
                 source)
+
+    def _check_token_budget(self, key: str, source: str | None) -> None:
+        """Under ``micro_batch_tokens`` the processes split the examples (not micro-batches of micro_batch), and
+        every example must fit a micro-batch alone: pretokenise cuts examples to max_length, so the budget
+        holds at least that."""
+        if self.micro_batch_tokens < self.max_length:
+            raise ConfigError(f"{key}.micro_batch_tokens", f"{self.micro_batch_tokens} is below max_length "
+                              f"({self.max_length}), so an example of max_length tokens fits no micro-batch; "
+                              f"set micro_batch_tokens to at least {self.max_length} (e.g. micro_batch x "
+                              "max_length keeps today's memory bound) or lower max_length", source)
+        if self.effective_batch % self.world_size:
+            raise ConfigError(f"{key}.effective_batch", f"{self.effective_batch} is not a multiple of the "
+                              f"{self.world_size} processes; choose an effective batch divisible by "
+                              f"{self.world_size}", source)
 
     def _check_length(self, key: str, source: str | None) -> None:
         if self.max_steps is None and self.epochs is None:
@@ -214,7 +236,7 @@ class TrainingSettings:
                     raise ConfigError(f"{key}.validation.{name}", f"is {value!r} but validation.every_steps is not "
                                       f"set, so no validation loss is computed and {effect}; set "
                                       f"{key}.validation.every_steps or drop validation.{name}", source)
-        if self.packing and self.micro_batch == 1:
+        if self.packing and self.micro_batch == 1 and self.micro_batch_tokens is None:
             raise ConfigError(f"{key}.packing", "is true but micro_batch is 1: packing joins the examples of one "
                               "micro-batch, so it would pack nothing; raise micro_batch (accumulation shrinks, the "
                               "effective batch stays) or set packing: false", source)

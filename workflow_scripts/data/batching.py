@@ -6,6 +6,14 @@ rank ``r`` of ``W`` takes micro-batches ``r, r+W, r+2W, ...``. So a 1-process an
 compute the same micro-batches, a resumed run restarts exactly at its step, and similar lengths share
 a micro-batch (little padding).
 
+With a token budget (``training.micro_batch_tokens``, :meth:`GlobalBatchPlan.budget_micro_batches`) the
+global batch, sorted by length, is dealt to the ranks example by example (rank ``r`` takes positions
+``r, r+W, ...``), and each rank's share is cut, longest first, into micro-batches of at most the budget's
+token slots (examples x their longest), as few as fit: short examples go many to a micro-batch, long
+ones few. DDP pairs every rank's micro-steps (no_sync, then one all-reduce), so all ranks take the
+count of the rank that needs most, a function of the global batch alone; and the loss is normalised by
+the step's target tokens (train.run_steps), so how examples are grouped does not change it.
+
 The data set object handed to DataLoader workers holds only the path of the memory-mapped Arrow data
 (seed: 1.5 GB of text pickled into every worker); each worker reopens it from disk.
 """
@@ -120,8 +128,7 @@ class GlobalBatchPlan:
                 f"the training split has {len(self.lengths)} rows, fewer than training.effective_batch "
                 f"({effective_batch}); lower the effective batch or add data"
             )
-        self._epoch = None
-        self._epoch_batches: list[np.ndarray] = []
+        self._epochs: dict[int, list[np.ndarray]] = {}  # the last two drawn: the loader may run an epoch ahead
 
     def _batches_for_epoch(self, epoch: int) -> list[np.ndarray]:
         rng = np.random.default_rng([self.seed, epoch])
@@ -147,9 +154,10 @@ class GlobalBatchPlan:
 
     def global_batch(self, step: int) -> np.ndarray:
         epoch, position = divmod(step, self.batches_per_epoch)
-        if epoch != self._epoch:
-            self._epoch, self._epoch_batches = epoch, self._batches_for_epoch(epoch)
-        return self._epoch_batches[position]
+        if epoch not in self._epochs:
+            self._epochs = {e: b for e, b in self._epochs.items() if e == epoch - 1}
+            self._epochs[epoch] = self._batches_for_epoch(epoch)
+        return self._epochs[epoch][position]
 
     def micro_batches(self, step: int, micro_batch: int) -> list[np.ndarray]:
         """The global batch cut into micro-batches of similar length (sorted within the batch)."""
@@ -157,13 +165,62 @@ class GlobalBatchPlan:
         batch = batch[np.argsort(-self.lengths[batch], kind="stable")]
         return [batch[i:i + micro_batch] for i in range(0, len(batch), micro_batch)]
 
+    def budget_micro_batches(self, step: int, world_size: int, token_budget: int) -> list[list[np.ndarray]]:
+        """Per rank, its share of global batch ``step`` cut into micro-batches of at most ``token_budget``
+        slots (examples x the longest of them: the padded tensor's size, which packing only shrinks);
+        every rank gets the same number of micro-batches (see the module docstring)."""
+        batch = self.global_batch(step)
+        batch = batch[np.argsort(-self.lengths[batch], kind="stable")]
+        shares = [batch[rank::world_size] for rank in range(world_size)]
+        too_long = self.lengths[batch[0]]
+        if too_long > token_budget:
+            raise WorkflowError(f"row {int(batch[0])} of the training split has {too_long} tokens, more than "
+                                f"training.micro_batch_tokens ({token_budget}); raise the budget to at least "
+                                "training.max_length and re-run pretokenise with that max_length")
+        cuts = [fewest_cuts(self.lengths[share], token_budget) for share in shares]
+        count = max(len(c) for c in cuts)
+        return [[share[start:end] for start, end in split_to(c, count)] for share, c in zip(shares, cuts)]
+
+
+def fewest_cuts(lengths: np.ndarray, token_budget: int) -> list[tuple[int, int]]:
+    """(start, end) of the fewest runs of ``lengths`` (sorted longest first) whose size x first length fits
+    the budget; greedy from the longest, which is optimal for this cost on sorted lengths."""
+    cuts, start = [], 0
+    while start < len(lengths):
+        end = start + max(1, token_budget // max(1, int(lengths[start])))
+        cuts.append((start, min(end, len(lengths))))
+        start = end
+    return cuts
+
+
+def split_to(cuts: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
+    """``cuts`` split further until there are ``count``: the costliest run that holds 2+ examples (the
+    first on ties) is halved, so the budget still holds and the micro-batches even out."""
+    cuts = list(cuts)
+    while len(cuts) < count:
+        k = max((i for i, (a, b) in enumerate(cuts) if b - a > 1), key=lambda i: (cuts[i][1] - cuts[i][0], -i))
+        a, b = cuts[k]
+        middle = a + (b - a + 1) // 2
+        cuts[k:k + 1] = [(a, middle), (middle, b)]
+    return cuts
+
 
 class RankBatchSampler(torch.utils.data.Sampler):
-    """Yields this rank's micro-batches for steps ``start_step .. max_steps-1``, accumulation order."""
+    """Yields this rank's micro-batches for steps ``start_step .. max_steps-1``, accumulation order.
+
+    ``token_budget`` (``training.micro_batch_tokens``): micro-batches filled to that many token slots
+    (:meth:`GlobalBatchPlan.budget_micro_batches`) in place of ``micro_batch`` examples each; how many a
+    step has is :meth:`micro_steps`, the same on every rank.
+    """
 
     def __init__(self, plan: GlobalBatchPlan, micro_batch: int, rank: int, world_size: int,
-                 start_step: int, max_steps: int):
-        if plan.effective_batch % (micro_batch * world_size):
+                 start_step: int, max_steps: int, token_budget: int | None = None):
+        self.token_budget = token_budget
+        if token_budget is not None:
+            if plan.effective_batch % world_size:
+                raise WorkflowError(f"training.effective_batch {plan.effective_batch} is not a multiple of the "
+                                    f"{world_size} processes")
+        elif plan.effective_batch % (micro_batch * world_size):
             raise WorkflowError(
                 f"training.effective_batch {plan.effective_batch} is not a multiple of micro_batch "
                 f"{micro_batch} x processes {world_size}"
@@ -174,17 +231,27 @@ class RankBatchSampler(torch.utils.data.Sampler):
         self.world_size = world_size
         self.start_step = start_step
         self.max_steps = max_steps
-        self.accumulation = plan.effective_batch // (micro_batch * world_size)
+        self.accumulation = None if token_budget else plan.effective_batch // (micro_batch * world_size)
+
+    def micro_steps(self, step: int) -> int:
+        """Micro-batches per rank in optimizer step ``step`` (fixed without a token budget)."""
+        if self.token_budget is None:
+            return self.accumulation
+        return len(self.plan.budget_micro_batches(step, self.world_size, self.token_budget)[self.rank])
 
     def __len__(self) -> int:
-        return max(0, self.max_steps - self.start_step) * self.accumulation
+        return sum(self.micro_steps(step) for step in range(self.start_step, self.max_steps))
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start_step, self.max_steps):
-            micro = self.plan.micro_batches(step, self.micro_batch)
             epoch = self.plan.epoch_of(step)
-            for k in range(self.rank, len(micro), self.world_size):
-                yield PlannedMicroBatch(micro[k].tolist(), epoch)
+            if self.token_budget is not None:
+                mine = self.plan.budget_micro_batches(step, self.world_size, self.token_budget)[self.rank]
+            else:
+                micro = self.plan.micro_batches(step, self.micro_batch)
+                mine = micro[self.rank::self.world_size]
+            for indices in mine:
+                yield PlannedMicroBatch(indices.tolist(), epoch)
 
 
 class PaddingCollator:

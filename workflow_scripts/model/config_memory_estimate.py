@@ -214,7 +214,10 @@ def training_arguments(training: TrainingSettings) -> dict[str, Any]:
     quantization = training.quantization
     return {
         "lora": None if training.full else dataclasses.asdict(training.lora), "precision": training.precision,
-        "micro_batch": training.micro_batch, "max_length": training.max_length,
+        # A token budget bounds a micro-batch's slots; as whole rows of max_length, rounded up (a safe side).
+        "micro_batch": (training.micro_batch if training.micro_batch_tokens is None
+                        else -(-training.micro_batch_tokens // training.max_length)),
+        "max_length": training.max_length,
         "gradient_checkpointing": training.gradient_checkpointing,
         "quantization": None if quantization is None else {"bits": quantization.bits,
                                                            "double_quant": quantization.double_quant},

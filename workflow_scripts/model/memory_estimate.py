@@ -30,8 +30,13 @@ def _config_value(config, *names, default=None):
 
 def activation_bytes(config, micro_batch: int, max_length: int, activation_dtype_bytes: int,
                      gradient_checkpointing: bool, lora_rank: int, lora_targets: int,
-                     activation_offloading: bool = False, fused_cross_entropy: bool = False) -> int:
+                     activation_offloading: bool = False, fused_cross_entropy: bool = False,
+                     tokens: int | None = None) -> int:
     """Saved activations of one micro-batch of full-length rows, plus the target-token logits.
+
+    ``tokens``: the micro-batch's token slots when not ``micro_batch x max_length``: under
+    ``training.micro_batch_tokens`` the budget bounds rows x width (the padded or packed tensor), and no
+    row is wider than max_length, so attention scores stay within tokens x max_length per head.
 
     ``activation_offloading`` (with checkpointing): the layer inputs checkpointing keeps live in host
     memory, so the device holds only the layer being recomputed. ``fused_cross_entropy``: Liger's fused
@@ -42,7 +47,7 @@ def activation_bytes(config, micro_batch: int, max_length: int, activation_dtype
     layers = _config_value(config, "num_hidden_layers", "n_layer", "num_layers")
     heads = _config_value(config, "num_attention_heads", "n_head")
     vocab = _config_value(config, "vocab_size")
-    tokens = micro_batch * max_length
+    tokens = micro_batch * max_length if tokens is None else tokens
     # Per token and layer: norms, q/k/v/o in and out, residuals (~11 h) and the gated MLP (~4 I),
     # plus each LoRA layer's rank-r intermediate.
     per_layer = 11 * hidden + 4 * inter + lora_rank * lora_targets
@@ -56,6 +61,15 @@ def activation_bytes(config, micro_batch: int, max_length: int, activation_dtype
     # fp32 logits and their gradient, for target tokens (at most every token).
     logits = tokens * (min(hidden, vocab) if fused_cross_entropy else vocab) * FP32 * 2
     return elements * activation_dtype_bytes + logits
+
+
+def images_per_micro_batch(training: TrainingSettings, vision) -> int:
+    """Images (one per row) in a VLM micro-batch: micro_batch, or under a token budget the budget over the
+    image tokens each row holds (its language sequence counts them), so at most that many rows fit."""
+    if training.micro_batch_tokens is None:
+        return training.micro_batch
+    size, patch = _config_value(vision, "image_size", default=0), _config_value(vision, "patch_size", default=1)
+    return max(1, training.micro_batch_tokens // max(1, (size // max(1, patch)) ** 2))
 
 
 def vision_activation_bytes(vision, images: int, dtype_bytes: int, trains: bool) -> int:
@@ -158,11 +172,11 @@ def estimate(peft_model: nn.Module, training: TrainingSettings, device: torch.de
     activations = activation_bytes(
         language, training.micro_batch, training.max_length, activation_dtype_bytes,
         training.gradient_checkpointing, training.lora.rank, max(1, lora_targets // max(1, layers)),
-        training.activation_offloading, training.fused_cross_entropy,
+        training.activation_offloading, training.fused_cross_entropy, training.micro_batch_tokens,
     )
     vision = getattr(config, "vision_config", None)
     if vision is not None:
-        activations += vision_activation_bytes(vision, training.micro_batch, activation_dtype_bytes,
+        activations += vision_activation_bytes(vision, images_per_micro_batch(training, vision), activation_dtype_bytes,
                                                training.lora.train_vision_tower)
     overhead = CUDA_RUNTIME_OVERHEAD if device.type == "cuda" else 0
     parts = {
@@ -192,7 +206,9 @@ def knob_advice(parts: Mapping[str, int], training: TrainingSettings, device: to
     largest = max(("weights", "activations", "optimizer", "adapters"), key=lambda k: parts[k])
     if largest == "activations":
         advice = [f"lower training.micro_batch (now {training.micro_batch}; gradient accumulation keeps "
-                  f"the effective batch)", f"or training.max_length (now {training.max_length})"]
+                  f"the effective batch)" if training.micro_batch_tokens is None else
+                  f"lower training.micro_batch_tokens (now {training.micro_batch_tokens}; more micro-steps keep "
+                  "the effective batch)", f"or training.max_length (now {training.max_length})"]
         if not training.gradient_checkpointing:
             advice.insert(0, "set training.gradient_checkpointing: true")
         return ", ".join(advice)
