@@ -53,6 +53,28 @@ def test_gate_names_the_knob_for_the_largest_part():
     assert "allowed" in preflight_checks.check_memory(act_heavy, 10_000, 0.9, settings, cuda)
 
 
+def test_a_token_budget_bounds_the_activations_by_its_tokens(tiny_model_dir):
+    """training.micro_batch_tokens: activations from the budget's token slots, not micro_batch x max_length;
+    the gate's advice names the budget, and the config-time estimate rounds it up to whole rows."""
+    from workflow_scripts.model import config_memory_estimate
+
+    assert activations(tokens=4096) == activations(micro_batch=2, max_length=2048)
+    assert activations(tokens=2048) == pytest.approx(activations(micro_batch=1))
+    torch.set_num_threads(1)
+    fixed = tiny_training_settings(micro_batch=4, max_length=64)
+    setup = training_setup.build(tiny_model_dir, fixed, DistributedContext(0, 0, 1, 1, torch.device("cpu"), None))
+    cpu = torch.device("cpu")
+    same = memory_estimate.estimate(setup.peft_model, fixed.replace(micro_batch_tokens=256), cpu)  # 4 x 64 slots
+    assert same == memory_estimate.estimate(setup.peft_model, fixed, cpu)
+    larger = memory_estimate.estimate(setup.peft_model, fixed.replace(micro_batch_tokens=1024), cpu)
+    assert larger["activations"] == pytest.approx(4 * same["activations"])  # whatever micro_batch says
+    assert config_memory_estimate.training_arguments(fixed.replace(micro_batch_tokens=100))["micro_batch"] == 2
+    heavy = {"weights": 10, "adapters": 1, "gradients": 1, "optimizer": 2, "activations": 900, "runtime_overhead": 0}
+    heavy["total"] = sum(heavy.values())
+    with pytest.raises(preflight_checks.PreflightError, match=r"Fix: lower training.micro_batch_tokens \(now 1024"):
+        preflight_checks.check_memory(heavy, 500, 0.9, fixed.replace(micro_batch_tokens=1024), torch.device("cuda", 0))
+
+
 def test_fsdp_shards_weights_adapters_gradients_and_optimizer_by_the_world_size(tiny_model_dir):
     """Two gloo processes: FSDP2 shards every parameter (each decoder layer and the root), so each rank holds
     half of weights, adapters, gradients and AdamW state, plus the root and two decoder layers gathered;

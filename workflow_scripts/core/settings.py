@@ -5,7 +5,8 @@ Snakefile's resource functions read by attribute.
 One function, :meth:`TrainingSettings.parse`, does all the checking: config/schema.yaml's
 ``training_settings`` (filling its defaults), then what no schema can state (the effective batch splits
 evenly over processes, exactly one of max_steps and epochs, warm-up shorter than training, early stopping
-and keep: best only with validation, packing only with several examples per micro-batch). The Snakefile parses every (model, variant)
+and keep: best only with validation, packing only with several examples per micro-batch, a token budget
+per micro-batch of at least max_length). The Snakefile parses every (model, variant)
 when the workflow is read; a stage parses its ``--training`` JSON the same way, so a stage run by hand
 gets the same defaults and the same refusals.
 """
