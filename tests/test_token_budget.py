@@ -6,6 +6,8 @@ runs (train.run_steps), so only the grouping of float sums differs (which rows s
 are accumulated, DDP's all-reduce): 1e-5 relative on the loss, 1e-4 on the adapter, as the 1-vs-2-process
 test (tests/test_train.py) allows for the same reason. LoRA dropout is off: its masks are drawn per micro-batch.
 """
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -84,3 +86,22 @@ def test_two_ranks_with_a_token_budget_run_in_lockstep_and_train_as_one(tmp_path
         assert counted == [max(n) for n in needs], (result.rank, counted, needs)
     assert [r["micro_steps"] for r in log_rows(tmp_path / "two")] == [max(n) for n in needs]
     assert_same_training(tmp_path / "one", tmp_path / "two")
+
+
+def test_a_killed_run_with_a_token_budget_resumes_to_the_identical_adapter(tmp_path, tiny_model_dir,
+                                                                           tiny_tokenised_dir):
+    """The budget's micro-batches are a function of (seed, step): a run killed after its step-4 checkpoint and
+    resumed trains bit for bit as the uninterrupted one (LoRA dropout on: the masks follow the micro-batches)."""
+    from test_train import assert_same_run, finish, start_slow, wait_for
+
+    settings = tiny_training_settings(max_steps=8, checkpoint_every=2, lora={"dropout": 0.1}, micro_batch_tokens=128)
+    finish(tmp_path / "uninterrupted", tiny_model_dir, tiny_tokenised_dir, settings)
+    out = tmp_path / "killed"
+    process = start_slow(out, tiny_model_dir, tiny_tokenised_dir, settings)
+    wait_for(lambda: (out / "checkpoints" / "step-00000004" / "state.json").exists(), process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (out / "adapter").exists()
+    assert "resumed from" in finish(out, tiny_model_dir, tiny_tokenised_dir, settings)
+    assert_same_run(out, tmp_path / "uninterrupted")
+    assert len({r["micro_steps"] for r in log_rows(out)}) > 1

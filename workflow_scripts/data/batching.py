@@ -10,9 +10,11 @@ With a token budget (``training.micro_batch_tokens``, :meth:`GlobalBatchPlan.bud
 global batch, sorted by length, is dealt to the ranks example by example (rank ``r`` takes positions
 ``r, r+W, ...``), and each rank's share is cut, longest first, into micro-batches of at most the budget's
 token slots (examples x their longest), as few as fit: short examples go many to a micro-batch, long
-ones few. DDP pairs every rank's micro-steps (no_sync, then one all-reduce), so all ranks take the
-count of the rank that needs most, a function of the global batch alone; and the loss is normalised by
-the step's target tokens (train.run_steps), so how examples are grouped does not change it.
+ones few. Every rank runs the count of the share that needs most, a function of the global batch alone,
+so micro-steps pair up across ranks (FSDP gathers the parameters at every forward; a rank running fewer
+would leave the others waiting). The loss is normalised by the step's target tokens (train.run_steps), so
+how examples are grouped does not change it; what does change with the grouping, and so with the number
+of processes, is what is drawn per micro-batch (LoRA dropout masks, masked LM's masks).
 
 The data set object handed to DataLoader workers holds only the path of the memory-mapped Arrow data
 (seed: 1.5 GB of text pickled into every worker); each worker reopens it from disk.
@@ -183,8 +185,8 @@ class GlobalBatchPlan:
 
 
 def fewest_cuts(lengths: np.ndarray, token_budget: int) -> list[tuple[int, int]]:
-    """(start, end) of the fewest runs of ``lengths`` (sorted longest first) whose size x first length fits
-    the budget; greedy from the longest, which is optimal for this cost on sorted lengths."""
+    """(start, end) of the fewest contiguous runs of ``lengths`` (sorted longest first) whose size x first
+    length fits the budget: each run, from the longest, takes as many as fit."""
     cuts, start = [], 0
     while start < len(lengths):
         end = start + max(1, token_budget // max(1, int(lengths[start])))
