@@ -105,3 +105,22 @@ def test_a_killed_run_with_a_token_budget_resumes_to_the_identical_adapter(tmp_p
     assert "resumed from" in finish(out, tiny_model_dir, tiny_tokenised_dir, settings)
     assert_same_run(out, tmp_path / "uninterrupted")
     assert len({r["micro_steps"] for r in log_rows(out)}) > 1
+
+
+def test_the_gate_probes_the_budget_micro_batches(tmp_path, tiny_model_dir, tiny_tokenised_dir):
+    """sanity runs its probe steps through the same budget plan as training, and estimates activations from
+    the budget's tokens: 128 slots estimate as micro_batch 2 x max_length 64, whatever micro_batch says."""
+    import json
+
+    from conftest import training_json
+    from workflow_scripts import sanity
+
+    reports = {}
+    for name, settings in (("budget", tiny_training_settings(sanity_batches=2, micro_batch=4, micro_batch_tokens=128)),
+                           ("fixed", tiny_training_settings(sanity_batches=2, micro_batch=2))):
+        out = tmp_path / f"{name}.json"
+        assert sanity.main(["--model", str(tiny_model_dir), "--data", str(tiny_tokenised_dir), "--training",
+                            training_json(settings), "--seed", "1", "--out", str(out)]) == 0
+        reports[name] = json.loads(out.read_text())
+    assert reports["budget"]["passed"] and reports["budget"]["gradient_accumulation"] is None
+    assert reports["budget"]["memory_estimate"]["activations"] == reports["fixed"]["memory_estimate"]["activations"]
