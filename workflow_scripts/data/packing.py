@@ -3,8 +3,9 @@
 What is packed: the rows of ONE micro-batch of the existing :class:`~workflow_scripts.data.batching.
 GlobalBatchPlan`, into as few rows as fit. The plan, the rank split and the step a resumed run restarts
 at are untouched, so which examples a step trains on is the same packed or not, for 1 or N processes.
-Packing across micro-batches would pack tighter but makes the number of micro-batches per step vary,
-which the fixed gradient accumulation and DDP's lockstep cannot follow.
+Packing across micro-batches would pack tighter; ``training.micro_batch_tokens`` does the part of that which
+keeps DDP's lockstep and resume: the plan fills each micro-batch to a token budget (a step's count of
+micro-batches then follows its lengths, the same on every rank; data/batching.py), and this collator packs it.
 
 Exactness, per attention implementation (transformers 5.x, ``masking_utils``):
 
