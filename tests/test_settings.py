@@ -94,6 +94,9 @@ def test_the_config_names_where_the_batch_shape_was_set():
         xc.training_settings(config, "big")
     with pytest.raises(ConfigError, match=r"'variants\.lr\.training\.max_steps'"):
         xc.training_settings(config, "lr")
+    config["variants"]["budget"] = {"task": "generation", "training": {"micro_batch_tokens": 100}}
+    with pytest.raises(ConfigError, match=r"'variants\.budget\.training\.micro_batch_tokens': 100 is below max_length"):
+        xc.training_settings(config, "budget")
 
 
 def test_nothing_below_the_config_reads_training_settings_as_a_dict():

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from workflow_scripts.core.settings import TrainingSettings
 
 CANONICAL_FIELDS = ("id", "question", "answers", "answer")
-BATCH_SHAPE_KEYS = ("effective_batch", "micro_batch", "gpus", "nodes", "cpu_processes")
+BATCH_SHAPE_KEYS = ("effective_batch", "micro_batch", "micro_batch_tokens", "gpus", "nodes", "cpu_processes")
 
 
 def resolved_training(config: Mapping[str, Any], variant: str, model: str | None = None) -> dict:
