@@ -40,7 +40,7 @@ rule sanity:
         mem_mb=lambda w: training_settings(w).mem_mb,
     params:
         training=training_json,
-        # the first configured seed: a param, so adding seeds after it reruns no gate
+        # the first configured seed, not recorded: adding seeds, or one before the others, reruns no gate
         seed=gate_seed,
         trust_remote_code=trust_remote_code,
     shell:
@@ -53,9 +53,10 @@ rule train:
     input:
         data="results/data/{dataset}/tokenised/{model}/{variant}",
         model=MODEL_DIR,
-        # ancient: a gate rerun (a code change, a new first seed) must not retrain the seeds already
-        # trained; a changed configuration reruns train through its own params and data
-        sanity=ancient("results/{model}/{dataset}/{variant}/sanity.json"),
+        # Not ancient(): Snakemake skips the jobs after a rerun job whose ancient input exists, even those
+        # with reasons of their own (snakemake#4166), so a training setting change would rerun only the gate.
+        # A new first seed reruns no gate (its seed is not a rerun trigger), so no training reruns for it.
+        sanity="results/{model}/{dataset}/{variant}/sanity.json",
         # training.validation.metric_examples: the normalised data the task's metric is scored on
         validation_metric=validation_metric_data,
     output:
