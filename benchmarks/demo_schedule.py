@@ -4,8 +4,9 @@ A shared machine cannot time the demo, but a quiet one-seed run's benchmark file
 each job's quiet seconds, and its ``train_log.jsonl`` files the seconds of the training steps
 (``elapsed_seconds`` per step; the rest of the train job is its fixed part). The jobs and their dependencies
 (download -> normalise -> pretokenise and evaluate_base -> power -> sanity -> train -> evaluate -> compare) are
-list-scheduled on 2 cores as Snakemake runs them (pretokenise takes both), with a per-job overhead fitted so that
-the one-seed schedule matches its measured wall time.
+list-scheduled on 2 cores as Snakemake runs them (pretokenise takes both; the sanity gate once per experiment,
+every seed's train after it), with a per-job overhead fitted so that the one-seed schedule matches its measured
+wall time.
 
     python -m benchmarks.demo_schedule --results <completed 1-seed demo>/results --measured 376
 """
@@ -34,10 +35,18 @@ class Demo:
             elapsed[record["step"]] = record["elapsed_seconds"]
         return self.wall(f"{model}/{dataset}/{variant}/seed1/train") - elapsed[max(elapsed)], elapsed
 
+    def gate_wall(self, model: str, dataset: str, variant: str) -> float:
+        """The gate's seconds: results/benchmarks/<experiment>/sanity.tsv, or seed1/sanity.tsv in a run made
+        before the gate ran once per experiment (issue 25)."""
+        once = f"{model}/{dataset}/{variant}/sanity"
+        return self.wall(once if (self.results / "benchmarks" / f"{once}.tsv").exists() else
+                         f"{model}/{dataset}/{variant}/seed1/sanity")
+
     def jobs(self, seeds: int, steps: dict[int, int], peft_saving: float = 0.0,
-             gate_once: bool = False) -> dict[str, tuple[float, int, list[str]]]:
+             gate_per_seed: bool = False) -> dict[str, tuple[float, int, list[str]]]:
         """{job: (seconds, cores, dependencies)}; ``steps`` maps a run's step count to the new one, ``peft_saving``
-        is taken off each peft job (sanity, train, evaluate with an adapter), ``gate_once``: sanity on seed 1 only."""
+        is taken off each peft job (sanity, train, evaluate with an adapter). One gate per experiment, as the
+        rules run it; ``gate_per_seed``: one per experiment and seed, as the rules did before issue 25."""
         jobs = {}
         for dataset in sorted({d for _, d, _ in self.pairs}):
             jobs[f"download/{dataset}"] = (self.wall(f"download/{dataset}"), 1, [])
@@ -56,11 +65,15 @@ class Demo:
             fixed, elapsed = self.train_split(m, d, v)
             last = max(elapsed)
             train = fixed + elapsed[steps.get(last, last)] - peft_saving
+            gate_inputs = [f"pretokenise/{d}/{m}/{v}", f"power/{m}/{d}"]
+            if not gate_per_seed:
+                jobs[f"sanity/{m}/{d}/{v}"] = (self.gate_wall(m, d, v) - peft_saving, 1, gate_inputs)
             for seed in range(1, seeds + 1):
                 run = f"{m}/{d}/{v}/{seed}"
-                gate = 0.0 if gate_once and seed > 1 else self.wall(f"{m}/{d}/{v}/seed1/sanity") - peft_saving
-                jobs[f"sanity/{run}"] = (gate, 1, [f"pretokenise/{d}/{m}/{v}", f"power/{m}/{d}"])
-                jobs[f"train/{run}"] = (train, 1, [f"sanity/{run}"])
+                gate = f"sanity/{run}" if gate_per_seed else f"sanity/{m}/{d}/{v}"
+                if gate_per_seed:
+                    jobs[gate] = (self.gate_wall(m, d, v) - peft_saving, 1, gate_inputs)
+                jobs[f"train/{run}"] = (train, 1, [gate])
                 jobs[f"evaluate/{run}"] = (self.wall(f"{m}/{d}/{v}/seed1/evaluate") - peft_saving, 1, [f"train/{run}"])
                 finals.append(f"evaluate/{run}")
         jobs["compare"] = (self.wall("compare"), 1, finals + [job for job in jobs if job.startswith("evaluate_base/")])
@@ -98,13 +111,13 @@ def main(argv=None) -> int:
     demo = Demo(args.results)
     overhead = fitted_overhead(demo, args.measured)
     cut = {300: 200, 120: 100}
-    cases = [("1 seed, as it was", demo.jobs(1, {})),
-             ("3 seeds, as it was", demo.jobs(3, {})),
-             ("3 seeds, bitsandbytes left out", demo.jobs(3, {}, args.peft_saving)),
+    cases = [("1 seed", demo.jobs(1, {})),
+             ("3 seeds, a gate per seed, as it was", demo.jobs(3, {}, gate_per_seed=True)),
+             ("3 seeds, a gate per seed, bitsandbytes left out", demo.jobs(3, {}, args.peft_saving, gate_per_seed=True)),
+             ("3 seeds, bitsandbytes left out, one gate per experiment", demo.jobs(3, {}, args.peft_saving)),
              ("... + 200 steps instead of 300, 100 instead of 120", demo.jobs(3, cut, args.peft_saving)),
              ("... + 150 steps instead of 300", demo.jobs(3, {300: 150, 120: 100}, args.peft_saving)),
-             ("3 seeds, bitsandbytes left out, the gate on seed 1 only", demo.jobs(3, {}, args.peft_saving, gate_once=True)),
-             ("2 seeds, bitsandbytes left out", demo.jobs(2, {}, args.peft_saving))]
+             ("2 seeds, bitsandbytes left out, one gate per experiment", demo.jobs(2, {}, args.peft_saving))]
     print(f"per-job overhead fitted to the measured {args.measured:.0f} s: {overhead:.1f} s")
     print("| demo | jobs | job-seconds | simulated quiet wall |\n|---|---:|---:|---:|")
     for label, jobs in cases:

@@ -41,7 +41,7 @@ JOBS = (
     ("pretokenise", "pretokenise", "/baseline_report.json"),
     ("evaluate (base)", "evaluate_base", "/baseline/base/eval.json"),
     ("evaluate (adapter)", "evaluate", "/baseline/seed1/eval.json"),
-    ("sanity", "sanity", "/baseline/seed1/sanity.json"),
+    ("sanity", "sanity", "/baseline/sanity.json"),  # one gate per experiment since issue 25
     ("train", "train", "/baseline/seed1/run_manifest.json"),
     ("compare", "compare", "comparison.md"),
 )

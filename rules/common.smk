@@ -186,6 +186,13 @@ def tracking_json(wildcards):
     )
 
 
+def gate_seed(wildcards):
+    """sanity's --seed: the first of config seeds (as xc.experiments lists them), the one gate of all the
+    experiment's seeds, which differ only in initialisation and data order. RuntimeOnly: a new first seed
+    reruns no gate, and so retrains no finished seed."""
+    return RuntimeOnly(str(config["seeds"][0]))
+
+
 def training_gpu_total(wildcards):
     """GPUs of a one-node job (the SLURM plugin's --gpus, and what --resources gpu=N counts). A job on
     several nodes asks per node instead (training_gpus_per_node): --gpus=16 may come as 6 + 2 + 8."""

@@ -2,6 +2,8 @@
 # per declared GPU, or gloo processes on CPU), so the gate sees exactly what training will.
 # train resumes by itself from params.checkpoints (not an output, so it survives a failed or
 # preempted job); on SIGTERM/SIGUSR1 it checkpoints and exits 75 so a retry/requeue continues it.
+# The gate runs once per experiment (model, dataset or mixture, variant), not per seed: it checks the
+# configuration, and an experiment's seeds differ only in initialisation and data order.
 
 
 rule sanity:
@@ -16,15 +18,15 @@ rule sanity:
         power=ancient(power_reports),
     output:
         report(
-            "results/{model}/{dataset}/{variant}/seed{seed}/sanity.json",
+            "results/{model}/{dataset}/{variant}/sanity.json",
             caption="../report/sanity.rst",
             category="Sanity checks",
             subcategory="{dataset}",
         ),
     log:
-        "logs/{model}/{dataset}/{variant}/seed{seed}/sanity.log",
+        "logs/{model}/{dataset}/{variant}/sanity.log",
     benchmark:
-        "results/benchmarks/{model}/{dataset}/{variant}/seed{seed}/sanity.tsv"
+        "results/benchmarks/{model}/{dataset}/{variant}/sanity.tsv"
     conda:
         "../envs/training.yaml"
     threads: training_threads
@@ -38,10 +40,12 @@ rule sanity:
         mem_mb=lambda w: training_settings(w).mem_mb,
     params:
         training=training_json,
+        # the first configured seed, not recorded: adding seeds, or one before the others, reruns no gate
+        seed=gate_seed,
         trust_remote_code=trust_remote_code,
     shell:
         "python -m workflow_scripts.sanity --model {input.model:q} --data {input.data:q}"
-        " --training {params.training:q} --seed {wildcards.seed} {params.trust_remote_code}"
+        " --training {params.training:q} --seed {params.seed} {params.trust_remote_code}"
         " --out {output:q} > {log:q} 2>&1"
 
 
@@ -49,7 +53,10 @@ rule train:
     input:
         data="results/data/{dataset}/tokenised/{model}/{variant}",
         model=MODEL_DIR,
-        sanity="results/{model}/{dataset}/{variant}/seed{seed}/sanity.json",
+        # Not ancient(): Snakemake skips the jobs after a rerun job whose ancient input exists, even those
+        # with reasons of their own (snakemake#4166), so a training setting change would rerun only the gate.
+        # A new first seed reruns no gate (its seed is not a rerun trigger), so no training reruns for it.
+        sanity="results/{model}/{dataset}/{variant}/sanity.json",
         # training.validation.metric_examples: the normalised data the task's metric is scored on
         validation_metric=validation_metric_data,
     output:

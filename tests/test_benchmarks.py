@@ -611,6 +611,16 @@ def test_stage_startup_reruns_a_recorded_job_and_times_it(tmp_path):
     assert not (tmp_path / "results" / "amr_demo" / "normalised").exists()  # ran in the copy
 
 
+def test_stage_startup_picks_the_gate_of_the_experiment_not_of_a_seed():
+    """The gate runs once per experiment (issue 25): its recorded job is found under the experiment's path."""
+    from benchmarks import stage_startup
+
+    (piece,) = [piece for label, rule, piece in stage_startup.JOBS if rule == "sanity"]
+    jobs = {f"results/tiny-llama/{dataset}/{variant}/sanity.json": ("sanity", f"gate {dataset} {variant}")
+            for dataset in ("amr_demo", "chartqa_demo") for variant in ("baseline", "mtup")}
+    assert stage_startup.pick(jobs, "sanity", piece) == "gate amr_demo baseline"
+
+
 def test_import_seconds_sums_the_top_level_imports_and_names_the_heavy_ones():
     from benchmarks.stage_startup import import_seconds
 
@@ -631,7 +641,7 @@ def test_demo_schedule_runs_independent_jobs_side_by_side_and_a_two_core_job_alo
     assert schedule({"a": (3.0, 1, []), "b": (5.0, 1, ["a"])}, overhead=0.5) == 9.0
 
 
-def test_demo_schedule_cuts_train_at_the_logged_step_and_repeats_the_seed_jobs(tmp_path):
+def test_demo_schedule_cuts_train_at_the_logged_step_repeats_the_seed_jobs_and_gates_once(tmp_path):
     from benchmarks.demo_schedule import Demo
 
     def bench(relative, seconds):
@@ -651,5 +661,11 @@ def test_demo_schedule_cuts_train_at_the_logged_step_and_repeats_the_seed_jobs(t
     demo = Demo(tmp_path)
     jobs = demo.jobs(3, {300: 200}, peft_saving=1.0)
     assert jobs["train/tiny-llama/amr_demo/baseline/2"][0] == pytest.approx(20 - 10 + 200 / 30 - 1.0)
-    assert sum(name.startswith("sanity/") for name in jobs) == 3 and jobs["sanity/tiny-llama/amr_demo/baseline/3"][0] == 4.0
-    assert demo.jobs(3, {}, gate_once=True)["sanity/tiny-llama/amr_demo/baseline/2"][0] == 0.0
+    assert sum(name.startswith("train/") for name in jobs) == sum(name.startswith("evaluate/") for name in jobs) == 3
+    # one gate per experiment (issue 25), which every seed's training waits for
+    assert [name for name in jobs if name.startswith("sanity/")] == [f"sanity/{run}"] and jobs[f"sanity/{run}"][0] == 4.0
+    assert all(jobs[f"train/{run}/{seed}"][2] == [f"sanity/{run}"] for seed in (1, 2, 3))
+    per_seed = demo.jobs(3, {}, peft_saving=1.0, gate_per_seed=True)  # the rules before issue 25
+    assert [per_seed[f"sanity/{run}/{seed}"][0] for seed in (1, 2, 3)] == [4.0] * 3
+    bench(f"{run}/sanity", 7)  # a run made since: the gate's benchmark has no seed
+    assert demo.jobs(3, {})[f"sanity/{run}"][0] == 7.0

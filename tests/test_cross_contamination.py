@@ -106,7 +106,7 @@ def test_the_gate_of_a_mixture_waits_for_the_check(tmp_path):
         if dataset["source"]["type"] == "local":
             dataset["source"]["path"] = str(ROOT / dataset["source"]["path"])
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    code, output = dry_run(tmp_path, "results/tiny-llama/qa_mix/baseline/seed1/sanity.json", "-n", "-p", "--cores", "2",
+    code, output = dry_run(tmp_path, "results/tiny-llama/qa_mix/baseline/sanity.json", "-n", "-p", "--cores", "2",
                            "--configfile", str(tmp_path / "config.yaml"))  # snakemake in a fork of this process
     assert code == 0, output[-3000:]
     assert "rule cross_contamination:" in output and "--settings" in output

@@ -67,6 +67,7 @@ def test_default_config_builds_its_dag(tmp_path):
     pairs = 3 * 2 + 1 * 2 + 1 * 2 + 1 * 2
     assert counts["download"] == counts["normalise"] == 6 and counts["pretokenise"] == pairs
     assert counts["train"] == pairs * len(config["seeds"]) and counts["prepare_model"] == 3
+    assert len(config["seeds"]) > 1 and counts["sanity"] == pairs  # one gate per experiment, not per seed
 
 
 def test_a_bad_config_stops_snakemake_with_one_message(tmp_path):

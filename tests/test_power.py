@@ -161,7 +161,7 @@ def test_the_gate_waits_for_the_power_report_of_the_untrained_model(tmp_path, ev
     config["evaluation"]["evaluate_base_model"] = evaluate_base
     code, output = dry_run(tmp_path, "-n", "-p", "--configfile", str(config_file(tmp_path, config)),
                            "--replace-workflow-config", "--cores", "2",
-                           "results/tiny-llama/chartqa_demo/baseline/seed1/sanity.json")
+                           "results/tiny-llama/chartqa_demo/baseline/sanity.json")
     assert code == 0, output
     counts = job_counts(output)
     if evaluate_base:

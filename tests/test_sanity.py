@@ -56,6 +56,7 @@ def test_healthy_setup_passes(tmp_path, tiny_model_dir, tiny_tokenised_dir):
     assert {"device_count", "precision", "trainable_parameters", "placement", "name_lookup", "memory",
             "data_scan", "train_mode", "gradients", "data"} <= names
     assert report["memory_estimate"]["total"] > 0 and report["world_size"] == 1
+    assert report["seed"] == 1  # the gate runs once per experiment: the report names the seed it ran with
 
 
 # 1. trainable parameters
