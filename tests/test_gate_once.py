@@ -1,8 +1,10 @@
 """The sanity gate runs once per experiment (model, dataset or mixture, variant), not once per seed (issue 25).
 
 It checks the configuration; an experiment's seeds differ only in initialisation and data order. It runs
-with the first configured seed, a param, so adding seeds reruns no gate, and train takes it as an ancient
-input, so a rerun gate retrains nothing already trained. Dry runs in a fork (test_dry_run_families.dry_run).
+with the first configured seed, passed so that Snakemake does not record it (RuntimeOnly), so adding seeds
+or putting another first reruns no gate and retrains nothing; train takes the gate as an ordinary input (not
+ancient: Snakemake 9 then skips what a training change must rerun, snakemake/snakemake#4166), so a change of
+the training settings reruns the gate and every seed. Dry runs in a fork (test_dry_run_families.dry_run).
 """
 from __future__ import annotations
 
