@@ -60,19 +60,23 @@ def run(args: list[str], cwd: Path | None = None, timeout: float = 1200) -> tupl
         except OSError:
             pass
         deadline = time.monotonic() + timeout
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                os.waitpid(pid, 0)
+        try:
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"snakemake {' '.join(args)} ran past {timeout} s")
+                time.sleep(0.1)
+        except BaseException as error:  # the timeout, or the test stopped (Ctrl-C): no run left behind
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            if isinstance(error, TimeoutError):
                 output.seek(0)
-                raise TimeoutError(f"snakemake {' '.join(args)} ran past {timeout} s:\n"
-                                   + output.read().decode(errors="replace")[-6000:])
-            time.sleep(0.1)
+                raise TimeoutError(f"{error}:\n{output.read().decode(errors='replace')[-6000:]}") from None
+            raise
         output.seek(0)
         return os.waitstatus_to_exitcode(status), output.read().decode(errors="replace")
