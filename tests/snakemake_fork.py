@@ -8,6 +8,7 @@ itself (``python -m snakemake``) check is still checked by the SLURM tests, the 
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -38,6 +39,9 @@ def run(args: list[str], cwd: Path | None = None, timeout: float = 1200) -> tupl
         if pid == 0:  # the child: snakemake's command line, its output into the file
             code = 1
             try:
+                # The test process's objects (torch, transformers, ...) out of the collector's sight: a long run
+                # would otherwise walk them in every full collection, copying their pages on write as it goes.
+                gc.freeze()
                 os.setpgid(0, 0)  # its own process group: a timeout kills the jobs it started too
                 if cwd is not None:
                     os.chdir(cwd)
