@@ -19,6 +19,7 @@ the estimate leaves out on CPU). Tokens/s: non-padding tokens over all ranks per
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -174,18 +175,24 @@ def run_stage(model_dir: Path, data_dir: Path, settings: dict, strategy: str, se
             "stage_peak_rss": manifest["peak_memory_bytes"]}
 
 
-def baseline_rss(extra: str = "") -> int:
-    """Resident set of a process that imports what a rank imports (and ``extra``) and builds nothing."""
-    code = (f"import resource, torch.distributed, transformers, peft, workflow_scripts.train{extra};"
+def baseline_rss(with_bitsandbytes: bool = False) -> tuple[int, int | None]:
+    """Resident set of a process that imports what a rank imports and builds nothing, and (``with_bitsandbytes``)
+    of the same process once it has imported bitsandbytes too. One probe process for both: the second figure is
+    the peak after the extra import, as a second process importing everything at once would reach."""
+    code = ("import resource, torch.distributed, transformers, peft, workflow_scripts.train;"
             "from transformers import LlamaForCausalLM;"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True);"
+            + ("import bitsandbytes;print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+               if with_bitsandbytes else ""))
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**child_env(1), **MALLOC_ENV},
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the baseline probe failed: {done.stderr.strip()[-2000:]}")
-    return int(done.stdout.strip().splitlines()[-1])
+    figures = [int(line) for line in done.stdout.split() if line.isdigit()]
+    return figures[0], (figures[1] if with_bitsandbytes else None)
 
 
+@functools.cache  # one probe process per benchmark process: the harness and its test both ask
 def qlora_available() -> str | None:
     """None when bitsandbytes imports here, else why QLoRA is left out."""
     done = subprocess.run([sys.executable, "-c", "import bitsandbytes"], capture_output=True, text=True)
@@ -215,9 +222,8 @@ def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: 
     with tempfile.TemporaryDirectory(prefix="bench-strategies-", dir=work_dir) as tmp:
         work = Path(tmp)
         model_dir, data_dir = build_inputs(work, settings)
-        baseline = baseline_rss()
         # QLoRA's ranks also load bitsandbytes' native library: measured apart, not guessed.
-        with_bitsandbytes = baseline_rss(", bitsandbytes") if skipped is None else None
+        baseline, with_bitsandbytes = baseline_rss(with_bitsandbytes=skipped is None)
         for repetition in range(settings["repetitions"]):
             if repetition and deadline is not None and time.monotonic() > deadline:
                 log(f"  out of time after {repetition} repetition(s)")

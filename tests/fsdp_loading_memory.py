@@ -54,12 +54,24 @@ def full_bytes(tensors) -> int:
 
 
 def main(warm_dir: str, model_dir: str, training_text: str, out_dir: str) -> None:
+    """``training_text``: one training mapping (reports in ``out_dir``), or a list of them, built one after the
+    other in the same ranks (reports in ``out_dir/<index>``; only the first build's peak is the loading's own,
+    the later ones' start from a resident set the earlier builds grew)."""
     torch.set_num_threads(1)
-    training = TrainingSettings.from_json(training_text)
+    parsed = json.loads(training_text)
+    runs = ([(TrainingSettings.from_json(json.dumps(item)), Path(out_dir, str(index))) for index, item in enumerate(parsed)]
+            if isinstance(parsed, list) else [(TrainingSettings.from_json(training_text), Path(out_dir))])
     context = distributed.setup(use_cuda=False)
-    warm = training_setup.build(warm_dir, training, context)
+    warm = training_setup.build(warm_dir, runs[0][0], context)
     del warm
-    gc.collect()
+    for training, out in runs:
+        gc.collect()
+        out.mkdir(parents=True, exist_ok=True)
+        report_loading(model_dir, training, context, out)
+    distributed.teardown(context)
+
+
+def report_loading(model_dir: str, training: TrainingSettings, context, out: Path) -> None:
     before = status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
     setup = training_setup.build(model_dir, training, context)
@@ -82,8 +94,7 @@ def main(warm_dir: str, model_dir: str, training_text: str, out_dir: str) -> Non
         "rng_state_matches_rank0": rng[context.rank] == rng[0],
         "loading_estimate": memory_estimate.loading_estimate(model, training, context.device),  # the gate's
     }
-    Path(out_dir, f"rank{context.rank}.json").write_text(json.dumps(report, indent=2))
-    distributed.teardown(context)
+    Path(out, f"rank{context.rank}.json").write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

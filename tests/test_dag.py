@@ -7,15 +7,13 @@ import sys
 import pytest
 import yaml
 
+import snakemake_fork
 from data_helpers import ROOT, default_config, without_idle_models
 
 
 def snakemake(workdir, *args, timeout=600):
-    result = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir), *args],
-        capture_output=True, text=True, timeout=timeout,
-    )
-    return result.returncode, result.stdout + result.stderr
+    """``snakemake --directory workdir *args`` -> (exit code, output), in a fork of this process (snakemake_fork)."""
+    return snakemake_fork.run(["-s", str(ROOT / "Snakefile"), "--directory", str(workdir), *args], timeout=timeout)
 
 
 def job_counts(output):

@@ -14,11 +14,8 @@ row's names ``{dataset}``, ``{model}``, ``{variant}`` (the task's second variant
 from __future__ import annotations
 
 import copy
-import os
 import re
 import shutil
-import sys
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -31,42 +28,9 @@ from test_dag import config_file, snakemake
 
 
 def dry_run(workdir: Path, *args: str) -> tuple[int, str]:
-    """test_dag's ``snakemake(workdir, *args)`` in a fork of this process: the Snakefile's imports (torch
-    among them, through the task modules) are loaded here once instead of in every run, so a run that
+    """test_dag's ``snakemake(workdir, *args)``, in a fork of this process (tests/snakemake_fork.py): a run that
     stops at parse time costs ~1 s of CPU instead of ~6 (measured on the 2-core machine)."""
-    if not hasattr(os, "fork"):
-        return snakemake(workdir, *args)
-    import tempfile
-
-    from snakemake import cli as snakemake_cli
-    from workflow_scripts.tasks import TASK_MODULES, task_named
-
-    for name in TASK_MODULES:  # what the Snakefile's config checks import
-        task_named(name)
-    with tempfile.TemporaryFile() as output:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: snakemake's command line, its output into the file
-            code = 1
-            try:
-                os.dup2(output.fileno(), 1)
-                os.dup2(output.fileno(), 2)
-                # pytest's capture has replaced sys.stdout/err: snakemake's log must reach the file
-                sys.stdout = sys.stderr = open(output.fileno(), "w", buffering=1, closefd=False)
-                snakemake_cli.main(["-s", str(ROOT / "Snakefile"), "--directory", str(workdir), *args])
-                code = 0
-            except SystemExit as error:
-                code = error.code if isinstance(error.code, int) else 1
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        output.seek(0)
-        return os.waitstatus_to_exitcode(status), output.read().decode(errors="replace")
+    return snakemake(workdir, *args)
 
 
 @dataclass(frozen=True)

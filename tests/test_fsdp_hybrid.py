@@ -91,16 +91,28 @@ def test_hybrid_run_follows_the_one_process_loss_curve(one_process, hybrid_run):
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("mesh, share", [(None, 0.5), ("flat", 0.25)])
-def test_each_rank_holds_its_nodes_share_after_loading(tmp_path, tiny_model_dir, mesh, share):
-    """Rank-0 loading (set_model_state_dict broadcast_from_rank0) onto the 2-D mesh: every rank ends with
-    rank 0's values (the loss curve above) and half the model, a quarter on the flat mesh."""
-    training = two_by_two(**({"fsdp_mesh": mesh} if mesh else {}))
+LOADING_CASES = [(None, 0.5), ("flat", 0.25)]  # (training.fsdp_mesh, each rank's share of the model)
+
+
+@pytest.fixture(scope="module")
+def loading_reports(tmp_path_factory, tiny_model_dir) -> dict:
+    """Each loading case's 4 rank reports, mesh -> reports: both cases built one after the other in the same
+    ranks, through one launch of the two torchrun agents (issue 25: one launch, 6 interpreters, fewer)."""
+    out = tmp_path_factory.mktemp("fsdp-hybrid-loading")
+    trainings = [two_by_two(**({"fsdp_mesh": mesh} if mesh else {})).to_dict() for mesh, _ in LOADING_CASES]
     # Through the two torchrun agents, not forked ranks: forked from the test process, these 4 ranks hung in
     # the rank-0 broadcast under CI's load (both cases, 300 s each), while the torchrun launch never has.
     run_nodes([str(REPO / "tests" / "fsdp_loading_memory.py"), str(tiny_model_dir), str(tiny_model_dir),
-               json.dumps(training.to_dict()), str(tmp_path)])
-    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
+               json.dumps(trainings), str(out)])
+    return {mesh: [json.loads((out / str(index) / f"rank{rank}.json").read_text()) for rank in range(4)]
+            for index, (mesh, _) in enumerate(LOADING_CASES)}
+
+
+@pytest.mark.parametrize("mesh, share", LOADING_CASES)
+def test_each_rank_holds_its_nodes_share_after_loading(loading_reports, mesh, share):
+    """Rank-0 loading (set_model_state_dict broadcast_from_rank0) onto the 2-D mesh: every rank ends with
+    rank 0's values (the loss curve above) and half the model, a quarter on the flat mesh."""
+    reports = loading_reports[mesh]
     for report in reports:
         assert report["world_size"] == 4 and report["sharded"]
         assert share - 0.05 < report["model_bytes"] / report["full_bytes"] < share + 0.05, report

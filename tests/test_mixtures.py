@@ -242,6 +242,8 @@ def test_a_two_model_two_dataset_mixture_runs_and_the_comparison_groups_by_model
     # Grouped by model: all of tiny-a's rows come before tiny-b's.
     models = [r["model"] for r in rows]
     assert models == sorted(models, key=["tiny-a", "tiny-b"].index)
+    # The untrained model's score (evaluate_base per model and evaluated dataset) reaches every mixture row.
+    assert all(r["base_score"] != "" for r in rows), rows
     report = json.loads((tmp_path / "results/data/qa_mix/tokenised/tiny-a/baseline_report.json").read_text())
     assert {name: part["drawn"] for name, part in report["components"].items()} == {"chartqa_demo": 30, "ocrvqa_demo": 30}
     evaluated = json.loads((tmp_path / "results/tiny-a/qa_mix/baseline/seed1/on_chart_val/eval.json").read_text())

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import csv
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+import snakemake_fork
 
 ROOT = Path(__file__).resolve().parent.parent
 DATASETS = ("amr_demo",)  # the slowest to learn (Smatch, and Smatch++ beside it)
@@ -43,11 +43,10 @@ def write_config(directory: Path, **changes) -> Path:
 
 
 def snakemake(directory: Path, *arguments: str, timeout: int = 1200) -> str:
-    command = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"),
-               "--configfile", str(directory / "config.yaml"), "--cores", "2", *arguments]
-    result = subprocess.run(command, cwd=directory, capture_output=True, text=True, timeout=timeout)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
+    """``snakemake`` run in ``directory`` on its config.yaml, in a fork of this process (snakemake_fork)."""
+    code, output = snakemake_fork.run(["-s", str(ROOT / "Snakefile"), "--configfile", str(directory / "config.yaml"),
+                                       "--cores", "2", *arguments], cwd=directory, timeout=timeout)
+    assert code == 0, output[-6000:]
     return output
 
 
@@ -147,11 +146,10 @@ def test_a_second_experiment_set_in_the_same_directory_runs_and_an_unchanged_one
     second.write_text(yaml.safe_dump(small_chain_config("ocrvqa_demo", model="tiny-llama-b"), sort_keys=False))
 
     def run_second(*args):
-        command = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--configfile", str(second),
-                   "--replace-workflow-config", "--cores", "2", *args]
-        result = subprocess.run(command, cwd=finished_run, capture_output=True, text=True, timeout=1200)
-        assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
-        return result.stdout + result.stderr
+        code, output = snakemake_fork.run(["-s", str(ROOT / "Snakefile"), "--configfile", str(second),
+                                           "--replace-workflow-config", "--cores", "2", *args], cwd=finished_run)
+        assert code == 0, output[-6000:]
+        return output
 
     assert nothing_to_do(snakemake(finished_run, "-n"))  # the first set, unchanged: nothing to do
     planned = job_counts(run_second("-n"))  # another model and dataset: its whole chain
