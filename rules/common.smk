@@ -258,6 +258,20 @@ def training_threads(wildcards):
     return max(training.gpus, training.cpu_processes, 1) * (training.dataloader_workers + 1)
 
 
+# Below this much normalised data, tokenising takes well under a second: pretokenise gets one core
+# instead of the tokenizer's pool, so that the other cores run other jobs meanwhile (the demo's 12
+# pretokenise jobs, 50-490 KB each, held both of 2 cores for ~70 s, mostly for their start-up).
+PRETOKENISE_ONE_CORE_BYTES = 4 * 2**20
+
+
+def pretokenise_threads(wildcards, input):
+    """The fast tokenizer's thread pool (and pretokenise's processes, workflow_scripts/pretokenise.py) for
+    data worth it; Snakemake scales 8 down to --cores. Evaluated once the normalised data exist."""
+    size = sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(input.data)
+               for name in names)
+    return 1 if size < PRETOKENISE_ONE_CORE_BYTES else 8
+
+
 def local_source(wildcards):
     """A local dataset's split files are inputs, so editing one reruns its chain (a directory's
     mtime does not change when a file inside is edited in place)."""

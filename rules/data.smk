@@ -86,7 +86,7 @@ rule pretokenise:
         dataset="|".join(DATASETS),  # a mixture's tokenised data come from the mix rule
     conda:
         "../envs/data.yaml"
-    threads: 8  # the fast tokenizer's thread pool; Snakemake scales it down to --cores
+    threads: pretokenise_threads
     params:
         task=dataset_task,
         variant=variant_templates,
