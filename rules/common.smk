@@ -267,8 +267,9 @@ PRETOKENISE_ONE_CORE_BYTES = 4 * 2**20
 def pretokenise_threads(wildcards, input):
     """The fast tokenizer's thread pool (and pretokenise's processes, workflow_scripts/pretokenise.py) for
     data worth it; Snakemake scales 8 down to --cores. Evaluated once the normalised data exist."""
-    size = sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(input.data)
-               for name in names)
+    size = sum(
+        os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(input.data) for name in names
+    )
     return 1 if size < PRETOKENISE_ONE_CORE_BYTES else 8
 
 
