@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # CPU build of torch: on this kind of machine pip takes it from local disk; pin keeps experiments rebuildable.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test test-fast demo bench lint clean gpu-wheels gpu-check
+.PHONY: install test test-fast demo demo-docs docs docs-generate bench lint clean gpu-wheels gpu-check
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,24 @@ demo: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --profile profiles/local --cores 2
 	@cat results/comparison.md
 
+# After a demo run: its comparison becomes the README's demo table and findings (docs/demo/comparison.md is the
+# record they are generated from; tests/test_docs.py fails when README.md disagrees with it).
+demo-docs: install
+	cp results/comparison.md docs/demo/comparison.md
+	PYTHONPATH=. $(BIN)/python docs/gen/generate.py
+
+# The documentation site: the generated pages checked current, built strictly into site/, then opened in
+# headless Chromium (navigation, search index, code blocks; a screenshot of the start page in site-check.png).
+docs: install
+	PYTHONPATH=. $(BIN)/python docs/gen/generate.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+	$(BIN)/python docs/gen/browser_check.py site --screenshot site-check.png
+	@echo "open site/index.html, or run $(BIN)/mkdocs serve and read http://127.0.0.1:8000"
+
+# Rewrite every generated page and block (configuration reference, messages, stages, README's demo block).
+docs-generate: install
+	PYTHONPATH=. $(BIN)/python docs/gen/generate.py
+
 bench: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m benchmarks.run
 
@@ -56,4 +74,4 @@ lint: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --lint
 
 clean:
-	rm -rf results logs resources .snakemake
+	rm -rf results logs resources .snakemake site site-check.png

@@ -1,0 +1,224 @@
+"""The documentation (issue 39): generated pages current, the site built strictly and seen in a browser, the
+README short and its five steps a plan Snakemake accepts.
+
+docs/gen/generate.py writes the configuration reference (from config/schema.yaml), the messages page (from the
+bad-input tables), the stages page (from rules/*.smk) and README.md's demo block (from the demo's comparison.md);
+a stale one fails here. The site is built once per module with `mkdocs build --strict` (~2 s) and opened in
+headless Chromium (docs/gen/browser_check.py, ~4 s; skipped without Chromium unless
+LORA_WORKFLOW_REQUIRE_CHROMIUM=1, which .ci/run sets).
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from data_helpers import ROOT
+from test_dag import job_counts, snakemake
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"docs_gen_{name}", ROOT / "docs" / "gen" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+generate = load("generate")
+browser_check = load("browser_check")
+SCHEMA = yaml.safe_load((ROOT / "config" / "schema.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return generate.outputs()
+
+
+# --- generated pages --------------------------------------------------------------------------------------------
+def test_every_generated_page_and_block_is_current(expected):
+    assert generate.stale(expected) == [], "run `make docs-generate` (python docs/gen/generate.py) and commit"
+
+
+def test_a_stale_schema_description_fails_the_check():
+    planted = copy.deepcopy(SCHEMA)
+    planted["$defs"]["training_settings"]["properties"]["max_length"]["description"] = "Tokens per example (stale)."
+    planted["properties"]["evaluation"]["description"] = "How models are scored (stale)."
+    behind = generate.stale(generate.outputs(schema=planted))
+    assert behind == ["docs/reference/configuration.md", "config/README.md"]
+
+
+def test_the_reference_has_every_key_of_the_schema_with_its_default_and_values():
+    page = (ROOT / "docs" / "reference" / "configuration.md").read_text()
+    rows = {match.group(1): match.group(0) for match in re.finditer(r"(?m)^\| `([^`]+)` \|.*$", page)}
+    keys = [key.path for section, spec in SCHEMA["properties"].items()
+            for key in [generate.Key(section, spec), *generate.walk(section, spec, SCHEMA)]]
+    assert set(keys) <= set(rows) and len(keys) > 150
+    assert "| `training.max_length` | integer | `512` | ≥ 8 | Tokens per example, prompt and target together. |" \
+        in rows["training.max_length"]
+    assert "`fp32`, `bf16`, `fp16`" in rows["training.precision"]
+    assert "*task classification:*" in rows["datasets.*.labels"]  # a task's own key says which task
+
+
+def test_the_schema_holds_only_json_schema_keywords():
+    """A flow mapping's unquoted comma cut two descriptions short, leaving the rest as a key the validator
+    ignores (`{description: Model directory, for source local.}`); the reference would print the stump."""
+    keywords = {"type", "description", "default", "enum", "const", "properties", "additionalProperties", "required",
+                "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "items", "minItems", "uniqueItems",
+                "pattern", "oneOf", "$ref", "if", "then", "else", "propertyNames", "minProperties", "maxProperties",
+                "unevaluatedProperties", "minLength", "$defs", "$schema"}
+
+    def odd(node, named: bool = False):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if not named and key not in keywords:
+                    yield key
+                yield from odd(value, named=key in ("properties", "$defs"))
+        elif isinstance(node, list):
+            for value in node:
+                yield from odd(value)
+
+    found = set(odd({k: v for k, v in SCHEMA.items()}))
+    found -= {"train", "validation", "test"}  # the default of datasets.*.splits, a value, not a schema
+    assert found == set()
+
+
+def test_the_messages_page_lists_every_case_of_both_tables():
+    page = (ROOT / "docs" / "reference" / "messages.md").read_text()
+    cases = generate.bad_input_cases()
+    assert len(cases) > 200 and all(f"- **{name}**, at `{stage}`" in page for _, name, stage, *_ in cases)
+    assert "effective_batch': 16 is not a multiple of micro_batch (5)" in page
+    assert all(f"- **{family}** (" in page for family, *_ in generate.dry_run_cases())
+
+
+def test_every_rule_is_on_the_stages_page():
+    page = (ROOT / "docs" / "reference" / "stages.md").read_text()
+    rules = re.findall(r"(?m)^rule (\w+):", "".join(p.read_text() for p in (ROOT / "rules").glob("*.smk")))
+    assert rules and all(f"\n## {rule}\n" in page for rule in rules)
+    assert "- data: `results/data/{dataset}/normalised`" in page
+
+
+def test_the_stages_column_comes_from_the_config_reads_table(monkeypatch):
+    """The reference's 'read by' column is the reads table's answer, once that table exists (issue 35)."""
+    fake = type(sys)("workflow_scripts.core.config_reads")
+    fake.stages_reading = lambda path: ("evaluate", "compare") if path == "evaluation.max_new_tokens" else ()
+    monkeypatch.setitem(sys.modules, "workflow_scripts.core.config_reads", fake)
+    page = generate.configuration_reference(SCHEMA)
+    assert re.search(r"(?m)^\| `evaluation.max_new_tokens` \|.*\| `evaluate`, `compare` \|$", page)
+
+
+# --- the README and its demo figures ----------------------------------------------------------------------------
+def test_the_readme_is_short():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+def test_a_changed_demo_figure_fails_the_check_and_the_findings_follow_the_table():
+    comparison = (ROOT / "docs" / "demo" / "comparison.md").read_text()
+    vision = next(line for line in comparison.splitlines() if "| shapes_demo |" in line and "| vision |" in line)
+    planted = comparison.replace(vision, vision.replace("0.9505 ± 0.0239", "0.6505 ± 0.0239")
+                                 .replace("+0.7005 [+0.6328, +0.7656]", "+0.4005 [+0.3328, +0.4656]"))
+    outputs = generate.outputs(comparison=planted)
+    assert generate.stale(outputs) == ["README.md"]
+    readme = outputs[ROOT / "README.md"]
+    assert "`vision` 0.65 against `text_only` 0.25" in readme and "Δ +0.40 [+0.33, +0.47]" in readme
+
+
+def test_every_demo_figure_in_the_readme_is_in_the_generated_block():
+    """Figures like 0.7350 or -0.21 appear in the README only inside the block generated from the run."""
+    readme = (ROOT / "README.md").read_text()
+    begin, end = readme.index("<!-- BEGIN GENERATED: demo -->"), readme.index("<!-- END GENERATED: demo -->")
+    outside = readme[:begin] + readme[end:]
+    assert re.findall(r"[+-]?\d\.\d{2,}", outside) == []
+
+
+def test_the_five_steps_plan_a_real_experiment(tmp_path):
+    """README step 4 on its own config: `snakemake -n` with a hub model and a local dataset plans every job."""
+    readme = (ROOT / "README.md").read_text()
+    config = re.search(r"(?ms)^```yaml\n(# my_experiment\.yaml\n.*?)^```", readme).group(1)
+    (tmp_path / "my_experiment.yaml").write_text(config)
+    data = tmp_path / "data" / "my_qa"
+    data.mkdir(parents=True)
+    for split, rows in (("train", 24), ("validation", 4), ("test", 6)):
+        lines = [f'{{"id": "{split}-{i}", "question": "What is {i} plus {i}?", "answer": ["{2 * i}"]}}'
+                 for i in range(rows)]
+        (data / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    command = re.search(r"snakemake -n (--configfile my_experiment\.yaml .*?)\s+#", readme).group(1).split()
+    places = {"my_experiment.yaml": str(tmp_path / "my_experiment.yaml"), "profiles/local": str(ROOT / "profiles" / "local")}
+    command = [places.get(word, word) for word in command]
+    code, output = snakemake(tmp_path, "-n", *command[:2], "--replace-workflow-config", *command[2:])
+    assert code == 0, output
+    counts = job_counts(output)
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    table = dict(re.findall(r"(?m)^(\w+)\s+(\d+)$", page.split("Job stats:", 1)[1].split("```", 1)[0]))
+    assert {rule: int(count) for rule, count in table.items() if rule != "total"} == counts
+    assert counts["train"] == 6 and "Qwen/Qwen2.5-7B-Instruct" in output
+
+
+# --- the site ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    target = tmp_path_factory.mktemp("site") / "site"
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                           str(ROOT / "mkdocs.yml"), "--site-dir", str(target)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr
+    return target
+
+
+def test_the_site_builds_strictly_with_every_page(site):
+    for page in ("index.html", "getting-started.html", "reference/configuration.html", "benchmarks.html"):
+        assert (site / page).is_file(), page
+    # included, not copied: the README's demo block and benchmarks/RESULTS.md
+    assert "0.9505 ± 0.0239" in (site / "getting-started.html").read_text()
+    assert "Benchmark results" in (site / "benchmarks.html").read_text()
+
+
+def test_a_broken_link_fails_the_strict_build(tmp_path):
+    docs = tmp_path / "docs"
+    shutil.copytree(ROOT / "docs", docs, ignore=shutil.ignore_patterns("gen"))
+    (docs / "statistics.md").write_text((docs / "statistics.md").read_text() + "\nSee [gone](no-such-page.md).\n")
+    config = (ROOT / "mkdocs.yml").read_text().replace("docs_dir: docs", f"docs_dir: {docs}")
+    (tmp_path / "mkdocs.yml").write_text(config)
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                           str(tmp_path / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode != 0 and "no-such-page.md" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def browser():
+    found = browser_check.chromium()
+    if found is None:
+        if os.environ.get("LORA_WORKFLOW_REQUIRE_CHROMIUM") == "1":
+            pytest.fail("no Chromium, and LORA_WORKFLOW_REQUIRE_CHROMIUM=1 (apt-get install chromium)")
+        pytest.skip("no Chromium (apt-get install chromium)")
+    return found
+
+
+def test_the_start_page_and_the_reference_render_with_navigation_search_and_code(site, browser, tmp_path):
+    shot = tmp_path / "start_page.png"
+    assert browser_check.problems(site, browser, screenshot=shot) == []
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_browser_check_sees_a_missing_search_index_and_navigation(site, browser, tmp_path):
+    broken = tmp_path / "site"
+    shutil.copytree(site, broken)
+    (broken / "search" / "search_index.json").unlink()
+    assert browser_check.problems(broken, browser) == [f"{broken}/search/search_index.json: no search index "
+                                                       "(is the search plugin on?)"]
+    index = broken / "index.html"
+    shutil.copy(site / "search" / "search_index.json", broken / "search" / "search_index.json")
+    index.write_text(index.read_text().replace('class="md-nav', 'class="gone').replace('class="highlight', 'class="x'))
+    found = browser_check.problems(broken, browser)
+    assert any("index.html (start page): the navigation" in line for line in found)
+    assert any("index.html (start page): no highlighted code block" in line for line in found)
