@@ -36,7 +36,7 @@ def render(records: Sequence[Mapping[str, Any]], run_info: Mapping[str, Any]) ->
         "",
         "Packages: " + ", ".join(f"{k} {v}" for k, v in sorted(run_info["packages"].items()) if v) + ".",
         "",
-        "GPU figures come from `make gpu-check` on a lent GPU machine (README, \"Checking a GPU machine\"): "
+        "GPU figures come from `make gpu-check` on a lent GPU machine (docs/gpu-check.md): "
         "one JSON line per check in its `measurements.jsonl`, the device named.",
         "",
         "Every figure is the median of the repetitions listed; ratios are ours / reference from those "

@@ -1,6 +1,6 @@
 """What only a CUDA GPU shows (``make gpu-check``): every test here is skipped, with the reason, without one.
 
-CI has no GPU, so these run when a GPU machine is lent (see README, "Checking a GPU machine"). Each
+CI has no GPU, so these run when a GPU machine is lent (see docs/gpu-check.md). Each
 test asserts what must hold on CUDA as on CPU (the loss falls, the gate passes, the stage outputs are
 the same kind) and records what it measured as one JSON line in the file named by $GPU_CHECK_REPORT
 (peak memory against the gate's estimate, step times, repeatability), which ``make gpu-check``

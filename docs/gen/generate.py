@@ -307,18 +307,25 @@ def rules() -> list[tuple[str, str, dict[str, str]]]:
     return found
 
 
+PATH_CONSTANTS = dict(re.findall(r'(?m)^([A-Z_]+) = "([^"]+)"$', (ROOT / "rules" / "common.smk").read_text()))
+
+
 def output_items(text: str) -> list[str]:
-    """The output section's items: ``name: "pattern"`` (the first string literal of each), or a name."""
-    items = []
-    for line in re.split(r",\n(?=\S)", text.replace("\n        ", "\n").replace("\n    ", "\n")):
-        line = line.strip().rstrip(",")
-        if not line:
-            continue
-        name = re.match(r"(\w+)=", line)
-        literal = re.search(r'"([^"]+)"', line)
-        value = code(literal.group(1)) if literal else code(re.sub(r"^\w+=", "", line).split("(")[-1].rstrip(")"))
-        items.append(f"{name.group(1)}: {value}" if name else value)
-    return items
+    """An output or log section's items, read as the call arguments they are: ``name: `path` `` (the first
+    string of each, e.g. inside directory() or report()), or the name of a path defined in rules/common.smk."""
+    call = ast.parse(f"f({text})", mode="eval").body
+
+    def first(node: ast.AST) -> str:
+        strings = [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        names = [n.id for n in ast.walk(node) if isinstance(n, ast.Name)
+                 and n.id not in ("directory", "report", "temp", "protected", "touch", "ancient")]
+        if strings:
+            return code(strings[0])
+        if names:
+            return code(PATH_CONSTANTS.get(names[0], names[0]))
+        return code(ast.unparse(node))
+
+    return [first(arg) for arg in call.args] + [f"{kw.arg}: {first(kw.value)}" for kw in call.keywords]
 
 
 def module_summary(module: str) -> str:
@@ -333,8 +340,8 @@ def stages_page() -> str:
     lines = [HEADER.format(source="rules/*.smk and each stage's module docstring"), "# Stages and their outputs", "",
              "Each rule of the workflow, in the order of its file, with the entry module it runs "
              "(`python -m workflow_scripts.<stage>`, whose docstring is quoted), what it writes and its log. "
-             "`{model}`, `{dataset}`, `{variant}`, `{seed}` are the experiment's names; a name in capitals is a "
-             "path defined in `rules/common.smk` (the model's folder is `resources/models/{model}`). The file "
+             "`{model}`, `{dataset}`, `{variant}`, `{seed}` are the experiment's names; paths come "
+             "from `rules/common.smk`. The file "
              "formats and the contracts between stages are in [Architecture](../architecture.md).", ""]
     for file, name, sections in rules():
         module = re.search(r"-m (workflow_scripts(?:\.\w+)+)", sections.get("shell", ""))
