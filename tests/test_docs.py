@@ -219,6 +219,6 @@ def test_the_browser_check_sees_a_missing_search_index_and_navigation(site, brow
     index = broken / "index.html"
     shutil.copy(site / "search" / "search_index.json", broken / "search" / "search_index.json")
     index.write_text(index.read_text().replace('class="md-nav', 'class="gone').replace('class="highlight', 'class="x'))
-    found = browser_check.problems(broken, browser)
+    found = browser_check.problems(broken, browser, pages={"start page": "index.html"})
     assert any("index.html (start page): the navigation" in line for line in found)
     assert any("index.html (start page): no highlighted code block" in line for line in found)

@@ -55,7 +55,7 @@ def render(browser: str, url: str, *extra: str, timeout: int = 60) -> str:
     return done.stdout
 
 
-def problems(site: Path, browser: str, screenshot: Path | None = None) -> list[str]:
+def problems(site: Path, browser: str, screenshot: Path | None = None, pages: dict[str, str] = PAGES) -> list[str]:
     """What a reader would miss on the built ``site``; empty when the check passes."""
     found = []
     index = site / "search" / "search_index.json"
@@ -67,7 +67,7 @@ def problems(site: Path, browser: str, screenshot: Path | None = None) -> list[s
         found.append(f"{index}: the configuration reference's keys are not in the search index")
     server, base = serve(site)
     try:
-        for name, page in PAGES.items():
+        for name, page in pages.items():
             dom = render(browser, f"{base}/{page}", "--dump-dom")
             if 'class="md-nav' not in dom or not all(section in dom for section in NAV_SECTIONS):
                 found.append(f"{page} ({name}): the navigation with {', '.join(NAV_SECTIONS)} is missing")
