@@ -222,3 +222,23 @@ def test_the_browser_check_sees_a_missing_search_index_and_navigation(site, brow
     found = browser_check.problems(broken, browser, pages={"start page": "index.html"})
     assert any("index.html (start page): the navigation" in line for line in found)
     assert any("index.html (start page): no highlighted code block" in line for line in found)
+
+
+def test_the_statistics_page_figures_from_the_demo_table_agree_with_it():
+    """The achieved minimum detectable effects quoted on the statistics page are computed from the demo's
+    comparison (its Δ intervals), as compare computes them; the estimates beside them come from power.json."""
+    from workflow_scripts.analysis.power import achieved_mde
+
+    _, rows = generate.demo_tables((ROOT / "docs" / "demo" / "comparison.md").read_text())
+    delta = next(column for column in rows[0] if column.startswith("Δ vs"))
+    achieved = {(row["dataset"], row["metric"]): achieved_mde(*generate.interval(row[delta])[1:])
+                for row in rows if row[delta] != "—"}
+    page = " ".join((ROOT / "docs" / "statistics.md").read_text().split())
+    chartqa = next(row for row in rows if row["dataset"] == "chartqa_demo" and row[delta] != "—")
+    low, high = generate.interval(chartqa[delta])[1:]
+    assert f"interval [{low:.3f}, {high:.3f}] gives ±{achieved['chartqa_demo', 'relaxed_accuracy']:.3f}" in page
+    quoted = re.search(r"\(ChartQA (\S+) against ±\S+, OCR-VQA (\S+) against ±\S+, the masked LM (\S+) against", page)
+    assert quoted, "the statistics page no longer quotes the achieved MDEs; update this test"
+    assert [float(value) for value in quoted.groups()] == [
+        round(achieved[key], 2) for key in (("chartqa_demo", "relaxed_accuracy"), ("ocrvqa_demo", "exact_match"),
+                                            ("corpus_demo", "masked_accuracy"))]

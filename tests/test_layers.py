@@ -171,7 +171,7 @@ def test_every_module_the_docs_rules_and_tests_run_exists():
     import re
 
     modules = module_files(ROOT)
-    places = [ROOT / "README.md", ROOT / "Snakefile", ROOT / "Makefile", *(ROOT / "docs").glob("*.md"),
+    places = [ROOT / "README.md", ROOT / "Snakefile", ROOT / "Makefile", *(ROOT / "docs").rglob("*.md"),
               *(ROOT / "rules").glob("*.smk"), *(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
     named = {(path.name, module) for path in places if path.exists()
              for module in re.findall(r"-m (workflow_scripts(?:\.\w+)+)", path.read_text())}
