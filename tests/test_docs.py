@@ -242,3 +242,11 @@ def test_the_statistics_page_figures_from_the_demo_table_agree_with_it():
     assert [float(value) for value in quoted.groups()] == [
         round(achieved[key], 2) for key in (("chartqa_demo", "relaxed_accuracy"), ("ocrvqa_demo", "exact_match"),
                                             ("corpus_demo", "masked_accuracy"))]
+
+
+def test_every_key_of_the_schema_is_described():
+    """The reference is only as good as the schema's descriptions: a new key comes with one."""
+    undescribed = [key.path for section, spec in SCHEMA["properties"].items()
+                   for key in [generate.Key(section, spec), *generate.walk(section, spec, SCHEMA)]
+                   if not generate.resolve(key.spec, SCHEMA).get("description")]
+    assert undescribed == []
