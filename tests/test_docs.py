@@ -250,3 +250,22 @@ def test_every_key_of_the_schema_is_described():
                    for key in [generate.Key(section, spec), *generate.walk(section, spec, SCHEMA)]
                    if not generate.resolve(key.spec, SCHEMA).get("description")]
     assert undescribed == []
+
+
+def test_the_generator_reads_the_comparison_that_compare_writes(tmp_path):
+    """`make demo-docs` feeds the generator compare's own comparison.md: its tables are the README's block,
+    and the lines compare writes after them (achieved MDEs, method, fairness) stay out."""
+    from test_compare import correct, run, write_experiment
+
+    root = tmp_path / "results"
+    for seed, (base_k, mtup_k) in {1: (10, 16), 2: (12, 18)}.items():
+        write_experiment(root, "chart", "baseline", seed, correct(base_k))
+        write_experiment(root, "chart", "mtup", seed, correct(mtup_k))
+    write_experiment(root, "chart", "baseline", "base", correct(2))
+    write_experiment(root, "chart", "mtup", "base", correct(1))
+    rows, markdown = run(tmp_path, root)
+    block, parsed = generate.demo_tables(markdown)
+    assert [(row["dataset"], row["variant"]) for row in parsed] == [(row["dataset"], row["variant"]) for row in rows]
+    assert block.startswith("| model | dataset |") and "Minimum detectable effect" not in block
+    assert "Fairness" not in block and "Mean and sample standard deviation" not in block
+    assert generate.demo_findings(parsed).startswith("Every dataset's trained variants beat the untrained model")
