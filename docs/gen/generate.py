@@ -66,7 +66,7 @@ def resolve(spec: dict, schema: dict) -> dict:
     return merged
 
 
-def branches(spec: dict, task: str | None = None) -> Iterable[tuple[str, dict]]:
+def branches(spec: dict) -> Iterable[tuple[str, dict]]:
     """The if/then/else chain of a dataset or variant: (the task it applies to, the branch's schema)."""
     condition = spec.get("if")
     if condition is None:
@@ -97,36 +97,38 @@ def walk(path: str, spec: dict, schema: dict, when: str = "") -> Iterable[Key]:
                 yield key
 
 
-def type_of(spec: dict) -> str:
+JSON_TYPES = {str: "string", bool: "boolean", int: "integer", float: "number", type(None): "null"}
+
+
+def type_of(spec: dict, schema: dict) -> str:
+    """A key's type in words: "integer or null", "list of string", "mapping to number"."""
     if "oneOf" in spec:
-        return " or ".join(dict.fromkeys(type_of(option) for option in spec["oneOf"]))
+        return " or ".join(dict.fromkeys(type_of(option, schema) for option in spec["oneOf"]))
     if "const" in spec:
-        return "null" if spec["const"] is None else type(spec["const"]).__name__.replace("str", "string").replace(
-            "bool", "boolean")
+        return JSON_TYPES[type(spec["const"])]
     if "enum" in spec:
-        kinds = {type(value).__name__ for value in spec["enum"] if value is not None}
-        name = {"str": "string", "int": "integer", "bool": "boolean"}.get(next(iter(kinds)), "value") if len(kinds) == 1 else "value"
-        return name + (" or null" if None in spec["enum"] else "")
+        kinds = dict.fromkeys(JSON_TYPES[type(value)] for value in spec["enum"])
+        return " or ".join(kinds)
     kind = spec.get("type")
     if kind is None:
         return "object" if "properties" in spec else "any"
     kinds = kind if isinstance(kind, list) else [kind]
     text = " or ".join(kinds)
     if "array" in kinds and isinstance(spec.get("items"), dict):
-        items = spec["items"]
-        text = text.replace("array", f"list of {type_of(resolve(items, {}) if '$ref' not in items else {'type': 'string'})}")
+        text = text.replace("array", f"list of {type_of(resolve(spec['items'], schema), schema)}")
     if "object" in kinds and isinstance(spec.get("additionalProperties"), dict) and not spec.get("properties"):
-        text = text.replace("object", f"mapping to {type_of(spec['additionalProperties'])}")
+        text = text.replace("object", f"mapping to {type_of(spec['additionalProperties'], schema)}")
     return text
 
 
-def allowed(spec: dict) -> str:
+def allowed(spec: dict, schema: dict) -> str:
+    """The values a key takes beyond its type: its enum, bounds, pattern, item rules."""
     parts = []
     if "enum" in spec:
         parts.append(", ".join(code(value) for value in spec["enum"]))
     if "const" in spec:
         parts.append(code(spec["const"]))
-    items = spec.get("items") if isinstance(spec.get("items"), dict) else {}
+    items = resolve(spec["items"], schema) if isinstance(spec.get("items"), dict) else {}
     if "enum" in items:
         parts.append("each " + ", ".join(code(value) for value in items["enum"]))
     for source in (spec, items):
@@ -143,11 +145,8 @@ def allowed(spec: dict) -> str:
     if spec.get("uniqueItems"):
         parts.append("no repeats")
     if "propertyNames" in spec:
-        parts.append("names match " + code(resolve(spec["propertyNames"], SCHEMA_CACHE)["pattern"]))
+        parts.append("names match " + code(resolve(spec["propertyNames"], schema)["pattern"]))
     return "; ".join(parts)
-
-
-SCHEMA_CACHE: dict = {}
 
 
 def code(value: Any) -> str:
@@ -163,8 +162,6 @@ def cell(text: str) -> str:
 
 
 def configuration_reference(schema: dict) -> str:
-    SCHEMA_CACHE.clear()
-    SCHEMA_CACHE.update(schema)
     lines = [HEADER.format(source="config/schema.yaml"), "# Configuration reference", "",
              cell(schema.get("description", "")), "",
              "Every key of `config/schema.yaml`, section by section. A dotted path names a nested key; `*` stands "
@@ -185,7 +182,7 @@ def configuration_reference(schema: dict) -> str:
                 description = f"*{key.when}:* {description}".rstrip()
             default = code(key.spec["default"]) if "default" in key.spec else ""
             readers = ", ".join(code(stage) for stage in stages_reading(key.path))
-            lines.append(f"| {code(key.path)} | {cell(type_of(key.spec))} | {default} | {allowed(key.spec)} "
+            lines.append(f"| {code(key.path)} | {cell(type_of(key.spec, schema))} | {default} | {allowed(key.spec, schema)} "
                          f"| {description} | {readers} |")
         lines.append("")
     return "\n".join(lines)
