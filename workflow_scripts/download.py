@@ -150,16 +150,18 @@ def download_url(settings: DatasetSettings, out: Path, work: Path) -> dict[str, 
 
 
 def local_split_file(directory: Path, split: str, fmt: str) -> Path:
-    """A split's file: ``<split>.<format>``, or for plain text ``<split>.txt`` / ``<split>.txt.gz``."""
+    """A split's file: ``<split>.<format>``, or its compressed ``<split>.<format>.gz`` / ``.bz2`` (a line format's)."""
     if fmt == text_lines.TEXT_FORMAT:
         return text_lines.split_file(directory, split)
-    return directory / f"{split}.{fmt}"
+    return raw_records.split_file(directory, split, fmt)
 
 
 def copy_local(settings: DatasetSettings, out: Path) -> dict[str, Any]:
     directory, fmt = Path(settings.source.path), settings.format
     if not directory.is_dir():
         raise WorkflowError(f"{directory}: source.path is not a directory (it must hold one <split>.{fmt} file per split)")
+    if split_names.format_problem(settings):
+        raise WorkflowError(f"format: {split_names.format_problem(settings)}")
     problem = split_names.local_split_problem(directory, settings)
     if problem is not None:
         raise WorkflowError(f"split '{problem[0]}': {problem[1]}")
