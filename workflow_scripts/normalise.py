@@ -402,9 +402,13 @@ def gold_graph_check(settings: DatasetSettings):
 
     def check(row: Mapping[str, Any]) -> None:
         for index, answer in enumerate(row.get("answers") or ()):
+            where = source if len(row["answers"]) == 1 else f"{source}[{index}]"
+            problem = raw_records.penman_graph_problem(answer)  # the metrics' readers are lenient: smatch reads '(a / b' as '(a / b)'
+            if problem:
+                raise Rejected("unreadable_gold", where, f"gold graph {answer[:60]!r} is not one PENMAN graph "
+                               f"({problem}), so metric {parsing[0]} would score it as read by guesswork; fix the graph")
             for metric in parsing:
                 if not metrics.graph_readable(metric, answer):
-                    where = source if len(row["answers"]) == 1 else f"{source}[{index}]"
                     raise Rejected("unreadable_gold", where, f"gold graph {answer[:60]!r} cannot be read by metric "
                                    f"{metric} (not valid PENMAN / AMR); fix the graph, or score the dataset with a "
                                    "metric for its answers")

@@ -136,5 +136,6 @@ def encoding_problem(files: list[str], found: dict[str, str], key: str) -> str:
     listed = ", ".join(f"{file} ({found[file]})" for file in files if file in found)
     fix = (f"set {key}.encoding: {kinds[0]}" if len(kinds) == 1 else
            f"re-save them in one encoding and set {key}.encoding to it")
-    return (f"{len(found)} of the dataset's files are not UTF-8 text but {' / '.join(kinds)} (a byte-order mark or "
+    count = f"{len(found)} files of the dataset are" if len(found) > 1 else "1 file of the dataset is"
+    return (f"{count} not UTF-8 text but {' / '.join(kinds)} (a byte-order mark or "
             f"NUL bytes between the characters): {listed}; {fix} (decoded with Python's codecs), or re-save them as UTF-8")

@@ -223,7 +223,7 @@ def _jsonl(path: Path, on_invalid_text: str = "stop", encoding: str | None = Non
                     yield Place(index, index + 1), Unparseable(
                         f"not valid JSON: line {index + 1} column {error.colno}: {_json_problem(error)}"
                     )
-    except UnicodeDecodeError:
+    except UnicodeError:  # UnicodeDecodeError, or a UTF-16 codec's "does not start with BOM"
         raise _not_utf8(path, encoding=encoding) from None
     except file_formats.DAMAGED as error:
         raise file_formats.damaged(path, index, error) from None
@@ -284,10 +284,25 @@ def _penman(path: Path, on_invalid_text: str = "stop", encoding: str | None = No
             metadata = dict(tree.metadata)
             tree.metadata = {}
             yield place, {**metadata, "graph": penman.format(tree, indent=None)}
-    except UnicodeDecodeError:
+    except UnicodeError:  # UnicodeDecodeError, or a UTF-16 codec's "does not start with BOM"
         raise _not_utf8(path, encoding=encoding) from None
     except file_formats.DAMAGED as error:
         raise file_formats.damaged(path, line, error) from None
+
+
+def penman_graph_problem(graph: str) -> str | None:
+    """Why ``graph`` is not exactly one balanced PENMAN graph (read by the ``penman`` library), or None."""
+    import penman
+    from penman.exceptions import PenmanError
+
+    try:
+        trees = list(penman.iterparse(graph))
+    except PenmanError as error:
+        return _penman_problem(error)
+    surplus = _surplus_brackets(graph.splitlines())
+    if surplus:
+        return f"{surplus} closing bracket(s) more than opening ones"
+    return None if len(trees) == 1 else f"{len(trees)} graphs"
 
 
 def _surplus_brackets(lines: list[str]) -> int:
@@ -378,7 +393,7 @@ def _csv(path: Path, on_invalid_text: str = "stop", encoding: str | None = None)
                 else:
                     yield Place(index, line), dict(zip(header, fields))
                 index += 1
-    except UnicodeDecodeError:
+    except UnicodeError:  # UnicodeDecodeError, or a UTF-16 codec's "does not start with BOM"
         raise _not_utf8(path, encoding=encoding) from None
     except file_formats.DAMAGED as error:
         raise file_formats.damaged(path, max(line - 1, 0), error) from None
