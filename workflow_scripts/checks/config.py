@@ -259,9 +259,9 @@ def check_gold_graphs(dataset, source: str | None = None) -> None:
     answers = dataset.fields.get("answers")
     if not parsing or dataset.source.type != "local" or not answers or split_layouts.layout(dataset):
         return
-    unlabelled = {dataset.splits.get(canonical) for canonical in dataset.unlabelled}
-    for split in dict.fromkeys(dataset.splits.values()):
-        if split in unlabelled:
+    for canonical in ("train", "validation", "test"):
+        split = dataset.splits.get(canonical)
+        if split is None or canonical in dataset.unlabelled:
             continue
         try:
             files = split_layouts.local_files(dataset, split)
