@@ -83,8 +83,9 @@ def fetch_url(url: str, destination: Path, timeout: float = 60.0) -> str:
 
 
 def _place_archive(archive: Path, url_path: str, out: Path, fmt: str, splits: list[str], url: str) -> None:
-    """Extract the ``<split>.<format>`` members (by base name only, so no path escapes ``out``)."""
-    wanted = {f"{split}.{fmt}" for split in splits}
+    """Extract the ``<split>.<format>`` members (by base name only, so no path escapes ``out``); a line format's
+    split may be compressed (``<split>.jsonl.gz``...), one file per split."""
+    wanted = {split + suffix: split for split in splits for suffix in split_names.SUFFIXES[fmt]}
     found: dict[str, int] = {}
     try:
         if url_path.endswith(".zip"):
@@ -108,7 +109,11 @@ def _place_archive(archive: Path, url_path: str, out: Path, fmt: str, splits: li
     duplicated = sorted(name for name, count in found.items() if count > 1)
     if duplicated:
         raise WorkflowError(f"{url}: the archive holds several files named {duplicated}; which one is meant is ambiguous")
-    missing = sorted(wanted - set(found))
+    per_split = {split: sorted(name for name in found if wanted[name] == split) for split in splits}
+    ambiguous = sorted(names for names in per_split.values() if len(names) > 1)
+    if ambiguous:
+        raise WorkflowError(f"{url}: the archive holds {ambiguous[0]} for one split; which one is meant is ambiguous")
+    missing = sorted(f"{split}.{fmt}" for split, names in per_split.items() if not names)
     if missing:
         raise WorkflowError(f"{url}: the archive has no file {missing} (it needs one <split>.{fmt} per configured split)")
 
