@@ -156,7 +156,7 @@ def read_placed(path: Path, fmt: str, on_invalid_text: str = "stop",
     elif fmt == "penman":
         yield from _penman(path, on_invalid_text, encoding)
     elif fmt == "json":
-        for index, record in enumerate(_json_list(path)):
+        for index, record in enumerate(_json_list(path, encoding=encoding)):
             yield Place(index), record
     elif fmt == "csv":
         yield from _csv(path, on_invalid_text, encoding)
@@ -332,11 +332,11 @@ def _penman_problem(error: Exception) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
-def _json_list(path: Path, errors: str = "strict") -> list:
+def _json_list(path: Path, errors: str = "strict", encoding: str | None = None) -> list:
     try:
-        records = json.loads(Path(path).read_text(encoding=TEXT_ENCODING, errors=errors))
-    except UnicodeDecodeError:
-        raise _not_utf8(path) from None
+        records = json.loads(Path(path).read_text(encoding=encoding or TEXT_ENCODING, errors=errors))
+    except UnicodeError:
+        raise _not_utf8(path, encoding=encoding) from None
     except json.JSONDecodeError as error:
         raise WorkflowError(
             f"{path}: not valid JSON (line {error.lineno} column {error.colno}): {_json_problem(error)}"
