@@ -256,6 +256,14 @@ def test_without_labels_the_inferred_set_is_printed_with_counts_and_a_rare_class
     assert json.loads(report.read_text())["rare_classes"] == {"3": 1}
 
 
+def test_integer_labels_that_are_not_ids_from_zero_are_flagged(tmp_path, capsys):
+    settings, raw = classification(tmp_path, ["1", "2", "5"] * 6, None)
+    settings["max_rejected_fraction"] = 0.5
+    run_normalise("d", settings, raw, tmp_path)
+    assert ("d: warning: the integer labels ['1', '2', '5'] are not the class ids 0..2: each is taken as a class name; "
+            "if they are ids into a list of names, declare labels:") in capsys.readouterr().out
+
+
 def test_a_fractional_label_among_integers_is_rejected_not_made_a_class(tmp_path):
     settings, raw = classification(tmp_path, ["0", "1", "2"] * 12 + ["1.0"], None)
     message = failing(settings, raw, tmp_path)

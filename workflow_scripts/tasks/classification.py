@@ -761,6 +761,10 @@ class LabelSetState:
             counts = ", ".join(f"{name}: {self.train_counts[name]}" for name in self.labels)
             lines.append(f"labels: not declared, so inferred from the train split: {counts} (declare labels: to fix "
                          "the set and its order)")
+        if self.declared is None and self.labels and all(_INTEGER.match(name) for name in self.labels) \
+                and sorted(int(name) for name in self.labels) != list(range(len(self.labels))):
+            lines.append(f"warning: the integer labels {self.labels} are not the class ids 0..{len(self.labels) - 1}: "
+                         "each is taken as a class name; if they are ids into a list of names, declare labels:")
         rare = self.rare_classes()
         if rare:
             lines.append(f"warning: labels {sorted(rare, key=_label_order)} occur in fewer than {RARE_CLASS_ROWS} train "
