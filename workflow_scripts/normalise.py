@@ -443,10 +443,8 @@ def normalise(args: argparse.Namespace, settings: DatasetSettings, key: str, nam
                 check_submission_ids(rows, tally, settings, key)
             except ConfigError as error:
                 tally.problem = str(error)
-        if tally.unreadable:  # its rows are partial: a later split cannot be judged against them
-            if canonical == "train":
-                break
-            continue
+        if tally.unreadable:  # its rows are partial: no later split is judged against them, but every split is
+            continue          # still read, so one run names each unreadable file (a later split's label set unchecked)
         try:
             mapper.split_done(canonical, rows)  # train first: a later split may be checked against it
         except WorkflowError as error:  # e.g. no label set from train: the later splits cannot be judged
@@ -454,7 +452,10 @@ def normalise(args: argparse.Namespace, settings: DatasetSettings, key: str, nam
             if canonical == "train":
                 break
     files = {canonical: tally.file for canonical, tally in tallies.items()}
-    overlap, overlap_problem, overlaps = check_record_contamination(mapper, splits, settings, files, key)
+    if "train" in tallies and tallies["train"].unreadable:  # against train's partial rows the overlap means nothing
+        overlap, overlap_problem, overlaps = {"not_checked": "the train split could not be read to its end"}, [], []
+    else:
+        overlap, overlap_problem, overlaps = check_record_contamination(mapper, splits, settings, files, key)
 
     report = {
         "dataset": args.name,
