@@ -301,6 +301,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "duplicates-within-a-split", rows({"q": "question 2?", "a": "answer 2"}, settings={"duplicates": {"max_fraction": 0.05}}), "normalise", "{source}/train.jsonl: 1 of 10 kept rows of split 'train' (10.0%) repeat an earlier row of the split (same input and gold), more than datasets.d.duplicates.max_fraction = 0.05; duplicates: 'train-5' = 'train-2'; deduplicate the split or raise datasets.d.duplicates.max_fraction"),
         case("data", "overlap-in-validation-and-test", overlapping_splits(), "normalise", rx(r"2 problems, all listed in \{out\}/normalise_report\.failed\.json: \(1\) \{source\}/validation\.jsonl: 1 of 1 rows of split 'validation' .* \(2\) \{source\}/test\.jsonl: 1 of 1 rows of split 'test' \(100\.0%\) repeat a row of split 'train' .*")),
         case("data", "file-level-stop-in-two-splits", text_corpus(b"good line\nbad \xff line\n", b"bad \xfe too\n"), "normalise", "2 problems, all listed in {out}/normalise_report.failed.json: (1) {source}/train.txt line 2: invalid UTF-8 at byte 4 of the line (invalid start byte); fix or remove that line, or set the dataset's on_invalid_text: reject_row to reject and count such lines (2) {source}/test.txt line 1: invalid UTF-8 at byte 4 of the line (invalid start byte); fix or remove that line, or set the dataset's on_invalid_text: reject_row to reject and count such lines"),
+        case("data", "unreadable-train-and-test", two_files(b'{"q": "ok?", "a": "x"}\n{"q": "caf\xe9?", "a": "x"}\n', b'{"q": "na\xefve?", "a": "x"}\n'), "normalise", "2 problems, all listed in {out}/normalise_report.failed.json: (1) {source}/train.jsonl line 2: " + NOT_UTF8_ROWS % 33 + " (2) {source}/test.jsonl line 1: " + (NOT_UTF8_ROWS % 9).replace("0xe9", "0xef")),
         case("data", "imagefolder-empty-image-relative-raw", relative_raw(image_folder({"file_name": "charts/empty.png", "query": "Q?", "label": "1"}, bad_file=("charts/empty.png", b""))), "normalise", "{source}/train/metadata.jsonl: 1 of 11 rows of split 'train' rejected (9.1%), more than datasets.d.max_rejected_fraction = 0.01; reasons: empty_image 1; for example {source}/train/metadata.jsonl line 6: field 'file_name': image file {source}/train/charts/empty.png is empty (0 bytes); re-export or re-download the image; fix the rows or raise datasets.d.max_rejected_fraction"),
         case("data", "imagefolder-two-metadata-files", laid_out({"train/metadata.jsonl": ROW, "train/metadata.csv": b"q,a\nx?,2\n", "test/metadata.jsonl": ROW}, **IMAGEFOLDER, source={"layout": "imagefolder"}), "download", "--dataset: config key 'datasets.d.splits.train': {source}/train holds 2 metadata files ['metadata.csv', 'metadata.jsonl']; an image folder's split has one (format jsonl reads metadata.jsonl): merge them into one and remove the others"),
         case("data", "csv-answer-json-text-broken", csv_rows('x?,"[""7"" ""seven""]"'), "normalise", rejected("wrong_type", "a", "holds '[\"7\" \"seven\"]', a list written as text that is not valid JSON (Expecting ',' delimiter); write the list as JSON, e.g. [\"a\", \"b\"], or one value without brackets", line=7, fmt="csv")),
@@ -965,6 +966,15 @@ def text_corpus(train: bytes, test: bytes, **settings):
         (w.raw / "test.txt").write_bytes(test)
     return normalise_args(fmt="text", settings={"task": "masked_lm", "fields": {}, "metric": "masked_accuracy",
                                                 **settings}, plant=plant)
+
+
+def two_files(train: bytes, test: bytes, fmt: str = "jsonl"):
+    """train.<fmt> and test.<fmt> holding these bytes."""
+    def plant(w: Workspace) -> None:
+        w.raw.mkdir(parents=True, exist_ok=True)
+        (w.raw / f"train.{fmt}").write_bytes(train)
+        (w.raw / f"test.{fmt}").write_bytes(test)
+    return normalise_args(fmt=fmt, plant=plant)
 
 
 def utf16_corpus():
