@@ -279,6 +279,10 @@ def test_a_utf16_corpus_is_named_file_by_file_with_the_encoding_setting_as_the_f
         (corpus / f"{split}.txt").write_bytes("\n".join(f"{split} line {i} on the mat" for i in range(50)).encode("utf-16"))
     settings = {"task": "masked_lm", "format": "text", "source": {"type": "local", "path": str(corpus)},
                 "splits": {"train": "train", "test": "test"}, "metric": "masked_accuracy", "on_invalid_text": "reject_row"}
+    with pytest.raises(ConfigError) as caught:  # snakemake -n names them already
+        parse_check("c", settings)
+    assert str(caught.value).startswith(f"config key 'datasets.c.encoding': 2 files of the dataset are not UTF-8 text "
+                                        f"but utf-16 (a byte-order mark or NUL bytes between the characters): {corpus}/train.txt")
     raw = run_download("c", settings, tmp_path)
     message = failing(settings, raw, tmp_path, name="c")
     assert message == (f"2 files of the dataset are not UTF-8 text but utf-16 (a byte-order mark or NUL bytes between "

@@ -157,3 +157,21 @@ def check_local_splits(datasets: Mapping[str, "DatasetSettings"], source: str | 
         problem = local_split_problem(directory, settings)
         if problem is not None:
             raise ConfigError(f"datasets.{name}.splits.{problem[0]}", problem[1], source)
+        problem = encoding_problem(settings, f"datasets.{name}")
+        if problem is not None:
+            raise ConfigError(f"datasets.{name}.encoding", problem, source)
+
+
+def encoding_problem(settings: "DatasetSettings", key: str) -> str | None:
+    """Every local split file that starts like another encoding (a UTF-16/32 mark, NUL-interleaved text) while the
+    dataset reads UTF-8, named in one message with the setting that reads them; None when there is none.
+    Only the first bytes of each file are read (``file_formats.sniff_encoding``), so this is cheap at parse time."""
+    import codecs
+
+    if settings.format not in file_formats.LINE_FORMATS or (
+            settings.encoding is not None and codecs.lookup(settings.encoding).name != "utf-8"):
+        return None
+    files = [str(path) for split in dict.fromkeys(settings.splits.values())
+             for path in split_layouts.local_files(settings, split) if path.is_file()]
+    found = {file: kind for file in files if (kind := file_formats.sniff_encoding(file))}
+    return file_formats.encoding_problem(files, found, key) if found else None
