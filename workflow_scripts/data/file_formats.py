@@ -35,7 +35,6 @@ COMPRESSIONS = (".gz", ".bz2")
 GZIP_MAGIC = b"\x1f\x8b"
 # bzip2: 'BZh', the block size digit, then the first block's magic (pi) or the end-of-stream magic (sqrt pi)
 _BZIP2_BLOCKS = (b"\x31\x41\x59\x26\x53\x59", b"\x17\x72\x45\x38\x50\x90")
-DEFAULT_ENCODING = "utf-8"
 SNIFF_BYTES = 4096
 
 
@@ -97,14 +96,16 @@ def open_text(path: str | Path, encoding: str | None = None, errors: str = "stri
 
 
 def check_encoding(name: str | None) -> str | None:
-    """``name`` if Python's codecs know it (else WorkflowError)."""
+    """``name`` if Python's codecs know it as a text encoding (else WorkflowError): the ``encoding`` setting's check."""
     if name is None:
         return None
     try:
-        codecs.lookup(name)
+        text = getattr(codecs.lookup(name), "_is_text_encoding", True)  # False for rot13, base64... (bytes codecs)
     except LookupError:
-        raise WorkflowError(f"encoding {name!r} is not a text encoding Python knows (e.g. utf-8, utf-16, cp1252, "
-                            "latin-1)") from None
+        text = False
+    if not text:
+        raise WorkflowError(f"{name!r} is not a text encoding Python knows (e.g. utf-8, utf-16, utf-16-le, cp1252, "
+                            "latin-1)")
     return name
 
 
