@@ -16,6 +16,12 @@ masked LM's line); the report's ``contamination`` section counts the overlap per
 ``contamination.max_fraction`` of a split the stage stops naming the overlapping ids, unless
 ``contamination.accept`` is true. Either way nothing is written before the check has passed.
 
+Duplicates within a split (the kept rows repeating an earlier row's input and gold, image bytes included) are
+counted with their ids in the report, and stop the stage above ``duplicates.max_fraction`` when set. Gold answers
+of a dataset scored by smatch or smatchpp must be one PENMAN graph its metrics can read (``unreadable_gold``).
+Files in another encoding than the dataset's (a UTF-16/32 mark, NUL-interleaved text) stop the stage before
+any row is read, every such file named (docs/data-formats.md).
+
 Counting: a row is one record, or one question/answer pair of a flattened record; a flattened
 record that cannot be split into pairs (not lists, or lists of different lengths) counts as one.
 
