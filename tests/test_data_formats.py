@@ -446,3 +446,11 @@ def test_a_csv_answer_cell_with_broken_json_is_rejected_naming_the_column(tmp_pa
         f"for example {tmp_path}/src/train.csv line 11: field 'a': holds '[\"7\" \"seven\"]', a list written as text that "
         "is not valid JSON (Expecting ',' delimiter); write the list as JSON, e.g. [\"a\", \"b\"], or one value without brackets; fix "
         "the rows or raise datasets.d.max_rejected_fraction")
+
+
+def test_a_csv_label_column_holding_json_lists_is_rejected_naming_the_column(tmp_path):
+    settings, raw = classification(tmp_path, ["pos", "neg"] * 5 + ['"[""pos""]"'], ["neg", "pos"])
+    assert failing(settings, raw, tmp_path).endswith(
+        f"for example {tmp_path}/src/train.csv line 12: field 'label': label '[\"pos\"]' is a list written as text (JSON in "
+        "a CSV column?); column 'label' must hold one class name or integer id per row; fix the rows or raise "
+        "datasets.d.max_rejected_fraction")
