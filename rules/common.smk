@@ -280,12 +280,8 @@ def local_source(wildcards):
     if dataset.source.type != "local":
         return []
     splits = dict.fromkeys(dataset.splits.values())
-    if any(split_layouts.handles(dataset, split) for split in splits):  # an image folder's metadata, listed files
-        return [str(path) for split in splits for path in split_layouts.local_files(dataset, split)]
-    if dataset.format == "text":  # plain-text corpora: <split>.txt, or gzipped <split>.txt.gz
-        paths = [os.path.join(dataset.source.path, f"{split}.txt") for split in splits]
-        return [path if os.path.exists(path) or not os.path.exists(f"{path}.gz") else f"{path}.gz" for path in paths]
-    return [os.path.join(dataset.source.path, f"{split}.{dataset.format}") for split in splits]
+    # an image folder's metadata, listed files, or <split>.<format> (a line format's compressed .gz/.bz2 where that is there)
+    return [str(path) for split in splits for path in split_layouts.local_files(dataset, split)]
 
 
 def local_source_sha256(wildcards):

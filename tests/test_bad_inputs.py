@@ -169,7 +169,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("config", "vision-language-dataset-on-a-text-only-model-at-parse", cfg("datasets.shapes_demo.models", ["tiny-llava", "tiny-llama"], base=absolute_demo_config), "parse", "{config}: config key 'datasets.shapes_demo.models': task vision_language needs a model with a vision part, but 'tiny-llama' is a tiny 'llama' model (models.tiny-llama.tiny.architecture; the vision ones are ['llava', 'idefics3']), which reads text only; remove 'tiny-llama' from datasets.shapes_demo.models"),
         case("data", "files-glob-matches-nothing", laid_out({"test.jsonl": ROW}, source={"files": {"train": "shards/part-*.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files.train': 'shards/part-*.jsonl' matches no file under {source} (paths and globs are relative to source.path, or absolute)"),
         case("data", "files-key-not-a-split", laid_out({"train.jsonl": ROW, "test.jsonl": ROW}, source={"files": {"val": "train.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files.val': 'val' is not a split of the dataset (its splits mapping names ['test', 'train']); key files by the source split name"),
-        case("data", "files-another-format", laid_out({"parts/a.json": b"[]", "test.jsonl": ROW}, source={"files": {"train": "parts/*"}}), "download", "--dataset: config key 'datasets.d.source.files.train': {source}/parts/a.json is not a jsonl file (a jsonl split file ends in .jsonl)"),
+        case("data", "files-another-format", laid_out({"parts/a.json": b"[]", "test.jsonl": ROW}, source={"files": {"train": "parts/*"}}), "download", "--dataset: config key 'datasets.d.source.files.train': {source}/parts/a.json is not a jsonl file (a jsonl split file ends in .jsonl, .jsonl.gz, .jsonl.bz2)"),
         case("data", "files-same-name-twice", laid_out({"a/part-1.jsonl": ROW, "b/part-1.jsonl": ROW, "test.jsonl": ROW}, source={"files": {"train": "*/part-1.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files.train': {source}/a/part-1.jsonl and {source}/b/part-1.jsonl have the same file name; a split's files are read in file-name order, so rename one of them"),
         case("data", "files-named-metadata", laid_out({"parts/metadata.jsonl": ROW, "test.jsonl": ROW}, source={"files": {"train": "parts/*.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files.train': {source}/parts/metadata.jsonl: a split's file may not be named metadata.jsonl (the image-folder metadata name); rename it"),
         case("data", "files-with-imagefolder", laid_out({"train/metadata.jsonl": ROW, "test/metadata.jsonl": ROW}, **IMAGEFOLDER, source={"layout": "imagefolder", "files": {"train": "train/metadata.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files': an image folder's split is its folder; give layout: imagefolder or files, not both"),
@@ -287,6 +287,25 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("model", "sanity-modules-to-save-matches-nothing", gate({"--training": training(lora={"modules_to_save": ["lm_haed"]})}), "sanity", "training.lora.modules_to_save: 'lm_haed' matches no module of this model (closest: ['lm_head']); fix the name or remove it"),
         case("model", "sanity-model-missing", gate({"--model": "{tmp}/nowhere"}), "sanity", "{tmp}/nowhere: no config.json; run the prepare_model rule first"),
         case("model", "sanity-model-config-not-json", gate({"--model": "{model_copy}"}, plant=copy_model(replace={"config.json": b"{not json"})), "sanity", "{model_copy}/config.json: not valid JSON at line 1, column 2: Expecting property name enclosed in double quotes; " + REPREPARE),
+        # --- formats (issue 37) ---
+        case("data", "penman-unbalanced-graph", penman_blocks("# ::id a5\n# ::snt The boy sleeps.\n(s / sleep-01\n   :ARG0 (b / boy)"), "normalise", penman_rejected("unparseable_record", None, "not valid PENMAN: block 7 (line 28): Unexpected end of input at line 31")),
+        case("data", "penman-block-without-snt", penman_blocks("# ::id a5\n(s / sleep-01\n   :ARG0 (b / boy))"), "normalise", penman_rejected("missing_field", "snt", "is missing")),
+        case("data", "penman-duplicate-id", penman_blocks("# ::id a1\n# ::snt Again.\n(s / sleep-01\n   :ARG0 (d / dog))"), "normalise", penman_rejected("duplicate_id", "id", "id 'a1' occurs earlier in the split")),
+        case("config", "format-text-for-amr-records", cfg("datasets.amr_demo.format", "text", base=absolute_single_model_config), "parse", "{config}: config key 'datasets.amr_demo.format': format text (one example per line, no fields) is read by task masked_lm only, not generation; for AMR graphs in PENMAN text (# ::id, # ::snt and a graph per block) set format: penman; other records belong in jsonl, json, csv or parquet files"),
+        case("data", "gzipped-jsonl-bad-line", raw_file("train.jsonl.gz", lambda: gzip_bytes(b'{"q": "ok?", "a": "x"}\n' * 30 + b'{"q": "cut\n')), "normalise", "{source}/train.jsonl.gz: 1 of 31 rows of split 'train' rejected (3.2%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unparseable_record 1; for example {source}/train.jsonl.gz line 31: not valid JSON: line 31 column 7: Unterminated string starting here; fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("data", "gold-graph-unbalanced", graph_rows("(s / sleep-01 :ARG0 (b / boy)"), "normalise", rejected("unreadable_gold", "a", "gold graph '(s / sleep-01 :ARG0 (b / boy)' is not one PENMAN graph (Unexpected end of input), so metric smatch would score it as read by guesswork; fix the graph")),
+        case("config", "smatchpp-on-a-dataset-without-graphs", cfg("datasets.chartqa_demo.also_metrics", ["smatchpp"], base=absolute_demo_config), "config", rx(r"\{config\}: config key 'datasets\.chartqa_demo\.also_metrics': is smatchpp, which scores AMR graphs in PENMAN notation, but the gold answers of split 'train' are no graphs: .*/demo_data/chartqa/train\.jsonl line 1, field 'label': '64' \(and the first 5 alike\); score the dataset with a metric for its answers \(exact_match, token_f1, relaxed_accuracy\.\.\.\)")),
+        case("data", "integer-label-out-of-range", labels_csv(["0", "1", "2"] * 3 + ["3"], ["neg", "neu", "pos"]), "normalise", "{source}/train.csv: 1 of 10 rows of split 'train' rejected (10.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unknown_label 1; for example {source}/train.csv line 11: field 'label': label 3 is neither a declared name nor a class id 0..2 of the declared labels ['neg', 'neu', 'pos'] (integer labels are mapped by index); fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("data", "fractional-label-among-integers", labels_csv(["0", "1", "2"] * 3 + ["1.0"], None), "normalise", "{source}/train.csv: 1 of 10 rows of split 'train' rejected (10.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: wrong_type 1; for example {source}/train.csv line 11: field 'label': label '1.0' is a number but not an integer class id (it would become a class of its own); write integer ids (0, 1, 2...) or class names; fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("config", "encoding-unknown", cfg("datasets.amr_demo.encoding", "utf-17"), "config", "{config}: config key 'datasets.amr_demo.encoding': 'utf-17' is not a text encoding Python knows (e.g. utf-8, utf-16, utf-16-le, cp1252, latin-1)"),
+        case("data", "utf16-corpus", utf16_corpus(), "normalise", "2 files of the dataset are not UTF-8 text but utf-16 (a byte-order mark or NUL bytes between the characters): {source}/train.txt (utf-16), {source}/test.txt (utf-16); set datasets.d.encoding: utf-16 (decoded with Python's codecs), or re-save them as UTF-8"),
+        case("data", "duplicates-within-a-split", rows({"q": "question 2?", "a": "answer 2"}, settings={"duplicates": {"max_fraction": 0.05}}), "normalise", "{source}/train.jsonl: 1 of 10 kept rows of split 'train' (10.0%) repeat an earlier row of the split (same input and gold), more than datasets.d.duplicates.max_fraction = 0.05; duplicates: 'train-5' = 'train-2'; deduplicate the split or raise datasets.d.duplicates.max_fraction"),
+        case("data", "overlap-in-validation-and-test", overlapping_splits(), "normalise", rx(r"2 problems, all listed in \{out\}/normalise_report\.failed\.json: \(1\) \{source\}/validation\.jsonl: 1 of 1 rows of split 'validation' .* \(2\) \{source\}/test\.jsonl: 1 of 1 rows of split 'test' \(100\.0%\) repeat a row of split 'train' .*")),
+        case("data", "file-level-stop-in-two-splits", text_corpus(b"good line\nbad \xff line\n", b"bad \xfe too\n"), "normalise", "2 problems, all listed in {out}/normalise_report.failed.json: (1) {source}/train.txt line 2: invalid UTF-8 at byte 4 of the line (invalid start byte); fix or remove that line, or set the dataset's on_invalid_text: reject_row to reject and count such lines (2) {source}/test.txt line 1: invalid UTF-8 at byte 4 of the line (invalid start byte); fix or remove that line, or set the dataset's on_invalid_text: reject_row to reject and count such lines"),
+        case("data", "unreadable-train-and-test", two_files(b'{"q": "ok?", "a": "x"}\n{"q": "caf\xe9?", "a": "x"}\n', b'{"q": "na\xefve?", "a": "x"}\n'), "normalise", "2 problems, all listed in {out}/normalise_report.failed.json: (1) {source}/train.jsonl line 2: " + NOT_UTF8_ROWS % 33 + " (2) {source}/test.jsonl line 1: " + (NOT_UTF8_ROWS % 9).replace("0xe9", "0xef")),
+        case("data", "imagefolder-empty-image-relative-raw", relative_raw(image_folder({"file_name": "charts/empty.png", "query": "Q?", "label": "1"}, bad_file=("charts/empty.png", b""))), "normalise", "{source}/train/metadata.jsonl: 1 of 11 rows of split 'train' rejected (9.1%), more than datasets.d.max_rejected_fraction = 0.01; reasons: empty_image 1; for example {source}/train/metadata.jsonl line 6: field 'file_name': image file {source}/train/charts/empty.png is empty (0 bytes); re-export or re-download the image; fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("data", "imagefolder-two-metadata-files", laid_out({"train/metadata.jsonl": ROW, "train/metadata.csv": b"q,a\nx?,2\n", "test/metadata.jsonl": ROW}, **IMAGEFOLDER, source={"layout": "imagefolder"}), "download", "--dataset: config key 'datasets.d.splits.train': {source}/train holds 2 metadata files ['metadata.csv', 'metadata.jsonl']; an image folder's split has one (format jsonl reads metadata.jsonl): merge them into one and remove the others"),
+        case("data", "csv-answer-json-text-broken", csv_rows('x?,"[""7"" ""seven""]"'), "normalise", rejected("wrong_type", "a", "holds '[\"7\" \"seven\"]', a list written as text that is not valid JSON (Expecting ',' delimiter); write the list as JSON, e.g. [\"a\", \"b\"], or one value without brackets", line=7, fmt="csv")),
     ]
 
 
@@ -891,6 +910,101 @@ def rerun(variant: str, seed: int, scores: list | None = None, training_change: 
     return plant
 
 
+# --- formats (issue 37): setups ---
+def gzip_bytes(data: bytes) -> bytes:
+    import gzip
+
+    return gzip.compress(data)
+
+
+def penman_blocks(bad_block: str):
+    """train.txt in PENMAN text: a header comment, nine good blocks (ids a0..a8, 4 lines each), ``bad_block`` as block 7."""
+    blocks = [f"# ::id a{k}\n# ::snt Sentence {k}.\n(s / sleep-01\n   :ARG0 (b / boy{k}))" for k in range(9)]
+    blocks.insert(5, bad_block)
+
+    def plant(w: Workspace) -> None:
+        w.raw.mkdir(parents=True, exist_ok=True)
+        (w.raw / "train.txt").write_text("# AMR release (demo)\n\n" + "\n\n".join(blocks) + "\n")
+        (w.raw / "test.txt").write_text("# ::id t1\n# ::snt A test.\n(t / test-01)\n")
+    return normalise_args(fmt="penman", settings={"fields": {"id": "id", "question": "snt", "answers": "graph"},
+                                                  "metric": "smatch"}, plant=plant)
+
+
+def graph_rows(bad_graph: str):
+    """train.jsonl of sentences and AMR graphs (metric smatch, no derived field), ``bad_graph`` as row 5 (line 6)."""
+    def plant(w: Workspace) -> None:
+        rows = [{"q": f"The boy {i} sleeps.", "a": f"(s / sleep-01 :ARG0 (b / boy{i}))"} for i in range(9)]
+        rows.insert(5, {"q": "The boy sleeps.", "a": bad_graph})
+        write_jsonl(w.raw / "train.jsonl", rows)
+        write_jsonl(w.raw / "test.jsonl", [{"q": "A dog runs.", "a": "(r / run-02 :ARG0 (d / dog))"}])
+    return normalise_args(settings={"metric": "smatch"}, plant=plant)
+
+
+def penman_rejected(reason: str, field: str | None, detail: str) -> str:
+    """normalise's message for one bad block among ten: block 7 of train.txt starts on line 28."""
+    where = "{source}/train.txt block 7 (line 28): " + (f"field '{field}': " if field else "")
+    return ("{source}/train.txt: 1 of 10 rows of split 'train' rejected (10.0%), more than "
+            f"datasets.d.max_rejected_fraction = 0.01; reasons: {reason} 1; for example {where}{detail}; "
+            "fix the rows or raise datasets.d.max_rejected_fraction")
+
+
+def labels_csv(labels: list[str], declared: list[str] | None):
+    """A classification train.csv with ``labels`` (line k + 2 holds labels[k]) and ``labels:`` ``declared``."""
+    def plant(w: Workspace) -> None:
+        w.raw.mkdir(parents=True, exist_ok=True)
+        (w.raw / "train.csv").write_text("text,label\n" + "".join(f"sentence {i},{label}\n" for i, label in enumerate(labels)))
+        (w.raw / "test.csv").write_text("text,label\na test,1\n")
+    settings = {"task": "classification", "fields": {"text": "text", "label": "label"}, "metric": "accuracy",
+                **({"labels": declared} if declared else {})}
+    return normalise_args(fmt="csv", settings=settings, plant=plant)
+
+
+def text_corpus(train: bytes, test: bytes, **settings):
+    """A masked-LM corpus: train.txt and test.txt holding these bytes."""
+    def plant(w: Workspace) -> None:
+        w.raw.mkdir(parents=True, exist_ok=True)
+        (w.raw / "train.txt").write_bytes(train)
+        (w.raw / "test.txt").write_bytes(test)
+    return normalise_args(fmt="text", settings={"task": "masked_lm", "fields": {}, "metric": "masked_accuracy",
+                                                **settings}, plant=plant)
+
+
+def two_files(train: bytes, test: bytes, fmt: str = "jsonl"):
+    """train.<fmt> and test.<fmt> holding these bytes."""
+    def plant(w: Workspace) -> None:
+        w.raw.mkdir(parents=True, exist_ok=True)
+        (w.raw / f"train.{fmt}").write_bytes(train)
+        (w.raw / f"test.{fmt}").write_bytes(test)
+    return normalise_args(fmt=fmt, plant=plant)
+
+
+def utf16_corpus():
+    """Both splits UTF-16 with a byte-order mark; following the old advice (reject_row) must not keep them."""
+    lines = "\n".join(f"line {i} on the mat" for i in range(50)).encode("utf-16")
+    return text_corpus(lines, lines, on_invalid_text="reject_row")
+
+
+def overlapping_splits():
+    """Validation and test each repeat a train row."""
+    def plant(w: Workspace) -> None:
+        write_jsonl(w.raw / "train.jsonl", [{"q": f"question {i}?", "a": "1"} for i in range(10)])
+        write_jsonl(w.raw / "validation.jsonl", [{"q": "question 1?", "a": "1"}])
+        write_jsonl(w.raw / "test.jsonl", [{"q": "question 2?", "a": "1"}])
+    return normalise_args(settings={"splits": {"train": "train", "validation": "validation", "test": "test"}}, plant=plant)
+
+
+def relative_raw(setup: Callable):
+    """``setup``'s argv with --raw relative to the working directory, as the rules give it (results/data/<ds>/raw)."""
+    import os
+
+    def wrapped(w: Workspace) -> list[str]:
+        argv = setup(w)
+        index = argv.index("--raw") + 1
+        argv[index] = os.path.relpath(argv[index])
+        return argv
+    return wrapped
+
+
 # --- the tests (last: the table needs the helpers above) ---
 @pytest.mark.parametrize("setup, stage, expected", table())
 def test_bad_input_ends_in_one_message_naming_it_and_leaves_no_output(workspace, setup, stage, expected):
@@ -927,3 +1041,4 @@ def test_the_table_has_unique_ids_and_covers_every_family():
     ids = [row.id for row in table()]
     assert len(ids) == len(set(ids)) and len(ids) >= 60
     assert {i.split("-")[0] for i in ids} == {"config", "data", "cli", "model"}
+

@@ -92,11 +92,23 @@ def test_a_damaged_gzip_corpus_is_reported(tmp_path):
     assert str(src / "train.txt.gz") in str(caught.value)  # the user's file, not the raw copy
 
 
-def test_an_unreadable_train_split_is_reported_with_the_splits_left_unread(tmp_path):
+def test_an_unreadable_train_split_is_reported_and_the_other_splits_still_read(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "train.jsonl").write_bytes(b'{"q": "ok?", "a": "x"}\n{"q": "caf\xe9?", "a": "x"}\n')
     write_jsonl(src / "test.jsonl", [good(1)])
     message, report = run(tmp_path, local_dataset(src, {}))
     assert message.startswith(f"{src / 'train.jsonl'} line 2: not UTF-8 text") and report["failed"] == [message]
-    assert report["splits_not_read"] == ["test"] and report["splits"]["train"]["counts_partial"] is True
+    assert "splits_not_read" not in report and report["splits"]["train"]["counts_partial"] is True
+    assert report["splits"]["test"]["kept"] == 1
+
+
+def test_a_file_level_stop_in_train_still_names_the_other_unreadable_split(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.jsonl").write_bytes(b'{"q": "ok?", "a": "x"}\n{"q": "caf\xe9?", "a": "x"}\n')
+    (src / "test.jsonl").write_bytes(b'{"q": "na\xefve?", "a": "x"}\n')
+    message, report = run(tmp_path, local_dataset(src, {}))
+    assert [problem.split(":")[0] for problem in report["failed"]] == [f"{src / 'train.jsonl'} line 2",
+                                                                       f"{src / 'test.jsonl'} line 1"]
+    assert message.startswith("2 problems")

@@ -83,8 +83,9 @@ def fetch_url(url: str, destination: Path, timeout: float = 60.0) -> str:
 
 
 def _place_archive(archive: Path, url_path: str, out: Path, fmt: str, splits: list[str], url: str) -> None:
-    """Extract the ``<split>.<format>`` members (by base name only, so no path escapes ``out``)."""
-    wanted = {f"{split}.{fmt}" for split in splits}
+    """Extract the ``<split>.<format>`` members (by base name only, so no path escapes ``out``); a line format's
+    split may be compressed (``<split>.jsonl.gz``...), one file per split."""
+    wanted = {split + suffix: split for split in splits for suffix in split_names.SUFFIXES[fmt]}
     found: dict[str, int] = {}
     try:
         if url_path.endswith(".zip"):
@@ -108,7 +109,11 @@ def _place_archive(archive: Path, url_path: str, out: Path, fmt: str, splits: li
     duplicated = sorted(name for name, count in found.items() if count > 1)
     if duplicated:
         raise WorkflowError(f"{url}: the archive holds several files named {duplicated}; which one is meant is ambiguous")
-    missing = sorted(wanted - set(found))
+    per_split = {split: sorted(name for name in found if wanted[name] == split) for split in splits}
+    ambiguous = sorted(names for names in per_split.values() if len(names) > 1)
+    if ambiguous:
+        raise WorkflowError(f"{url}: the archive holds {ambiguous[0]} for one split; which one is meant is ambiguous")
+    missing = sorted(f"{split}.{fmt}" for split, names in per_split.items() if not names)
     if missing:
         raise WorkflowError(f"{url}: the archive has no file {missing} (it needs one <split>.{fmt} per configured split)")
 
@@ -150,16 +155,18 @@ def download_url(settings: DatasetSettings, out: Path, work: Path) -> dict[str, 
 
 
 def local_split_file(directory: Path, split: str, fmt: str) -> Path:
-    """A split's file: ``<split>.<format>``, or for plain text ``<split>.txt`` / ``<split>.txt.gz``."""
+    """A split's file: ``<split>.<format>``, or its compressed ``<split>.<format>.gz`` / ``.bz2`` (a line format's)."""
     if fmt == text_lines.TEXT_FORMAT:
         return text_lines.split_file(directory, split)
-    return directory / f"{split}.{fmt}"
+    return raw_records.split_file(directory, split, fmt)
 
 
 def copy_local(settings: DatasetSettings, out: Path) -> dict[str, Any]:
     directory, fmt = Path(settings.source.path), settings.format
     if not directory.is_dir():
         raise WorkflowError(f"{directory}: source.path is not a directory (it must hold one <split>.{fmt} file per split)")
+    if split_names.format_problem(settings):
+        raise WorkflowError(f"format: {split_names.format_problem(settings)}")
     problem = split_names.local_split_problem(directory, settings)
     if problem is not None:
         raise WorkflowError(f"split '{problem[0]}': {problem[1]}")

@@ -16,6 +16,12 @@ masked LM's line); the report's ``contamination`` section counts the overlap per
 ``contamination.max_fraction`` of a split the stage stops naming the overlapping ids, unless
 ``contamination.accept`` is true. Either way nothing is written before the check has passed.
 
+Duplicates within a split (the kept rows repeating an earlier row's input and gold, image bytes included) are
+counted with their ids in the report, and stop the stage above ``duplicates.max_fraction`` when set. Gold answers
+of a dataset scored by smatch or smatchpp must be one PENMAN graph its metrics can read (``unreadable_gold``).
+Files in another encoding than the dataset's (a UTF-16/32 mark, NUL-interleaved text) stop the stage before
+any row is read, every such file named (docs/data-formats.md).
+
 Counting: a row is one record, or one question/answer pair of a flattened record; a flattened
 record that cannot be split into pairs (not lists, or lists of different lengths) counts as one.
 
@@ -29,6 +35,7 @@ other rows give lists are taken as one answer each and counted (``answers_as_bar
 from __future__ import annotations
 
 import argparse
+import codecs
 import functools
 import json
 import sys
@@ -59,7 +66,9 @@ REASONS = {
     "duplicate_id": "the id was already used by an earlier row of the split",
     "transform_failed": "a derived field's transform rejected its input",
     "unknown_label": "the label is not in the label set (declared labels:, else the train split's)",
+    "unreadable_gold": "a gold graph the dataset's graph metric (smatch, smatchpp) cannot read",
 }
+NAMED_DUPLICATES = 20  # the report names the first duplicate rows of a split (their ids and the earlier row's)
 
 
 @dataclass
@@ -78,6 +87,9 @@ class SplitTally:
     first_gold: raw_records.Place | None = None
     problem: str | None = None  # what stops the stage besides the counts (an unreadable file, a field in no row...)
     unreadable: bool = False    # the file could not be read to its end: the counts are partial
+    row_keys: dict = field(default_factory=dict)  # a kept row's input + gold hash -> its id (duplicates within the split)
+    duplicates: int = 0
+    duplicate_ids: list = field(default_factory=list)  # [id, the earlier row's id] of the first duplicates
 
     @property
     def rejected(self) -> int:
@@ -91,7 +103,7 @@ class Rejections:
 
     def add(self, error: Rejected, file: str, split: str, place: raw_records.Place) -> dict:
         example = {"file": file, "split": split, "row": place.index, "line": place.line, "field": error.field,
-                   "detail": error.detail}
+                   "detail": error.detail, **({"block": place.block} if place.block is not None else {})}
         self.counts[error.reason] += 1
         kept = self.examples.setdefault(error.reason, [])
         if len(kept) < EXAMPLES_PER_REASON:
@@ -100,13 +112,14 @@ class Rejections:
 
 
 def describe(example: Mapping[str, Any]) -> str:
-    where = f"{example['file']} {raw_records.Place(example['row'], example['line'])}"  # 'line 7' / 'row index 6'
+    where = f"{example['file']} {raw_records.Place(example['row'], example['line'], block=example.get('block'))}"
     return f"{where}: field '{example['field']}': {example['detail']}" if example["field"] else f"{where}: {example['detail']}"
 
 
 def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_split: str,
                     rejections: Rejections, key: str, names: SourceNames,
-                    on_invalid_text: str = "stop") -> tuple[list[dict], SplitTally]:
+                    on_invalid_text: str = "stop", encoding: str | None = None,
+                    gold_check=None) -> tuple[list[dict], SplitTally]:
     location = names.shown(raw_records.split_location(raw_dir, source_split, fmt))  # the user's file
     unlabelled = canonical in getattr(mapper, "unlabelled", ())
     tally = SplitTally(source_split=source_split, file=location, unlabelled=unlabelled)
@@ -116,8 +129,8 @@ def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_spli
     if gold is not None:  # an unlabelled split may lack its gold field in every row
         source_fields = {key: name for key, name in source_fields.items() if name != gold}
     try:
-        _tally_records(mapper, raw_dir, fmt, canonical, source_split, on_invalid_text, rejections, names,
-                       tally, kept, ids, source_fields, gold, location)
+        _tally_records(mapper, raw_dir, fmt, canonical, source_split, (on_invalid_text, encoding), rejections, names,
+                       tally, kept, ids, source_fields, gold, location, None if unlabelled else gold_check)
     except WorkflowError as error:  # a file that cannot be read on: counted in the report with the rest, not alone
         tally.problem, tally.unreadable = names.translate(str(error)), True
         return kept, tally
@@ -137,11 +150,12 @@ def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_spli
     return kept, tally
 
 
-def _tally_records(mapper, raw_dir: Path, fmt: str, canonical: str, source_split: str, on_invalid_text: str,
+def _tally_records(mapper, raw_dir: Path, fmt: str, canonical: str, source_split: str, reading: tuple,
                    rejections: Rejections, names: SourceNames, tally: SplitTally, kept: list, ids: set,
-                   source_fields: Mapping[str, str], gold: str | None, location: str) -> None:
-    """Map every record of the split onto rows, counting each rejection (``normalise_split``'s loop)."""
-    for place, record in raw_records.iter_placed_records(raw_dir, source_split, fmt, on_invalid_text):
+                   source_fields: Mapping[str, str], gold: str | None, location: str, gold_check=None) -> None:
+    """Map every record of the split onto rows, counting each rejection (``normalise_split``'s loop).
+    ``reading``: (on_invalid_text, encoding); ``gold_check(row)`` raises Rejected for a gold its metric cannot read."""
+    for place, record in raw_records.iter_placed_records(raw_dir, source_split, fmt, *reading):
         row = place.index
         if isinstance(record, Mapping):
             tally.seen_keys.update(record)
@@ -155,6 +169,11 @@ def _tally_records(mapper, raw_dir: Path, fmt: str, canonical: str, source_split
             tally.examined += 1
             if isinstance(result, dict) and result["id"] in ids:
                 result = Rejected("duplicate_id", mapper.fields.get("id", "id"), f"id '{result['id']}' occurs earlier in the split")
+            if isinstance(result, dict) and gold_check is not None:
+                try:
+                    gold_check(result)
+                except Rejected as error:
+                    result = error
             if isinstance(result, Rejected):
                 result = Rejected(result.reason, result.field, names.translate(result.detail))  # an image's path
                 example = rejections.add(result, names.shown(place.file) if place.file else location, canonical, place)
@@ -164,6 +183,30 @@ def _tally_records(mapper, raw_dir: Path, fmt: str, canonical: str, source_split
                 ids.add(result["id"])
                 kept.append(result)
                 tally.kept += 1
+                _count_duplicate(mapper, result, tally)
+
+
+def _count_duplicate(mapper, row: dict, tally: SplitTally) -> None:
+    """A kept row repeating an earlier row of its split: the same input (image bytes included) and gold."""
+    input_key, pair_key = mapper.contamination_key(row)
+    row_key = input_key if pair_key is None else pair_key
+    earlier = tally.row_keys.setdefault(row_key, row["id"])
+    if earlier != row["id"]:
+        tally.duplicates += 1
+        if len(tally.duplicate_ids) < NAMED_DUPLICATES:
+            tally.duplicate_ids.append([row["id"], earlier])
+
+
+def duplicates_problem(tally: SplitTally, canonical: str, limit: float, key: str) -> str | None:
+    """The stop when a split's duplicates pass ``duplicates.max_fraction``, or None."""
+    if not tally.kept or tally.duplicates / tally.kept <= limit:
+        return None
+    named = ", ".join(f"'{row}' = '{earlier}'" for row, earlier in tally.duplicate_ids)
+    more = f" (the first {len(tally.duplicate_ids)} named)" if tally.duplicates > len(tally.duplicate_ids) else ""
+    return (f"{tally.file}: {tally.duplicates} of {tally.kept} kept rows of split '{canonical}' "
+            f"({tally.duplicates / tally.kept:.1%}) repeat an earlier row of the split (same input and gold), more than "
+            f"{key}.duplicates.max_fraction = {limit}; duplicates{more}: {named}; deduplicate the split or raise "
+            f"{key}.duplicates.max_fraction")
 
 
 def check_submission_ids(rows: list[dict], tally: SplitTally, settings: DatasetSettings, key: str) -> None:
@@ -223,26 +266,26 @@ def fail_with_report(report: dict, problems: list[str], report_path: Path) -> No
 
 
 def contamination_outcome(results, fields: list[str], gold: list[str], settings: DatasetSettings,
-                          files: Mapping[str, str], key: str) -> tuple[dict, str | None]:
-    """The report's ``contamination`` section, and the message that stops the stage (None when the
-    overlap is within ``max_fraction`` or accepted)."""
+                          files: Mapping[str, str], key: str) -> tuple[dict, list[str]]:
+    """The report's ``contamination`` section, and the messages that stop the stage, one per split whose
+    overlap passes ``max_fraction`` (none when within it or accepted)."""
     limits = settings.contamination
     section = contamination.report(results, limits, fields)
     problems = (contamination.problem(r, limits, file=files[r.split], key=key, fields=fields, gold=gold) for r in results)
-    return section, next((message for message in problems if message), None)
+    return section, [message for message in problems if message]
 
 
 def check_record_contamination(mapper, splits: Mapping[str, list[dict]], settings: DatasetSettings,
-                               files: Mapping[str, str], key: str) -> tuple[dict, str | None, list]:
+                               files: Mapping[str, str], key: str) -> tuple[dict, list[str], list]:
     """Kept validation/test rows against the kept train rows, keyed by the mapper (``contamination_key``)."""
     keyed = functools.partial(contamination.keyed_rows, key=mapper.contamination_key)
     results = contamination.check(functools.partial(keyed, splits.get("train", [])),
                                   {split: functools.partial(keyed, rows) for split, rows in splits.items()
                                    if split in contamination.CHECKED_SPLITS})
     sample = next((rows[0] for rows in splits.values() if rows), {})
-    section, message = contamination_outcome(results, mapper.contamination_fields(sample),
-                                             contamination.gold_fields(sample), settings, files, key)
-    return section, message, results
+    section, messages = contamination_outcome(results, mapper.contamination_fields(sample),
+                                              contamination.gold_fields(sample), settings, files, key)
+    return section, messages, results
 
 
 def to_dataset(rows: list[dict], location: str, like=None):
@@ -277,8 +320,9 @@ def normalise_by_task(normalise_source, args: argparse.Namespace, settings: Data
         report = {"dataset": args.name, "raw": str(args.raw), "task": settings.task}
         try:
             extras = normalise_source(args.raw, settings, staging, extra_json={TASK_META: task_meta})
-        except WorkflowError as error:  # a damaged or undecodable file: the report says so too
-            fail_with_report(report, [names.translate(str(error))], args.report)
+        except WorkflowError as error:  # a damaged or undecodable file: the report says so too, every split's
+            problems = getattr(error, "problems", None) or [str(error)]
+            fail_with_report(report, [names.translate(problem) for problem in problems], args.report)
         extras = json.loads(names.translate(json.dumps(extras)))  # the report names the user's files
         report.update(extras)
         data = load_from_disk(str(staging))
@@ -289,11 +333,11 @@ def normalise_by_task(normalise_source, args: argparse.Namespace, settings: Data
                                       {split: functools.partial(keyed, data[split]) for split in data
                                        if split in contamination.CHECKED_SPLITS}) if "train" in data else []
         files = {split: report.get("splits", {}).get(split, {}).get("file", str(args.raw)) for split in data}
-        report["contamination"], message = contamination_outcome(
+        report["contamination"], messages = contamination_outcome(
             results, contamination.key_fields(columns), contamination.gold_fields(columns), settings, files, key)
         del data  # the memory maps, before the directory is renamed or removed
-        if message:
-            fail_with_report(report, [message], args.report)
+        if messages:
+            fail_with_report(report, messages, args.report)
     write_json(args.report, report)
     failure_report_path(args.report).unlink(missing_ok=True)  # an earlier failure's, now stale
     for canonical, split in report.get("splits", {}).items():
@@ -328,9 +372,62 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise names.reraise(error) from None
 
 
+def check_encodings(args: argparse.Namespace, settings: DatasetSettings, key: str, names: SourceNames) -> None:
+    """Stop, naming every file of every split, when files look like another encoding (a UTF-16/32 byte-order mark,
+    NUL-interleaved text) than the dataset reads: read as UTF-8 they fail line by line, or worse, under
+    on_invalid_text: reject_row, NUL-laden lines would pass on."""
+    from workflow_scripts.data import file_formats, text_lines
+
+    fmt = settings.format
+    if fmt not in file_formats.LINE_FORMATS or raw_records.is_saved_dataset(args.raw):
+        return
+    files: list[str] = []
+    for split in dict.fromkeys(settings.splits.values()):
+        try:
+            found = (text_lines.split_files(args.raw, split) if fmt == text_lines.TEXT_FORMAT
+                     else raw_records.split_files(args.raw, split, fmt))
+        except WorkflowError:
+            continue  # a missing split is named by the read itself
+        files += [str(path) for path in found if Path(path).is_file()]
+    unset = settings.encoding is None or codecs.lookup(settings.encoding).name == "utf-8"
+    sniffed = {file: kind for file in files if (kind := file_formats.sniff_encoding(file))} if unset else {}
+    if sniffed:
+        shown = {names.shown(file): kind for file, kind in sniffed.items()}
+        raise WorkflowError(file_formats.encoding_problem([names.shown(file) for file in files], shown, key))
+
+
+def gold_graph_check(settings: DatasetSettings):
+    """``check(row)`` raising Rejected for a gold answer that the dataset's graph metrics (smatch, smatchpp: its
+    metric and also_metrics) cannot read, or None when no metric of the dataset parses its answers."""
+    from workflow_scripts.tasks import metrics
+
+    parsing = [name for name in (settings.metric, *settings.also_metrics) if name in metrics.GRAPH_METRICS]
+    if not parsing:
+        return None
+    source = settings.fields.get("answers", "answers")
+
+    def check(row: Mapping[str, Any]) -> None:
+        for index, answer in enumerate(row.get("answers") or ()):
+            where = source if len(row["answers"]) == 1 else f"{source}[{index}]"
+            problem = raw_records.penman_graph_problem(answer)  # the metrics' readers are lenient: smatch reads '(a / b' as '(a / b)'
+            if problem:
+                raise Rejected("unreadable_gold", where, f"gold graph {answer[:60]!r} is not one PENMAN graph "
+                               f"({problem}), so metric {parsing[0]} would score it as read by guesswork; fix the graph")
+            for metric in parsing:
+                if not metrics.graph_readable(metric, answer):
+                    raise Rejected("unreadable_gold", where, f"gold graph {answer[:60]!r} cannot be read by metric "
+                                   f"{metric} (not valid PENMAN / AMR); fix the graph, or score the dataset with a "
+                                   "metric for its answers")
+    return check
+
+
 def normalise(args: argparse.Namespace, settings: DatasetSettings, key: str, names: SourceNames) -> int:
     fmt = settings.format
     task = task_named(settings.task)
+    try:
+        check_encodings(args, settings, key, names)
+    except WorkflowError as error:
+        fail_with_report({"dataset": args.name, "raw": str(args.raw)}, [str(error)], args.report)
     own_normalisation = getattr(task, "normalise_source", None)
     if own_normalisation is not None:  # the task reads its raw files itself (e.g. plain text, line by line)
         if settings.unlabelled:
@@ -339,22 +436,21 @@ def normalise(args: argparse.Namespace, settings: DatasetSettings, key: str, nam
     descriptions = {**REASONS, **getattr(task, "rejection_reasons", {})}  # a task's own reasons (images...)
     mapper = task.record_mapper(settings, key)
     mapper.raw_dir = args.raw  # files a record refers to (images) are found beside its split files
+    gold_check = gold_graph_check(settings)
     rejections, splits, tallies = Rejections(), {}, {}
     for canonical in CANONICAL_SPLITS:
         if canonical not in settings.splits:
             continue
         rows, tally = normalise_split(mapper, args.raw, fmt, canonical, settings.splits[canonical], rejections, key, names,
-                                     settings.on_invalid_text)
+                                     settings.on_invalid_text, settings.encoding, gold_check)
         splits[canonical], tallies[canonical] = rows, tally
         if tally.problem is None:
             try:
                 check_submission_ids(rows, tally, settings, key)
             except ConfigError as error:
                 tally.problem = str(error)
-        if tally.unreadable:  # its rows are partial: a later split cannot be judged against them
-            if canonical == "train":
-                break
-            continue
+        if tally.unreadable:  # its rows are partial: no later split is judged against them, but every split is
+            continue          # still read, so one run names each unreadable file (a later split's label set unchecked)
         try:
             mapper.split_done(canonical, rows)  # train first: a later split may be checked against it
         except WorkflowError as error:  # e.g. no label set from train: the later splits cannot be judged
@@ -362,7 +458,10 @@ def normalise(args: argparse.Namespace, settings: DatasetSettings, key: str, nam
             if canonical == "train":
                 break
     files = {canonical: tally.file for canonical, tally in tallies.items()}
-    overlap, overlap_problem, overlaps = check_record_contamination(mapper, splits, settings, files, key)
+    if "train" in tallies and tallies["train"].unreadable:  # against train's partial rows the overlap means nothing
+        overlap, overlap_problem, overlaps = {"not_checked": "the train split could not be read to its end"}, [], []
+    else:
+        overlap, overlap_problem, overlaps = check_record_contamination(mapper, splits, settings, files, key)
 
     report = {
         "dataset": args.name,
@@ -375,6 +474,7 @@ def normalise(args: argparse.Namespace, settings: DatasetSettings, key: str, nam
                 "reasons": dict(t.reasons),
                 **({"unlabelled": True, "gold_ignored": t.gold_records} if t.unlabelled else {}),
                 **({"problem": t.problem, "counts_partial": t.unreadable} if t.problem else {}),
+                "duplicates": t.duplicates, "duplicate_ids": t.duplicate_ids,
                 **mapper.split_report(canonical, splits[canonical]),
             }
             for canonical, t in tallies.items()
@@ -397,8 +497,9 @@ def normalise(args: argparse.Namespace, settings: DatasetSettings, key: str, nam
     problems = [problem for canonical, tally in tallies.items()
                 if (problem := tally_problem(tally, settings.max_rejected_fraction, key, canonical,
                                              getattr(mapper, "gold_source", None)))]
-    if overlap_problem:  # after the rejections: a file with bad rows is fixed first
-        problems.append(overlap_problem)
+    problems += [problem for canonical, tally in tallies.items()
+                 if (problem := duplicates_problem(tally, canonical, settings.duplicates.max_fraction, key))]
+    problems += overlap_problem  # after the rejections: a file with bad rows is fixed first
     if problems:
         fail_with_report(report, problems, args.report)
 
@@ -423,6 +524,8 @@ def normalise(args: argparse.Namespace, settings: DatasetSettings, key: str, nam
     for canonical, tally in tallies.items():
         print(f"{args.name}/{canonical}: kept {tally.kept} of {tally.examined} rows; rejected {dict(tally.reasons)}")
         print_split_notes(args.name, canonical, tally, report["splits"][canonical], mapper)
+    for line in getattr(mapper, "notes", lambda: [])():  # what the task says of the data (a label mapping...)
+        print(f"{args.name}: {line}")
     print_contamination(args.name, overlaps, settings)
     return 0
 
@@ -434,6 +537,10 @@ def print_split_notes(name: str, canonical: str, tally: SplitTally, entry: Mappi
         if tally.gold_records:
             print(f"{name}/{canonical}: warning: declared unlabelled, but all {tally.gold_records} rows hold "
                   f"'{mapper.gold_source}'; it is left out (remove '{canonical}' from unlabelled to score this split)")
+    if entry.get("duplicates"):
+        named = ", ".join(f"{row} = {earlier}" for row, earlier in entry["duplicate_ids"][:5])
+        print(f"{name}/{canonical}: {entry['duplicates']} rows repeat an earlier row of the split (same input and gold; "
+              f"e.g. {named}); all named in the report's duplicate_ids (the first {NAMED_DUPLICATES})")
     if entry.get("answers_as_bare_string"):
         print(f"{name}/{canonical}: {entry['answers_as_bare_string']} rows give their answers as one bare string "
               "where other rows give lists; each is taken as that row's one answer")

@@ -57,6 +57,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
         check_dataset(dataset, source, evaluation_split(config, name))
         if dataset.also_metrics:
             check_also_metrics(dataset, source)
+        check_gold_graphs(dataset, source)
         for model in dataset.models or ():
             if model not in models(config):
                 raise ConfigError(f"datasets.{name}.models", f"'{model}' is not a model of this config "
@@ -238,3 +239,62 @@ def _check_finetune(training: "TrainingSettings", model: "ModelSettings", task: 
         key, message = problem
         raise ConfigError(key.replace("model", model_key, 1) if key.startswith("model.")
                           else where + key.removeprefix("training"), message, source)
+
+
+GOLD_ROWS_SAMPLED = 5  # the first gold answers of each local split read at parse time (the whole file is normalise's)
+
+
+def check_gold_graphs(dataset, source: str | None = None) -> None:
+    """A graph metric (smatch, smatchpp as ``metric`` or in ``also_metrics``) on a local dataset whose gold answers
+    are no graphs (a QA set's '25.5'): refused at parse time, naming the dataset, file, row and key, where the first
+    gold answers of a split can be read then and none of the first :data:`GOLD_ROWS_SAMPLED` is a PENMAN graph.
+    The sample is read with the ``penman`` reader (fast to import, where smatchpp costs a second at every parse);
+    normalise checks every gold answer with the metric's own reader (``unreadable_gold``)."""
+    from workflow_scripts.data import raw_records, split_layouts
+    from workflow_scripts.data.rows import csv_list
+    from workflow_scripts.tasks.metrics import GRAPH_METRICS
+
+    parsing = [(key, metric) for key, metric in [("metric", dataset.metric)] + [("also_metrics", m) for m in dataset.also_metrics]
+               if metric in GRAPH_METRICS]
+    answers = dataset.fields.get("answers")
+    if not parsing or dataset.source.type != "local" or not answers or split_layouts.layout(dataset):
+        return
+    for canonical in ("train", "validation", "test"):
+        split = dataset.splits.get(canonical)
+        if split is None or canonical in dataset.unlabelled:
+            continue
+        try:
+            files = split_layouts.local_files(dataset, split)
+            sample = _gold_sample(files, dataset, answers, raw_records, csv_list)
+        except (WorkflowError, OSError):
+            continue  # a missing or unreadable file is named by the split checks and by normalise
+        if sample and not any(_penman_graph(gold) for _, _, gold in sample):
+            file, place, gold = sample[0]
+            key, metric = parsing[0]
+            raise ConfigError(f"datasets.{dataset.name}.{key}", f"is {metric}, which scores AMR graphs in PENMAN "
+                              f"notation, but the gold answers of split '{split}' are no graphs: {file} {place}, field "
+                              f"'{answers}': {gold[:60]!r} (and the first {len(sample)} alike); score the dataset with a "
+                              "metric for its answers (exact_match, token_f1, relaxed_accuracy...)", source)
+
+
+def _gold_sample(files, dataset, answers: str, raw_records, csv_list) -> list[tuple[str, Any, str]]:
+    """(file, place, gold answer) of the first gold answers of a split's files."""
+    sample = []
+    for path in files:
+        if not Path(path).is_file():
+            continue
+        for place, record in raw_records.read_placed(path, dataset.format, "reject_row", dataset.encoding):
+            if not isinstance(record, Mapping) or record.get(answers) is None:
+                continue
+            value = csv_list(record[answers], answers) if dataset.format == "csv" else record[answers]
+            golds = value if isinstance(value, list) else [value]
+            sample += [(str(path), place, gold) for gold in golds[:1] if isinstance(gold, str)]
+            if len(sample) >= GOLD_ROWS_SAMPLED:
+                return sample
+    return sample
+
+
+def _penman_graph(text: str) -> bool:
+    from workflow_scripts.data.raw_records import penman_graph_problem
+
+    return penman_graph_problem(text) is None

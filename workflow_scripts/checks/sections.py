@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from workflow_scripts.core.entry_settings import DatasetSettings, ModelSettings
-from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.core.errors import ConfigError, WorkflowError
 
 
 def _require(settings: Any, keys: tuple[str, ...], prefix: str, why: str, source: str | None) -> None:
@@ -50,6 +50,13 @@ def check_dataset(dataset: DatasetSettings, source: str | None, evaluated_split:
     _require(src, needs, f"datasets.{name}.source", f"when source.type is '{src.type}'", source)
     if src.type == "hub":
         _check_pinned(src.revision, f"datasets.{name}.source.revision", source)
+    if dataset.encoding is not None:
+        from workflow_scripts.data.file_formats import check_encoding
+
+        try:
+            check_encoding(dataset.encoding)
+        except WorkflowError as error:
+            raise ConfigError(f"datasets.{name}.encoding", str(error), source) from None
     from workflow_scripts.data.transforms import TRANSFORMS
 
     for field, spec in dataset.derived.items():

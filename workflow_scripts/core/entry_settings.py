@@ -71,6 +71,15 @@ class ContaminationSettings:
 
 
 @dataclass(frozen=True)
+class DuplicateSettings:
+    """Rows repeated within one split (same input and gold): above ``max_fraction`` of a split normalise stops."""
+    max_fraction: float = 1.0  # not set: reported and counted, never a stop
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class SubmissionSettings:
     """How an unlabelled split's predictions are written."""
     format: str = "json"
@@ -108,6 +117,8 @@ class DatasetSettings:
     labels: tuple[str, ...] | None = None  # classification: the label set in class-id order
     keys: Mapping[str, str] = field(default_factory=lambda: EMPTY)  # conversation: a turn's role/content key names in the source
     roles: Mapping[str, str] = field(default_factory=lambda: EMPTY)  # conversation: canonical role -> the source's name
+    encoding: str | None = None  # the raw text files' codec; None: UTF-8
+    duplicates: DuplicateSettings = field(default_factory=lambda: DuplicateSettings())
     given: Mapping[str, Any] = field(default_factory=lambda: EMPTY, repr=False)  # the validated entry (to_dict)
 
     @classmethod
@@ -130,7 +141,8 @@ class DatasetSettings:
             derived=types.MappingProxyType({field_name: DerivedField(**spec)
                                             for field_name, spec in checked.get("derived", {}).items()}),
             labels=_optional_tuple(checked.get("labels")), keys=_frozen(checked.get("keys", {})),
-            roles=_frozen(checked.get("roles", {})), given=_frozen(checked))
+            roles=_frozen(checked.get("roles", {})), encoding=checked.get("encoding"),
+            duplicates=DuplicateSettings(**checked.get("duplicates", {})), given=_frozen(checked))
 
     @classmethod
     def from_json(cls, text: str, name: str, flag: str = "--dataset") -> "DatasetSettings":

@@ -1,7 +1,8 @@
 """Reading the raw records that ``download`` stored, one split at a time, exactly as they are.
 
 Raw layouts (see docs/architecture.md): a hub dataset is a ``DatasetDict.save_to_disk`` directory;
-url and local sources are files named ``<source split>.<format>`` (jsonl, json, csv or parquet), or a
+url and local sources are files named ``<source split>.<format>`` (jsonl, json, csv, parquet, or penman: AMR
+graphs in PENMAN text; the line formats also gzip- or bzip2-compressed, ``data/file_formats``), or a
 folder ``<source split>/`` (``data/split_layouts``): an image folder (``metadata.<format>`` with its images)
 or a split's several files, read in file-name order with one running row index (:func:`split_files`).
 Records are yielded with their 0-based row index and never repaired: a row that cannot be decoded
@@ -12,10 +13,18 @@ WorkflowError naming it.
 
 Where a row is, as the user's editor shows it: :func:`iter_placed_records` gives each record's
 :class:`Place` (the 1-based line of a JSONL or CSV file, a CSV's header being line 1; the row index
-of a JSON list, Parquet file or saved dataset).
+of a JSON list, Parquet file or saved dataset; a PENMAN block's number and first line).
+
+PENMAN text (``format: penman``, the AMR releases' and shared tasks' layout): blocks separated by blank lines,
+each ``# ::id ...``, ``# ::snt ...`` (any ``# ::key value`` metadata, several on a line as LDC writes them)
+and an indented graph over several lines; a block of comments only (a file's header) holds no record. A
+block's record is its metadata (``id``, ``snt``, ...) plus ``graph``: the graph on one line, re-formatted by the
+``penman`` library from its parse (so the answer is the same whether the file indents it or not). A graph that
+does not parse (unbalanced brackets...) or a block without a graph is Unparseable, named by block and line.
 """
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 import re
@@ -24,8 +33,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.data import file_formats
 
-FORMATS = ("jsonl", "json", "csv", "parquet")
+FORMATS = ("jsonl", "json", "csv", "parquet", "penman")
 # Text files are UTF-8; a byte order mark (Excel writes one) is skipped, never read as data.
 TEXT_ENCODING = "utf-8-sig"
 # Bytes that do not decode come through ``surrogateescape`` as these code points, so a JSONL or CSV row
@@ -47,8 +57,11 @@ class Place:
     index: int
     line: int | None = None
     file: str | None = None  # the file it is in, where a split has several (else the split's one file)
+    block: int | None = None  # a PENMAN block's 1-based number (its header comment counted)
 
     def __str__(self) -> str:
+        if self.block is not None:
+            return f"block {self.block} (line {self.line})"
         return f"line {self.line}" if self.line is not None else f"row index {self.index}"
 
 
@@ -61,7 +74,14 @@ def available_splits(raw_dir: Path, fmt: str) -> list[str]:
     if is_saved_dataset(raw_dir):
         return json.loads((raw_dir / "dataset_dict.json").read_text())["splits"]
     folders = [path.name for path in raw_dir.iterdir() if path.is_dir() and split_files(raw_dir, path.name, fmt)]
-    return sorted([path.name[: -len(fmt) - 1] for path in raw_dir.glob(f"*.{fmt}")] + folders)
+    names = (file_formats.strip_suffix(path.name, fmt) for path in raw_dir.iterdir() if path.is_file())
+    return sorted({name for name in names if name} | set(folders))
+
+
+def split_file(raw_dir: Path, split: str, fmt: str) -> Path:
+    """The one file of a split laid out as one file: ``<split>.<format>`` or a compressed ``<split>.<format>.gz``..."""
+    candidates = [Path(raw_dir) / (split + suffix) for suffix in file_formats.suffixes(fmt)]
+    return next((path for path in candidates if path.is_file()), candidates[0])
 
 
 def split_files(raw_dir: Path, split: str, fmt: str) -> list[Path]:
@@ -71,7 +91,7 @@ def split_files(raw_dir: Path, split: str, fmt: str) -> list[Path]:
 
     folder = Path(raw_dir) / split
     if not folder.is_dir():
-        return [Path(raw_dir) / f"{split}.{fmt}"]
+        return [split_file(raw_dir, split, fmt)]
     if metadata_file(folder, fmt).is_file():
         return [metadata_file(folder, fmt)]
     return sorted((path for path in folder.iterdir() if path.is_file() and path.name.endswith(suffixes(fmt))),
@@ -87,7 +107,7 @@ def split_location(raw_dir: Path, split: str, fmt: str) -> Path:
     if is_saved_dataset(raw_dir):
         return folder
     if not folder.is_dir():
-        return raw_dir / f"{split}.{fmt}"
+        return split_file(raw_dir, split, fmt)
     return metadata_file(folder, fmt) if metadata_file(folder, fmt).is_file() else folder
 
 
@@ -97,8 +117,8 @@ def iter_records(raw_dir: Path, split: str, fmt: str) -> Iterator[tuple[int, Any
         yield place.index, record
 
 
-def iter_placed_records(raw_dir: Path, split: str, fmt: str,
-                        on_invalid_text: str = "stop") -> Iterator[tuple[Place, Any]]:
+def iter_placed_records(raw_dir: Path, split: str, fmt: str, on_invalid_text: str = "stop",
+                        encoding: str | None = None) -> Iterator[tuple[Place, Any]]:
     """(place, record) for every row of one source split; a JSONL or CSV row that is not UTF-8 stops the
     read (``on_invalid_text: stop``) or comes back Unparseable (``reject_row``)."""
     raw_dir = Path(raw_dir)
@@ -111,14 +131,14 @@ def iter_placed_records(raw_dir: Path, split: str, fmt: str,
         for index, record in _saved_split(raw_dir, split):
             yield Place(index), record
     elif not split_location(raw_dir, split, fmt).is_dir():
-        yield from read_placed(split_location(raw_dir, split, fmt), fmt, on_invalid_text)
+        yield from read_placed(split_location(raw_dir, split, fmt), fmt, on_invalid_text, encoding)
     else:  # several files: one running row index (ids stay unique), each row's own file and line
         offset = 0
         for path in split_files(raw_dir, split, fmt):
             size = 0
-            for place, record in read_placed(path, fmt, on_invalid_text):
+            for place, record in read_placed(path, fmt, on_invalid_text, encoding):
                 size = place.index + 1
-                yield Place(offset + place.index, place.line, str(path)), record
+                yield Place(offset + place.index, place.line, str(path), place.block), record
             offset += size
 
 
@@ -128,15 +148,18 @@ def read_file(path: Path, fmt: str) -> Iterator[tuple[int, Any]]:
         yield place.index, record
 
 
-def read_placed(path: Path, fmt: str, on_invalid_text: str = "stop") -> Iterator[tuple[Place, Any]]:
-    """(place, record) for every row of one raw file."""
+def read_placed(path: Path, fmt: str, on_invalid_text: str = "stop",
+                encoding: str | None = None) -> Iterator[tuple[Place, Any]]:
+    """(place, record) for every row of one raw file (a line format's file decompressed as it is read)."""
     if fmt == "jsonl":
-        yield from _jsonl(path, on_invalid_text)
+        yield from _jsonl(path, on_invalid_text, encoding)
+    elif fmt == "penman":
+        yield from _penman(path, on_invalid_text, encoding)
     elif fmt == "json":
-        for index, record in enumerate(_json_list(path)):
+        for index, record in enumerate(_json_list(path, encoding=encoding)):
             yield Place(index), record
     elif fmt == "csv":
-        yield from _csv(path, on_invalid_text)
+        yield from _csv(path, on_invalid_text, encoding)
     elif fmt == "parquet":
         for index, record in enumerate(_parquet_rows(path)):
             yield Place(index), record
@@ -147,14 +170,21 @@ def read_placed(path: Path, fmt: str, on_invalid_text: str = "stop") -> Iterator
 def count_rows(path: Path, fmt: str) -> int:
     """Rows in a raw file, without judging them (for the download manifest; normalise judges them)."""
     if fmt == "jsonl":
-        with open(path, "rb") as handle:  # bytes: a file that is not UTF-8 is normalise's to report
-            return sum(1 for line in handle if line.strip())
+        try:
+            with file_formats.open_binary(path) as handle:  # bytes: a file that is not UTF-8 is normalise's to report
+                return sum(1 for line in handle if line.strip())
+        except file_formats.DAMAGED as error:
+            raise file_formats.damaged(path, 0, error) from None
+    if fmt == "penman":
+        return sum(1 for _ in _penman(path, "reject_row"))
     if fmt == "csv":
         try:
-            with open(path, encoding=TEXT_ENCODING, errors="replace", newline="") as handle:
+            with file_formats.open_text(path, errors="replace", newline="") as handle:
                 return max(sum(1 for fields in csv.reader(handle) if fields) - 1, 0)  # minus the header
         except csv.Error as error:
             raise WorkflowError(f"{path}: not valid CSV: {error}") from None
+        except (UnicodeError, *file_formats.DAMAGED) as error:
+            raise file_formats.damaged(path, 0, error) from None
     if fmt == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -172,16 +202,18 @@ def count_rows(path: Path, fmt: str) -> int:
 def _not_utf8_row(path: Path, line: int, on_invalid_text: str) -> Unparseable:
     if on_invalid_text != "reject_row":
         raise _not_utf8(path, rows=True)
-    return Unparseable(f"not UTF-8 text: line {line} holds bytes that do not decode (on_invalid_text: reject_row)")
+    return Unparseable(f"not UTF-8 text: line {line} holds bytes that do not decode or NUL bytes "
+                       "(on_invalid_text: reject_row)")
 
 
-def _jsonl(path: Path, on_invalid_text: str = "stop") -> Iterator[tuple[Place, Any]]:
+def _jsonl(path: Path, on_invalid_text: str = "stop", encoding: str | None = None) -> Iterator[tuple[Place, Any]]:
+    index = 0
     try:
-        with open(path, encoding=TEXT_ENCODING, errors="surrogateescape") as handle:
+        with file_formats.open_text(path, encoding, errors="surrogateescape") as handle:
             for index, line in enumerate(handle):
                 if not line.strip():
                     continue
-                if _UNDECODED.search(line):
+                if _UNDECODED.search(line) or "\x00" in line:
                     yield Place(index, index + 1), _not_utf8_row(path, index + 1, on_invalid_text)
                     continue
                 try:
@@ -191,15 +223,120 @@ def _jsonl(path: Path, on_invalid_text: str = "stop") -> Iterator[tuple[Place, A
                     yield Place(index, index + 1), Unparseable(
                         f"not valid JSON: line {index + 1} column {error.colno}: {_json_problem(error)}"
                     )
-    except UnicodeDecodeError:
-        raise _not_utf8(path) from None
+    except UnicodeError:  # UnicodeDecodeError, or a UTF-16 codec's "does not start with BOM"
+        raise _not_utf8(path, encoding=encoding) from None
+    except file_formats.DAMAGED as error:
+        raise file_formats.damaged(path, index, error) from None
 
 
-def _json_list(path: Path, errors: str = "strict") -> list:
+def _penman_blocks(path: Path, encoding: str | None) -> Iterator[tuple[int, list[str]]]:
+    """(first line, lines) of each blank-line separated block. Split here, not by ``penman.iterparse``: that one
+    stops the whole file at its first bad graph, where each bad block must be rejected alone, named by its line."""
+    block: list[str] = []
+    start = 0
+    with file_formats.open_text(path, encoding, errors="surrogateescape") as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                if not block:
+                    start = number
+                block.append(line.rstrip("\r\n"))
+            elif block:
+                yield start, block
+                block = []
+    if block:
+        yield start, block
+
+
+def _penman(path: Path, on_invalid_text: str = "stop", encoding: str | None = None) -> Iterator[tuple[Place, Any]]:
+    """One record per PENMAN block: its ``# ::`` metadata and ``graph`` (one line), or Unparseable."""
+    import penman
+    from penman.exceptions import PenmanError
+
+    index, number, line = 0, 0, 0
     try:
-        records = json.loads(Path(path).read_text(encoding=TEXT_ENCODING, errors=errors))
-    except UnicodeDecodeError:
-        raise _not_utf8(path) from None
+        for number, (line, lines) in enumerate(_penman_blocks(path, encoding), start=1):
+            comments = [text for text in lines if text.lstrip().startswith("#")]
+            if len(comments) == len(lines) and not any("::" in text for text in comments):
+                continue  # a header or comment block (the LDC release's first block) holds no graph
+            place = Place(index, line, block=number)
+            index += 1
+            if any(_UNDECODED.search(text) or "\x00" in text for text in lines):
+                yield place, _not_utf8_row(path, line, on_invalid_text)
+                continue
+            graph_lines = [text for text in lines if not text.lstrip().startswith("#")]
+            if not graph_lines:
+                yield place, Unparseable(f"not a PENMAN block: block {number} (line {line}) has metadata but no graph")
+                continue
+            try:
+                trees = list(penman.iterparse("\n".join(lines)))
+            except PenmanError as error:
+                at = line + getattr(error, "lineno", 1) - 1 if getattr(error, "lineno", None) else line
+                yield place, Unparseable(f"not valid PENMAN: block {number} (line {line}): {_penman_problem(error)} "
+                                         f"at line {at}")
+                continue
+            surplus = _surplus_brackets(graph_lines)
+            if len(trees) != 1 or surplus:
+                what = f"{surplus} closing bracket(s) more than opening ones" if surplus else f"{len(trees)} graphs"
+                yield place, Unparseable(f"not valid PENMAN: block {number} (line {line}) holds {what}; a block "
+                                         "holds one graph")
+                continue
+            tree = trees[0]
+            metadata = dict(tree.metadata)
+            tree.metadata = {}
+            yield place, {**metadata, "graph": penman.format(tree, indent=None)}
+    except UnicodeError:  # UnicodeDecodeError, or a UTF-16 codec's "does not start with BOM"
+        raise _not_utf8(path, encoding=encoding) from None
+    except file_formats.DAMAGED as error:
+        raise file_formats.damaged(path, line, error) from None
+
+
+def penman_graph_problem(graph: str) -> str | None:
+    """Why ``graph`` is not exactly one balanced PENMAN graph (read by the ``penman`` library), or None."""
+    import penman
+    from penman.exceptions import PenmanError
+
+    try:
+        trees = list(penman.iterparse(graph))
+    except PenmanError as error:
+        return _penman_problem(error)
+    surplus = _surplus_brackets(graph.splitlines())
+    if surplus:
+        return f"{surplus} closing bracket(s) more than opening ones"
+    return None if len(trees) == 1 else f"{len(trees)} graphs"
+
+
+def _surplus_brackets(lines: list[str]) -> int:
+    """Closing brackets beyond the opening ones, outside quoted strings. Counted here because penman stops
+    reading at the first graph's last bracket and ignores what follows (an unbalanced ``... (b / boy)))``)."""
+    depth = surplus = 0
+    quoted = False
+    for text in lines:
+        for position, char in enumerate(text):
+            if char == '"' and (position == 0 or text[position - 1] != "\\"):
+                quoted = not quoted
+            elif not quoted and char == "(":
+                depth += 1
+            elif not quoted and char == ")":
+                depth -= 1
+                if depth < 0:
+                    surplus, depth = surplus + 1, 0
+    return surplus
+
+
+def _penman_problem(error: Exception) -> str:
+    message = getattr(error, "message", None)
+    if message:
+        return message
+    """penman's message on one line (it draws the offending line with a caret under it)."""
+    lines = [text.strip() for text in str(error).splitlines() if text.strip() and set(text.strip()) != {"^"}]
+    return lines[-1] if lines else type(error).__name__
+
+
+def _json_list(path: Path, errors: str = "strict", encoding: str | None = None) -> list:
+    try:
+        records = json.loads(Path(path).read_text(encoding=encoding or TEXT_ENCODING, errors=errors))
+    except UnicodeError:
+        raise _not_utf8(path, encoding=encoding) from None
     except json.JSONDecodeError as error:
         raise WorkflowError(
             f"{path}: not valid JSON (line {error.lineno} column {error.colno}): {_json_problem(error)}"
@@ -209,10 +346,11 @@ def _json_list(path: Path, errors: str = "strict") -> list:
     return records
 
 
-def _csv(path: Path, on_invalid_text: str = "stop") -> Iterator[tuple[Place, Any]]:
+def _csv(path: Path, on_invalid_text: str = "stop", encoding: str | None = None) -> Iterator[tuple[Place, Any]]:
     """Strict CSV: a line with more or fewer fields than the header is Unparseable, never shifted or padded."""
+    line = 0
     try:
-        with open(path, encoding=TEXT_ENCODING, errors="surrogateescape", newline="") as handle:
+        with file_formats.open_text(path, encoding, errors="surrogateescape", newline="") as handle:
             reader = csv.reader(handle, strict=True)
             header, header_line = None, 0
             index = 0
@@ -230,9 +368,9 @@ def _csv(path: Path, on_invalid_text: str = "stop") -> Iterator[tuple[Place, Any
                     continue
                 if not fields:  # a blank line holds no record
                     continue
-                if any(_UNDECODED.search(value) for value in fields):
+                if any(_UNDECODED.search(value) or "\x00" in value for value in fields):
                     if header is None:
-                        raise _not_utf8(path)
+                        raise _not_utf8(path, encoding=encoding)
                     yield Place(index, line), _not_utf8_row(path, line, on_invalid_text)
                     index += 1
                     continue
@@ -255,8 +393,10 @@ def _csv(path: Path, on_invalid_text: str = "stop") -> Iterator[tuple[Place, Any
                 else:
                     yield Place(index, line), dict(zip(header, fields))
                 index += 1
-    except UnicodeDecodeError:
-        raise _not_utf8(path) from None
+    except UnicodeError:  # UnicodeDecodeError, or a UTF-16 codec's "does not start with BOM"
+        raise _not_utf8(path, encoding=encoding) from None
+    except file_formats.DAMAGED as error:
+        raise file_formats.damaged(path, max(line - 1, 0), error) from None
 
 
 def _parquet_rows(path: Path) -> list:
@@ -290,14 +430,26 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def _not_utf8(path: Path, rows: bool = False) -> WorkflowError:
-    """Where a file stops being UTF-8: the first line (1-based) holding a byte that does not decode.
-    ``rows``: the file's rows are lines (JSONL, CSV), so such a row could be rejected alone instead."""
+def _not_utf8(path: Path, rows: bool = False, encoding: str | None = None) -> WorkflowError:
+    """Where a file stops being text in its encoding: the first line (1-based, of the decompressed text) holding a
+    byte that does not decode or a NUL byte. A file in another encoding (a UTF-16 byte-order mark, NUL-interleaved
+    text) is named as such with the dataset's ``encoding`` setting as the fix, never reject_row: no row of it
+    would decode. ``rows``: the file's rows are lines (JSONL, CSV), so such a row could be rejected alone instead."""
+    sniffed = file_formats.sniff_encoding(path)
+    unset = encoding is None or codecs.lookup(encoding).name == "utf-8"
+    if sniffed and unset:
+        return WorkflowError(f"{path}: not UTF-8 text but {sniffed} (a byte-order mark or NUL bytes between the "
+                             f"characters); set the dataset's encoding: {sniffed}, or re-save the file as UTF-8")
+    if not unset:
+        return WorkflowError(f"{path}: not valid {encoding} text (the dataset's encoding); check the file's encoding")
     fix = "re-save the file as UTF-8" + (
         ", or set the dataset's on_invalid_text: reject_row to reject and count such rows" if rows else "")
     offset = 0
-    with open(path, "rb") as handle:  # split on b"\n" only: in UTF-8 that byte never sits inside a character
+    with file_formats.open_binary(path) as handle:  # split on b"\n" only: in UTF-8 that byte never sits inside a character
         for number, line in enumerate(handle, start=1):
+            if b"\x00" in line:
+                return WorkflowError(f"{path} line {number}: a NUL byte at byte offset {offset + line.index(0)} of the "
+                                     f"file, which no text holds; {fix}")
             try:
                 line.decode(TEXT_ENCODING if number == 1 else "utf-8")
             except UnicodeDecodeError as error:

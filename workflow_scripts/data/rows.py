@@ -15,6 +15,7 @@ string where other rows give lists (``answers_as_bare_string`` in the report).
 """
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from workflow_scripts.core.errors import ConfigError
@@ -73,6 +74,23 @@ def _answers(value: Any, name: str) -> list[str]:
     return [text(item, f"{name}[{index}]") for index, item in enumerate(value)]
 
 
+def csv_list(value: Any, name: str) -> Any:
+    """A CSV cell holding a list as JSON text (``["64"]``, what pandas and datasets write for a list column) ->
+    the list; any other value unchanged. A bracketed cell that is not valid JSON is rejected naming the column:
+    taken as text, ``'["64"]'`` would become the literal answer of every row."""
+    if not isinstance(value, str):
+        return value
+    stripped = value.strip()
+    if not (stripped.startswith("[") and stripped.endswith("]")):
+        return value
+    try:
+        parsed = json.loads(stripped)
+    except json.JSONDecodeError as error:
+        raise Rejected("wrong_type", name, f"holds {stripped[:60]!r}, a list written as text that is not valid JSON "
+                       f"({error.msg}); write the list as JSON, e.g. [\"a\", \"b\"], or one value without brackets") from None
+    return parsed
+
+
 def _record_id(value: Any, name: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise Rejected("wrong_type", name, f"an id must be a string or an integer, got {type(value).__name__}")
@@ -99,6 +117,7 @@ class RecordMapper:
         self.extra_kinds: dict[str, str] = {}
         self.unlabelled = frozenset(settings.unlabelled)
         self.gold_source = self.fields["answers"]  # the source field an unlabelled split must not hold
+        self.lists_as_text = settings.format == "csv"  # a CSV cell holds a list only as JSON text
         self.bare_string_ids: dict[str, set[str]] = {}  # split -> ids of rows whose answers were one string
         self.list_answers_seen = False
         available = {"id", "question", "answer"} | set(self.extra)
@@ -127,6 +146,10 @@ class RecordMapper:
             id_field = self.fields.get("id")
             record_id = _record_id(present(record, id_field), id_field) if id_field else f"{split}-{row}"
             extras = {name: self._extra(record, name, source) for name, source in self.extra.items()}
+            if self.lists_as_text:
+                record = {**record, **{source: csv_list(record[source], source) for source in
+                                       (self.fields["answers"], *((self.fields["question"],) if self.flatten else ()))
+                                       if source in record and not (source == self.fields["answers"] and not labelled)}}
             if self.flatten:
                 pairs = self._pairs(record, labelled)
             else:
@@ -264,6 +287,8 @@ class FieldsMapper:
             canonical.setdefault("id", f"{split}-{row}")
             if self.state is not None:
                 self.state.check(canonical, split)
+                if hasattr(self.state, "note_record"):
+                    self.state.note_record(record, canonical)
             yield canonical
         except Rejected as error:
             yield error
@@ -280,6 +305,10 @@ class FieldsMapper:
 
     def split_report(self, split: str, rows: list[dict]) -> dict[str, Any]:
         return {}
+
+    def notes(self) -> list[str]:
+        """Lines for the log on what the task learned (a classifier's label mapping)."""
+        return self.state.notes() if self.state is not None and hasattr(self.state, "notes") else []
 
     # Normalise's train/test overlap check (data/contamination.py): every field but the id and the gold.
     def contamination_fields(self, row: Mapping[str, Any]) -> list[str]:

@@ -8,6 +8,7 @@ dataset's ``hub dataset <id>@<revision> split <split>``.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,9 +34,9 @@ class SourceNames:
 
     def shown(self, path: str | Path) -> str:
         """``path`` as the user knows it (``path`` itself when it is not inside the copy)."""
-        try:
-            relative = Path(path).relative_to(self.copy_dir)
-        except ValueError:
+        relative = next((Path(path).relative_to(base) for base in self._copy_dirs() if Path(path).is_relative_to(base)),
+                        None)
+        if relative is None:
             return str(path)
         kind = self.source.type
         if relative.as_posix() in self.listed:
@@ -49,8 +50,14 @@ class SourceNames:
 
     def translate(self, message: str) -> str:
         """Every path inside the copy that ``message`` names, replaced by the user's name for it."""
-        pattern = r"(?<![\w./-])" + re.escape(str(self.copy_dir)) + _PATH_TAIL
+        copies = "|".join(re.escape(str(base)) for base in sorted(self._copy_dirs(), key=lambda p: -len(str(p))))
+        pattern = r"(?<![\w./-])(?:" + copies + ")" + _PATH_TAIL
         return re.sub(pattern, lambda match: self.shown(match.group(0)), message)
+
+    def _copy_dirs(self) -> list[Path]:
+        """The copy as given and as an absolute path (an image's path is made absolute where it is looked up)."""
+        absolute = Path(os.path.abspath(self.copy_dir))
+        return [self.copy_dir] if absolute == self.copy_dir else [absolute, self.copy_dir]
 
     def reraise(self, error: WorkflowError) -> WorkflowError:
         """``error`` with its message translated (same type, so a ConfigError stays one)."""

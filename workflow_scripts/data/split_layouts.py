@@ -27,7 +27,7 @@ from pathlib import Path
 
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.core.entry_settings import DatasetSettings
-from workflow_scripts.data import text_lines
+from workflow_scripts.data import file_formats
 
 IMAGEFOLDER = "imagefolder"
 IMAGEFOLDER_FORMATS = ("jsonl", "csv", "parquet")  # datasets' metadata files (json is not among them)
@@ -51,8 +51,8 @@ def handles(settings: DatasetSettings, split: str) -> bool:
 
 
 def suffixes(fmt: str) -> tuple[str, ...]:
-    """The file-name endings of a split file in format ``fmt`` (text: plain or gzipped lines)."""
-    return text_lines.SPLIT_SUFFIXES if fmt == text_lines.TEXT_FORMAT else (f".{fmt}",)
+    """The file-name endings of a split file in format ``fmt`` (a line format's also compressed: ``data/file_formats``)."""
+    return file_formats.suffixes(fmt)
 
 
 def metadata_file(folder: Path, fmt: str) -> Path:
@@ -77,7 +77,7 @@ def resolve(directory: Path, patterns: list[str], fmt: str) -> tuple[list[Path],
     names: dict[str, Path] = {}
     for path in found:
         if not path.name.endswith(suffixes(fmt)):
-            return [], f"{path} is not a {fmt} file (a {fmt} split file ends in {' or '.join(suffixes(fmt))})"
+            return [], f"{path} is not a {fmt} file (a {fmt} split file ends in {', '.join(suffixes(fmt))})"
         if path.name in names:
             return [], (f"{names[path.name]} and {path} have the same file name; a split's files are read in file-name "
                         "order, so rename one of them")
@@ -122,6 +122,12 @@ def check_layouts(name: str, settings: DatasetSettings, source: str | None = Non
                               f"metadata.parquet: set format to jsonl, csv or parquet, not {fmt}", source)
         for canonical, split in splits.items():
             metadata = metadata_file(directory / split, fmt)
+            several = sorted(path.name for path in (directory / split).glob(f"{METADATA}.*")
+                             if path.suffix[1:] in IMAGEFOLDER_FORMATS) if (directory / split).is_dir() else []
+            if len(several) > 1:  # as datasets' own image folder: one metadata file per split, none silently ignored
+                raise ConfigError(f"{key}.splits.{canonical}", f"{directory / split} holds {len(several)} metadata files "
+                                  f"{several}; an image folder's split has one (format {fmt} reads {metadata.name}): "
+                                  "merge them into one and remove the others", source)
             if not metadata.is_file():
                 holds = sorted(p.name for p in (directory / split).iterdir()) if (directory / split).is_dir() else None
                 where = f"the folder holds {holds}" if holds is not None else f"there is no folder {directory / split}"

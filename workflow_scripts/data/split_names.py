@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from workflow_scripts.core.entry_settings import DatasetSettings
 
 from workflow_scripts.core.errors import ConfigError
-from workflow_scripts.data import split_layouts, text_lines
+from workflow_scripts.data import file_formats, split_layouts, text_lines
 
 CANONICAL = ("train", "validation", "test")
 # Names sources commonly give each canonical split, most likely first.
@@ -27,9 +27,8 @@ SYNONYMS = {
     "validation": ("validation", "val", "valid", "dev", "development", "eval", "evaluation"),
     "test": ("test", "testing", "tst", "eval", "evaluation"),
 }
-# format -> the file suffixes of a split in it (text: plain or gzipped lines)
-SUFFIXES = {"jsonl": (".jsonl",), "json": (".json",), "csv": (".csv",), "parquet": (".parquet",),
-            text_lines.TEXT_FORMAT: text_lines.SPLIT_SUFFIXES}
+# format -> the file suffixes of a split in it (a line format's plain or compressed: data/file_formats)
+SUFFIXES = {fmt: file_formats.suffixes(fmt) for fmt in file_formats.PLAIN_SUFFIXES}
 
 
 def split_file_names(split: str, fmt: str) -> list[str]:
@@ -93,8 +92,12 @@ def _other_format(directory: Path, split: str, fmt: str, task: str = "generation
     for other, suffixes in SUFFIXES.items():
         for suffix in suffixes:
             name = split + suffix
-            if other == fmt or not (directory / name).is_file():
+            if other == fmt or not (directory / name).is_file() or (fmt, other) in (("text", "penman"), ("penman", "text")):
                 continue
+            if other == "penman" and task != "masked_lm":
+                return f"{name} is there: if it holds AMR graphs in PENMAN text, set format: penman"
+            if other == "penman":
+                continue  # a .txt file is text's too
             if (other == text_lines.TEXT_FORMAT) == (task == "masked_lm"):
                 return f"{name} is there: set format: {other}"
             if task == "masked_lm":
@@ -109,6 +112,17 @@ def available_splits(directory: Path, fmt: str) -> list[str]:
     """The split names of the files of format ``fmt`` in ``directory``."""
     names = [path.name for path in directory.iterdir() if path.is_file()]
     return sorted({name[: -len(suffix)] for name in names for suffix in SUFFIXES[fmt] if name.endswith(suffix)})
+
+
+def format_problem(settings: "DatasetSettings") -> str | None:
+    """Why the dataset's format cannot hold its task's records (plain text lines have no fields), or None."""
+    if settings.format == text_lines.TEXT_FORMAT and settings.task != "masked_lm":
+        return (f"format text (one example per line, no fields) is read by task masked_lm only, not {settings.task}; "
+                "for AMR graphs in PENMAN text (# ::id, # ::snt and a graph per block) set format: penman; other "
+                "records belong in jsonl, json, csv or parquet files")
+    if settings.format == "penman" and settings.task != "generation":
+        return f"format penman (AMR graphs) is read by task generation only, not {settings.task}"
+    return None
 
 
 def local_split_problem(directory: Path, settings: "DatasetSettings") -> tuple[str, str] | None:
@@ -131,6 +145,8 @@ def local_split_problem(directory: Path, settings: "DatasetSettings") -> tuple[s
 def check_local_splits(datasets: Mapping[str, "DatasetSettings"], source: str | None = None) -> None:
     """Refuse, when the workflow is parsed, a local source lacking the file of a mapped split."""
     for name, settings in datasets.items():
+        if format_problem(settings):
+            raise ConfigError(f"datasets.{name}.format", format_problem(settings), source)
         split_layouts.check_layouts(name, settings, source)
         if settings.source.type != "local":
             continue
@@ -141,3 +157,21 @@ def check_local_splits(datasets: Mapping[str, "DatasetSettings"], source: str | 
         problem = local_split_problem(directory, settings)
         if problem is not None:
             raise ConfigError(f"datasets.{name}.splits.{problem[0]}", problem[1], source)
+        problem = encoding_problem(settings, f"datasets.{name}")
+        if problem is not None:
+            raise ConfigError(f"datasets.{name}.encoding", problem, source)
+
+
+def encoding_problem(settings: "DatasetSettings", key: str) -> str | None:
+    """Every local split file that starts like another encoding (a UTF-16/32 mark, NUL-interleaved text) while the
+    dataset reads UTF-8, named in one message with the setting that reads them; None when there is none.
+    Only the first bytes of each file are read (``file_formats.sniff_encoding``), so this is cheap at parse time."""
+    import codecs
+
+    if settings.format not in file_formats.LINE_FORMATS or (
+            settings.encoding is not None and codecs.lookup(settings.encoding).name != "utf-8"):
+        return None
+    files = [str(path) for split in dict.fromkeys(settings.splits.values())
+             for path in split_layouts.local_files(settings, split) if path.is_file()]
+    found = {file: kind for file in files if (kind := file_formats.sniff_encoding(file))}
+    return file_formats.encoding_problem(files, found, key) if found else None

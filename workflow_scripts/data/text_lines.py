@@ -16,15 +16,20 @@ Rules:
   read, naming the file and the 1-based line (``file.txt line 17: ...``), rather than being replaced
   or skipped silently; with ``on_invalid_text: reject_row`` such a line is skipped and counted
   (``invalid_text``, the first lines named in ``invalid_text_lines``), as normalise rejects a bad row.
+- A line holding a NUL byte is never an example (no text holds one: it is another encoding read as UTF-8,
+  e.g. UTF-16): it stops the read, or under ``reject_row`` is counted as ``invalid_text``; normalise
+  first checks every file's start for another encoding (``data/file_formats.sniff_encoding``) and names them all.
+- Another encoding is read with the dataset's ``encoding:`` (a Python codec), lines split on ``\n`` only.
 - A damaged or cut-short gzip stream names the last line that decoded whole (found by decoding the
   file again in small steps: the buffered reader loses the lines of the read that failed).
 - A UTF-8 byte-order mark at the start of a file is removed (editors on Windows write one).
-- ``.gz`` files are recognised by their magic bytes, not by their name.
-- Ids are ``<file stem>-<line>`` (stem without ``.gz`` and the text suffix; line 1-based), stable as
+- ``.gz`` and ``.bz2`` files are recognised by their magic bytes, not by their name (``data/file_formats``).
+- Ids are ``<file stem>-<line>`` (stem without ``.gz``/``.bz2`` and the text suffix; line 1-based), stable as
   long as the file is; two input files with the same stem are refused (their ids would collide).
 """
 from __future__ import annotations
 
+import codecs
 import gzip
 import io
 import json
@@ -35,8 +40,9 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
 
 from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.data import file_formats
 
-GZIP_MAGIC = b"\x1f\x8b"
+GZIP_MAGIC = file_formats.GZIP_MAGIC
 BOM = "\ufeff"
 # Rows per Arrow record batch: ~2 MB of text per batch for 200-byte lines; the writer holds at most
 # this many rows in memory.
@@ -69,8 +75,8 @@ class LineCounts:
 def file_stem(path: str | os.PathLike) -> str:
     """``corpus/part-01.txt.gz`` -> ``part-01``: the name without ``.gz`` and its text suffix."""
     name = Path(path).name
-    if name.endswith(".gz"):
-        name = name[:-3]
+    for compressed in file_formats.COMPRESSIONS:
+        name = name.removesuffix(compressed)
     return Path(name).stem if "." in name else name
 
 
@@ -85,15 +91,26 @@ def check_unique_stems(paths: Iterable[str | os.PathLike]) -> None:
 
 
 def _open_bytes(path: Path):
-    try:
-        with open(path, "rb") as probe:
-            compressed = probe.read(2) == GZIP_MAGIC
-        # gzip's own line iteration reads in small steps; a 1 MiB buffer halves its cost.
-        return io.BufferedReader(gzip.open(path, "rb"), 1 << 20) if compressed else open(path, "rb")
-    except FileNotFoundError:
-        raise WorkflowError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise WorkflowError(f"{path}: is a directory, not a text file") from None
+    # gzip's and bz2's own line iteration reads in small steps; file_formats' 1 MiB buffer halves its cost.
+    return file_formats.open_binary(path)
+
+
+def _open_lines(path: Path, encoding: str | None):
+    """The file's lines: bytes (decoded line by line, so one bad line can be rejected alone) for UTF-8, else
+    text decoded by Python's codec for ``encoding`` (lines split on ``\\n`` only)."""
+    if encoding is None or codecs.lookup(encoding).name == "utf-8":
+        return _open_bytes(path)
+    return io.TextIOWrapper(_open_bytes(path), encoding=encoding, errors="strict", newline="\n")
+
+
+class SplitProblems(WorkflowError):
+    """Every split's problem (``problems``), raised once after all splits were read."""
+
+    def __init__(self, problems: list[str]):
+        text = problems[0] if len(problems) == 1 else " ".join(
+            f"({number}) {problem}" for number, problem in enumerate(problems, start=1))
+        super().__init__(text)
+        self.problems = problems
 
 
 ON_INVALID_TEXT = ("stop", "reject_row")  # the dataset's ``on_invalid_text``
@@ -123,7 +140,7 @@ def lines_before_damage(path: Path) -> int:
 
 
 def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = None,
-               on_invalid_text: str = "stop") -> Iterator[tuple[str, int, str]]:
+               on_invalid_text: str = "stop", encoding: str | None = None) -> Iterator[tuple[str, int, str]]:
     """``(file, line number (1-based), text)`` for every non-blank line of ``paths``, in order.
 
     Reads line by line (never a whole file); ``counts`` (optional) is filled as the stream advances.
@@ -141,12 +158,18 @@ def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = N
         number = kept = invalid = 0
         blank_lines: list[int] = []
         invalid_lines: list[int] = []
-        with _open_bytes(path) as handle:
+        with _open_lines(path, encoding) as handle:
             try:
                 for raw in handle:
                     number += 1
                     try:
-                        text = raw.rstrip(b"\n").removesuffix(b"\r").decode("utf-8")
+                        if isinstance(raw, str):
+                            text = raw.rstrip("\n").removesuffix("\r")
+                        else:
+                            text = raw.rstrip(b"\n").removesuffix(b"\r").decode("utf-8")
+                        if "\x00" in text:  # another encoding read as UTF-8 (UTF-16...): never an example
+                            raise UnicodeDecodeError("utf-8", raw if isinstance(raw, bytes) else b"", 0, 1,
+                                                     "a NUL byte, which no text holds (another encoding, e.g. UTF-16?)")
                     except UnicodeDecodeError as error:
                         if on_invalid_text == "stop":
                             raise _invalid_utf8(path, number, error) from None
@@ -162,7 +185,12 @@ def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = N
                         continue
                     kept += 1
                     yield str(path), number, text
-            except (EOFError, gzip.BadGzipFile, zlib.error) as error:
+            except UnicodeDecodeError as error:  # a codec's error mid-stream (encoding: set): no line to skip
+                raise WorkflowError(f"{path} line {number + 1}: not valid {encoding} text ({error.reason}); check the "
+                                    "dataset's encoding setting") from None
+            except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as error:
+                if file_formats.compression(path) != "gzip":
+                    raise file_formats.damaged(path, number, error) from None
                 whole = max(number, lines_before_damage(path))
                 raise WorkflowError(f"{path}: the gzip stream is damaged or cut short after line {whole}, the last line "
                                     f"read whole ({error}); download or compress the file again") from None
@@ -174,7 +202,7 @@ def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = N
 
 
 def _write_split(split: str, files: list[str], directory: Path, writer_batch_size: int,
-                 on_invalid_text: str = "stop") -> LineCounts:
+                 on_invalid_text: str = "stop", encoding: str | None = None) -> LineCounts:
     """Stream one split's lines into ``directory`` laid out as ``Dataset.save_to_disk`` lays it out
     (``data/arrow_split.SplitWriter``: shards of at most ``datasets.config.MAX_SHARD_SIZE``, ``state.json``,
     ``dataset_info.json``), so ``load_from_disk`` memory-maps it like any saved set.
@@ -202,7 +230,7 @@ def _write_split(split: str, files: list[str], directory: Path, writer_batch_siz
         texts.clear()
 
     try:
-        for path, number, text in iter_lines(files, counts, on_invalid_text):
+        for path, number, text in iter_lines(files, counts, on_invalid_text, encoding):
             ids.append(f"{stems[path]}-{number}")
             texts.append(text)
             if len(texts) >= writer_batch_size:
@@ -217,7 +245,7 @@ def _write_split(split: str, files: list[str], directory: Path, writer_batch_siz
 
 def write_normalised(splits: Mapping[str, Sequence[str | os.PathLike]], out_dir: str | os.PathLike,
                      *, writer_batch_size: int = WRITER_BATCH_ROWS, extra_json: Mapping[str, object] | None = None,
-                     on_invalid_text: str = "stop") -> dict:
+                     on_invalid_text: str = "stop", encoding: str | None = None) -> dict:
     """Write the normalised ``DatasetDict`` (columns ``id``, ``text``) of text files, split by split.
 
     ``splits`` maps a canonical split name (``train``, ``test``, ``validation``) to its files.
@@ -238,14 +266,21 @@ def write_normalised(splits: Mapping[str, Sequence[str | os.PathLike]], out_dir:
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     report: dict = {}
+    problems: list[str] = []
     with atomic_path(out_dir, directory=True) as out:
-        for split, files in splits.items():
+        for split, files in splits.items():  # every split is read, so one run names every failing one
             files = [str(p) for p in files]
-            counts = _write_split(split, files, out / split, writer_batch_size, on_invalid_text)
+            try:
+                counts = _write_split(split, files, out / split, writer_batch_size, on_invalid_text, encoding)
+            except WorkflowError as error:
+                problems.append(str(error))
+                continue
             counts.files = {name: counts.files[name] for name in files}  # input order
             report[split] = counts.as_report()
             if report[split]["kept"] == 0:
-                raise WorkflowError(f"text corpus split '{split}': no non-blank line in {files}")
+                problems.append(f"text corpus split '{split}': no non-blank line in {files}")
+        if problems:
+            raise SplitProblems(problems)
         (out / config.DATASETDICT_JSON_FILENAME).write_text(json.dumps({"splits": list(splits)}))
         for name, value in (extra_json or {}).items():
             Path(out, name).write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
@@ -254,7 +289,7 @@ def write_normalised(splits: Mapping[str, Sequence[str | os.PathLike]], out_dir:
 
 # Raw files of a split ------------------------------------------------------------------------------
 TEXT_FORMAT = "text"  # the dataset ``format`` of plain-text corpora
-SPLIT_SUFFIXES = (".txt", ".txt.gz")  # a split is ``<split>.txt`` or its gzip ``<split>.txt.gz``
+SPLIT_SUFFIXES = file_formats.suffixes(TEXT_FORMAT)  # ``<split>.txt``, or compressed ``<split>.txt.gz`` / ``.txt.bz2``
 
 
 def split_file(directory: str | os.PathLike, split: str) -> Path:
@@ -265,7 +300,7 @@ def split_file(directory: str | os.PathLike, split: str) -> Path:
     if not found:
         present = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
         raise WorkflowError(f"{directory / (split + '.txt')}: missing; split '{split}' needs <split>.txt or "
-                            f"<split>.txt.gz (the directory holds {present})")
+                            f"<split>.txt.gz / .txt.bz2 (the directory holds {present})")
     if len(found) > 1:
         raise WorkflowError(f"{directory}: both {found[0].name} and {found[1].name} exist for split '{split}'; keep one")
     return found[0]

@@ -1,9 +1,14 @@
 """Task type ``classification``: one class label per text (or text pair), a sequence-classification head.
 
 Canonical row: ``id`` (str), ``text`` (non-empty str), optional ``text_pair`` (non-empty str), ``label``
-(str: the class NAME; integer labels in the raw data become their decimal string). The label set is
-the dataset's ``labels:`` list when declared, else the train split's labels (:func:`label_set`); its
-order fixes the class ids. A validation/test row whose label is outside the set is rejected
+(str: the class NAME). The label set is the dataset's ``labels:`` list when declared, else the train split's
+labels (:func:`label_set`); its order fixes the class ids. Integer labels (an int, or a CSV's ``"1"``) with
+``labels:`` declared are class ids, mapped to the declared names by index as ``datasets.ClassLabel`` does (a
+declared name is matched first; an id outside 0..K-1 is rejected, ``unknown_label``), the mapping said in the
+report (``label_mapping``) and the log. Without ``labels:`` an integer label is its decimal string, and the log
+prints the inferred label set with its counts, flagging a class seen in fewer than :data:`RARE_CLASS_ROWS`
+train rows (a stray ``3`` among 0/1/2). A number that is not an integer (``1.0``, ``2.5``) is never a label:
+rejected (``wrong_type``), as a JSON float is, rather than becoming a class of its own. A validation/test row whose label is outside the set is rejected
 (``unknown_label``), never mapped to some id. A trained classifier keeps its label set as ``id2label`` in the
 ``config.json`` beside its weights; evaluated on another dataset, its head is built with that set, the
 other dataset's labels mapped by name (:meth:`ClassificationTask.trained_task_meta`).
@@ -23,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 from collections import Counter
 from pathlib import Path
@@ -41,6 +47,8 @@ if TYPE_CHECKING:
     from workflow_scripts.tasks.classification_loss import ClassificationLoss
 
 DEFAULT_INPUT = "{text}"
+RARE_CLASS_ROWS = 5  # a class with fewer train rows is flagged in the log and the report (rare_classes)
+_INTEGER = re.compile(r"^[+-]?\d+$")
 GOLD_FIELDS = ("label",)  # a template that shows the label would leak the answer
 
 
@@ -50,8 +58,39 @@ def _name(value: Any, source: str, what: str = "label") -> str:
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     if isinstance(value, str):
-        return _text(value, source)
+        name = _text(value, source)
+        if what == "label" and _is_fraction(name):
+            raise Rejected("wrong_type", source, f"label {name!r} is a number but not an integer class id (it would "
+                           "become a class of its own); write integer ids (0, 1, 2...) or class names")
+        if what == "label" and name.startswith("[") and name.endswith("]"):
+            raise Rejected("wrong_type", source, f"label {name[:60]!r} is a list written as text (JSON in a CSV "
+                           f"column?); column '{source}' must hold one class name or integer id per row")
+        return name
     raise Rejected("wrong_type", source, f"a {what} must be a string or an integer, got {type(value).__name__} {value!r:.60}")
+
+
+def _is_fraction(text: str) -> bool:
+    """``1.0``, ``2.5``, ``1e3``: a number that is not an integer (nan and inf are words here)."""
+    if _INTEGER.match(text):
+        return False
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+def declared_label(label: str, labels: Sequence[str], source: str = "label") -> tuple[str, bool]:
+    """(the class name, whether it was an integer id mapped by index): a declared name as it is, an integer
+    0..K-1 as the K declared names' one at that index (``datasets.ClassLabel``); else ``Rejected``."""
+    if label in labels:
+        return label, False
+    if _INTEGER.match(label):
+        index = int(label)
+        if 0 <= index < len(labels):
+            return labels[index], True
+        raise Rejected("unknown_label", source, f"label {label} is neither a declared name nor a class id 0..{len(labels) - 1} "
+                       f"of the declared labels {list(labels)} (integer labels are mapped by index)")
+    raise Rejected("unknown_label", source, f"label {label!r} is not in the label set {list(labels)}")
 
 
 def check_label(label: str, labels: Sequence[str], source: str = "label") -> str:
@@ -526,8 +565,8 @@ class ClassificationTask:
             row["label"] = None
             return row
         row["label"] = _name(_present(record, fields["label"]), fields["label"])
-        if settings.labels is not None:  # declared: every split, train included, must keep to it
-            check_label(row["label"], settings.labels, fields["label"])
+        if settings.labels is not None:  # declared: every split, train included, must keep to it (ids mapped by index)
+            row["label"], _ = declared_label(row["label"], settings.labels, fields["label"])
         return row
 
     def tokenised_features(self):
@@ -686,20 +725,57 @@ class LabelSetState:
         self.source = settings.fields["label"]
         self.labels: list[str] | None = list(self.declared) if self.declared is not None else None
         self.unlabelled = frozenset(settings.unlabelled)
+        self.mapped_rows = 0  # rows whose integer label was mapped to a declared name by index
+        self.train_counts: Counter = Counter()
 
     def check(self, row: Mapping[str, Any], split: str) -> None:
         if split != "train" and self.labels is not None and row["label"] is not None:  # None: an unlabelled split
             check_label(row["label"], self.labels, self.source)
 
+    def note_record(self, record: Mapping[str, Any], row: Mapping[str, Any]) -> None:
+        """Count a row whose raw label was an integer id mapped to a declared name by index."""
+        raw = record.get(self.source) if isinstance(record, Mapping) else None
+        if self.declared is not None and row.get("label") is not None and str(raw).strip() != row["label"]:
+            self.mapped_rows += 1
+
     def split_done(self, split: str, rows: list[dict]) -> None:
         if split == "train":
+            self.train_counts = Counter(row["label"] for row in rows if row["label"] is not None)
             self.labels = label_set([row["label"] for row in rows], self.declared)
 
     def task_meta(self) -> dict[str, Any]:
         return {"labels": self.labels}
 
+    def rare_classes(self) -> dict[str, int]:
+        return {name: count for name, count in self.train_counts.items() if count < RARE_CLASS_ROWS}
+
+    def notes(self) -> list[str]:
+        """The log's lines on the label set: the index mapping used, or the inferred set with counts and rare classes."""
+        lines = []
+        if self.declared is not None:
+            mapping = ", ".join(f"{index} -> {name}" for index, name in enumerate(self.declared))
+            how = (f"{self.mapped_rows} rows gave integer class ids, mapped to the declared labels by index "
+                   f"({mapping}), as datasets' ClassLabel does" if self.mapped_rows else "every row gave a declared name")
+            lines.append(f"labels: declared {list(self.declared)}; {how}")
+        elif self.labels is not None:
+            counts = ", ".join(f"{name}: {self.train_counts[name]}" for name in self.labels)
+            lines.append(f"labels: not declared, so inferred from the train split: {counts} (declare labels: to fix "
+                         "the set and its order)")
+        if self.declared is None and self.labels and all(_INTEGER.match(name) for name in self.labels) \
+                and sorted(int(name) for name in self.labels) != list(range(len(self.labels))):
+            lines.append(f"warning: the integer labels {self.labels} are not the class ids 0..{len(self.labels) - 1}: "
+                         "each is taken as a class name; if they are ids into a list of names, declare labels:")
+        rare = self.rare_classes()
+        if rare:
+            lines.append(f"warning: labels {sorted(rare, key=_label_order)} occur in fewer than {RARE_CLASS_ROWS} train "
+                         f"rows ({rare}); a stray value (a typo, an id out of range) becomes a class of its own: check "
+                         "them, or declare labels:")
+        return lines
+
     def report(self, rows_by_split: Mapping[str, list[dict]]) -> dict[str, Any]:
-        return {"labels": self.labels,
+        mapping = ({"label_mapping": {"by_index": dict(enumerate(self.declared)), "rows": self.mapped_rows}}
+                   if self.declared is not None else {})
+        return {"labels": self.labels, **mapping, "rare_classes": self.rare_classes(),
                 "class_balance": {split: class_balance([r["label"] for r in rows]) for split, rows in rows_by_split.items()
                                   if split not in self.unlabelled}}
 

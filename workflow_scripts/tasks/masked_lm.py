@@ -542,7 +542,7 @@ class MaskedLMTask:
         splits = dict(settings.splits)
         files = {canonical: text_lines.split_files(raw_dir, source) for canonical, source in splits.items()}
         counts = text_lines.write_normalised(files, out_dir, extra_json=extra_json,
-                                             on_invalid_text=settings.on_invalid_text)
+                                             on_invalid_text=settings.on_invalid_text, encoding=settings.encoding)
         return {
             "splits": {canonical: {"source_split": splits[canonical], **counts[canonical],
                                    "file": str(files[canonical][0] if len(files[canonical]) == 1
