@@ -287,6 +287,8 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("model", "sanity-modules-to-save-matches-nothing", gate({"--training": training(lora={"modules_to_save": ["lm_haed"]})}), "sanity", "training.lora.modules_to_save: 'lm_haed' matches no module of this model (closest: ['lm_head']); fix the name or remove it"),
         case("model", "sanity-model-missing", gate({"--model": "{tmp}/nowhere"}), "sanity", "{tmp}/nowhere: no config.json; run the prepare_model rule first"),
         case("model", "sanity-model-config-not-json", gate({"--model": "{model_copy}"}, plant=copy_model(replace={"config.json": b"{not json"})), "sanity", "{model_copy}/config.json: not valid JSON at line 1, column 2: Expecting property name enclosed in double quotes; " + REPREPARE),
+        # --- numbers (issue 36) ---
+        case("config", "two-level-bootstrap-with-one-seed", cfg("comparison.bootstrap", "seeds_and_examples", base=lambda: {**single_model_config(), "seeds": [1]}), "config", "{config}: config key 'comparison.bootstrap': 'seeds_and_examples' resamples seeds, which needs at least 2, but seeds is [1]; add seeds, or use 'examples' (or 'auto', which resamples seeds from 3 on)"),
     ]
 
 

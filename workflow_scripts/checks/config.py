@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from workflow_scripts.analysis import fairness
+from workflow_scripts.analysis import fairness, paired_bootstrap
 from workflow_scripts.checks.sections import check_dataset, check_model
 from workflow_scripts.core.config_files import deep_merge, read_config_file, validate_schema
 from workflow_scripts.core.errors import ConfigError, WorkflowError
@@ -92,6 +92,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
                                   "switch validation off for it with a variant's training override", source)
         _check_validation_metric(config, entry, training.validation, source)
     comparison = ComparisonSettings.parse(config["comparison"], "comparison", source)
+    _check_bootstrap_seeds(config, comparison, source)
     tasks_in_use = {dataset["task"] for dataset in config["datasets"].values()}
     for task_name in sorted(tasks_in_use):
         if not any(variant["task"] == task_name for variant in config["variants"].values()):
@@ -114,6 +115,15 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
     if config["evaluation"]["gpus"] > 1:  # evaluate decodes on cuda:0 alone; the rest would sit reserved
         raise ConfigError("evaluation.gpus", f"is {config['evaluation']['gpus']}, but evaluation runs on one GPU "
                           "(the others would be reserved and idle); set evaluation.gpus: 1 (or 0 for the CPU)", source)
+
+
+def _check_bootstrap_seeds(config: Mapping[str, Any], comparison: ComparisonSettings, source: str | None) -> None:
+    """comparison.bootstrap: seeds_and_examples resamples seeds, so it needs 2 or more: refused here rather than
+    by compare, the last job (every variant runs the config's seeds: the matrix crosses them)."""
+    if comparison.bootstrap == paired_bootstrap.SEEDS_AND_EXAMPLES and len(config["seeds"]) < 2:
+        raise ConfigError("comparison.bootstrap", f"'{paired_bootstrap.SEEDS_AND_EXAMPLES}' resamples seeds, which needs "
+                          f"at least 2, but seeds is {list(config['seeds'])}; add seeds, or use 'examples' (or 'auto', "
+                          f"which resamples seeds from {paired_bootstrap.AUTO_MIN_SEEDS} on)", source)
 
 
 def _check_validation_metric(config: Mapping[str, Any], entry: str, validation: "ValidationSettings",
