@@ -359,6 +359,8 @@ def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, compariso
             # Not a CSV column: the report's note on which base QLoRA adapters were scored on (eval.json).
             "qlora_base": " / ".join(sorted({by_variant[variant][s].summary.get("qlora_base") or "" for s in seeds}
                                             - {""})) or None,
+            # Nor this: which base the untrained model was scored on (evaluate_base of a QLoRA variant).
+            "untrained_qlora_base": None if base is None else base[variant].summary.get("qlora_base"),
         }
         if base is not None:  # the untrained model is one model for every seed: its values repeat per seed
             untrained = [np.asarray([base[variant].values[i] for i in ids])] * len(seeds)
@@ -494,7 +496,7 @@ def table_lines(rows: Sequence[Mapping[str, Any]], reference: str) -> list[str]:
         lines.append(
             f"| {row['model']} | {row['trained_on'] + ' | ' if crossed else ''}{row['dataset']} | {row['metric']} | {row['variant']} | {row['n_seeds']} | "
             f"{_cell(row['mean'])} ± {_cell(row['std'])} | [{_cell(row['ci_low'])}, {_cell(row['ci_high'])}] | "
-            f"{_cell(row['base_score'])} | {gain} | {delta} | {'—' if row['p_value'] is None else _cell(row['p_value'])} |"
+            f"{_cell(row['base_score'])}{untrained_note(row)} | {gain} | {delta} | {'—' if row['p_value'] is None else _cell(row['p_value'])} |"
         )
     return lines
 
@@ -521,17 +523,28 @@ def report_notes(runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], normali
     return lines
 
 
+def untrained_note(row: Mapping[str, Any]) -> str:
+    """After the untrained score in the table: the base a QLoRA variant's untrained model was scored on."""
+    return f" ({row['untrained_qlora_base']} base)" if row.get("untrained_qlora_base") else ""
+
+
 def qlora_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Which base the QLoRA adapters were scored on (evaluation.qlora_base), when any row has one."""
-    scored = {}
+    """Which base the QLoRA adapters, and their variants' untrained models, were scored on
+    (evaluation.qlora_base), when any row has one."""
+    scored, untrained = {}, {}
     for row in rows:
         if row.get("qlora_base"):
             scored.setdefault(row["qlora_base"], []).append(f"{row['dataset']}/{row['variant']}")
+        if row.get("untrained_qlora_base"):
+            untrained.setdefault(row["untrained_qlora_base"], []).append(f"{row['dataset']}/{row['variant']}")
     what = {"quantised": "the quantised base, as they were trained", "unquantised": "the unquantised base "
             "(not the model that was trained)"}
-    return [f"QLoRA adapters ({', '.join(dict.fromkeys(names))}) were scored on "
-            f"{what.get(base, base)} (evaluation.qlora_base: {base})." for base, names in scored.items()] + (
-        [""] if scored else [])
+    lines = [f"QLoRA adapters ({', '.join(dict.fromkeys(names))}) were scored on "
+             f"{what.get(base, base)} (evaluation.qlora_base: {base})." for base, names in scored.items()]
+    lines += [f"The untrained model of QLoRA variants ({', '.join(dict.fromkeys(names))}) was scored on the {base} "
+              "base, as their adapters were (evaluation.qlora_base), so the gain over untrained holds no "
+              "quantisation effect." for base, names in untrained.items()]
+    return lines + ([""] if lines else [])
 
 
 def write_csv(path: str, rows: Sequence[Mapping[str, Any]]) -> None:

@@ -146,6 +146,16 @@ class TrainingSettings:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
     # What follows from the settings -------------------------------------------------------------------
+    def quantization_record(self) -> dict[str, Any] | None:
+        """The bitsandbytes settings the base is loaded with (compute dtype resolved), or None when off: written
+        beside a QLoRA adapter (model/quantization.py), and given to the untrained model's evaluation of the
+        variant by the evaluate_base rule, so both load the same base."""
+        if self.quantization is None:
+            return None
+        return {"bits": self.quantization.bits, "type": self.quantization.type,
+                "double_quant": self.quantization.double_quant,
+                "compute_dtype": self.quantization.compute_dtype or self.precision}
+
     @property
     def world_size(self) -> int:
         """Processes in one training job: nodes x (GPUs per node, or CPU processes without GPUs)."""
