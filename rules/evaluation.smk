@@ -36,16 +36,6 @@ rule evaluate:
 
 
 # The untrained base model through the very same command: no adapter, seed "base".
-def untrained_base_argument(wildcards):
-    """evaluate_base's loading: '' (the base as it is), or for a QLoRA variant under evaluation.qlora_base:
-    quantised the bitsandbytes settings its adapters are scored on, so that 'gain over untrained' holds no
-    quantisation effect."""
-    record = training_settings(wildcards).quantization_record()
-    if record is None or EVALUATION.qlora_base != "quantised":
-        return ""
-    return f"--base-quantization {shlex.quote(as_json(record))}"
-
-
 use rule evaluate as evaluate_base with:
     input:
         data="results/data/{dataset}/normalised",
