@@ -37,12 +37,13 @@ def terms_per_step(settings) -> int:
     return settings.effective_batch * settings.max_length
 
 
-def assert_same_curve(ours: Sequence[float], theirs: Sequence[float], settings, first_step: int = 1) -> None:
-    """Per-step sums of non-negative terms (losses, gradient norms; step ``first_step`` first) equal up to the
-    reordering bound at each step."""
+def assert_same_curve(ours: Sequence[float], theirs: Sequence[float], settings,
+                      steps: Sequence[int] | None = None) -> None:
+    """Per-step sums of non-negative terms (losses, gradient norms; ``steps``: the optimizer step each value
+    follows, 1, 2, ... by default) equal up to the reordering bound at each step."""
     assert len(ours) == len(theirs), (ours, theirs)
     terms = terms_per_step(settings)
-    for step, (a, b) in enumerate(zip(ours, theirs), start=first_step):
+    for step, a, b in zip(steps or range(1, len(theirs) + 1), ours, theirs):
         assert abs(a - b) <= reordering_bound(terms, step) * abs(b), (step, a, b, reordering_bound(terms, step))
 
 
