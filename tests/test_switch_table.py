@@ -101,3 +101,30 @@ def test_fused_cross_entropy_under_fsdp_is_refused_by_the_stage_too():
     fused = dataclasses.replace(training, fused_cross_entropy=True)  # as parsed with gpus > 0 (CPU: refused sooner)
     with pytest.raises(WorkflowError, match=r"^training.strategy: fsdp does not support training.fused_cross_entropy"):
         fsdp.check_settings(fused, "generation")
+
+
+def test_the_cpu_switches_the_table_accepts_under_fsdp_train_as_one_process(tmp_path, tiny_model_dir,
+                                                                           tiny_tokenised_dir):
+    """The smallest real probe of what the table accepts under strategy fsdp and a CPU can run: two gloo ranks
+    (forked, tests/ranks.py) train 3 steps with packing, a token budget and activation offloading on, as one
+    process does (float32 reordering bound). Packing under fsdp failed in the first job before (issue 36: its leak
+    probe ran a forward on the meta-device model of rank 1). compile_layers under fsdp passed the same probe once
+    (2 min 52 s on 2 cores: too slow for the suite; test_kernels.py compiles on one process)."""
+    switches = {"packing": True, "micro_batch_tokens": 128, "activation_offloading": True, "gradient_checkpointing": True}
+    import torch
+
+    import ranks
+    from conftest import tiny_training_settings
+    from float_tolerance import assert_same_curve, assert_same_tensors
+    from test_train import adapter, log_rows, train_argv
+    from workflow_scripts import train
+
+    torch.set_num_threads(1)
+    one = tiny_training_settings(max_steps=3, micro_batch=2, checkpoint_every=100, **switches)
+    two = one.replace(strategy="fsdp", cpu_processes=2)
+    assert train.main(train_argv(tmp_path / "one", tiny_model_dir, tiny_tokenised_dir, one)) == 0
+    ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(tmp_path / "two", tiny_model_dir, tiny_tokenised_dir,
+                                                                  two), timeout=300))
+    losses = [r["loss"] for r in log_rows(tmp_path / "one")]
+    assert_same_curve([r["loss"] for r in log_rows(tmp_path / "two")], losses, one)
+    assert_same_tensors(adapter(tmp_path / "two"), adapter(tmp_path / "one"), one, steps=len(losses))

@@ -127,7 +127,12 @@ def build(model_dir, training: TrainingSettings, context: DistributedContext,
 
         if not hasattr(task, "packs"):
             raise WorkflowError(f"training.packing: task '{task.name}' does not pack examples. Fix: set training.packing: false")
-        ok, reason = packing_module.supports_packing(peft_model, training.max_length)
+        if training.sharded:  # the other ranks hold the model on the meta device until sharding: rank 0 probes
+            ok, reason = distributed.all_gather_objects(
+                packing_module.supports_packing(peft_model, training.max_length) if context.rank == 0 else None,
+                context)[0]
+        else:
+            ok, reason = packing_module.supports_packing(peft_model, training.max_length)
         if not ok:
             raise WorkflowError(f"training.packing: {reason}. Fix: set training.packing: false")
         packing = (training.max_length, base.config._attn_implementation)
