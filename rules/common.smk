@@ -92,6 +92,16 @@ def evaluation_json(wildcards):
     return as_json(evaluation.to_dict())
 
 
+def untrained_base_argument(wildcards):
+    """evaluate_base's loading: '' (the base as it is), or for a QLoRA variant under evaluation.qlora_base:
+    quantised the bitsandbytes settings its adapters are scored on, so that 'gain over untrained' holds no
+    quantisation effect."""
+    record = training_settings(wildcards).quantization_record()
+    if record is None or EVALUATION.qlora_base != "quantised":
+        return ""
+    return f"--base-quantization {shlex.quote(as_json(record))}"
+
+
 def mixture_json(wildcards):
     return as_json(MIXTURES[wildcards.dataset])
 

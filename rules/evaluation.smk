@@ -54,7 +54,8 @@ use rule evaluate as evaluate_base with:
         also_metrics=also_metrics_argument,
         evaluation=evaluation_json,
         trust_remote_code=trust_remote_code,
-        adapter="",
+        # no adapter; a QLoRA variant's untrained model loads its base as the variant's adapters are scored
+        adapter=untrained_base_argument,
         seed="base",
 
 

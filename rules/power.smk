@@ -21,7 +21,6 @@ rule power:
         bases=lambda w: " ".join(
             f"--base {shlex.quote(f'{v}=results/{w.model}/{w.dataset}/{v}/base')}" for v in power_variants(w)
         ),
-        seeds=len(config["seeds"]),
         # only the threshold: another bootstrap setting must not rerun the estimate
         comparison=as_json({"min_detectable_effect": COMPARISON.min_detectable_effect}),
     # The one-line estimate goes to the terminal as well as the log: it is read before training starts
@@ -29,5 +28,5 @@ rule power:
     # Snakemake's default strict-mode one).
     shell:
         "set -o pipefail; python -m workflow_scripts.power --model-name {wildcards.model:q} --dataset-name {wildcards.dataset:q}"
-        " {params.bases} --seeds {params.seeds} --comparison {params.comparison:q}"
+        " {params.bases} --comparison {params.comparison:q}"
         " --out-json {output.json:q} --out-markdown {output.markdown:q} 2>&1 | tee {log:q}"

@@ -508,3 +508,87 @@ def test_fairness_guard_refuses_masked_lm_variants_scored_on_different_tokens(tm
     accepted = {**COMPARISON, "intended_differences": ["training.max_length", "evaluation.eval_mask"]}
     rows, _ = run(tmp_path, root, experiments=experiments, with_base=False, comparison=accepted)
     assert len(rows) == 2
+
+
+# --- issue 36: macro-F1 rows and the range of each metric under the table ---
+LABEL_SET = ["food", "sport", "weather"]
+
+
+def write_classifier(root, variant, seed, pairs, labels=LABEL_SET):
+    """A classifier's evaluation scored with macro_f1: per-example (gold, predicted) pairs, the label set in
+    eval.json, as tasks/classification.score_predictions writes them."""
+    from workflow_scripts.tasks import classification
+
+    directory = write_experiment(root, "topics", variant, seed, [float(g == p) for g, p in pairs], metric="macro_f1")
+    records = [{"id": f"ex{index:03d}", "text": "t", "predicted": p, "gold": g, "score": int(g == p), "parsed": True}
+               for index, (g, p) in enumerate(pairs)]
+    (directory / "predictions.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    summary = json.loads((directory / "eval.json").read_text())
+    score = classification.macro_f1([g for g, _ in pairs], [p for _, p in pairs], labels)
+    (directory / "eval.json").write_text(json.dumps({**summary, "task": "classification", "score": score,
+                                                     "labels": labels, "n_unparseable": 0}))
+    return directory, score
+
+
+def classifier_pairs(rng, n, accuracy):
+    golds = rng.choice(LABEL_SET[:2] + LABEL_SET, size=n)  # 'weather' the rare class
+    return [(g, g if rng.random() < accuracy else rng.choice([x for x in LABEL_SET if x != g])) for g in golds]
+
+
+def test_macro_f1_runs_are_compared_by_resampling_gold_predicted_pairs(tmp_path):
+    """Issue 36: metric macro_f1 trained everything and only compare refused it. The rows now hold the seed
+    mean of eval.json's macro-F1, and every resample recomputes macro-F1 from the drawn (gold, predicted) pairs."""
+    rng = np.random.default_rng(7)
+    root = tmp_path / "results"
+    scores = {}
+    for variant, accuracy in (("baseline", 0.5), ("framed", 0.9)):
+        for seed in (1, 2):
+            scores[variant, seed] = write_classifier(root, variant, seed, classifier_pairs(rng, 40, accuracy))[1]
+    experiments = [["tiny", "topics", variant, seed] for variant in ("baseline", "framed") for seed in (1, 2)]
+    rows, text = run(tmp_path, root, experiments, with_base=False)
+    baseline, framed = rows
+    assert baseline["metric"] == "macro_f1" == framed["metric"]
+    assert float(framed["mean"]) == pytest.approx((scores["framed", 1] + scores["framed", 2]) / 2, abs=1e-6)
+    assert float(framed["difference"]) > 0 and float(framed["difference_ci_low"]) > 0
+    assert "| tiny | topics | macro_f1 | framed | 2 |" in text
+    assert "Ranges: macro_f1 [0, 1], higher is better." in text
+
+
+def test_bootstrap_recomputes_macro_f1_per_replicate():
+    """Each replicate's statistic is macro-F1 of the resampled pairs (classification.macro_f1), not a mean of
+    0/1 scores: the same draws as paired_bootstrap makes, scored by hand."""
+    from workflow_scripts.tasks import classification, metrics
+
+    rng = np.random.default_rng(3)
+    pairs = classifier_pairs(rng, 30, 0.6)
+    counts = np.asarray([metrics.class_counts(g, p, LABEL_SET) for g, p in pairs], dtype=float)
+    replicated = paired_bootstrap._replicates("macro_f1", [[counts]], 50, seed=11)[0]
+    draws = np.random.default_rng(11).integers(0, len(pairs), size=(50, len(pairs)))
+    expected = [classification.macro_f1([pairs[i][0] for i in row], [pairs[i][1] for i in row], LABEL_SET)
+                for row in draws]
+    assert replicated == pytest.approx(expected, abs=1e-12)
+    assert paired_bootstrap.seed_mean("macro_f1", [counts]) == pytest.approx(
+        classification.macro_f1([g for g, _ in pairs], [p for _, p in pairs], LABEL_SET), abs=1e-12)
+
+
+def test_macro_f1_runs_with_other_label_sets_are_refused(tmp_path):
+    rng = np.random.default_rng(5)
+    root = tmp_path / "results"
+    for variant in ("baseline", "framed"):
+        for seed in (1, 2):
+            pairs = classifier_pairs(rng, 20, 0.7)
+            labels = LABEL_SET + ["music"] if (variant, seed) == ("framed", 2) else LABEL_SET
+            write_classifier(root, variant, seed, pairs, labels)
+    experiments = [["tiny", "topics", variant, seed] for variant in ("baseline", "framed") for seed in (1, 2)]
+    with pytest.raises(WorkflowError, match=r"framed/seed2/eval.json: label set .* differs"):
+        run(tmp_path, root, experiments, with_base=False)
+
+
+def test_each_metric_range_is_stated_under_the_table(tmp_path, results):
+    """Issue 36: 'scores are in [0, 1]' was printed under every table, perplexity's and mlm_loss's included."""
+    from workflow_scripts.tasks import metrics
+
+    _, text = run(tmp_path, results)
+    assert "scores are in [0, 1]" not in text and "Ranges: exact_match [0, 1], higher is better." in text
+    assert metrics.score_range("perplexity") == "[1, ∞), lower is better"
+    assert metrics.score_range("mlm_loss") == "[0, ∞), lower is better"

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import ranks
+from float_tolerance import assert_same_curve, assert_same_tensors
 from conftest import build_tiny_tokenised, tiny_training_settings, training_json
 from test_train import REPO, adapter, log_rows, start_slow_argv, subprocess_env, train_argv, wait_for
 from workflow_scripts import sanity, train
@@ -81,14 +82,14 @@ def test_two_fsdp_processes_follow_the_one_process_loss_curve(one_process, fsdp_
     assert manifest["world_size"] == 2 and manifest["settings"]["strategy"] == "fsdp"
     assert manifest["gradient_accumulation"] == 2  # 8 rows = 2 ranks x 2 micro-batches x 2 rows
     one, two = [r["loss"] for r in log_rows(one_process)], [r["loss"] for r in log_rows(fsdp_two)]
-    assert len(one) == STEPS and two == pytest.approx(one, rel=1e-4)
+    assert len(one) == STEPS
+    assert_same_curve(two, one, settings("ddp", 1))  # float32 reordering bound (tests/float_tolerance.py)
     assert sum(one[-3:]) < sum(one[:3])  # it learns: not two flat curves
     grad_norms = [[r["grad_norm"] for r in log_rows(out)] for out in (one_process, fsdp_two)]
-    assert grad_norms[1] == pytest.approx(grad_norms[0], rel=1e-4)  # clipping saw the global norm
+    assert_same_curve(grad_norms[1], grad_norms[0], settings("ddp", 1))  # clipping saw the global norm
     ours, theirs = adapter(fsdp_two), adapter(one_process)
     assert set(ours) == set(theirs)
-    for name in ours:
-        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6)
+    assert_same_tensors(ours, theirs, settings("ddp", 1), steps=STEPS)
     assert not checkpointing.checkpoints(fsdp_two / "checkpoints")  # a finished run leaves nothing to resume
 
 
@@ -149,10 +150,8 @@ def test_fsdp_checkpoint_resumes_under_ddp_in_one_process(capsys, tiny_model_dir
     assert "resumed from" in capsys.readouterr().out
     assert json.loads((out / "run_manifest.json").read_text())["resumed_from_step"] == step
     # Adam's moments came back too: without them the first resumed update would be far off.
-    assert [r["loss"] for r in log_rows(out)] == pytest.approx([r["loss"] for r in log_rows(one_process)], rel=1e-4)
-    ours, theirs = adapter(out), adapter(one_process)
-    for name in theirs:
-        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6)
+    assert_same_curve([r["loss"] for r in log_rows(out)], [r["loss"] for r in log_rows(one_process)], settings("ddp", 1))
+    assert_same_tensors(adapter(out), adapter(one_process), settings("ddp", 1), steps=STEPS)
 
 
 def test_gate_passes_under_fsdp(tmp_path, tiny_model_dir, tiny_tokenised_dir):

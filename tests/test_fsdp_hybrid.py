@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import ranks
+from float_tolerance import assert_same_curve, assert_same_tensors
 from conftest import tiny_training_settings
 from test_fsdp import STEPS, CHECKPOINT_EVERY, one_process, settings  # noqa: F401 (one_process: a fixture)
 from test_train import REPO, adapter, log_rows, start_slow_argv, subprocess_env, train_argv, wait_for
@@ -81,14 +82,14 @@ def test_hybrid_run_follows_the_one_process_loss_curve(one_process, hybrid_run):
     manifest = json.loads((hybrid_run / "run_manifest.json").read_text())
     assert manifest["world_size"] == 4 and manifest["settings"]["nodes"] == 2
     one, four = [r["loss"] for r in log_rows(one_process)], [r["loss"] for r in log_rows(hybrid_run)]
-    assert len(one) == STEPS and four == pytest.approx(one, rel=1e-4)
+    assert len(one) == STEPS
+    assert_same_curve(four, one, hybrid_settings())  # float32 reordering bound (tests/float_tolerance.py)
     assert sum(one[-3:]) < sum(one[:3])
     grad_norms = [[r["grad_norm"] for r in log_rows(out)] for out in (one_process, hybrid_run)]
-    assert grad_norms[1] == pytest.approx(grad_norms[0], rel=1e-4)  # the norm over shards and replicas
+    assert_same_curve(grad_norms[1], grad_norms[0], hybrid_settings())  # the norm over shards and replicas
     ours, theirs = adapter(hybrid_run), adapter(one_process)
     assert set(ours) == set(theirs)
-    for name in ours:  # full tensors gathered from the 2-D mesh
-        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6)
+    assert_same_tensors(ours, theirs, hybrid_settings(), steps=STEPS)  # full tensors gathered from the 2-D mesh
 
 
 LOADING_CASES = [(None, 0.5), ("flat", 0.25)]  # (training.fsdp_mesh, each rank's share of the model)

@@ -9,22 +9,53 @@ import pytest
 
 from test_compare import COMPARISON, correct, results, run, write_experiment  # noqa: F401 (results is a fixture)
 from workflow_scripts import power as power_stage
-from workflow_scripts.analysis import power
+from workflow_scripts.analysis import paired_bootstrap, power
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.tasks import metrics
 
 
-def test_mde_is_millers_formula_with_seeds_as_replications():
-    # (z_0.975 + z_0.8) = 1.959964 + 0.841621; Miller (2024) eq. for a paired difference, n x seeds items.
+def test_mde_is_millers_formula_over_the_test_examples():
+    # (z_0.975 + z_0.8) = 1.959964 + 0.841621; Miller (2024) eq. for a paired difference over n examples.
     assert power.z_sum() == pytest.approx(2.801585, abs=1e-6)
-    assert power.minimum_detectable_effect(0.18, 72, 1) == pytest.approx(2.801585 * math.sqrt(0.18 / 72))
-    assert power.minimum_detectable_effect(0.18, 72, 1) == pytest.approx(0.14, abs=0.005)
-    assert power.minimum_detectable_effect(0.18, 72, 4) == pytest.approx(power.minimum_detectable_effect(0.18, 288, 1))
-    # and the fewest examples / seeds that reach a target are the formula solved for n and k
-    n = power.examples_needed(0.18, 1, 0.05)
-    assert power.minimum_detectable_effect(0.18, n, 1) <= 0.05 < power.minimum_detectable_effect(0.18, n - 1, 1)
-    k = power.seeds_needed(0.18, 72, 0.05)
-    assert power.minimum_detectable_effect(0.18, 72, k) <= 0.05 < power.minimum_detectable_effect(0.18, 72, k - 1)
+    assert power.minimum_detectable_effect(0.18, 72) == pytest.approx(2.801585 * math.sqrt(0.18 / 72))
+    assert power.minimum_detectable_effect(0.18, 72) == pytest.approx(0.14, abs=0.005)
+    # and the fewest examples that reach a target are the formula solved for n
+    n = power.examples_needed(0.18, 0.05)
+    assert power.minimum_detectable_effect(0.18, n) <= 0.05 < power.minimum_detectable_effect(0.18, n - 1)
+
+
+def shared_difficulty_design(rng, n_examples, n_seeds, delta, seed_flip=0.05):
+    """Two variants' 0/1 scores per (seed, example) where the examples' difficulty is shared across seeds:
+    each example has one latent outcome per variant (Bernoulli, the variants agreeing on 3 in 4 examples, so
+    rho = 1/2 and Var(a - b) = 1/4 at delta 0), and a seed flips it with a small probability."""
+    reference = rng.random(n_examples) < 0.5
+    agree = rng.random(n_examples) < 0.75
+    variant = np.where(agree, reference, ~reference)
+    if delta:  # a true difference: turn a share of the variant's failures into successes
+        failures = np.flatnonzero(~variant)
+        variant[rng.choice(failures, size=round(delta * n_examples), replace=False)] = True
+
+    def seeds(latent):
+        return [np.where(rng.random(n_examples) < seed_flip, ~latent, latent).astype(float) for _ in range(n_seeds)]
+
+    return seeds(variant), seeds(reference)
+
+
+def test_the_estimate_with_11_seeds_agrees_with_what_the_comparison_achieves():
+    """Issue 36: 72 examples and 11 seeds, the per-example difference shared across seeds. The old estimate
+    counted seeds as examples (±0.050, "11 seeds would fit 0.05"), while compare's two-level bootstrap achieved
+    ±0.14-0.15. The estimate is now the one-seed figure and agrees with the achieved MDE within 20 %."""
+    rng = np.random.default_rng(36)
+    n_examples, n_seeds = 72, 11
+    untrained = power.estimate("chart", "tiny", "exact_match", {"baseline": records([0.0] * n_examples)})
+    achieved = []
+    for _ in range(12):
+        variant, reference = shared_difficulty_design(rng, n_examples, n_seeds, delta=0.05)
+        difference = paired_bootstrap.paired_difference("exact_match", variant, reference, 1000, int(rng.integers(1 << 30)),
+                                                        paired_bootstrap.SEEDS_AND_EXAMPLES)
+        achieved.append(power.achieved_mde(difference.low, difference.high))
+    assert untrained.mde == pytest.approx(float(np.mean(achieved)), rel=0.2)
+    assert "only adds" in untrained.line() and "more seeds do not lower it" in untrained.line()
 
 
 def records(scores):
@@ -33,32 +64,34 @@ def records(scores):
 
 def test_estimate_uses_the_largest_base_variance_over_the_variants_prompts():
     estimate = power.estimate("chart", "tiny", "exact_match",
-                              {"baseline": records(correct(10)), "mtup": records(correct(2))}, n_seeds=1)
+                              {"baseline": records(correct(10)), "mtup": records(correct(2))})
     assert estimate.n_examples == 20 and estimate.variance_source == power.VARIANCE_FROM_BASE
     assert estimate.variance == pytest.approx(np.var(correct(10), ddof=1))
     assert estimate.mde == pytest.approx(power.z_sum() * math.sqrt(np.var(correct(10), ddof=1) / 20))
-    assert estimate.line() == ("chart (tiny, exact_match): with 20 test examples and 1 seed, a difference below "
-                               f"±{estimate.mde:.2f} will not be detectable (alpha 0.05, power 0.8)")
+    assert estimate.line() == (
+        f"chart (tiny, exact_match): with 20 test examples, a difference below ±{estimate.mde:.2f} will not be "
+        f"detectable (alpha 0.05, power 0.8; assumes a per-example difference variance of {estimate.variance:.3g} "
+        f"(the untrained model's); {power.ASSUMPTION})")
 
 
 def test_an_untrained_model_near_its_floor_takes_the_bound_not_its_own_small_spread():
     """The demo's untrained AMR model (micro F1 0.003) gave +-0.01 from its own spread, while the trained
     variants achieved +-0.12: a bounded score takes 1/4 (Var(a - b) <= 1/4 at rho >= 1/2) unless the
     untrained model's variance is larger."""
-    estimate = power.estimate("chart", "tiny", "exact_match", {"baseline": records(correct(1))}, n_seeds=1)
+    estimate = power.estimate("chart", "tiny", "exact_match", {"baseline": records(correct(1))})
     assert 0 < estimate.base_variance < 0.25
     assert estimate.variance == 0.25 and estimate.variance_source == power.VARIANCE_FROM_BOUND
     smatch = power.estimate("amr", "tiny", "smatch", {"baseline": [{"counts": [1 if i == 0 else 0, 8, 9]}
-                                                                  for i in range(72)]}, n_seeds=1)
+                                                                  for i in range(72)]})
     assert smatch.mde == pytest.approx(power.z_sum() * math.sqrt(0.25 / 72))
     assert smatch.mde > 0.16  # not the +-0.01 of the untrained model's own spread
 
 
 def test_an_untrained_model_wrong_everywhere_takes_the_bound_of_a_score_in_0_1():
-    estimate = power.estimate("chart", "tiny", "exact_match", {"baseline": records([0.0] * 72)}, n_seeds=1)
+    estimate = power.estimate("chart", "tiny", "exact_match", {"baseline": records([0.0] * 72)})
     assert estimate.variance == 0.25 and estimate.variance_source == power.VARIANCE_FROM_BOUND
     assert estimate.mde == pytest.approx(power.z_sum() * math.sqrt(0.25 / 72))
-    unbounded = power.estimate("corpus", "bert", "perplexity", {"a": [{"counts": [2.0, 1]}] * 5}, n_seeds=1)
+    unbounded = power.estimate("corpus", "bert", "perplexity", {"a": [{"counts": [2.0, 1]}] * 5})
     assert unbounded.mde is None and "cannot be estimated" in unbounded.line()
 
 
@@ -83,8 +116,8 @@ def base_dirs(root, per_variant, metric="exact_match"):
             for variant, scores in per_variant.items()]
 
 
-def stage_argv(tmp_path, bases, seeds=1, comparison=COMPARISON):
-    argv = ["--model-name", "tiny", "--dataset-name", "chart", "--seeds", str(seeds),
+def stage_argv(tmp_path, bases, comparison=COMPARISON):
+    argv = ["--model-name", "tiny", "--dataset-name", "chart",
             "--comparison", json.dumps(comparison), "--out-json", str(tmp_path / "out" / "power.json"),
             "--out-markdown", str(tmp_path / "out" / "power.md")]
     for base in bases:
@@ -94,11 +127,11 @@ def stage_argv(tmp_path, bases, seeds=1, comparison=COMPARISON):
 
 def test_stage_prints_the_line_and_writes_the_report(tmp_path, capsys):
     bases = base_dirs(tmp_path / "results", {"baseline": correct(10), "mtup": correct(3)})
-    assert power_stage.main(stage_argv(tmp_path, bases, seeds=3)) == 0
+    assert power_stage.main(stage_argv(tmp_path, bases)) == 0
     line = capsys.readouterr().out.strip()
-    assert line.startswith("chart (tiny, exact_match): with 20 test examples and 3 seeds, a difference below ±")
+    assert line.startswith("chart (tiny, exact_match): with 20 test examples, a difference below ±")
     report = json.loads((tmp_path / "out" / "power.json").read_text())
-    assert report["mde"] == pytest.approx(power.minimum_detectable_effect(np.var(correct(10), ddof=1), 20, 3))
+    assert report["mde"] == pytest.approx(power.minimum_detectable_effect(np.var(correct(10), ddof=1), 20))
     assert report["variance_source"] == power.VARIANCE_FROM_BASE and report["line"] == line
     assert "Miller 2024" in (tmp_path / "out" / "power.md").read_text()
 
@@ -111,8 +144,8 @@ def test_min_detectable_effect_stops_before_training_naming_what_would_fit(tmp_p
     variance = np.var(correct(10), ddof=1)
     message = str(caught.value)
     assert "dataset 'chart'" in message and "comparison.min_detectable_effect 0.1" in message
-    assert f"at least {power.examples_needed(variance, 1, 0.1)} test examples with 1 seed(s)" in message
-    assert f"or {power.seeds_needed(variance, 20, 0.1)} seeds with 20 test examples" in message
+    assert f"use at least {power.examples_needed(variance, 0.1)} test examples" in message
+    assert "more seeds are no substitute" in message and " seeds with " not in message
     assert not (tmp_path / "out").exists()  # no report: sanity (and training) cannot start
     # a threshold the design meets lets it through
     assert power_stage.main(stage_argv(tmp_path, bases, comparison={**comparison, "min_detectable_effect": 0.9})) == 0
@@ -168,6 +201,7 @@ def test_the_gate_waits_for_the_power_report_of_the_untrained_model(tmp_path, ev
         assert counts["power"] == 1 and counts["evaluate_base"] == 2 and counts["sanity"] == 1
         assert "--base baseline=results/tiny-llama/chartqa_demo/baseline/base" in output
         assert "--base mtup=results/tiny-llama/chartqa_demo/mtup/base" in output
+        assert "--seeds" not in output  # the estimate does not depend on the seed count: a new seed reruns nothing
     else:
         assert "power" not in counts and "evaluate_base" not in counts and counts["sanity"] == 1
 
@@ -186,3 +220,29 @@ def test_smatchpp_contributions_give_the_variance_of_its_micro_f1():
     draws = rng.integers(0, n, (4000, n))
     f1 = smatchpp_metric.micro_f1(counts[draws].sum(axis=1))
     assert np.var(contributions, ddof=1) / n == pytest.approx(np.var(f1), rel=0.1)
+
+
+def test_macro_f1_power_comes_from_the_class_counts_not_the_0_1_scores(tmp_path, capsys):
+    """Issue 36: the power stage printed a 'macro_f1' estimate computed from 0/1 accuracy. Its variance now
+    comes from the per-class counts of the untrained model's (gold, predicted) pairs, linearised like smatch's,
+    and its delta-method variance / n is the bootstrap variance of macro-F1."""
+    from test_compare import LABEL_SET, classifier_pairs, write_classifier
+    from workflow_scripts.tasks import classification
+
+    rng = np.random.default_rng(2)
+    pairs = classifier_pairs(rng, 400, 0.6)
+    counts = np.asarray([metrics.class_counts(g, p, LABEL_SET) for g, p in pairs], dtype=float)
+    contributions = power.example_contributions("macro_f1", [{"counts": row.tolist()} for row in counts])
+    draws = rng.integers(0, len(pairs), (3000, len(pairs)))
+    f1 = metrics.macro_f1_from_sums(counts[draws].sum(axis=1))
+    assert np.var(contributions, ddof=1) / len(pairs) == pytest.approx(np.var(f1), rel=0.1)
+    assert f1.mean() == pytest.approx(classification.macro_f1(*zip(*pairs), LABEL_SET), abs=5e-3)
+
+    root = tmp_path / "results"
+    directory, _ = write_classifier(root, "baseline", "base", pairs[:60])
+    assert power_stage.main(stage_argv(tmp_path, [f"baseline={directory}"])) == 0
+    report = json.loads((tmp_path / "out" / "power.json").read_text())
+    expected = power.example_contributions("macro_f1", [{"counts": row.tolist()} for row in counts[:60]])
+    assert report["metric"] == "macro_f1"
+    assert report["base_variance"] == pytest.approx(float(np.var(expected, ddof=1)))
+    assert report["base_variance"] != pytest.approx(float(np.var([float(g == p) for g, p in pairs[:60]], ddof=1)))

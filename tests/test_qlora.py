@@ -302,3 +302,62 @@ def test_evaluation_scores_a_qlora_adapter_on_its_quantised_base_by_default(trai
         assert loaded.base == {"qlora_base": "unquantised", "base_quantization": None}
         # Another model than the one trained: its loss is not the trained model's.
         assert abs(mean_loss(loaded.model) - trained_loss) > 1e-3
+
+
+def test_fp32_evaluation_computes_the_4bit_layers_in_fp32_and_records_it(trained, qlora_model_dir, tmp_path):
+    """Issue 36: under evaluation.dtype fp32 the 4-bit layers computed in the training's compute dtype (bf16)
+    while eval.json said float32. They now compute in the evaluation's dtype, on the same NF4 weights, and
+    base_quantization records the compute dtype used."""
+    import argparse
+    import shutil
+
+    import bitsandbytes as bnb
+
+    from workflow_scripts import evaluate
+    from workflow_scripts.model import tiny_model
+    from workflow_scripts.tasks import generation
+
+    setup, _, adapter, (batch, _) = trained
+    recorded, model_dir = tmp_path / "adapter", tmp_path / "model"
+    shutil.copytree(adapter, recorded)
+    quantization.write_adapter_record(recorded, qlora_settings(quantization={**QLORA, "compute_dtype": "bf16"}))
+    shutil.copytree(qlora_model_dir, model_dir)
+    tiny_model.train_tokenizer(iter(["qlora"]), 128).save_pretrained(str(model_dir))
+    args = argparse.Namespace(model=str(model_dir), adapter=str(recorded), trust_remote_code=False)
+    setup.peft_model.eval()
+    try:
+        with torch.no_grad():  # trained with fp32 compute: the same NF4 weights in fp32 give its loss
+            trained_loss = float(setup.peft_model(**{k: batch[k] for k in ("input_ids", "attention_mask", "labels")}).loss)
+    finally:
+        setup.peft_model.train()
+    with evaluate.loaded_model(args, generation.TASK, {}, 0, "test", compute_dtype="fp32") as loaded:
+        layers = [m for m in loaded.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+        assert len(layers) == 14 and {m.compute_dtype for m in layers} == {torch.float32}
+        facts = evaluate.model_facts(args, loaded)
+        assert facts["dtype"] == "float32" and facts["base_quantization"] == {**QLORA, "compute_dtype": "fp32"}
+        with torch.no_grad():
+            loss = float(loaded.model(**{k: batch[k] for k in ("input_ids", "attention_mask", "labels")}).loss)
+        assert loss == pytest.approx(trained_loss, abs=1e-5)
+
+
+def test_the_untrained_model_of_a_qlora_variant_is_scored_on_the_quantised_base(qlora_model_dir, tmp_path):
+    """Issue 36: evaluate_base scored a QLoRA variant's untrained model on the unquantised base, so 'gain over
+    untrained' held the effect of quantisation. With the variant's settings (--base-quantization, from the
+    rule) it loads quantised as the adapters are scored; evaluation.qlora_base: unquantised keeps it plain."""
+    import argparse
+    import shutil
+
+    from workflow_scripts import evaluate
+    from workflow_scripts.model import tiny_model
+    from workflow_scripts.tasks import generation
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(qlora_model_dir, model_dir)
+    tiny_model.train_tokenizer(iter(["qlora"]), 128).save_pretrained(str(model_dir))
+    args = argparse.Namespace(model=str(model_dir), adapter=None, trust_remote_code=False, base_quantization=QLORA)
+    with evaluate.loaded_model(args, generation.TASK, {}, 0, "test") as loaded:
+        assert len(quantization.quantized_modules(loaded.model)) == 14
+        assert loaded.base == {"qlora_base": "quantised", "base_quantization": QLORA}
+    with evaluate.loaded_model(args, generation.TASK, {}, 0, "test", qlora_base="unquantised") as loaded:
+        assert not quantization.quantized_modules(loaded.model)
+        assert loaded.base == {"qlora_base": "unquantised", "base_quantization": None}

@@ -2,6 +2,7 @@
 decision and the record train writes beside the adapter, without bitsandbytes. Loading the quantised base
 itself is in test_qlora.py (bitsandbytes on CPU) and, on a GPU, tests/test_gpu.py's runs."""
 import json
+import shlex
 
 import pytest
 import torch
@@ -65,3 +66,45 @@ def test_the_comparison_names_the_base_qlora_adapters_were_scored_on():
     assert qlora_lines(rows) == ["QLoRA adapters (d/qlora) were scored on the quantised base, as they were trained "
                                  "(evaluation.qlora_base: quantised).", ""]
     assert qlora_lines(rows[1:]) == []
+
+
+def test_the_table_names_the_base_a_qlora_variants_untrained_model_was_scored_on():
+    """Issue 36: the untrained model of a QLoRA variant is scored on the quantised base; the table says so
+    beside its score and under the table."""
+    from workflow_scripts.compare import table_lines
+
+    row = {"model": "tiny", "dataset": "d", "trained_on": "d", "metric": "exact_match", "variant": "qlora", "n_seeds": 1,
+           "mean": 0.5, "std": None, "ci_low": 0.4, "ci_high": 0.6, "base_score": 0.1, "gain_over_base": None,
+           "difference": None, "p_value": None, "qlora_base": "quantised", "untrained_qlora_base": "quantised"}
+    assert "| 0.1000 (quantised base) |" in table_lines([row], "baseline")[2]
+    assert ("The untrained model of QLoRA variants (d/qlora) was scored on the quantised base, as their adapters "
+            "were (evaluation.qlora_base), so the gain over untrained holds no quantisation effect.") in qlora_lines([row])
+    plain = {**row, "qlora_base": None, "untrained_qlora_base": None}
+    assert "| 0.1000 |" in table_lines([plain], "baseline")[2] and qlora_lines([plain]) == []
+
+
+@pytest.mark.parametrize("qlora_base", ["quantised", "unquantised"])
+def test_evaluate_base_of_a_qlora_variant_passes_its_quantisation(tmp_path, qlora_base):
+    """The rule gives evaluate_base the variant's bitsandbytes settings (a dry run), only for the QLoRA variant
+    and only under evaluation.qlora_base: quantised."""
+    from test_dag import absolute_demo_config, config_file
+    from test_dry_run_families import dry_run
+
+    config = absolute_demo_config(datasets=["chartqa_demo"])
+    config["evaluation"]["evaluate_base_model"] = True
+    config["evaluation"]["qlora_base"] = qlora_base
+    config["variants"]["mtup"].setdefault("training", {})["quantization"] = {"bits": 4}
+    config["comparison"]["intended_differences"] = ["training.quantization"]
+    code, output = dry_run(tmp_path, "-n", "-p", "--configfile", str(config_file(tmp_path, config)),
+                           "--replace-workflow-config", "--cores", "2",
+                           "results/tiny-llama/chartqa_demo/mtup/base/eval.json",
+                           "results/tiny-llama/chartqa_demo/baseline/base/eval.json")
+    assert code == 0, output
+    commands = [line for line in output.splitlines() if "workflow_scripts.evaluate" in line]
+    mtup, baseline = ([c for c in commands if "--variant-name mtup" in c], [c for c in commands if "--variant-name baseline" in c])
+    assert len(mtup) == 1 and len(baseline) == 1 and "--base-quantization" not in baseline[0]
+    assert ("--base-quantization" in mtup[0]) == (qlora_base == "quantised")
+    if qlora_base == "quantised":
+        words = shlex.split(mtup[0].removeprefix("Shell command: ").split(" > ")[0])
+        given = json.loads(words[words.index("--base-quantization") + 1])
+        assert given == {"bits": 4, "type": "nf4", "double_quant": True, "compute_dtype": config["training"]["precision"]}

@@ -295,6 +295,48 @@ def test_class_weighted_step_loss_is_torchs_weighted_mean(llama_tokenizer):
     assert collate(llama_tokenizer, rows[:3])["target_tokens"] == 3  # unweighted: the row count
 
 
+@pytest.mark.parametrize("weights, label", [([0.1, 0.1, 0.1], None), ([0.02, 1.0, 1.0], "food")],
+                         ids=["uniform-0.1", "down-weighted-majority"])
+def test_a_step_whose_class_weights_sum_below_one_is_torchs_weighted_mean(llama_tokenizer, tmp_path, weights, label):
+    """Issue 36: train and sanity clamped the step's denominator at 1, so a class-weighted step whose summed
+    weight is below 1 (uniform 0.1; an all-majority step of a down-weighted class) was scaled down against
+    torch's CrossEntropyLoss(weight=w). training_setup.step_loss_scale divides by the sum (1 only for exactly 0),
+    on one process and on two gloo ranks, each with half of the step."""
+    import ranks
+    from workflow_scripts.training import distributed, training_setup
+
+    model = tiny_llama(llama_tokenizer).eval()
+    rows = [row for row in demo_rows() if label is None or row["label"] == label][:6]
+    variant = typed({"input": "{text}", "class_weights": dict(zip(LABELS, weights))})
+    micro_batches = [collate(llama_tokenizer, rows[:3], variant), collate(llama_tokenizer, rows[3:], variant)]
+    summed = sum(b["target_tokens"] for b in micro_batches)
+    assert 0 < summed < 1
+    loss_module = TASK.loss_module(model)
+    with torch.no_grad():
+        logits = torch.cat([classification_loss.pooled_logits(model, b) for b in micro_batches])
+        reference = float(F.cross_entropy(logits, torch.cat([b["labels"] for b in micro_batches]),
+                                          weight=torch.tensor(weights)))
+        one_process = distributed.DistributedContext(0, 0, 1, 1, torch.device("cpu"), None)
+        scale = training_setup.step_loss_scale(summed, one_process)
+        assert float(sum(loss_module(b) for b in micro_batches) * scale) == pytest.approx(reference, rel=1e-5)
+    assert training_setup.step_loss_scale(0, one_process) == 1.0  # nothing to score: a zero loss, not a NaN
+
+    def rank_half():  # micro_step's share of the step on each rank, summed as train's log sums it
+        context = distributed.setup(use_cuda=False)
+        try:
+            batch = micro_batches[context.rank]
+            with torch.no_grad():
+                share = loss_module(batch) * training_setup.step_loss_scale(batch["target_tokens"], context)
+                total = distributed.all_reduce_sum((share / context.world_size).reshape(1), context)
+            (tmp_path / f"rank{context.rank}").write_text(repr(float(total)))
+        finally:
+            distributed.teardown(context)
+
+    ranks.assert_succeeded(ranks.run(rank_half, timeout=120))
+    for rank in (0, 1):
+        assert float((tmp_path / f"rank{rank}").read_text()) == pytest.approx(reference, rel=1e-5)
+
+
 def test_loss_module_works_under_ddp(llama_tokenizer):
     import socket
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import ranks
+from float_tolerance import assert_same_curve, assert_same_tensors
 from conftest import tiny_training_settings
 from test_task_gates import CLASSIFIER_MAX_LENGTH, build_classification_data, build_masked_lm_data
 from test_train import adapter, log_rows, start_slow, train_argv, wait_for
@@ -79,12 +80,12 @@ def two_processes(task_data, tmp_path_factory):
 def test_one_and_two_processes_follow_the_same_loss_curve(task_data, one_process, two_processes):
     task = task_data[0]
     one, two = [r["loss"] for r in log_rows(one_process)], [r["loss"] for r in log_rows(two_processes)]
-    assert len(one) == STEPS and one == pytest.approx(two, rel=1e-5, abs=1e-6)
+    assert len(one) == STEPS
+    assert_same_curve(two, one, settings_for(task, 1))  # float32 reordering bound (tests/float_tolerance.py)
     assert sum(one[-3:]) < sum(one[:3])  # it learns: not a comparison of two flat curves
     ours, theirs = adapter(one_process), adapter(two_processes)
     assert set(ours) == set(theirs) and any(HEADS[task] in name for name in ours)  # the trained head is saved
-    for name in ours:
-        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6)
+    assert_same_tensors(theirs, ours, settings_for(task, 1), steps=STEPS)
 
 
 def test_killed_run_resumes_to_identical_adapter(tmp_path, capsys, task_data, one_process):

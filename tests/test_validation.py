@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 import ranks
+from float_tolerance import assert_same_curve
 from conftest import build_tiny_tokenised, tiny_training_settings, training_json
 from test_train import adapter, finish, log_rows, start_slow, train_argv, wait_for
 from workflow_scripts import sanity, train
@@ -64,7 +65,7 @@ def test_validation_loss_is_logged_and_the_same_on_one_and_two_processes(tmp_pat
         losses.append([r["validation_loss"] for r in rows if "validation_loss" in r])
         recorded = manifest(out)["validation"]
         assert recorded["adapter_kept"] == "final" and [s for s, _ in recorded["validation_losses"]] == [3, 6, 8]
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert_same_curve(losses[1], losses[0], settings, steps=[3, 6, 8])  # float32 reordering bound
     assert losses[0][-1] < losses[0][0]  # the model learns what the validation rows ask too
 
 
@@ -171,4 +172,5 @@ def test_two_processes_with_fewer_validation_batches_than_ranks_finish_with_the_
                             f"of step)\n{hung}")
             assert job.returncode == 0, job.outputs()
         losses.append([r["validation_loss"] for r in log_rows(out) if "validation_loss" in r])
-    assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert len(losses[0]) == 2
+    assert_same_curve(losses[1], losses[0], settings, steps=[2, 4])  # float32 reordering bound (tests/float_tolerance.py)

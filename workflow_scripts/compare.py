@@ -111,10 +111,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def read_predictions(path: Path, metric: str, also: bool = False) -> dict[str, Any]:
+def read_predictions(path: Path, metric: str, also: bool = False, labels: Sequence[str] = ()) -> dict[str, Any]:
     """id -> per-example score, or the record's ``counts`` for a ratio-of-sums metric (metrics.COUNTS_WIDTH:
-    smatch's (match, test, gold) triples; a masked-LM metric's (numerator, masked tokens)); ``also``: the
-    values of ``metric`` under the record's ``also_scores`` (a dataset's also_metrics)."""
+    smatch's (match, test, gold) triples; a masked-LM metric's (numerator, masked tokens)), or for macro-F1
+    the per-class counts of the record's (gold, predicted) pair over ``labels`` (metrics.class_counts);
+    ``also``: the values of ``metric`` under the record's ``also_scores`` (a dataset's also_metrics)."""
     values: dict[str, Any] = {}
     prefix = f"{also_metrics.FIELD}.{metric}." if also else ""
     for number, record in read_jsonl(path):
@@ -127,7 +128,13 @@ def read_predictions(path: Path, metric: str, also: bool = False) -> dict[str, A
         if example_id in values:
             raise WorkflowError(f"{path} line {number}: duplicate id {example_id!r}")
         width = metrics.counts_width(metric)
-        if metric in metrics.GRAPH_METRICS:
+        if metric in metrics.CLASS_COUNT_METRICS:
+            gold, predicted = row.get("gold"), row.get("predicted")
+            if not (isinstance(gold, str) and gold in labels and isinstance(predicted, str) and predicted in labels):
+                raise WorkflowError(f"{path} line {number}: fields 'gold' and 'predicted' must be labels of eval.json's "
+                                    f"'labels' {list(labels)}; rerun evaluate")
+            values[example_id] = metrics.class_counts(gold, predicted, labels)
+        elif metric in metrics.GRAPH_METRICS:
             counts = row.get("counts")
             if not (isinstance(counts, list) and len(counts) == width and all(isinstance(c, int) and c >= 0 for c in counts)):
                 raise WorkflowError(f"{path} line {number}: field '{prefix}counts' must be {width} triple counts "
@@ -195,9 +202,31 @@ def read_evaluation(directory: Path, model: str, dataset: str, variant: str, see
     """eval.json and its per-example values, checked against each other and against the path."""
     summary = read_json(directory / "eval.json")
     check_summary(summary, directory / "eval.json", model, dataset, variant, seed)
-    values = read_predictions(directory / "predictions.jsonl", summary["metric"])
+    values = read_predictions(directory / "predictions.jsonl", summary["metric"], labels=label_set(summary, directory))
     check_recomputed(directory, summary, values)
     return summary, values
+
+
+def label_set(summary: Mapping[str, Any], directory: Path) -> list[str]:
+    """A classifier's label set, sorted so that every run's class counts line up ([] for other metrics)."""
+    if summary["metric"] not in metrics.CLASS_COUNT_METRICS:
+        return []
+    labels = summary.get("labels")
+    if not (isinstance(labels, list) and labels and all(isinstance(label, str) for label in labels)
+            and len(set(labels)) == len(labels)):
+        raise WorkflowError(f"{directory / 'eval.json'}: field 'labels' (the label set macro-F1 averages over) is "
+                            "missing or not a list of distinct names; rerun evaluate")
+    return sorted(labels)
+
+
+def check_same_labels(directories: Sequence[Path], summaries: Sequence[Mapping[str, Any]]) -> None:
+    """macro-F1 runs of one dataset must average over one label set, or their class counts would not pair."""
+    first = sorted(summaries[0].get("labels") or [])
+    for directory, summary in zip(directories, summaries):
+        if sorted(summary.get("labels") or []) != first:
+            raise WorkflowError(f"{directory / 'eval.json'}: label set {sorted(summary.get('labels') or [])} differs "
+                                f"from {directories[0] / 'eval.json'}'s {first}; macro-F1 is compared over one label "
+                                "set: rerun evaluate")
 
 
 def check_recomputed(directory: Path, summary: Mapping[str, Any], values: Mapping[str, Any], where: str = "") -> None:
@@ -205,7 +234,7 @@ def check_recomputed(directory: Path, summary: Mapping[str, Any], values: Mappin
     if len(values) != summary["n_examples"]:
         raise WorkflowError(f"{directory / 'predictions.jsonl'}: {len(values)} rows, but eval.json says n_examples={summary['n_examples']}")
     recomputed = metrics.corpus_score(summary["metric"], [
-        metrics.ExampleScore(0.0, tuple(v)) if metrics.counts_width(summary["metric"]) else metrics.ExampleScore(v)
+        metrics.ExampleScore(0.0, tuple(v)) if metrics.summed_counts(summary["metric"]) else metrics.ExampleScore(v)
         for v in values.values()
     ])
     if not math.isclose(recomputed, summary["score"], abs_tol=1e-9):
@@ -286,6 +315,9 @@ def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, compariso
         raise WorkflowError(f"dataset '{dataset}': runs were scored with different metrics {sorted(metric_names)}")
     metric = metric_names.pop()
     ids = aligned_ids(runs)
+    if metric in metrics.CLASS_COUNT_METRICS:
+        check_same_labels([run.directory for run in runs] + [run.directory for run in (base or {}).values()],
+                          [run.summary for run in runs] + [run.summary for run in (base or {}).values()])
     if base is not None:
         for variant, base_run in base.items():
             if set(base_run.values) != set(ids):
@@ -327,6 +359,8 @@ def compare_dataset(dataset: str, runs: Sequence[Run], reference: str, compariso
             # Not a CSV column: the report's note on which base QLoRA adapters were scored on (eval.json).
             "qlora_base": " / ".join(sorted({by_variant[variant][s].summary.get("qlora_base") or "" for s in seeds}
                                             - {""})) or None,
+            # Nor this: which base the untrained model was scored on (evaluate_base of a QLoRA variant).
+            "untrained_qlora_base": None if base is None else base[variant].summary.get("qlora_base"),
         }
         if base is not None:  # the untrained model is one model for every seed: its values repeat per seed
             untrained = [np.asarray([base[variant].values[i] for i in ids])] * len(seeds)
@@ -347,6 +381,7 @@ class BaseRun:
     directory: Path
     score: float
     values: dict[str, Any] = field(repr=False)
+    summary: dict = field(default_factory=dict, repr=False)
 
 
 def read_base_runs(results_dir: Path, model: str, dataset: str, variants: Sequence[str], metric: str) -> dict[str, BaseRun]:
@@ -357,7 +392,7 @@ def read_base_runs(results_dir: Path, model: str, dataset: str, variants: Sequen
         if summary["metric"] != metric:
             raise WorkflowError(f"{directory / 'eval.json'}: metric '{summary['metric']}' differs from the trained "
                                 f"runs' '{metric}'")
-        runs[variant] = BaseRun(directory, float(summary["score"]), values)
+        runs[variant] = BaseRun(directory, float(summary["score"]), values, summary)
     return runs
 
 
@@ -422,8 +457,10 @@ def markdown(rows: Sequence[Mapping[str, Any]], comparison: ComparisonSettings, 
     intended = comparison.intended_differences
     modes = dict.fromkeys(row["bootstrap"] for row in rows)
     lines += ["", *bootstrap_lines(rows, comparison), "", *(line + "\n" for line in power.achieved_lines(rows))]
+    ranges = "; ".join(f"{metric} {metrics.score_range(metric)}"
+                       for metric in dict.fromkeys(row["metric"] for row in [*rows, *also_rows]))
     lines += [
-        "Mean and sample standard deviation over seeds; scores are in [0, 1]. "
+        f"Mean and sample standard deviation over seeds. Ranges: {ranges}. "
         + " ".join(_method(mode, reference, comparison) for mode in modes)
         + " Gain over untrained: the same paired bootstrap against the untrained base model's predictions with "
         "the variant's own prompt (one model, repeated for every seed)."
@@ -459,7 +496,7 @@ def table_lines(rows: Sequence[Mapping[str, Any]], reference: str) -> list[str]:
         lines.append(
             f"| {row['model']} | {row['trained_on'] + ' | ' if crossed else ''}{row['dataset']} | {row['metric']} | {row['variant']} | {row['n_seeds']} | "
             f"{_cell(row['mean'])} ± {_cell(row['std'])} | [{_cell(row['ci_low'])}, {_cell(row['ci_high'])}] | "
-            f"{_cell(row['base_score'])} | {gain} | {delta} | {'—' if row['p_value'] is None else _cell(row['p_value'])} |"
+            f"{_cell(row['base_score'])}{untrained_note(row)} | {gain} | {delta} | {'—' if row['p_value'] is None else _cell(row['p_value'])} |"
         )
     return lines
 
@@ -486,17 +523,28 @@ def report_notes(runs: Sequence[Run], rows: Sequence[Mapping[str, Any]], normali
     return lines
 
 
+def untrained_note(row: Mapping[str, Any]) -> str:
+    """After the untrained score in the table: the base a QLoRA variant's untrained model was scored on."""
+    return f" ({row['untrained_qlora_base']} base)" if row.get("untrained_qlora_base") else ""
+
+
 def qlora_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Which base the QLoRA adapters were scored on (evaluation.qlora_base), when any row has one."""
-    scored = {}
+    """Which base the QLoRA adapters, and their variants' untrained models, were scored on
+    (evaluation.qlora_base), when any row has one."""
+    scored, untrained = {}, {}
     for row in rows:
         if row.get("qlora_base"):
             scored.setdefault(row["qlora_base"], []).append(f"{row['dataset']}/{row['variant']}")
+        if row.get("untrained_qlora_base"):
+            untrained.setdefault(row["untrained_qlora_base"], []).append(f"{row['dataset']}/{row['variant']}")
     what = {"quantised": "the quantised base, as they were trained", "unquantised": "the unquantised base "
             "(not the model that was trained)"}
-    return [f"QLoRA adapters ({', '.join(dict.fromkeys(names))}) were scored on "
-            f"{what.get(base, base)} (evaluation.qlora_base: {base})." for base, names in scored.items()] + (
-        [""] if scored else [])
+    lines = [f"QLoRA adapters ({', '.join(dict.fromkeys(names))}) were scored on "
+             f"{what.get(base, base)} (evaluation.qlora_base: {base})." for base, names in scored.items()]
+    lines += [f"The untrained model of QLoRA variants ({', '.join(dict.fromkeys(names))}) was scored on the {base} "
+              "base, as their adapters were (evaluation.qlora_base), so the gain over untrained holds no "
+              "quantisation effect." for base, names in untrained.items()]
+    return lines + ([""] if lines else [])
 
 
 def write_csv(path: str, rows: Sequence[Mapping[str, Any]]) -> None:

@@ -26,7 +26,7 @@ from workflow_scripts.core.atomic_output import write_json, write_jsonl
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.core.run_manifest import build_manifest
 from workflow_scripts.core.section_settings import EvaluationSettings
-from workflow_scripts.core.stage_arguments import StageArgumentParser
+from workflow_scripts.core.stage_arguments import StageArgumentParser, json_setting
 from workflow_scripts.tasks.templates import check_row_templates
 
 
@@ -50,6 +50,10 @@ def add_prediction_arguments(parser: argparse.ArgumentParser, verb: str, record:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = StageArgumentParser(description=__doc__.splitlines()[0])
     add_prediction_arguments(parser, "evaluate", "eval.json")
+    parser.add_argument("--base-quantization", type=lambda text: json_setting(text, "--base-quantization"),
+                        help="without --adapter: the bitsandbytes settings (JSON, as base_quantization.json beside a "
+                        "QLoRA adapter) that the variant's adapters are scored with, so that its untrained model is "
+                        "scored the same way (evaluation.qlora_base: quantised)")
     parser.add_argument("--also-metrics", default="[]", help="JSON list of further metrics scored on the same "
                         "predictions (the dataset's also_metrics)")
     parser.add_argument("--predictions-out", required=True)
@@ -113,7 +117,8 @@ def loaded_model(args: argparse.Namespace, task, task_meta: Mapping[str, Any], g
         bf16 = compute_dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
         dtype = torch.bfloat16 if bf16 else torch.float32
         tokenizer = model_loading.load_tokenizer(args.model, args.trust_remote_code)
-        quantised, base = quantization.evaluation_base(args.adapter, qlora_base, device)
+        quantised, base = quantization.evaluation_base(args.adapter, qlora_base, device, dtype,
+                                                       getattr(args, "base_quantization", None))
         model = model_loading.load_with_adapter(args.model, args.adapter, device, dtype, args.trust_remote_code,
                                                 task.auto_model_class, {**task.model_kwargs(task_meta), **quantised})
         task.prepare_model(model, tokenizer.pad_token_id, task_meta)
@@ -153,8 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"(choose from {list(task.metrics)})")
     extra_metrics = also_metrics.parse_argument(args.also_metrics, args.task, task.metrics, args.metric)
     evaluation = EvaluationSettings.from_json(args.evaluation)
-    quantization.leave_out_bitsandbytes("workflow_scripts.evaluate",
-                                        quantization.evaluation_quantises(args.adapter, evaluation.qlora_base))
+    quantization.leave_out_bitsandbytes("workflow_scripts.evaluate", quantization.evaluation_quantises(
+        args.adapter, evaluation.qlora_base, args.base_quantization))
     seed = parse_seed(args.seed)
 
     rows = load_rows(args.data, evaluation.split, evaluation.max_examples)

@@ -1,13 +1,14 @@
 """The ``power`` stage: the minimum detectable effect of one dataset's comparison, before any training.
 
-    python -m workflow_scripts.power --model-name M --dataset-name D --base VARIANT=DIR [...] --seeds K
+    python -m workflow_scripts.power --model-name M --dataset-name D --base VARIANT=DIR [...]
         --comparison JSON --out-json FILE --out-markdown FILE
 
 Reads the untrained model's evaluation (``DIR/eval.json``, ``DIR/predictions.jsonl``, one per variant's
 prompt), estimates the MDE (analysis/power.py: Miller 2024, and the variance assumption it names), writes a
 JSON and a Markdown report and prints one line. With ``comparison.min_detectable_effect`` set and the
 estimate above it, the stage fails naming what would fit, and the rule's output (an input of sanity) is
-never written: no training job starts.
+never written: no training job starts. The estimate does not depend on the number of seeds (it is the
+one-seed figure, analysis/power.py), so adding a seed to a finished design does not rerun it.
 """
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ def parse_args(argv: Sequence[str] | None):
     parser.add_argument("--dataset-name", required=True)
     parser.add_argument("--base", action="append", required=True, metavar="VARIANT=DIR",
                         help="the untrained model's evaluation directory with one variant's prompt (repeatable)")
-    parser.add_argument("--seeds", type=int, required=True, help="seeds per variant in the comparison")
     parser.add_argument("--comparison", required=True, help="the config's comparison settings as JSON")
     parser.add_argument("--out-json", required=True)
     parser.add_argument("--out-markdown", required=True)
@@ -47,6 +47,8 @@ def read_base(text: str) -> tuple[str, str, list[dict]]:
     metric = summary.get("metric")
     if not isinstance(metric, str):
         raise WorkflowError(f"{summary_path}: field 'metric' is missing")
+    if metric in metrics.CLASS_COUNT_METRICS:
+        return variant, metric, class_count_records(summary, summary_path, predictions_path)
     width = metrics.counts_width(metric)
     records = []
     for number, record in json_files.read_jsonl_objects(predictions_path, "run evaluate_base first"):
@@ -63,18 +65,36 @@ def read_base(text: str) -> tuple[str, str, list[dict]]:
     return variant, metric, records
 
 
+def class_count_records(summary: dict, summary_path: Path, predictions_path: Path) -> list[dict]:
+    """A classifier's records as per-class ``counts`` of their (gold, predicted) pair over eval.json's label set
+    (metrics.class_counts), from which macro-F1 is recomputed as compare recomputes it."""
+    labels = summary.get("labels")
+    if not (isinstance(labels, list) and labels and all(isinstance(label, str) for label in labels)):
+        raise WorkflowError(f"{summary_path}: field 'labels' (the label set macro-F1 averages over) is missing; "
+                            "rerun evaluate_base")
+    records = []
+    for number, record in json_files.read_jsonl_objects(predictions_path, "run evaluate_base first"):
+        gold, predicted = record.get("gold"), record.get("predicted")
+        if gold not in labels or predicted not in labels:
+            raise WorkflowError(f"{predictions_path} line {number}: fields 'gold' and 'predicted' must be labels of "
+                                f"{summary_path}'s 'labels' {labels}; rerun evaluate_base")
+        records.append({"counts": metrics.class_counts(gold, predicted, sorted(labels))})
+    if len(records) != summary.get("n_examples"):
+        raise WorkflowError(f"{predictions_path}: {len(records)} rows, but {summary_path} says "
+                            f"n_examples={summary.get('n_examples')!r}; rerun evaluate_base")
+    return records
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     limit = ComparisonSettings.from_json(args.comparison).min_detectable_effect
-    if args.seeds < 1:
-        raise WorkflowError(f"argument --seeds: expected a positive number of seeds, got {args.seeds}")
     bases = [read_base(text) for text in args.base]
     metric_names = {metric for _, metric, _ in bases}
     if len(metric_names) != 1:
         raise WorkflowError(f"dataset '{args.dataset_name}': the untrained model's evaluations use different metrics "
                             f"{sorted(metric_names)}")
     estimate = power.estimate(args.dataset_name, args.model_name, metric_names.pop(),
-                              {variant: records for variant, _, records in bases}, args.seeds)
+                              {variant: records for variant, _, records in bases})
     print(estimate.line())
     power.check_threshold(estimate, limit)
     write_json(args.out_json, {**estimate.to_dict(), "min_detectable_effect": limit})

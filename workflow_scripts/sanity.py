@@ -157,8 +157,7 @@ def run_probe_steps(setup, dataset, meta, training, seed: int, report: Report, t
     for step in range(steps):
         micro_batches = [next(batches) for _ in range(sampler.micro_steps(step))]
         padding.append(batching.padding_share(micro_batches))
-        targets = torch.tensor(float(sum(b["target_tokens"] for b in micro_batches)), device=context.device)
-        loss_scale = context.world_size / distributed.all_reduce_sum(targets, context).clamp(min=1.0)  # as train's
+        loss_scale = training_setup.step_loss_scale(sum(b["target_tokens"] for b in micro_batches), context)  # as train's
         step_loss = 0.0
         for k, batch in enumerate(micro_batches):
             batch = training_setup.to_device(batch, context.device)

@@ -273,14 +273,7 @@ def run_steps(setup, dataset, meta, training, args, start_step, stop, log, finge
     for step in range(start_step, training.max_steps):
         step_started = time.perf_counter()
         micro_batches = [next(batches) for _ in range(sampler.micro_steps(step))]  # the same count on every rank
-        local_targets = sum(b["target_tokens"] for b in micro_batches)
-        if context.is_distributed:
-            targets = torch.tensor(float(local_targets), device=device)
-            # clamp: a global batch with no target (whole-word masking can leave every row unmasked, as
-            # BERT's create_masked_lm_predictions does) is a zero loss, as BERT's denominator + 1e-5 gives.
-            loss_scale = context.world_size / distributed.all_reduce_sum(targets, context).clamp(min=1.0)
-        else:
-            loss_scale = 1.0 / max(local_targets, 1)
+        loss_scale = training_setup.step_loss_scale(sum(b["target_tokens"] for b in micro_batches), context)
         step_loss = torch.zeros((), device=device)
         for k, batch in enumerate(micro_batches):
             batch = training_setup.to_device(batch, device)

@@ -14,7 +14,8 @@ Design (documented in docs/architecture.md, "Comparison"):
     draws are independent. The interval then includes the seed-to-seed variation.
 - The statistic is the seed-averaged corpus metric: for each (drawn) seed, the corpus score of the
   resampled examples (the mean of per-example scores, or for smatch the F1 of the summed triple
-  counts, i.e. counts are resampled and micro F1 recomputed), then the mean over the (drawn) seeds.
+  counts, i.e. counts are resampled and micro F1 recomputed; for macro-F1 the per-class counts of the
+  resampled (gold, predicted) pairs, macro-F1 recomputed), then the mean over the (drawn) seeds.
   The difference is the mean over seeds of (variant - reference).
 - 95% interval: percentiles 2.5 and 97.5 of the replicated statistics.
 - p-value: two-sided, for "no difference", by the shift method used in sacrebleu's paired bootstrap:
@@ -102,13 +103,16 @@ def from_sums(metric: str, sums: np.ndarray) -> np.ndarray:
         return micro_f1(sums)
     if metric == "smatchpp":
         return smatchpp_metric.micro_f1(sums)
+    if metric in metrics.CLASS_COUNT_METRICS:
+        return metrics.macro_f1_from_sums(sums)
     return metrics.ratio_from_sums(metric, sums[..., 0], sums[..., 1])
 
 
 def corpus_statistic(metric: str, values: np.ndarray) -> np.ndarray:
     """Corpus score along the example axis: ``values`` is (..., n) scores or (..., n, k) counts
-    (metrics.counts_width: smatch's 3, a masked-LM ratio's 2), summed before the score is taken."""
-    if metrics.counts_width(metric) is None:
+    (metrics.counts_width: smatch's 3, a masked-LM ratio's 2; macro-F1's 3 per class), summed before the score
+    is taken."""
+    if not metrics.summed_counts(metric):
         return values.mean(axis=-1)
     return from_sums(metric, values.sum(axis=-2))
 
@@ -118,7 +122,7 @@ def _resampled_scores(metric: str, multiplicities: np.ndarray, stacked: np.ndarr
     was drawn; ``stacked`` is (n, seeds) scores or (n, seeds, 3) counts, as float."""
     n = multiplicities.shape[1]
     sums = (multiplicities @ stacked.reshape(n, -1)).reshape((len(multiplicities),) + stacked.shape[1:])
-    return sums / n if metrics.counts_width(metric) is None else from_sums(metric, sums)
+    return from_sums(metric, sums) if metrics.summed_counts(metric) else sums / n
 
 
 def _check(metric: str, systems: Sequence[Sequence[np.ndarray]]) -> tuple[int, int]:
@@ -134,6 +138,8 @@ def _check(metric: str, systems: Sequence[Sequence[np.ndarray]]) -> tuple[int, i
     if width is not None and (len(shape) != 2 or shape[1] != width):
         raise WorkflowError(f"{metric} needs {width} counts per example (smatch: match, test, gold; a masked-LM "
                             "ratio: numerator, masked tokens)")
+    if metric in metrics.CLASS_COUNT_METRICS and (len(shape) != 2 or shape[1] == 0 or shape[1] % 3):
+        raise WorkflowError(f"{metric} needs 3 counts per class per example (metrics.class_counts), got shape {shape}")
     if shape[0] == 0:
         raise WorkflowError("paired bootstrap over zero examples")
     return shape[0], n_seeds.pop()

@@ -6,10 +6,14 @@ detected at two-sided level alpha with probability ``power`` when it exceeds
 
     MDE = (z_{1 - alpha/2} + z_{power}) * sqrt(Var(d) / n)
 
-with ``Var(d)`` the variance of the per-example score difference. Adapted to seeds here: the comparison
-averages each variant over ``k`` seeds, and the seeds are treated as independent replications of every
-example (as Miller's resampling of K answers per question, with K = k), so ``n`` becomes ``n * k``. This
-is optimistic where the examples' difficulty, not the seed, dominates the variance; the report says so.
+with ``Var(d)`` the variance of the per-example score difference. Seeds are not extra examples. Miller's
+adaptation to K draws per question, Var = (Var(x) + E[sigma_i^2] / K) / n, divides only the within-example
+variance by the draws; the examples' own spread (the same examples are hard for every seed, the usual case)
+does not shrink with seeds. Before training that split is unknown, so the figure is the one-seed one: the
+whole per-example variance over n, which bounds the examples-only bootstrap's variance for any number of
+seeds. The two-level bootstrap (seeds, then examples) adds a seed-to-seed term, unknown before training, which
+only widens the interval. So the estimate never advises seeds as a substitute for test examples, and it does
+not depend on the seed count (adding a seed to a finished design reruns nothing here).
 
 The paired variance is unknown before training. The assumption used and named in the report: the two
 variants' per-example scores correlate with rho >= 1/2. For a score in [0, 1] (standard deviations x, y <= 1/2)
@@ -17,14 +21,17 @@ that bounds the variance of the difference: Var(a - b) = x^2 + y^2 - 2 rho x y <
 <= max(x, y)^2 <= 1/4 (Popoviciu). So 1/4 is used, or the untrained model's per-example variance (the largest
 over the variants' prompts) where that is larger (a ratio metric's linearised contributions can be). The
 untrained model's own variance alone is no guide: it scores near its floor (the demo's AMR model: micro F1
-0.003, whose spread gave +-0.01 against the +-0.12 the trained variants achieved). The estimate is therefore
-conservative: the demo's achieved MDEs are 0.5 to 1.0 times it. An unbounded metric (mlm_loss, perplexity)
-takes the untrained model's variance, and has no estimate where that is 0.
+0.003, whose spread gave +-0.01 against the +-0.12 the trained variants achieved). The estimate is no bound
+on what a run achieves: variants that correlate less (rho < 1/2) and the two-level bootstrap's seed term
+both widen the achieved interval, which compare reports beside each difference (``achieved_lines``). An
+unbounded metric (mlm_loss, perplexity) takes the untrained model's variance, and has no estimate where that
+is 0.
 
 Ratio-of-sums metrics (smatch's micro F1, the masked-LM ratios) are not means of per-example scores: each
 example enters through its linearised contribution (delta method), (num_i - R * den_i) / mean(den) for
-smatch's 2M / (T + G) and the masked-LM ratios, the numerical gradient for Smatch++'s 2PR / (P + R), so the
-variance is that of the corpus score's own estimator.
+smatch's 2M / (T + G) and the masked-LM ratios, the numerical gradient for Smatch++'s 2PR / (P + R) and for
+macro-F1 (the mean over the label set of 2TP / (gold + predicted) from per-class counts, metrics.class_counts),
+so the variance is that of the corpus score's own estimator.
 """
 from __future__ import annotations
 
@@ -41,7 +48,7 @@ from workflow_scripts.tasks import metrics, smatchpp_metric
 ALPHA = 0.05
 POWER = 0.8
 BOUNDED_VARIANCE = 0.25  # the largest variance of a score in [0, 1] (Popoviciu)
-UNBOUNDED_METRICS = ("mlm_loss", "perplexity")
+UNBOUNDED_METRICS = tuple(metrics.UNBOUNDED_RANGES)
 VARIANCE_FROM_BASE = "untrained model's per-example variance (largest over the variants' prompts)"
 VARIANCE_FROM_BOUND = ("1/4: for scores in [0, 1] whose variants correlate with rho >= 1/2, Var(a - b) <= 1/4; the "
                        "untrained model's per-example variance is smaller")
@@ -53,36 +60,32 @@ def z_sum(alpha: float = ALPHA, power: float = POWER) -> float:
     return normal.inv_cdf(1 - alpha / 2) + normal.inv_cdf(power)
 
 
-def minimum_detectable_effect(variance: float, n_examples: int, n_seeds: int,
-                              alpha: float = ALPHA, power: float = POWER) -> float:
-    """Miller (2024) eq. for the paired MDE, with n * seeds replications (see the module docstring)."""
-    if n_examples < 1 or n_seeds < 1:
-        raise WorkflowError(f"power: needs at least one test example and one seed, got {n_examples} and {n_seeds}")
-    return z_sum(alpha, power) * math.sqrt(variance / (n_examples * n_seeds))
+def minimum_detectable_effect(variance: float, n_examples: int, alpha: float = ALPHA, power: float = POWER) -> float:
+    """Miller (2024) eq. for the paired MDE over ``n_examples`` test examples: the one-seed figure (see the
+    module docstring: seeds do not lower it)."""
+    if n_examples < 1:
+        raise WorkflowError(f"power: needs at least one test example, got {n_examples}")
+    return z_sum(alpha, power) * math.sqrt(variance / n_examples)
 
 
-def examples_needed(variance: float, n_seeds: int, target: float) -> int:
-    """The fewest test examples whose MDE with ``n_seeds`` seeds is at most ``target``."""
-    return max(1, math.ceil(z_sum() ** 2 * variance / (target ** 2 * n_seeds)))
-
-
-def seeds_needed(variance: float, n_examples: int, target: float) -> int:
-    """The fewest seeds whose MDE over ``n_examples`` test examples is at most ``target``."""
-    return max(1, math.ceil(z_sum() ** 2 * variance / (target ** 2 * n_examples)))
+def examples_needed(variance: float, target: float) -> int:
+    """The fewest test examples whose MDE is at most ``target``."""
+    return max(1, math.ceil(z_sum() ** 2 * variance / target ** 2))
 
 
 def example_contributions(metric: str, records: Sequence[Mapping[str, Any]]) -> np.ndarray:
     """Per-example values whose mean's variance / n is the corpus score's: the per-example score for a mean
     metric, the linearised contribution for a ratio of sums (smatch: F1 = 2M / (T + G); masked-LM: R = a / b,
-    perplexity = exp(a / b))."""
+    perplexity = exp(a / b); macro-F1 of the records' per-class ``counts``, metrics.class_counts)."""
     if not records:
         raise WorkflowError("power: no predictions to estimate the variance from")
-    width = metrics.counts_width(metric)
-    if width is None:
+    if not metrics.summed_counts(metric):
         return np.asarray([float(record["score"]) for record in records])
     counts = np.asarray([record["counts"] for record in records], dtype=float)
     if metric == "smatchpp":
         return _linearised(smatchpp_metric.micro_f1, counts)
+    if metric in metrics.CLASS_COUNT_METRICS:  # macro-F1 of summed per-class counts, as compare resamples it
+        return _linearised(metrics.macro_f1_from_sums, counts)
     if metric == "smatch":
         numerator, denominator = 2 * counts[:, 0], counts[:, 1] + counts[:, 2]
     else:
@@ -105,13 +108,17 @@ def _linearised(score, counts: np.ndarray) -> np.ndarray:
     return (counts - mean) @ gradient
 
 
+ASSUMPTION = ("a one-seed figure: more seeds do not lower it where the same examples are hard for every seed; "
+              "under the two-level bootstrap (comparison.bootstrap seeds_and_examples, or auto with 3 or more seeds) "
+              "the seed-to-seed variance, unknown before training, only adds to it")
+
+
 @dataclass(frozen=True)
 class PowerEstimate:
     dataset: str
     model: str
     metric: str
     n_examples: int
-    n_seeds: int
     base_variance: float
     variance: float
     variance_source: str
@@ -120,20 +127,22 @@ class PowerEstimate:
     power: float = POWER
 
     def line(self) -> str:
-        seeds = f"{self.n_seeds} seed{'s' if self.n_seeds != 1 else ''}"
         where = f"{self.dataset} ({self.model}, {self.metric})"
         if self.mde is None:
-            return (f"{where}: with {self.n_examples} test examples and {seeds}, the detectable difference cannot be "
+            return (f"{where}: with {self.n_examples} test examples, the detectable difference cannot be "
                     "estimated: the untrained model's scores do not vary and the metric is unbounded")
-        return (f"{where}: with {self.n_examples} test examples and {seeds}, a difference below ±{self.mde:.2f} "
-                f"will not be detectable (alpha {self.alpha}, power {self.power})")
+        variance = "1/4 (bound at rho >= 1/2)" if self.variance_source == VARIANCE_FROM_BOUND else (
+            f"{self.variance:.3g} (the untrained model's)")
+        return (f"{where}: with {self.n_examples} test examples, a difference below ±{self.mde:.2f} will not be "
+                f"detectable (alpha {self.alpha}, power {self.power}; assumes a per-example difference variance of "
+                f"{variance}; {ASSUMPTION})")
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "line": self.line()}
+        return {**asdict(self), "assumption": ASSUMPTION, "line": self.line()}
 
 
-def estimate(dataset: str, model: str, metric: str, base_records: Mapping[str, Sequence[Mapping[str, Any]]],
-             n_seeds: int) -> PowerEstimate:
+def estimate(dataset: str, model: str, metric: str,
+             base_records: Mapping[str, Sequence[Mapping[str, Any]]]) -> PowerEstimate:
     """The MDE of ``dataset`` from the untrained model's predictions per variant (``base_records``)."""
     sizes = {variant: len(records) for variant, records in base_records.items()}
     if len(set(sizes.values())) != 1:
@@ -149,22 +158,20 @@ def estimate(dataset: str, model: str, metric: str, base_records: Mapping[str, S
         variance, source = base_variance, VARIANCE_FROM_BASE
     else:
         variance, source = 0.0, "none: the untrained model's scores do not vary and the metric is unbounded"
-    mde = None if variance == 0 else minimum_detectable_effect(variance, n_examples, n_seeds)
-    return PowerEstimate(dataset, model, metric, n_examples, n_seeds, base_variance, variance, source, mde)
+    mde = None if variance == 0 else minimum_detectable_effect(variance, n_examples)
+    return PowerEstimate(dataset, model, metric, n_examples, base_variance, variance, source, mde)
 
 
 def check_threshold(estimate: PowerEstimate, threshold: float | None) -> None:
     """comparison.min_detectable_effect: stop before training when the planned comparison cannot resolve it."""
     if threshold is None or estimate.mde is None or estimate.mde <= threshold:
         return
-    examples = examples_needed(estimate.variance, estimate.n_seeds, threshold)
-    seeds = seeds_needed(estimate.variance, estimate.n_examples, threshold)
+    examples = examples_needed(estimate.variance, threshold)
     raise WorkflowError(
-        f"dataset '{estimate.dataset}' (model '{estimate.model}'): with {estimate.n_examples} test examples and "
-        f"{estimate.n_seeds} seed(s) the minimum detectable effect is ±{estimate.mde:.3f}, above "
-        f"comparison.min_detectable_effect {threshold}. Fix: use at least {examples} test examples with "
-        f"{estimate.n_seeds} seed(s), or {seeds} seeds with {estimate.n_examples} test examples (under the "
-        "assumption in the power report), or raise comparison.min_detectable_effect")
+        f"dataset '{estimate.dataset}' (model '{estimate.model}'): with {estimate.n_examples} test examples the "
+        f"minimum detectable effect is ±{estimate.mde:.3f}, above comparison.min_detectable_effect {threshold}. "
+        f"Fix: use at least {examples} test examples (under the assumption in the power report; more seeds are "
+        "no substitute: the examples' difficulty is shared across seeds), or raise comparison.min_detectable_effect")
 
 
 def markdown(estimate: PowerEstimate) -> str:
@@ -173,11 +180,12 @@ def markdown(estimate: PowerEstimate) -> str:
         "",
         estimate.line() + ".",
         "",
-        f"- metric: {estimate.metric}; test examples: {estimate.n_examples}; seeds per variant: {estimate.n_seeds}",
+        f"- metric: {estimate.metric}; test examples: {estimate.n_examples}",
         f"- variance of the paired per-example difference assumed: {estimate.variance:.4g} ({estimate.variance_source})",
-        f"- MDE = (z_(1-alpha/2) + z_power) * sqrt(variance / (examples x seeds)), alpha {estimate.alpha}, power "
-        f"{estimate.power} (Miller 2024, \"Adding Error Bars to Evals\"); seeds are counted as independent "
-        "replications of each example, which is optimistic when example difficulty dominates.",
+        f"- MDE = (z_(1-alpha/2) + z_power) * sqrt(variance / examples), alpha {estimate.alpha}, power "
+        f"{estimate.power} (Miller 2024, \"Adding Error Bars to Evals\"): {ASSUMPTION}. Miller's Var = (Var(x) + "
+        "E[sigma_i^2] / K) / n divides only the within-example variance by the K seeds; before training that share "
+        "is unknown, so the whole per-example variance is divided by the examples alone.",
         "",
     ])
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from workflow_scripts.analysis import fairness
+from workflow_scripts.analysis import fairness, paired_bootstrap
 from workflow_scripts.checks.sections import check_dataset, check_model
 from workflow_scripts.core.config_files import deep_merge, read_config_file, validate_schema
 from workflow_scripts.core.errors import ConfigError, WorkflowError
@@ -17,7 +17,7 @@ from workflow_scripts.core.experiment_config import (
     RESERVED_MODEL_NAMES, dataset_entries, dataset_models, entry_task, evaluation_split, mixtures, model_dataset_variants,
     model_entries, model_entry_variants, models, resolved_training, training_settings, variant_entries)
 from workflow_scripts.core.section_settings import ComparisonSettings
-from workflow_scripts.core.settings import finetune_problem
+from workflow_scripts.core.settings import finetune_problem, sharding_problem
 from workflow_scripts.tasks import check_also_metrics, task_named
 
 if TYPE_CHECKING:
@@ -86,6 +86,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
         _check_finetune(training, typed_models[model], entry_task(config, entry),
                         f"variants.{variant}.training" if config["variants"][variant].get("training") else "training",
                         "model" if "model" in config else f"models.{model}", source)
+        _check_switches(config, training, model, variant, entry_task(config, entry), source)
         for dataset in mixtures(config)[entry]["datasets"] if entry in mixtures(config) else [entry]:
             if training.validating and "validation" not in config["datasets"][dataset]["splits"]:
                 raise ConfigError("training.validation.every_steps", f"dataset '{dataset}' has no validation split "
@@ -93,6 +94,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
                                   "switch validation off for it with a variant's training override", source)
         _check_validation_metric(config, entry, training.validation, source)
     comparison = ComparisonSettings.parse(config["comparison"], "comparison", source)
+    _check_bootstrap_seeds(config, comparison, source)
     tasks_in_use = {dataset["task"] for dataset in config["datasets"].values()}
     for task_name in sorted(tasks_in_use):
         if not any(variant["task"] == task_name for variant in config["variants"].values()):
@@ -115,6 +117,46 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
     if config["evaluation"]["gpus"] > 1:  # evaluate decodes on cuda:0 alone; the rest would sit reserved
         raise ConfigError("evaluation.gpus", f"is {config['evaluation']['gpus']}, but evaluation runs on one GPU "
                           "(the others would be reserved and idle); set evaluation.gpus: 1 (or 0 for the CPU)", source)
+
+
+def _check_switches(config: Mapping[str, Any], training: "TrainingSettings", model: str, variant: str, task: str,
+                    source: str | None) -> None:
+    """The training switches against the strategy and the task, refused here rather than in the first job:
+    FSDP's refusals (core/settings.sharding_problem, as training/fsdp.check_settings), packing for a task that does
+    not pack, the fused cross-entropy for a task whose loss is not the text-only target-token head."""
+    model_key = "model" if "model" in config else f"models.{model}"
+    model_entry = config["model"] if "model" in config else config["models"][model]
+
+    def where(key: str) -> str:  # the key as the user set it: a variant's override, a model's, or the shared one
+        name = key.removeprefix("training.")
+        if name.split(".")[0] in config["variants"][variant].get("training", {}):
+            return f"variants.{variant}.training.{name}"
+        if name.split(".")[0] in model_entry.get("training", {}):
+            return f"{model_key}.training.{name}"
+        return key
+
+    problem = sharding_problem(training, task)
+    if problem is not None:
+        key, reason, fix = problem
+        raise ConfigError(where(key), f"training.strategy: fsdp {reason}; {fix}, or set training.strategy: ddp "
+                          f"(model '{model}', variant '{variant}')", source)
+    task_type = task_named(task)
+    if training.packing and not getattr(task_type, "packs", None):
+        raise ConfigError(where("training.packing"), f"is true, but task '{task}' (variant '{variant}') does not pack "
+                          "examples; set training.packing: false for it", source)
+    if training.fused_cross_entropy and not getattr(task_type, "fuses_output_head", False):
+        raise ConfigError(where("training.fused_cross_entropy"), f"is true, but task '{task}' (variant '{variant}') "
+                          "computes its loss without the text-only target-token head it fuses; set "
+                          "training.fused_cross_entropy: false for it", source)
+
+
+def _check_bootstrap_seeds(config: Mapping[str, Any], comparison: ComparisonSettings, source: str | None) -> None:
+    """comparison.bootstrap: seeds_and_examples resamples seeds, so it needs 2 or more: refused here rather than
+    by compare, the last job (every variant runs the config's seeds: the matrix crosses them)."""
+    if comparison.bootstrap == paired_bootstrap.SEEDS_AND_EXAMPLES and len(config["seeds"]) < 2:
+        raise ConfigError("comparison.bootstrap", f"'{paired_bootstrap.SEEDS_AND_EXAMPLES}' resamples seeds, which needs "
+                          f"at least 2, but seeds is {list(config['seeds'])}; add seeds, or use 'examples' (or 'auto', "
+                          f"which resamples seeds from {paired_bootstrap.AUTO_MIN_SEEDS} on)", source)
 
 
 def _check_validation_metric(config: Mapping[str, Any], entry: str, validation: "ValidationSettings",

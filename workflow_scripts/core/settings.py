@@ -146,6 +146,16 @@ class TrainingSettings:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
     # What follows from the settings -------------------------------------------------------------------
+    def quantization_record(self) -> dict[str, Any] | None:
+        """The bitsandbytes settings the base is loaded with (compute dtype resolved), or None when off: written
+        beside a QLoRA adapter (model/quantization.py), and given to the untrained model's evaluation of the
+        variant by the evaluate_base rule, so both load the same base."""
+        if self.quantization is None:
+            return None
+        return {"bits": self.quantization.bits, "type": self.quantization.type,
+                "double_quant": self.quantization.double_quant,
+                "compute_dtype": self.quantization.compute_dtype or self.precision}
+
     @property
     def world_size(self) -> int:
         """Processes in one training job: nodes x (GPUs per node, or CPU processes without GPUs)."""
@@ -287,6 +297,40 @@ def finetune_problem(training: TrainingSettings, initialise: str, task_name: str
     if task_name is not None and task_name not in FULL_TASKS:
         return ("training.finetune", f"full fine-tuning is not supported for task '{task_name}' (its gate and loss "
                 "assume a frozen vision tower under LoRA); set training.finetune: lora")
+    return None
+
+
+def sharding_problem(training: TrainingSettings, task_name: str | None = None) -> tuple[str, str, str] | None:
+    """(key, reason, fix) when ``training.strategy: fsdp`` cannot run these settings, else None.
+
+    Shared by the config check (checks/config.py, when the workflow is read) and ``training/fsdp.check_settings``
+    (before anything is sharded), so both refuse alike and no accepted combination fails in a job."""
+    if not training.sharded:
+        return None
+    if training.precision == "fp16":
+        # torch.amp.GradScaler checks each rank's shard for overflow on its own: ranks could disagree on
+        # skipping a step. bf16 needs no scaler.
+        return ("training.precision", "does not support precision fp16 (the gradient scaler would decide on each "
+                "shard alone)", "set training.precision: bf16 or fp32")
+    if training.quantization is not None:
+        return ("training.quantization", "cannot shard quantised base weights (bitsandbytes 4/8-bit tensors are not "
+                "DTensors)", "set training.quantization: null")
+    # The held-out loss runs the same number of (collective) forwards on every rank and the best adapter is
+    # gathered by all of them; the metric's generation does not: each rank generates its own rows and stops
+    # when they end (or rank 0 alone scores, for conversation and masked_lm).
+    if training.validation.metric_examples is not None:
+        return ("training.validation.metric_examples", "does not support training.validation.metric_examples yet "
+                "(each rank generates the metric's rows for as many steps as its own answers need, and every sharded "
+                "forward needs all ranks)", "remove training.validation.metric_examples")
+    if training.fused_cross_entropy:
+        # The fused loss calls the decoder directly: the FSDP root's forward, which gathers the embeddings and
+        # the head, never runs ("aten.embedding.default got mixed torch.Tensor and DTensor" at every micro-step).
+        return ("training.fused_cross_entropy", "does not support training.fused_cross_entropy (the fused loss calls "
+                "the decoder alone, outside the sharded root's forward that gathers the embeddings and head)",
+                "set training.fused_cross_entropy: false")
+    if task_name == "vision_language":
+        return ("training.strategy", "does not support the vision_language task (its loss reads the image path's "
+                "parameters outside the model's forward, where they are still sharded)", "train it with DDP")
     return None
 
 

@@ -88,12 +88,8 @@ def from_pretrained_kwargs(training: TrainingSettings, device: torch.device) -> 
 
 def base_record(training: TrainingSettings) -> dict[str, Any] | None:
     """The bitsandbytes settings the base is loaded with (compute dtype resolved), or None when off: written
-    beside the adapter, so evaluation can load the same base."""
-    quantization = training.quantization
-    if quantization is None:
-        return None
-    return {"bits": quantization.bits, "type": quantization.type, "double_quant": quantization.double_quant,
-            "compute_dtype": quantization.compute_dtype or training.precision}
+    beside the adapter, so evaluation can load the same base (TrainingSettings.quantization_record)."""
+    return training.quantization_record()
 
 
 def loading_kwargs(record: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
@@ -127,34 +123,63 @@ def read_adapter_record(adapter_dir: str | Path | None) -> dict[str, Any] | None
         return None
     try:
         record = json.loads(path.read_text())
+    except ValueError:
+        record = None
+    return checked_record(record, str(path), "train the adapter again")
+
+
+def checked_record(record: Any, where: str, fix: str) -> dict[str, Any]:
+    """``record`` if it is a :func:`base_record`, else one line naming ``where`` and ``fix``."""
+    try:
         bits, kind, dtype = record["bits"], record["type"], record["compute_dtype"]
         valid = bits in (4, 8) and kind in ("nf4", "fp4") and dtype in COMPUTE_DTYPES and isinstance(record["double_quant"], bool)
-    except (ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         valid = False
     if not valid:
-        raise WorkflowError(f"{path}: not the record train writes ({{bits: 4|8, type: nf4|fp4, double_quant, "
-                            f"compute_dtype: {'|'.join(COMPUTE_DTYPES)}}}); train the adapter again")
+        raise WorkflowError(f"{where}: not the record train writes ({{bits: 4|8, type: nf4|fp4, double_quant, "
+                            f"compute_dtype: {'|'.join(COMPUTE_DTYPES)}}}); {fix}")
     return record
 
 
-def evaluation_quantises(adapter_dir: str | Path | None, qlora_base: str) -> bool:
-    """Whether evaluating ``adapter_dir`` loads a quantised base (a QLoRA adapter, ``qlora_base: quantised``)."""
-    return qlora_base == "quantised" and read_adapter_record(adapter_dir) is not None
+def evaluation_quantises(adapter_dir: str | Path | None, qlora_base: str, base_quantization: Mapping | None = None) -> bool:
+    """Whether evaluating ``adapter_dir`` loads a quantised base (a QLoRA adapter, ``qlora_base: quantised``), or,
+    for the untrained model of a QLoRA variant, ``base_quantization`` (evaluate's ``--base-quantization``) asks
+    for one."""
+    if qlora_base != "quantised":
+        return False
+    return (base_quantization is not None) if adapter_dir is None else read_adapter_record(adapter_dir) is not None
 
 
-def evaluation_base(adapter_dir: str | Path | None, qlora_base: str, device: torch.device) -> tuple[dict[str, Any], dict[str, Any]]:
+def evaluation_base(adapter_dir: str | Path | None, qlora_base: str, device: torch.device,
+                    dtype: torch.dtype | None = None, base_quantization: Mapping | None = None,
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(extra ``from_pretrained`` arguments, facts for eval.json) for evaluating ``adapter_dir``.
 
     A QLoRA adapter is scored on the base quantised as in training unless ``qlora_base`` is ``unquantised``;
-    any other adapter (and the untrained base) loads unquantised, and the facts say so.
+    the untrained model of a QLoRA variant (no adapter, ``base_quantization``: the variant's
+    :func:`base_record`, from the rule) is quantised the same way, so its score is the untrained model's as the
+    adapters are scored, and "gain over untrained" holds no quantisation effect. Any other adapter (and the
+    untrained model of any other variant) loads unquantised, and the facts say so. ``dtype``: the evaluation's
+    compute dtype; the 4-bit layers compute in it too (the NF4/FP4 weights are the trained ones either way), so
+    eval.json's ``dtype`` holds for every layer and ``base_quantization`` records the compute dtype used.
     """
     if qlora_base not in QLORA_BASES:
         raise WorkflowError(f"{EVALUATION_KEY}: {qlora_base!r} is not one of {list(QLORA_BASES)}")
-    record = read_adapter_record(adapter_dir)
+    if adapter_dir is not None and base_quantization is not None:
+        raise WorkflowError("argument --base-quantization: only for the untrained model (no --adapter); an adapter's "
+                            f"base is read from its {ADAPTER_RECORD}")
+    if adapter_dir is None:
+        record = None if base_quantization is None else checked_record(
+            base_quantization, "argument --base-quantization", "pass the variant's training.quantization as the rule does")
+    else:
+        record = read_adapter_record(adapter_dir)
     if record is None:
         return {}, {"qlora_base": None, "base_quantization": None}
-    facts = {"qlora_base": qlora_base, "base_quantization": record if qlora_base == "quantised" else None}
-    return (loading_kwargs(record, device) if qlora_base == "quantised" else {}), facts
+    if qlora_base != "quantised":
+        return {}, {"qlora_base": qlora_base, "base_quantization": None}
+    if dtype is not None:
+        record = {**record, "compute_dtype": next(name for name, value in COMPUTE_DTYPES.items() if value == dtype)}
+    return loading_kwargs(record, device), {"qlora_base": qlora_base, "base_quantization": record}
 
 
 def quantized_modules(model: nn.Module) -> list[str]:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.data.rows import FieldsMapper, Rejected, present as _present, text as _text
-from workflow_scripts.tasks import templates
+from workflow_scripts.tasks import metrics, templates
 from workflow_scripts.tasks.base import EvaluationResult, Predictions
 
 if TYPE_CHECKING:
@@ -150,14 +150,11 @@ def macro_f1(golds: Sequence[str], preds: Sequence[str], label_names: Sequence[s
     in the mean: the score is over the label set, not over the classes that happen to occur (which is
     what ``f1_score`` without ``labels=`` would average over).
     """
-    matrix = confusion_matrix(golds, preds, label_names)
-    scores = []
-    for name in label_names:
-        true_positive = matrix[name][name]
-        # 2TP + FP + FN = (row total: gold) + (column total: predicted)
-        denominator = sum(matrix[name].values()) + sum(matrix[gold][name] for gold in label_names)
-        scores.append(2 * true_positive / denominator if denominator else 0.0)
-    return sum(scores) / len(scores)
+    # From per-class counts summed over the examples, as compare's bootstrap recomputes it per resample.
+    names = list(label_names)
+    summed = [sum(column) for column in zip(*(metrics.class_counts(gold, pred, names)
+                                               for gold, pred in zip(golds, preds, strict=True)))]
+    return float(metrics.macro_f1_from_sums(summed or [0] * (3 * len(names))))
 
 
 # --- the trained label set, at evaluation ---

@@ -477,6 +477,7 @@ def dropped_turn(tokenizer, variant: "VariantSettings") -> tuple[str, str] | Non
 class ConversationTask:
     name = "conversation"
     packs = True  # rows are (input_ids, labels) as generation's: data/packing.PackingCollator applies
+    fuses_output_head = True  # generation's TargetTokenLoss: training.fused_cross_entropy applies
     auto_model_class = "AutoModelForCausalLM"
     peft_task_type = "CAUSAL_LM"
     variant_keys = frozenset(VARIANT_KEYS)

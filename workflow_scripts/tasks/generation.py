@@ -205,6 +205,7 @@ def score_outputs(rows: Sequence[dict], prompts: Sequence[str], outputs: Sequenc
 class GenerationTask:
     name = "generation"
     packs = True  # training.packing: data/packing.PackingCollator
+    fuses_output_head = True  # training.fused_cross_entropy: TargetTokenLoss, text only
     auto_model_class = "AutoModelForCausalLM"
     peft_task_type = "CAUSAL_LM"
     variant_keys = frozenset(VARIANT_KEYS)

@@ -374,14 +374,64 @@ def score_example(metric: str, prediction: str | None, golds: Sequence[str]) -> 
 COUNTS_WIDTH = {"smatch": 3, "smatchpp": smatchpp_metric.COUNTS, "masked_accuracy": 2, "mlm_loss": 2, "perplexity": 2}
 RATIO_METRICS = ("masked_accuracy", "mlm_loss", "perplexity")  # counts = [numerator, masked tokens]
 
+# A classifier's macro-F1 is a function of per-class counts summed over the examples; a record's counts
+# (class_counts) are 3 per class of the label set, so their width is the label set's, not the metric's.
+CLASS_COUNT_METRICS = ("macro_f1",)
+
 # Corpus scores the comparison can recompute and resample from per-example records: the means (a
-# classifier's accuracy too: 1/0 per example), smatch's micro F1 and the masked-LM ratios. macro-F1 is none.
-COMPARABLE_METRICS = (*METRICS, "accuracy", *RATIO_METRICS)
+# classifier's accuracy too: 1/0 per example), smatch's micro F1, the masked-LM ratios and macro-F1.
+COMPARABLE_METRICS = (*METRICS, "accuracy", *RATIO_METRICS, *CLASS_COUNT_METRICS)
+
+
+# What each comparable corpus score ranges over, for the line under the comparison table: a score in [0, 1]
+# (higher is better) but for the masked LM's mean loss (nats) and its exponential.
+UNBOUNDED_RANGES = {"mlm_loss": "[0, ∞), lower is better", "perplexity": "[1, ∞), lower is better"}
+
+
+def score_range(metric: str) -> str:
+    """``metric``'s range and direction, e.g. "[0, 1], higher is better"."""
+    return UNBOUNDED_RANGES.get(metric, "[0, 1], higher is better")
 
 
 def counts_width(metric: str) -> int | None:
-    """How many summed counts a record of ``metric`` carries; None for a mean of per-example scores."""
+    """How many summed counts a record of ``metric`` carries; None for a mean of per-example scores or a
+    width set by the label set (macro_f1: ``summed_counts`` says it sums counts all the same)."""
     return COUNTS_WIDTH.get(metric)
+
+
+def summed_counts(metric: str) -> bool:
+    """Whether ``metric``'s corpus score comes from counts summed over examples (not a mean of scores)."""
+    return metric in COUNTS_WIDTH or metric in CLASS_COUNT_METRICS
+
+
+def class_counts(gold: str, predicted: str, labels: Sequence[str]) -> list[int]:
+    """One classified example's counts over ``labels`` (in that order): [true positive per class, gold per class,
+    predicted per class]. Summed over the examples they give macro-F1 (``macro_f1_from_sums``), so a bootstrap
+    resamples them as smatch's triple counts."""
+    if gold not in labels or predicted not in labels:
+        raise WorkflowError(f"label {gold if gold not in labels else predicted!r} is not one of the label set {list(labels)}")
+    width = len(labels)
+    counts = [0] * (3 * width)
+    counts[labels.index(gold)] = int(gold == predicted)
+    counts[width + labels.index(gold)] = 1
+    counts[2 * width + labels.index(predicted)] = 1
+    return counts
+
+
+def macro_f1_from_sums(sums):
+    """Macro-F1 from ``class_counts`` summed over examples (last axis: 3 x classes; numpy arrays of any leading
+    shape): the unweighted mean over the whole label set of 2TP / (gold + predicted) = 2TP / (2TP + FP + FN),
+    a class neither in the gold nor predicted counting 0 (scikit-learn's f1_score(labels=<set>, average='macro',
+    zero_division=0), as tasks/classification.macro_f1)."""
+    import numpy as np
+
+    sums = np.asarray(sums, dtype=float)
+    width = sums.shape[-1] // 3
+    true_positive, gold, predicted = sums[..., :width], sums[..., width:2 * width], sums[..., 2 * width:]
+    denominator = gold + predicted
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per_class = np.where(denominator > 0, 2 * true_positive / denominator, 0.0)
+    return per_class.mean(axis=-1)
 
 
 def ratio_from_sums(metric: str, numerator, masked):
@@ -407,6 +457,8 @@ def corpus_score(metric: str, scores: Sequence[ExampleScore]) -> float:
         return f1_from_counts(*(sum(s.counts[k] for s in scores) for k in range(3)))
     if metric == "smatchpp":
         return float(smatchpp_metric.micro_f1([sum(s.counts[k] for s in scores) for k in range(smatchpp_metric.COUNTS)]))
+    if metric in CLASS_COUNT_METRICS:
+        return float(macro_f1_from_sums([math.fsum(s.counts[k] for s in scores) for k in range(len(scores[0].counts))]))
     if metric in RATIO_METRICS:
         masked = math.fsum(s.counts[1] for s in scores)
         if masked <= 0:

@@ -256,6 +256,7 @@ def _takes_nested(processor) -> bool:
 class VisionLanguageTask(generation.GenerationTask):
     name = "vision_language"
     packs = None  # no packing: image tokens and pixel values would have to be packed together
+    fuses_output_head = False  # its loss feeds the model pixels: the fused path calls the text decoder alone
     auto_model_class = "AutoModelForImageTextToText"
     peft_task_type = "CAUSAL_LM"
     variant_keys = frozenset(VARIANT_KEYS)

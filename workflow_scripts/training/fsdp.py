@@ -32,7 +32,7 @@ from torch import nn
 
 from workflow_scripts.core import fsdp_mesh
 from workflow_scripts.core.errors import WorkflowError
-from workflow_scripts.core.settings import TrainingSettings
+from workflow_scripts.core.settings import TrainingSettings, sharding_problem
 from workflow_scripts.training import distributed
 from workflow_scripts.training.distributed import DistributedContext
 
@@ -44,25 +44,12 @@ def refusal(reason: str, fix: str) -> WorkflowError:
 
 
 def check_settings(training: TrainingSettings, task_name: str) -> None:
-    """What FSDP2 cannot run here, refused before anything is sharded."""
-    if training.precision == "fp16":
-        # torch.amp.GradScaler checks each rank's shard for overflow on its own: ranks could disagree on
-        # skipping a step. bf16 needs no scaler.
-        raise refusal("does not support precision fp16 (the gradient scaler would decide on each shard "
-                      "alone)", "set training.precision: bf16 or fp32")
-    if training.quantization is not None:
-        raise refusal("cannot shard quantised base weights (bitsandbytes 4/8-bit tensors are not DTensors)",
-                      "set training.quantization: null")
-    # The held-out loss runs the same number of (collective) forwards on every rank and the best adapter is
-    # gathered by all of them; the metric's generation does not: each rank generates its own rows and stops
-    # when they end (or rank 0 alone scores, for conversation and masked_lm).
-    if training.validation.metric_examples is not None:
-        raise refusal("does not support training.validation.metric_examples yet (each rank generates the metric's "
-                      "rows for as many steps as its own answers need, and every sharded forward needs all ranks)",
-                      "remove training.validation.metric_examples")
-    if task_name == "vision_language":
-        raise refusal("does not support the vision_language task (its loss reads the image path's parameters "
-                      "outside the model's forward, where they are still sharded)", "train it with DDP")
+    """What FSDP2 cannot run here, refused before anything is sharded (core/settings.sharding_problem, which the
+    config check refuses already when the workflow is read)."""
+    problem = sharding_problem(training, task_name)
+    if problem is not None:
+        _, reason, fix = problem
+        raise refusal(reason, fix)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from workflow_scripts.model import model_loading
-from workflow_scripts.training import fsdp, kernels
+from workflow_scripts.training import distributed, fsdp, kernels
 from workflow_scripts.training.distributed import DistributedContext
 from workflow_scripts.core.settings import TrainingSettings, finetune_problem
 
@@ -127,7 +127,12 @@ def build(model_dir, training: TrainingSettings, context: DistributedContext,
 
         if not hasattr(task, "packs"):
             raise WorkflowError(f"training.packing: task '{task.name}' does not pack examples. Fix: set training.packing: false")
-        ok, reason = packing_module.supports_packing(peft_model, training.max_length)
+        if training.sharded:  # the other ranks hold the model on the meta device until sharding: rank 0 probes
+            ok, reason = distributed.all_gather_objects(
+                packing_module.supports_packing(peft_model, training.max_length) if context.rank == 0 else None,
+                context)[0]
+        else:
+            ok, reason = packing_module.supports_packing(peft_model, training.max_length)
         if not ok:
             raise WorkflowError(f"training.packing: {reason}. Fix: set training.packing: false")
         packing = (training.max_length, base.config._attn_implementation)
@@ -177,11 +182,23 @@ def seed_micro_batch(seed: int, step: int, micro_batch_index: int) -> None:
     torch.manual_seed(int(np.random.SeedSequence([seed, step, micro_batch_index]).generate_state(1)[0]))
 
 
+def step_loss_scale(local_denominator: float, context: DistributedContext):
+    """``micro_step``'s ``loss_scale``: world_size / the step's loss denominator summed over the ranks (its target
+    tokens; under class weights sum_i w[y_i], a float). Only a denominator of exactly 0 divides by 1 instead: a step
+    with nothing to score (whole-word masking can leave every row unmasked, as BERT's
+    create_masked_lm_predictions does) is a zero loss. Any other sum, below 1 too, is divided by as it is, so a
+    class-weighted step is torch's CrossEntropyLoss(weight=w) mean and matches the held-out loss's scale."""
+    if not context.is_distributed:
+        return 1.0 / (local_denominator if local_denominator != 0 else 1.0)
+    total = distributed.all_reduce_sum(torch.tensor(float(local_denominator), device=context.device), context)
+    return context.world_size / torch.where(total == 0, torch.ones_like(total), total)
+
+
 def micro_step(setup: TrainingSetup, batch: Mapping[str, Any], loss_scale, last_micro_step: bool,
                randomness: tuple[int, int, int]) -> torch.Tensor:
     """Forward and backward on one micro-batch; returns this micro-batch's share of the step's mean loss.
 
-    ``loss_scale`` is world_size / target tokens of the global batch: DDP averages gradients over
+    ``loss_scale`` (:func:`step_loss_scale`) is world_size / target tokens of the global batch: DDP averages gradients over
     ranks, so multiplying by the world size makes the result the per-token mean of the global batch.
     ``randomness`` is (seed, step, global micro-batch index), see :func:`seed_micro_batch`.
     """
