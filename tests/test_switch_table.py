@@ -4,9 +4,11 @@ before any job runs (issue 36: fused_cross_entropy under strategy fsdp parsed, t
 The table is the config check itself (checks/config.check_config on the demo config, the switch set on one
 variant of the task, GPUs declared so the CUDA-only switches pass their GPU check): each combination's outcome is
 pinned below. What the table accepts is run where a CPU can: the switches' own tests (tests/test_kernels.py,
-test_packing.py, test_token_budget.py) and, for the sharded strategy, the two-rank probe at the end. Liger's
-kernels and FlexAttention's backward are CUDA only (tests/test_gpu.py); conversation shares generation's loss
-and switches (tasks/conversation.py) and has no demo dataset, so it is not a row of its own.
+test_packing.py, test_token_budget.py) and, for the sharded strategy, the two-rank probes (generation: the end of
+this file; classification and masked LM: tests/test_task_distributed.py). Liger's kernels and FlexAttention's
+backward are CUDA only (tests/test_gpu.py); conversation shares generation's loss and switches
+(tasks/conversation.py) and has no demo dataset, so it is not a row of its own. Not probed here: the
+vision_language task with compile_layers, activation_offloading or a token budget under ddp.
 """
 from __future__ import annotations
 

@@ -88,6 +88,21 @@ def test_one_and_two_processes_follow_the_same_loss_curve(task_data, one_process
     assert_same_tensors(theirs, ours, settings_for(task, 1), steps=STEPS)
 
 
+def test_two_fsdp_processes_with_activation_offloading_train_as_one(task_data, one_process, tmp_path):
+    """The switches x strategies x tasks table (tests/test_switch_table.py) accepts these tasks under strategy fsdp
+    with the CPU switches: two sharded ranks with activation offloading (exact) follow the one-process run. (A
+    token budget regroups the micro-batches, so with dropout on, as here, its masks differ: the budget's own
+    probe under fsdp is test_switch_table.py's, dropout off.)"""
+    task, model_dir, tokenised = task_data
+    reference = settings_for(task, 1)
+    sharded = reference.replace(strategy="fsdp", cpu_processes=2, activation_offloading=True,
+                                gradient_checkpointing=True)
+    ranks.assert_succeeded(ranks.run_stage(train.main, train_argv(tmp_path, model_dir, tokenised, sharded), timeout=300))
+    one = [r["loss"] for r in log_rows(one_process)]
+    assert_same_curve([r["loss"] for r in log_rows(tmp_path)], one, reference)
+    assert_same_tensors(adapter(tmp_path), adapter(one_process), reference, steps=STEPS)
+
+
 def test_killed_run_resumes_to_identical_adapter(tmp_path, capsys, task_data, one_process):
     task, model_dir, tokenised = task_data
     settings = settings_for(task, 1)
