@@ -287,6 +287,15 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("model", "sanity-modules-to-save-matches-nothing", gate({"--training": training(lora={"modules_to_save": ["lm_haed"]})}), "sanity", "training.lora.modules_to_save: 'lm_haed' matches no module of this model (closest: ['lm_head']); fix the name or remove it"),
         case("model", "sanity-model-missing", gate({"--model": "{tmp}/nowhere"}), "sanity", "{tmp}/nowhere: no config.json; run the prepare_model rule first"),
         case("model", "sanity-model-config-not-json", gate({"--model": "{model_copy}"}, plant=copy_model(replace={"config.json": b"{not json"})), "sanity", "{model_copy}/config.json: not valid JSON at line 1, column 2: Expecting property name enclosed in double quotes; " + REPREPARE),
+        # --- refusals (issue 37) ---
+        case("config", "min-detectable-effect-in-points", cfg("comparison.min_detectable_effect", 5), "config", "{config}: config key 'comparison.min_detectable_effect': is 5, but dataset 'amr_demo' is scored by smatch, in [0, 1], where no difference between two variants reaches 1, so the threshold would never stop a run; give it as a fraction of the metric's range (e.g. 0.05 for 5 points)"),
+        case("config", "activation-offloading-on-cpu", cfg("model.training", {"activation_offloading": True, "gradient_checkpointing": True}), "config", "{config}: config key 'model.training.activation_offloading': is true but training.gpus is 0: offloading moves the checkpointed activations from GPU memory to host memory, where a CPU run keeps them already, so it would do nothing; set activation_offloading: false, or train on GPUs (training.gpus > 0)"),
+        case("config", "qlora-base-without-qlora", cfg("evaluation.qlora_base", "unquantised"), "config", "{config}: config key 'evaluation.qlora_base': is 'unquantised', but no variant trains with training.quantization (QLoRA), so there is no QLoRA adapter to score and it would change nothing; remove evaluation.qlora_base, or set training.quantization (e.g. {bits: 4}) to train QLoRA"),
+        case("config", "target-renders-the-answer-list", cfg("variants.baseline.target", " {answers}"), "config", "{config}: config key 'variants.baseline.target': {answers} is the list of gold answers, which renders as its Python text (['64'], brackets and quotes included), so the model would learn to write that; use {answer} (the first gold answer)"),
+        case("config", "section-marker-not-in-target", cfg("variants.mtup.extractor", {"type": "section", "marker": "Task 3:"}), "config", "{config}: config key 'variants.mtup.extractor.marker': 'Task 3:' never occurs in the target 'Task 1: {aux}\\nTask 2: {answer}', so the model is never taught to write it and every prediction would be unparseable; use the text the target puts before {answer} as the marker (e.g. 'Task 2:'), or add it to the target"),
+        case("config", "qlora-with-fsdp", cfg("model.training", {"quantization": {"bits": 4}, "strategy": "fsdp", "gpus": 2, "micro_batch": 8, "precision": "bf16"}), "config", "{config}: config key 'model.training.strategy': is fsdp, but training.quantization is set (QLoRA), and FSDP shards unquantised weights only (bitsandbytes 4/8-bit tensors are not DTensors); set training.strategy: ddp to train QLoRA on several GPUs, or drop training.quantization to shard the unquantised model"),
+        case("config", "variant-token-budget-below-max-length", cfg("variants.mtup.training", {"micro_batch_tokens": 64}), "config", "{config}: config key 'variants.mtup.training.micro_batch_tokens': 64 is below max_length (128), so an example of max_length tokens fits no micro-batch; set micro_batch_tokens to at least 128 (e.g. micro_batch x max_length keeps today's memory bound) or lower max_length"),
+        case("config", "masked-lm-dataset-on-a-causal-model", cfg("datasets.corpus_demo.models", ["tiny-bert", "tiny-llama"], base=absolute_demo_config), "parse", "{config}: config key 'datasets.corpus_demo.models': task masked_lm needs a masked language model (an encoder such as BERT, with a [MASK] token and a head that predicts it), but 'tiny-llama' is a tiny 'llama' model (models.tiny-llama.tiny.architecture; the masked LMs are ['bert']), which predicts the next token only; remove 'tiny-llama' from datasets.corpus_demo.models"),
     ]
 
 
@@ -364,10 +373,11 @@ def call(stage: str, argv: list[str]):
     if stage == "parse":  # the checks rules/common.smk adds when snakemake reads the workflow (-n)
         from workflow_scripts.core.experiment_config import dataset_entries
         from workflow_scripts.data.split_names import check_local_splits
-        from workflow_scripts.model.task_fit import check_vision_language_models
+        from workflow_scripts.model.task_fit import check_masked_lm_models, check_vision_language_models
 
         config = load_config(argv[0])
         check_local_splits(dataset_entries(config), argv[0])
+        check_masked_lm_models(config, argv[0])
         return check_vision_language_models(config, argv[0])
     return importlib.import_module(f"workflow_scripts.{stage}").main(argv)
 

@@ -177,9 +177,9 @@ def table() -> list:
     return [
         # schema: a wrong type, and a key of another task's variants
         *per_task("schema-type", ALL, lambda t: Mistake(at(f"variants.{{variant}}.{WRONG_TYPE[t.name][0]}", WRONG_TYPE[t.name][1])),
-                  lambda t: f"config: config key 'variants.{{variant}}.{WRONG_TYPE[t.name][0]}': {WRONG_TYPE[t.name][2]}"),
+                  lambda t: f"{{config}}: config key 'variants.{{variant}}.{WRONG_TYPE[t.name][0]}': {WRONG_TYPE[t.name][2]}"),
         *per_task("unknown-key", ALL, lambda t: Mistake(at(f"variants.{{variant}}.{FOREIGN_KEY[t.name]}", "x")),
-                  lambda t: f"config: config key 'variants.{{variant}}': Additional properties are not allowed ('{FOREIGN_KEY[t.name]}' was unexpected)"),
+                  lambda t: f"{{config}}: config key 'variants.{{variant}}': Additional properties are not allowed ('{FOREIGN_KEY[t.name]}' was unexpected)"),
         # YAML: a key twice in the dataset, the dataset's name twice, a syntax error
         *per_task("duplicate-yaml-key", ALL, lambda t: Mistake(text=duplicate_line("    metric: ")),
                   lambda t: rx_line(r"\{config\}: config key 'datasets\.\{dataset\}\.metric': line \d+: key 'metric' is given twice \(first at line \d+\); YAML would silently keep only the last, so remove or rename one")),
@@ -201,7 +201,7 @@ def table() -> list:
                   lambda t: "config: config key 'variants.{variant}.training.max_length': " + UNFAIR.replace("{old}", str(64 if t.name == "vision_language" else 128))),
         # seeds, training shape, GPUs
         *per_task("seed-out-of-range", ("generation",), lambda t: Mistake(at("seeds", [1, 2 ** 32])),
-                  lambda t: "config: config key 'seeds.1': 4294967296 is greater than the maximum of 4294967295"),
+                  lambda t: "{config}: config key 'seeds.1': 4294967296 is greater than the maximum of 4294967295"),
         *per_task("effective-batch-not-divisible", ALL, lambda t: Mistake(at(MICRO_BATCH.get(t.name, "training") + ".micro_batch", 5)),
                   lambda t: f"config: config key '{MICRO_BATCH.get(t.name, 'training')}.effective_batch': 16 is not a multiple of micro_batch (5) x processes (1); choose an effective batch divisible by 5 or change micro_batch"),
         *per_task("gpus-above-resources", ALL, lambda t: Mistake(edits(at("models.{model}.training.gpus", 8), at("models.{model}.training.micro_batch", 2)), args=("--resources", "gpu=2")),

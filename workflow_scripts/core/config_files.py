@@ -133,12 +133,46 @@ def check_workflow_config(configfiles: Iterable[str | Path], config: dict) -> No
     fault as a multi-line dump of the whole config; this re-reads each file strictly and validates
     ``config`` with one-line messages that never echo a secret (defaults filled the same way).
     """
+    files = [(str(path), read_config_file(path)) for path in configfiles]
     from_files: dict = {}
-    for path in configfiles:
-        from_files = deep_merge(from_files, read_config_file(path))  # in order, as Snakemake merges them
+    for _, content in files:
+        from_files = deep_merge(from_files, content)  # in order, as Snakemake merges them
     retype_command_line_values(config, from_files)
     _refuse_misplaced_command_line_keys(config, from_files)
-    validate_schema(config, "config")
+    given = copy.deepcopy(config)  # as written: validation fills the schema's defaults in place
+    try:
+        validate_schema(config, "config")
+    except ConfigError as error:  # named by the file (or --config) that gives the key, as the user wrote it
+        raise ConfigError(error.key, error.problem, origin(error.key, files, given, from_files)) from None
+
+
+def origin(key: str, files: list[tuple[str, Mapping[str, Any]]], given: Mapping[str, Any],
+           from_files: Mapping[str, Any]) -> str:
+    """Where the user wrote ``key`` (dotted, as ConfigError names it): ``--config`` where the command line
+    changed the value, else the last config file that holds it (or the deepest part of its path that is
+    written: a missing key is named by its parent's file); all files where nothing of it is written."""
+    path = [] if key.startswith("<") else key.split(".")
+    for depth in range(len(path), 0, -1):
+        found, value = _lookup(given, path[:depth])
+        if not found:
+            continue
+        in_files, file_value = _lookup(from_files, path[:depth])
+        if not in_files or file_value != value:
+            return "--config"
+        return [name for name, content in files if _lookup(content, path[:depth])[0]][-1]
+    return ", ".join(name for name, _ in files) or "config"
+
+
+def _lookup(tree: Any, path: list[str]) -> tuple[bool, Any]:
+    """(found, value) of a dotted key's parts in nested mappings and lists (a list index as its digits)."""
+    for part in path:
+        if isinstance(tree, Mapping) and part in tree:
+            tree = tree[part]
+        elif isinstance(tree, list) and part.isdigit() and int(part) < len(tree):
+            tree = tree[int(part)]
+        else:
+            return False, None
+    return True, tree
 
 
 def _refuse_misplaced_command_line_keys(config: Mapping[str, Any], from_files: Mapping[str, Any]) -> None:
