@@ -295,6 +295,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("config", "section-marker-not-in-target", cfg("variants.mtup.extractor", {"type": "section", "marker": "Task 3:"}), "config", "{config}: config key 'variants.mtup.extractor.marker': 'Task 3:' never occurs in the target 'Task 1: {aux}\\nTask 2: {answer}', so the model is never taught to write it and every prediction would be unparseable; use the text the target puts before {answer} as the marker (e.g. 'Task 2:'), or add it to the target"),
         case("config", "qlora-with-fsdp", cfg("model.training", {"quantization": {"bits": 4}, "strategy": "fsdp", "gpus": 2, "micro_batch": 8, "precision": "bf16"}), "config", "{config}: config key 'model.training.strategy': is fsdp, but training.quantization is set (QLoRA), and FSDP shards unquantised weights only (bitsandbytes 4/8-bit tensors are not DTensors); set training.strategy: ddp to train QLoRA on several GPUs, or drop training.quantization to shard the unquantised model"),
         case("config", "variant-token-budget-below-max-length", cfg("variants.mtup.training", {"micro_batch_tokens": 64}), "config", "{config}: config key 'variants.mtup.training.micro_batch_tokens': 64 is below max_length (128), so an example of max_length tokens fits no micro-batch; set micro_batch_tokens to at least 128 (e.g. micro_batch x max_length keeps today's memory bound) or lower max_length"),
+        case("model", "evaluate-masked-lm-on-a-causal-model", evaluate_({"--task": "masked_lm", "--variant": {"mask_rate": 0.15, "grouping": "lines"}, "--metric": "masked_accuracy", "--data": "{tmp}/corpus"}, plant=masked_lm_corpus), "evaluate", "{model}: task 'masked_lm' needs a model that AutoModelForMaskedLM loads, but this is a 'llama' model: this model has no masked language-model head; run the dataset on another model (the dataset's models: list)"),
         case("config", "masked-lm-dataset-on-a-causal-model", cfg("datasets.corpus_demo.models", ["tiny-bert", "tiny-llama"], base=absolute_demo_config), "parse", "{config}: config key 'datasets.corpus_demo.models': task masked_lm needs a masked language model (an encoder such as BERT, with a [MASK] token and a head that predicts it), but 'tiny-llama' is a tiny 'llama' model (models.tiny-llama.tiny.architecture; the masked LMs are ['bert']), which predicts the next token only; remove 'tiny-llama' from datasets.corpus_demo.models"),
     ]
 
@@ -803,6 +804,15 @@ def classifier_and_data(labels: list[str]):
         DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows)}).save_to_disk(str(w.tmp / "three_classes"))
         (w.tmp / "three_classes" / "task_meta.json").write_text(json.dumps({"task": "classification", "labels": labels}))
     return plant
+
+
+def masked_lm_corpus(w: Workspace) -> None:
+    """{tmp}/corpus: normalised masked-LM lines (train and test), as normalise writes them."""
+    from datasets import Dataset, DatasetDict
+
+    lines = [{"id": f"line-{i}", "text": f"the cat sat on mat number {i}"} for i in range(6)]
+    DatasetDict({"train": Dataset.from_list(lines), "test": Dataset.from_list(lines)}).save_to_disk(str(w.tmp / "corpus"))
+    (w.tmp / "corpus" / "task_meta.json").write_text(json.dumps({"task": "masked_lm"}))
 
 
 def mkdir(name: str):
