@@ -17,7 +17,7 @@ OWN_PYTHON = (
 shell.prefix(f"{OWN_PYTHON}export PYTHONPATH={shlex.quote(workflow.basedir)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; ")
 
 from workflow_scripts.core import experiment_config as xc
-from workflow_scripts.core import experiment_set
+from workflow_scripts.core import config_files, experiment_set
 from workflow_scripts.checks import scheduler
 from workflow_scripts.checks.config import check_config
 from workflow_scripts.data import source_files, split_layouts, split_names
@@ -46,8 +46,9 @@ try:
         from workflow_scripts.checks.memory import check_declared_memory
 
         check_declared_memory(config)
-except ConfigError as error:
-    raise WorkflowError(str(error)) from None
+except ConfigError as error:  # named by the user's config file (or --config) that holds the key
+    named = config_files.in_user_file(error, workflow.configfiles, workflow.config_settings.config)
+    raise WorkflowError(str(named)) from None
 
 
 MODELS = xc.model_entries(config)

@@ -146,6 +146,18 @@ def check_workflow_config(configfiles: Iterable[str | Path], config: dict) -> No
         raise ConfigError(error.key, error.problem, origin(error.key, files, given, from_files)) from None
 
 
+def in_user_file(error: ConfigError, configfiles: Iterable[str | Path],
+                 command_line: Mapping[str, Any] | None = None) -> ConfigError:
+    """``error`` of a check after validation (its config has the schema's defaults) named by the user's file
+    that holds its key, or ``--config`` (``command_line``: Snakemake's ``--config`` values)."""
+    files = [(str(path), read_config_file(path)) for path in configfiles]
+    from_files: dict = {}
+    for _, content in files:
+        from_files = deep_merge(from_files, content)
+    given = deep_merge(from_files, dict(command_line or {}))
+    return ConfigError(error.key, error.problem, origin(error.key, files, given, from_files))
+
+
 def origin(key: str, files: list[tuple[str, Mapping[str, Any]]], given: Mapping[str, Any],
            from_files: Mapping[str, Any]) -> str:
     """Where the user wrote ``key`` (dotted, as ConfigError names it): ``--config`` where the command line
