@@ -131,3 +131,16 @@ def test_a_schema_fault_names_the_configfile_that_holds_it(tmp_path):
         with pytest.raises(ConfigError) as caught:
             check_workflow_config([str(path) for path in files], config)
         assert str(caught.value).startswith(f"{where}: config key '{key}': "), str(caught.value)
+
+
+def test_a_check_after_the_schema_is_named_by_the_file_or_the_command_line(tmp_path):
+    """rules/common.smk names the checks' faults as the schema's (config_files.in_user_file)."""
+    from workflow_scripts.core.config_files import in_user_file
+
+    path = write(tmp_path / "experiment.yaml", single_model_config())
+    fault = ConfigError("variants.mtup.training.max_length", "sets 256 where ...", "config")
+    assert str(in_user_file(fault, [path])).startswith(f"{path}: config key 'variants.mtup.training.max_length': ")
+    on_command_line = in_user_file(fault, [path], {"variants": {"mtup": {"training": {"max_length": "256"}}}})
+    assert str(on_command_line).startswith("--config: config key 'variants.mtup.training.max_length': ")
+    default = ConfigError("training.effective_batch", "16 is not a multiple ...", "config")  # training: is written
+    assert str(in_user_file(default, [path])).startswith(f"{path}: config key 'training.effective_batch': ")

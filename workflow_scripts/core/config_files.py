@@ -133,10 +133,7 @@ def check_workflow_config(configfiles: Iterable[str | Path], config: dict) -> No
     fault as a multi-line dump of the whole config; this re-reads each file strictly and validates
     ``config`` with one-line messages that never echo a secret (defaults filled the same way).
     """
-    files = [(str(path), read_config_file(path)) for path in configfiles]
-    from_files: dict = {}
-    for _, content in files:
-        from_files = deep_merge(from_files, content)  # in order, as Snakemake merges them
+    files, from_files = _read_files(configfiles)
     retype_command_line_values(config, from_files)
     _refuse_misplaced_command_line_keys(config, from_files)
     given = copy.deepcopy(config)  # as written: validation fills the schema's defaults in place
@@ -150,12 +147,18 @@ def in_user_file(error: ConfigError, configfiles: Iterable[str | Path],
                  command_line: Mapping[str, Any] | None = None) -> ConfigError:
     """``error`` of a check after validation (its config has the schema's defaults) named by the user's file
     that holds its key, or ``--config`` (``command_line``: Snakemake's ``--config`` values)."""
-    files = [(str(path), read_config_file(path)) for path in configfiles]
-    from_files: dict = {}
-    for _, content in files:
-        from_files = deep_merge(from_files, content)
+    files, from_files = _read_files(configfiles)
     given = deep_merge(from_files, dict(command_line or {}))
     return ConfigError(error.key, error.problem, origin(error.key, files, given, from_files))
+
+
+def _read_files(configfiles: Iterable[str | Path]) -> tuple[list[tuple[str, dict]], dict]:
+    """Each config file read strictly, (path, content), and all of them merged in order, as Snakemake merges them."""
+    files = [(str(path), read_config_file(path)) for path in configfiles]
+    merged: dict = {}
+    for _, content in files:
+        merged = deep_merge(merged, content)
+    return files, merged
 
 
 def origin(key: str, files: list[tuple[str, Mapping[str, Any]]], given: Mapping[str, Any],
