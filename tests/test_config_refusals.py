@@ -144,3 +144,17 @@ def test_a_check_after_the_schema_is_named_by_the_file_or_the_command_line(tmp_p
     assert str(on_command_line).startswith("--config: config key 'variants.mtup.training.max_length': ")
     default = ConfigError("training.effective_batch", "16 is not a multiple ...", "config")  # training: is written
     assert str(in_user_file(default, [path])).startswith(f"{path}: config key 'training.effective_batch': ")
+
+
+def test_a_written_qlora_base_without_qlora_is_refused_where_snakemake_reads_the_config(tmp_path):
+    """The Snakefile's check (config_files.check_workflow_config) sees the config as written: even the default
+    value, written out, is refused there, naming the file."""
+    config = single_model_config()
+    config["evaluation"]["qlora_base"] = "quantised"
+    path = write(tmp_path / "experiment.yaml", config)
+    with pytest.raises(ConfigError) as caught:
+        check_workflow_config([str(path)], yaml.safe_load(path.read_text()))
+    assert str(caught.value).startswith(f"{path}: config key 'evaluation.qlora_base': is 'quantised', but no training")
+    del config["evaluation"]["qlora_base"]  # left out: the default, nothing to refuse
+    path = write(tmp_path / "experiment.yaml", config)
+    check_workflow_config([str(path)], yaml.safe_load(path.read_text()))

@@ -6,6 +6,7 @@ the variants of one task, and the matrix (core.experiment_config) about what run
 """
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -14,7 +15,7 @@ import yaml
 
 from workflow_scripts.analysis import fairness
 from workflow_scripts.checks.sections import check_dataset, check_model
-from workflow_scripts.core.config_files import deep_merge, read_config_file, validate_schema
+from workflow_scripts.core.config_files import deep_merge, read_config_file, refuse_unused_qlora_base, validate_schema
 from workflow_scripts.core.config_schema import SCHEMA_PATH
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.core.experiment_config import (
@@ -35,8 +36,10 @@ def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
     config = read_config_file(path)
     if overrides:
         config = deep_merge(config, overrides)
+    given = copy.deepcopy(config)  # as written: validation fills the schema's defaults in place
     validate_schema(config, str(path))
     check_config(config, str(path))
+    refuse_unused_qlora_base(given, str(path))
     return config
 
 
@@ -100,7 +103,6 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
         _check_quantised_sharding(config, model, variant, training, source)
     comparison = ComparisonSettings.parse(config["comparison"], "comparison", source)
     _check_detectable_effect(config, comparison, source)
-    _check_qlora_base(config, source)
     tasks_in_use = {dataset["task"] for dataset in config["datasets"].values()}
     for task_name in sorted(tasks_in_use):
         if not any(variant["task"] == task_name for variant in config["variants"].values()):
@@ -327,16 +329,3 @@ def _check_detectable_effect(config: Mapping[str, Any], comparison: ComparisonSe
                           f"threshold would never stop a run; give it as a fraction of the metric's range (e.g. "
                           f"{threshold / 100:g} for {threshold:g} points)", source)
 
-
-def _check_qlora_base(config: Mapping[str, Any], source: str | None) -> None:
-    """evaluation.qlora_base: unquantised (not the default) picks the base a QLoRA adapter is scored on; with no
-    quantised training it would change nothing. (Written as the default, quantised, it is indistinguishable
-    from leaving it out once the schema's defaults are filled, and changes nothing either.)"""
-    chosen = config["evaluation"]["qlora_base"]
-    if chosen == "quantised":
-        return
-    if not any(training_settings(config, variant, model, source).quantization is not None
-               for model, _, variant in model_entry_variants(config)):
-        raise ConfigError("evaluation.qlora_base", f"is {chosen!r}, but no variant trains with training.quantization "
-                          "(QLoRA), so there is no QLoRA adapter to score and it would change nothing; remove "
-                          "evaluation.qlora_base, or set training.quantization (e.g. {bits: 4}) to train QLoRA", source)

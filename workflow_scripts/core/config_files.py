@@ -139,8 +139,27 @@ def check_workflow_config(configfiles: Iterable[str | Path], config: dict) -> No
     given = copy.deepcopy(config)  # as written: validation fills the schema's defaults in place
     try:
         validate_schema(config, "config")
+        refuse_unused_qlora_base(given, "config")
     except ConfigError as error:  # named by the file (or --config) that gives the key, as the user wrote it
         raise ConfigError(error.key, error.problem, origin(error.key, files, given, from_files)) from None
+
+
+def refuse_unused_qlora_base(given: Mapping[str, Any], source: str | None = None) -> None:
+    """``evaluation.qlora_base`` picks the base a QLoRA adapter is scored on; set while no training block (the
+    shared one, a model's or a variant's) quantises, it changes nothing. ``given``: the config as written, before
+    the schema's default fills ``qlora_base`` (afterwards a set value and the default look alike), which is why
+    this check sits here, where the config is read, rather than in checks/config."""
+    evaluation = given.get("evaluation")
+    if not isinstance(evaluation, Mapping) or "qlora_base" not in evaluation:
+        return
+    entries = [given.get("model")] if "model" in given else list((given.get("models") or {}).values())
+    entries += list((given.get("variants") or {}).values())
+    blocks = [given.get("training"), *(entry.get("training") for entry in entries if isinstance(entry, Mapping))]
+    if not any(isinstance(block, Mapping) and block.get("quantization") is not None for block in blocks):
+        raise ConfigError("evaluation.qlora_base", f"is {evaluation['qlora_base']!r}, but no training block sets "
+                          "training.quantization (QLoRA), so there is no QLoRA adapter to score and it would change "
+                          "nothing; remove evaluation.qlora_base, or set training.quantization (e.g. {bits: 4}) to "
+                          "train QLoRA", source)
 
 
 def in_user_file(error: ConfigError, configfiles: Iterable[str | Path],
