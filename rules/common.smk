@@ -1,15 +1,24 @@
 # Helpers shared by the rules: configuration checks, the experiment matrix and the output layout.
 import json
+import os
 import shlex
 import sys
 
 # The Snakefile and every job import the workflow's own scripts, wherever the working directory is.
 sys.path.insert(0, workflow.basedir)
+# Jobs run `python` from the interpreter's folder that runs Snakemake (`.venv/bin/snakemake` without the
+# venv on PATH would otherwise run the system one); a conda/apptainer deployment brings its own python.
+OWN_PYTHON = (
+    ""
+    if workflow.deployment_settings.deployment_method
+    else f'export PATH={shlex.quote(os.path.dirname(sys.executable))}:"$PATH"; '
+)
 # (Snakemake formats the prefix too, hence the doubled braces.)
-shell.prefix(f"export PYTHONPATH={shlex.quote(workflow.basedir)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; ")
+shell.prefix(f"{OWN_PYTHON}export PYTHONPATH={shlex.quote(workflow.basedir)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; ")
 
 from workflow_scripts.core import experiment_config as xc
-from workflow_scripts.core import experiment_set
+from workflow_scripts.core import config_files, experiment_set
+from workflow_scripts.checks import scheduler
 from workflow_scripts.checks.config import check_config
 from workflow_scripts.data import source_files, split_layouts, split_names
 from workflow_scripts.core.errors import ConfigError
@@ -29,14 +38,17 @@ try:
     trackers.check_workflow_tracking(TRACKING)
     split_names.check_local_splits(DATASETS, "config")
     task_fit.check_vision_language_models(config, "config")  # where the model's config is readable now
+    task_fit.check_masked_lm_models(config, "config")
+    scheduler.check_signal_timing(config, workflow.resource_settings.overwrite_resources, "config")
     # Each (model, variant) whose model config is here, against the memory its config declares (a few
     # seconds of torch/transformers imports: once, not again in each job that re-reads the Snakefile).
     if workflow.is_main_process:
         from workflow_scripts.checks.memory import check_declared_memory
 
         check_declared_memory(config)
-except ConfigError as error:
-    raise WorkflowError(str(error)) from None
+except ConfigError as error:  # named by the user's config file (or --config) that holds the key
+    named = config_files.in_user_file(error, workflow.configfiles, workflow.config_settings.config)
+    raise WorkflowError(str(named)) from None
 
 
 MODELS = xc.model_entries(config)

@@ -308,6 +308,17 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "csv-answer-json-text-broken", csv_rows('x?,"[""7"" ""seven""]"'), "normalise", rejected("wrong_type", "a", "holds '[\"7\" \"seven\"]', a list written as text that is not valid JSON (Expecting ',' delimiter); write the list as JSON, e.g. [\"a\", \"b\"], or one value without brackets", line=7, fmt="csv")),
         # --- numbers (issue 36) ---
         case("config", "two-level-bootstrap-with-one-seed", cfg("comparison.bootstrap", "seeds_and_examples", base=lambda: {**single_model_config(), "seeds": [1]}), "config", "{config}: config key 'comparison.bootstrap': 'seeds_and_examples' resamples seeds, which needs at least 2, but seeds is [1]; add seeds, or use 'examples' (or 'auto', which resamples seeds from 3 on)"),
+        # --- refusals (issue 37) ---
+        case("config", "min-detectable-effect-in-points", cfg("comparison.min_detectable_effect", 5), "config", "{config}: config key 'comparison.min_detectable_effect': is 5, but dataset 'amr_demo' is scored by smatch, in [0, 1], where no difference between two variants reaches 1, so the threshold would never stop a run; give it as a fraction of the metric's range (e.g. 0.05 for 5 points)"),
+        case("config", "activation-offloading-on-cpu", cfg("model.training", {"activation_offloading": True, "gradient_checkpointing": True}), "config", "{config}: config key 'model.training.activation_offloading': is true but training.gpus is 0: offloading moves the checkpointed activations from GPU memory to host memory, where a CPU run keeps them already, so it would do nothing; set activation_offloading: false, or train on GPUs (training.gpus > 0)"),
+        case("config", "qlora-base-without-qlora", cfg("evaluation.qlora_base", "unquantised"), "config", "{config}: config key 'evaluation.qlora_base': is 'unquantised', but no training block sets training.quantization (QLoRA), so there is no QLoRA adapter to score and it would change nothing; remove evaluation.qlora_base, or set training.quantization (e.g. {bits: 4}) to train QLoRA"),
+        case("config", "qlora-base-default-written-without-qlora", cfg("evaluation.qlora_base", "quantised"), "config", "{config}: config key 'evaluation.qlora_base': is 'quantised', but no training block sets training.quantization (QLoRA), so there is no QLoRA adapter to score and it would change nothing; remove evaluation.qlora_base, or set training.quantization (e.g. {bits: 4}) to train QLoRA"),
+        case("config", "target-renders-the-answer-list", cfg("variants.baseline.target", " {answers}"), "config", "{config}: config key 'variants.baseline.target': {answers} is the list of gold answers, which renders as its Python text (['64'], brackets and quotes included), so the model would learn to write that; use {answer} (the first gold answer)"),
+        case("config", "section-marker-not-in-target", cfg("variants.mtup.extractor", {"type": "section", "marker": "Task 3:"}), "config", "{config}: config key 'variants.mtup.extractor.marker': 'Task 3:' never occurs in the target 'Task 1: {aux}\\nTask 2: {answer}', so the model is never taught to write it and every prediction would be unparseable; use the text the target puts before {answer} as the marker (e.g. 'Task 2:'), or add it to the target"),
+        case("config", "qlora-with-fsdp", cfg("model.training", {"quantization": {"bits": 4}, "strategy": "fsdp", "gpus": 2, "micro_batch": 8, "precision": "bf16"}), "config", "{config}: config key 'model.training.strategy': is fsdp, but training.quantization is set (QLoRA), and FSDP shards unquantised weights only (bitsandbytes 4/8-bit tensors are not DTensors); set training.strategy: ddp to train QLoRA on several GPUs, or drop training.quantization to shard the unquantised model"),
+        case("config", "variant-token-budget-below-max-length", cfg("variants.mtup.training", {"micro_batch_tokens": 64}), "config", "{config}: config key 'variants.mtup.training.micro_batch_tokens': 64 is below max_length (128), so an example of max_length tokens fits no micro-batch; set micro_batch_tokens to at least 128 (e.g. micro_batch x max_length keeps today's memory bound) or lower max_length"),
+        case("model", "evaluate-masked-lm-on-a-causal-model", evaluate_({"--task": "masked_lm", "--variant": {"mask_rate": 0.15, "grouping": "lines"}, "--metric": "masked_accuracy", "--data": "{tmp}/corpus"}, plant=masked_lm_corpus), "evaluate", "{model}: task 'masked_lm' needs a model that AutoModelForMaskedLM loads, but this is a 'llama' model: this model has no masked language-model head; run the dataset on another model (the dataset's models: list)"),
+        case("config", "masked-lm-dataset-on-a-causal-model", cfg("datasets.corpus_demo.models", ["tiny-bert", "tiny-llama"], base=absolute_demo_config), "parse", "{config}: config key 'datasets.corpus_demo.models': task masked_lm needs a masked language model (an encoder such as BERT, with a [MASK] token and a head that predicts it), but 'tiny-llama' is a tiny 'llama' model (models.tiny-llama.tiny.architecture; the masked LMs are ['bert']), which predicts the next token only; remove 'tiny-llama' from datasets.corpus_demo.models"),
     ]
 
 
@@ -385,10 +396,11 @@ def call(stage: str, argv: list[str]):
     if stage == "parse":  # the checks rules/common.smk adds when snakemake reads the workflow (-n)
         from workflow_scripts.core.experiment_config import dataset_entries
         from workflow_scripts.data.split_names import check_local_splits
-        from workflow_scripts.model.task_fit import check_vision_language_models
+        from workflow_scripts.model.task_fit import check_masked_lm_models, check_vision_language_models
 
         config = load_config(argv[0])
         check_local_splits(dataset_entries(config), argv[0])
+        check_masked_lm_models(config, argv[0])
         return check_vision_language_models(config, argv[0])
     return importlib.import_module(f"workflow_scripts.{stage}").main(argv)
 
@@ -814,6 +826,15 @@ def classifier_and_data(labels: list[str]):
         DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows)}).save_to_disk(str(w.tmp / "three_classes"))
         (w.tmp / "three_classes" / "task_meta.json").write_text(json.dumps({"task": "classification", "labels": labels}))
     return plant
+
+
+def masked_lm_corpus(w: Workspace) -> None:
+    """{tmp}/corpus: normalised masked-LM lines (train and test), as normalise writes them."""
+    from datasets import Dataset, DatasetDict
+
+    lines = [{"id": f"line-{i}", "text": f"the cat sat on mat number {i}"} for i in range(6)]
+    DatasetDict({"train": Dataset.from_list(lines), "test": Dataset.from_list(lines)}).save_to_disk(str(w.tmp / "corpus"))
+    (w.tmp / "corpus" / "task_meta.json").write_text(json.dumps({"task": "masked_lm"}))
 
 
 def mkdir(name: str):

@@ -164,10 +164,10 @@ def test_a_prompt_showing_the_gold_stops_a_snakemake_dry_run(tmp_path):
 
     config = absolute_demo_config(["chartqa_demo"])
     config["variants"]["hinted"] = {"prompt": "Q: {question} hint: {aux}", "target": " {answer}"}
-    code, output = dry_run(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)),
-                           "--replace-workflow-config", "--cores", "1")
+    path = config_file(tmp_path, config)
+    code, output = dry_run(tmp_path, "-n", "--configfile", str(path), "--replace-workflow-config", "--cores", "1")
     assert code != 0
-    assert ("config: config key 'variants.hinted.prompt': shows field 'aux', which in dataset 'chartqa_demo' is derived "
+    assert (f"{path}: config key 'variants.hinted.prompt': shows field 'aux', which in dataset 'chartqa_demo' is derived "
             "from the gold answer (aux = answer_kind(answer)), " + LEAK_FIX % "aux") in output
 
 

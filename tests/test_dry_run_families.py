@@ -147,13 +147,13 @@ FOREIGN_KEY = {"generation": "mask_rate", "classification": "prompt", "masked_lm
 TEMPLATE_KEY = {"generation": "prompt", "classification": "input", "vision_language": "prompt"}
 TEMPLATE_FIELD = {"generation": "question", "classification": "text", "vision_language": "question"}
 FIELD_MISSING = {  # classification checks its one input template as a whole
-    "generation": "config: config key 'variants.{variant}.prompt': refers to ['title'], which dataset '{dataset}' does not provide (it has ['answer', 'answers', 'aux', 'id', 'question']); add them under datasets.{dataset}.extra_fields or derived",
-    "classification": "config: config key 'variants.{variant}': variant input template 'Title: {title}' must show {text} and never {label} (the gold)",
-    "vision_language": "config: config key 'variants.{variant}.prompt': refers to ['title'], which dataset '{dataset}' does not provide (it has ['answer', 'answers', 'id', 'question']); add them under datasets.{dataset}.extra_fields or derived"}
+    "generation": "{config}: config key 'variants.{variant}.prompt': refers to ['title'], which dataset '{dataset}' does not provide (it has ['answer', 'answers', 'aux', 'id', 'question']); add them under datasets.{dataset}.extra_fields or derived",
+    "classification": "{config}: config key 'variants.{variant}': variant input template 'Title: {title}' must show {text} and never {label} (the gold)",
+    "vision_language": "{config}: config key 'variants.{variant}.prompt': refers to ['title'], which dataset '{dataset}' does not provide (it has ['answer', 'answers', 'id', 'question']); add them under datasets.{dataset}.extra_fields or derived"}
 UNSAFE = {
-    "generation": "config: config key 'variants.{variant}.prompt': {question.upper} uses attribute access or indexing; ",
-    "classification": "config: config key 'variants.{variant}': variant input template 'Q: {text.upper}': {text.upper} uses attribute access or indexing; ",
-    "vision_language": "config: config key 'variants.{variant}.prompt': {question.upper} uses attribute access or indexing; "}
+    "generation": "{config}: config key 'variants.{variant}.prompt': {question.upper} uses attribute access or indexing; ",
+    "classification": "{config}: config key 'variants.{variant}': variant input template 'Q: {text.upper}': {text.upper} uses attribute access or indexing; ",
+    "vision_language": "{config}: config key 'variants.{variant}.prompt': {question.upper} uses attribute access or indexing; "}
 # where a user sets micro_batch (tiny-bert has its own), and the key the message names
 MICRO_BATCH = {"masked_lm": "models.{model}.training"}
 UNFAIR = ("sets 256 where the reference variant '{reference}' uses {old}, so the comparison would not be fair; make "
@@ -177,9 +177,9 @@ def table() -> list:
     return [
         # schema: a wrong type, and a key of another task's variants
         *per_task("schema-type", ALL, lambda t: Mistake(at(f"variants.{{variant}}.{WRONG_TYPE[t.name][0]}", WRONG_TYPE[t.name][1])),
-                  lambda t: f"config: config key 'variants.{{variant}}.{WRONG_TYPE[t.name][0]}': {WRONG_TYPE[t.name][2]}"),
+                  lambda t: f"{{config}}: config key 'variants.{{variant}}.{WRONG_TYPE[t.name][0]}': {WRONG_TYPE[t.name][2]}"),
         *per_task("unknown-key", ALL, lambda t: Mistake(at(f"variants.{{variant}}.{FOREIGN_KEY[t.name]}", "x")),
-                  lambda t: f"config: config key 'variants.{{variant}}': Additional properties are not allowed ('{FOREIGN_KEY[t.name]}' was unexpected)"),
+                  lambda t: f"{{config}}: config key 'variants.{{variant}}': Additional properties are not allowed ('{FOREIGN_KEY[t.name]}' was unexpected)"),
         # YAML: a key twice in the dataset, the dataset's name twice, a syntax error
         *per_task("duplicate-yaml-key", ALL, lambda t: Mistake(text=duplicate_line("    metric: ")),
                   lambda t: rx_line(r"\{config\}: config key 'datasets\.\{dataset\}\.metric': line \d+: key 'metric' is given twice \(first at line \d+\); YAML would silently keep only the last, so remove or rename one")),
@@ -198,21 +198,21 @@ def table() -> list:
                   lambda t: UNSAFE[t.name] + HINT),
         # fairness: a variant changing a compared key
         *per_task("variant-changes-max-length", ALL, lambda t: Mistake(at("variants.{variant}.training.max_length", 256)),
-                  lambda t: "config: config key 'variants.{variant}.training.max_length': " + UNFAIR.replace("{old}", str(64 if t.name == "vision_language" else 128))),
+                  lambda t: "{config}: config key 'variants.{variant}.training.max_length': " + UNFAIR.replace("{old}", str(64 if t.name == "vision_language" else 128))),
         # seeds, training shape, GPUs
         *per_task("seed-out-of-range", ("generation",), lambda t: Mistake(at("seeds", [1, 2 ** 32])),
-                  lambda t: "config: config key 'seeds.1': 4294967296 is greater than the maximum of 4294967295"),
+                  lambda t: "{config}: config key 'seeds.1': 4294967296 is greater than the maximum of 4294967295"),
         *per_task("effective-batch-not-divisible", ALL, lambda t: Mistake(at(MICRO_BATCH.get(t.name, "training") + ".micro_batch", 5)),
-                  lambda t: f"config: config key '{MICRO_BATCH.get(t.name, 'training')}.effective_batch': 16 is not a multiple of micro_batch (5) x processes (1); choose an effective batch divisible by 5 or change micro_batch"),
+                  lambda t: f"{{config}}: config key '{MICRO_BATCH.get(t.name, 'training')}.effective_batch': 16 is not a multiple of micro_batch (5) x processes (1); choose an effective batch divisible by 5 or change micro_batch"),
         *per_task("gpus-above-resources", ALL, lambda t: Mistake(edits(at("models.{model}.training.gpus", 8), at("models.{model}.training.micro_batch", 2)), args=("--resources", "gpu=2")),
                   lambda t: GPU),
         *per_task("evaluation-gpus-above-resources", ("generation",), lambda t: Mistake(at("evaluation.gpus", 1), args=("--resources", "gpu=0")),
                   lambda t: "evaluation.gpus is 1 but --resources gpu=0: Snakemake would silently count each evaluation as 0 GPUs; lower evaluation.gpus or raise --resources gpu"),
         *per_task("evaluation-gpus-above-one", ("generation",), lambda t: Mistake(at("evaluation.gpus", 2)),
-                  lambda t: "config: config key 'evaluation.gpus': is 2, but evaluation runs on one GPU (the others would be reserved and idle); set evaluation.gpus: 1 (or 0 for the CPU)"),
+                  lambda t: "{config}: config key 'evaluation.gpus': is 2, but evaluation runs on one GPU (the others would be reserved and idle); set evaluation.gpus: 1 (or 0 for the CPU)"),
         # the dataset's files: a split file under another name
         *per_task("split-file-missing", ALL, lambda t: Mistake(plant=rename_split_file("validation", "val")),
-                  lambda t: f"config: config key 'datasets.{{dataset}}.splits.validation': {{data}}/validation{t.data_suffix} is missing (the directory holds {split_files(t)}); if val{t.data_suffix} is the validation split, map it: splits: {{train: train, validation: val, test: test}}"),
+                  lambda t: f"{{config}}: config key 'datasets.{{dataset}}.splits.validation': {{data}}/validation{t.data_suffix} is missing (the directory holds {split_files(t)}); if val{t.data_suffix} is the validation split, map it: splits: {{train: train, validation: val, test: test}}"),
         # --config: a dotted key (Snakemake's own refusal), a section's key at the top level
         *per_task("dotted-config-key", ("generation",), lambda t: Mistake(args=("--config", "training.max_steps=10")),
                   lambda t: "ValueError: Invalid config definition: Config entry must start with a valid identifier."),

@@ -258,9 +258,10 @@ def test_snakemake_n_plans_an_image_folder_and_refuses_a_glob_matching_nothing_n
                                 "metric": "exact_match", "models": ["tiny-llava"]}
     config["variants"]["baseline"] = {"prompt": "Question: {question}\nAnswer:", "target": " {answer}"}
     config["comparison"]["reference_variant"]["generation"] = "baseline"
-    code, output = dry_run(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)), "--cores", "1")
+    path = config_file(tmp_path, config)
+    code, output = dry_run(tmp_path, "-n", "--configfile", str(path), "--cores", "1")
     assert code != 0 and "Job stats" not in output, output[-3000:]
-    assert (f"config: config key 'datasets.qa.source.files.train': 'shards/part-*.jsonl' matches no file under "
+    assert (f"{path}: config key 'datasets.qa.source.files.train': 'shards/part-*.jsonl' matches no file under "
             f"{tmp_path / 'qa'} (paths and globs are relative to source.path, or absolute)") in output
 
 
@@ -270,8 +271,9 @@ def test_snakemake_n_refuses_a_vision_language_dataset_on_a_text_only_model(tmp_
 
     write_imagefolder(tmp_path / "charts")
     config = imagefolder_config(tmp_path / "charts", ["tiny-llava", "tiny-llama"])
-    code, output = dry_run(tmp_path, "-n", "--configfile", str(config_file(tmp_path, config)), "--cores", "1")
+    path = config_file(tmp_path, config)
+    code, output = dry_run(tmp_path, "-n", "--configfile", str(path), "--cores", "1")
     assert code != 0 and "Job stats" not in output, output[-3000:]
-    assert ("config: config key 'datasets.charts.models': task vision_language needs a model with a vision part, but "
+    assert (f"{path}: config key 'datasets.charts.models': task vision_language needs a model with a vision part, but "
             "'tiny-llama' is a tiny 'llama' model (models.tiny-llama.tiny.architecture; the vision ones are "
             "['llava', 'idefics3']), which reads text only; remove 'tiny-llama' from datasets.charts.models") in output

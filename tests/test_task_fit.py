@@ -55,3 +55,31 @@ def test_a_model_with_its_own_code_is_left_to_the_loader(tmp_path):
     model = local_model(tmp_path, "custom_thing")
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "qwen2", "auto_map": {"AutoModel": "x.Y"}}))
     check_vision_language_models(config(model), root=tmp_path)
+
+
+# A masked_lm dataset on a model without a masked-LM form (issue 37): the same readable configs.
+CORPUS = {"task": "masked_lm", "source": {"type": "local", "path": "x"}, "format": "text", "metric": "masked_accuracy"}
+
+
+def corpus_config(model: dict) -> dict:
+    return {"models": {"m": model, "bert": {"source": "tiny", "tiny": {"architecture": "bert"}}},
+            "datasets": {"lines": {**CORPUS, "models": ["bert", "m"]}}}
+
+
+@pytest.mark.parametrize("model_type, refused", [("llama", True), ("qwen2", True), ("bert", False), ("roberta", False)])
+def test_a_masked_lm_dataset_on_a_local_model_is_judged_by_its_type(tmp_path, model_type, refused):
+    from workflow_scripts.model.task_fit import check_masked_lm_models
+
+    config = corpus_config(local_model(tmp_path, model_type))
+    if not refused:
+        check_masked_lm_models(config, root=tmp_path)
+        return
+    with pytest.raises(ConfigError, match=rf"datasets\.lines\.models.*'m' is a '{model_type}' model \(per .*model/config"
+                                          r"\.json\), which predicts the next token only; remove 'm' from datasets\.lines"):
+        check_masked_lm_models(config, root=tmp_path)
+
+
+def test_a_masked_lm_dataset_on_an_unprepared_hub_model_is_left_to_the_stage(tmp_path):
+    from workflow_scripts.model.task_fit import check_masked_lm_models
+
+    check_masked_lm_models(corpus_config({"source": "hub", "hub_id": "org/causal", "revision": "abc123"}), root=tmp_path)

@@ -165,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = load_rows(args.data, evaluation.split, evaluation.max_examples)
     check_row_templates(variant, rows, args.data, evaluation.split)
     model_loading.check_model_directory(args.model)
+    model_loading.check_task_architecture(args.model, task)  # a causal LM for masked_lm: one line, no traceback
     task_meta = read_task_meta(args.data, args.task)
     refuse_unlabelled(task_meta, args.data, evaluation.split)
     label = f"evaluate {args.model_name or Path(args.model).name}/{args.dataset_name}/{args.variant_name}/{seed}"

@@ -96,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = f"{args.data} split '{args.split}'"
     check_row_templates(variant, rows, args.data, args.split)
     model_loading.check_model_directory(args.model)
+    model_loading.check_task_architecture(args.model, task)  # a causal LM for masked_lm: one line, no traceback
     task_meta = read_task_meta(args.data, args.task)
     if args.split not in task_meta.get("unlabelled", []):
         raise WorkflowError(f"{where} is labelled (task_meta.json unlabelled: {task_meta.get('unlabelled', [])}); "

@@ -6,12 +6,17 @@ the variants of one task, and the matrix (core.experiment_config) about what run
 """
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+import yaml
+
 from workflow_scripts.analysis import fairness, paired_bootstrap
 from workflow_scripts.checks.sections import check_dataset, check_model
-from workflow_scripts.core.config_files import deep_merge, read_config_file, validate_schema
+from workflow_scripts.core.config_files import deep_merge, read_config_file, refuse_unused_qlora_base, validate_schema
+from workflow_scripts.core.config_schema import SCHEMA_PATH
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.core.experiment_config import (
     RESERVED_MODEL_NAMES, dataset_entries, dataset_models, entry_task, evaluation_split, mixtures, model_dataset_variants,
@@ -31,8 +36,10 @@ def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
     config = read_config_file(path)
     if overrides:
         config = deep_merge(config, overrides)
+    given = copy.deepcopy(config)  # as written: validation fills the schema's defaults in place
     validate_schema(config, str(path))
     check_config(config, str(path))
+    refuse_unused_qlora_base(given, str(path))
     return config
 
 
@@ -49,7 +56,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
             raise ConfigError(f"{key}.name" if "model" in config else key,
                               f"'{name}' is reserved for results/{name}/; choose another model name", source)
         check_model(model, source, key)
-        unknown = set(model.training) - set(config["training"])
+        unknown = set(model.training) - _training_keys()
         if unknown:
             raise ConfigError(f"models.{name}.training", f"unknown training keys {sorted(unknown)}", source)
     typed_datasets = dataset_entries(config, source)
@@ -62,7 +69,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
             if model not in models(config):
                 raise ConfigError(f"datasets.{name}.models", f"'{model}' is not a model of this config "
                                   f"(models: {sorted(models(config))})", source)
-    training_keys = set(config["training"])
+    training_keys = _training_keys()  # a key without a schema default is known too (micro_batch_tokens)
     typed_variants = variant_entries(config, source)
     for name, variant in config["variants"].items():
         key = f"variants.{name}"
@@ -79,6 +86,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
             raise ConfigError(key, str(error), source) from None
         for model in models(config):
             training_settings(config, name, model, source)  # the schema, the batch shape and the length
+    _check_target_templates(typed_variants, source)
     _check_mixtures(config, source)
     _check_evaluated(config, source)
     for model, entry, variant in model_entry_variants(config):
@@ -93,8 +101,11 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
                                   f"(datasets.{dataset}.splits), so there is no held-out loss to compute; add one or "
                                   "switch validation off for it with a variant's training override", source)
         _check_validation_metric(config, entry, training.validation, source)
+        _check_gpu_only_switches(config, model, variant, training, source)
+        _check_quantised_sharding(config, model, variant, training, source)
     comparison = ComparisonSettings.parse(config["comparison"], "comparison", source)
     _check_bootstrap_seeds(config, comparison, source)
+    _check_detectable_effect(config, comparison, source)
     tasks_in_use = {dataset["task"] for dataset in config["datasets"].values()}
     for task_name in sorted(tasks_in_use):
         if not any(variant["task"] == task_name for variant in config["variants"].values()):
@@ -340,3 +351,81 @@ def _penman_graph(text: str) -> bool:
     from workflow_scripts.data.raw_records import penman_graph_problem
 
     return penman_graph_problem(text) is None
+@functools.lru_cache(maxsize=1)
+def _training_keys() -> frozenset[str]:
+    """Every key a training block may hold: the schema's ``training_settings``, with or without a default."""
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    return frozenset(schema["$defs"]["training_settings"]["properties"])
+
+
+def where_set(config: Mapping[str, Any], model: str, variant: str, name: str) -> str:
+    """The training block that sets ``name`` for this (model, variant), as resolved_training merges them
+    (the variant's over the model's over the shared one): its key, for messages."""
+    model_key = "model" if "model" in config else f"models.{model}"
+    layers = ((f"variants.{variant}.training", config["variants"][variant].get("training", {})),
+              (f"{model_key}.training", models(config)[model].get("training", {})))
+    return next((f"{key}.{name}" for key, layer in layers if name in layer), f"training.{name}")
+
+
+def _check_gpu_only_switches(config: Mapping[str, Any], model: str, variant: str, training: "TrainingSettings",
+                             source: str | None) -> None:
+    """activation_offloading on a CPU run: the activations live in host memory already, so it would only copy
+    them (TrainingSettings refuses the CUDA-only kernels alike; a stage run by hand on CPU is still allowed)."""
+    if training.activation_offloading and training.gpus == 0:
+        raise ConfigError(where_set(config, model, variant, "activation_offloading"),
+                          "is true but training.gpus is 0: offloading moves the checkpointed activations from GPU "
+                          "memory to host memory, where a CPU run keeps them already, so it would do nothing; set "
+                          "activation_offloading: false, or train on GPUs (training.gpus > 0)", source)
+
+
+def _check_quantised_sharding(config: Mapping[str, Any], model: str, variant: str, training: "TrainingSettings",
+                              source: str | None) -> None:
+    """QLoRA under FSDP, in the config's own words (training/fsdp.py refuses it again before sharding)."""
+    if training.quantization is not None and training.sharded:
+        raise ConfigError(where_set(config, model, variant, "strategy"),
+                          "is fsdp, but training.quantization is set (QLoRA), and FSDP shards unquantised weights "
+                          "only (bitsandbytes 4/8-bit tensors are not DTensors); set training.strategy: ddp to train "
+                          "QLoRA on several GPUs, or drop training.quantization to shard the unquantised model",
+                          source)
+
+
+def _check_target_templates(typed_variants: Mapping[str, Any], source: str | None) -> None:
+    """What a target teaches the model to write: no list's Python text, and the extractor's marker.
+
+    Runs after each task's own template checks (their syntax and fields)."""
+    from workflow_scripts.tasks import templates
+
+    for name, variant in typed_variants.items():
+        if not variant.target:
+            continue
+        pieces = templates.parse_template(variant.target)
+        if "answers" in {field for _, field in pieces}:
+            raise ConfigError(f"variants.{name}.target", "{answers} is the list of gold answers, which renders as "
+                              "its Python text (['64'], brackets and quotes included), so the model would learn to "
+                              "write that; use {answer} (the first gold answer)", source)
+        marker = variant.extractor.marker
+        # The literal text joined (fields left out): a marker written across a field is not refused.
+        if variant.extractor.type == "section" and marker and marker not in "".join(text for text, _ in pieces):
+            raise ConfigError(f"variants.{name}.extractor.marker", f"{marker!r} never occurs in the target "
+                              f"{variant.target!r}, so the model is never taught to write it and every prediction "
+                              "would be unparseable; use the text the target puts before {answer} as the marker "
+                              "(e.g. 'Task 2:'), or add it to the target", source)
+
+
+def _check_detectable_effect(config: Mapping[str, Any], comparison: ComparisonSettings, source: str | None) -> None:
+    """min_detectable_effect is in the metric's units: on a [0, 1] metric no difference of two variants reaches 1,
+    so a threshold of 1 or more (points meant as a fraction) would never bind."""
+    from workflow_scripts.analysis.power import UNBOUNDED_METRICS
+
+    threshold = comparison.min_detectable_effect
+    if threshold is None or threshold < 1:
+        return
+    bounded = {name: dataset["metric"] for name, dataset in config["datasets"].items()
+               if dataset["metric"] not in UNBOUNDED_METRICS}
+    if bounded:
+        name = sorted(bounded)[0]
+        raise ConfigError("comparison.min_detectable_effect", f"is {threshold:g}, but dataset '{name}' is scored by "
+                          f"{bounded[name]}, in [0, 1], where no difference between two variants reaches 1, so the "
+                          f"threshold would never stop a run; give it as a fraction of the metric's range (e.g. "
+                          f"{threshold / 100:g} for {threshold:g} points)", source)
+

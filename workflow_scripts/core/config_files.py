@@ -133,12 +133,80 @@ def check_workflow_config(configfiles: Iterable[str | Path], config: dict) -> No
     fault as a multi-line dump of the whole config; this re-reads each file strictly and validates
     ``config`` with one-line messages that never echo a secret (defaults filled the same way).
     """
-    from_files: dict = {}
-    for path in configfiles:
-        from_files = deep_merge(from_files, read_config_file(path))  # in order, as Snakemake merges them
+    files, from_files = _read_files(configfiles)
     retype_command_line_values(config, from_files)
     _refuse_misplaced_command_line_keys(config, from_files)
-    validate_schema(config, "config")
+    given = copy.deepcopy(config)  # as written: validation fills the schema's defaults in place
+    try:
+        validate_schema(config, "config")
+        refuse_unused_qlora_base(given, "config")
+    except ConfigError as error:  # named by the file (or --config) that gives the key, as the user wrote it
+        raise ConfigError(error.key, error.problem, origin(error.key, files, given, from_files)) from None
+
+
+def refuse_unused_qlora_base(given: Mapping[str, Any], source: str | None = None) -> None:
+    """``evaluation.qlora_base`` picks the base a QLoRA adapter is scored on; set while no training block (the
+    shared one, a model's or a variant's) quantises, it changes nothing. ``given``: the config as written, before
+    the schema's default fills ``qlora_base`` (afterwards a set value and the default look alike), which is why
+    this check sits here, where the config is read, rather than in checks/config."""
+    evaluation = given.get("evaluation")
+    if not isinstance(evaluation, Mapping) or "qlora_base" not in evaluation:
+        return
+    entries = [given.get("model")] if "model" in given else list((given.get("models") or {}).values())
+    entries += list((given.get("variants") or {}).values())
+    blocks = [given.get("training"), *(entry.get("training") for entry in entries if isinstance(entry, Mapping))]
+    if not any(isinstance(block, Mapping) and block.get("quantization") is not None for block in blocks):
+        raise ConfigError("evaluation.qlora_base", f"is {evaluation['qlora_base']!r}, but no training block sets "
+                          "training.quantization (QLoRA), so there is no QLoRA adapter to score and it would change "
+                          "nothing; remove evaluation.qlora_base, or set training.quantization (e.g. {bits: 4}) to "
+                          "train QLoRA", source)
+
+
+def in_user_file(error: ConfigError, configfiles: Iterable[str | Path],
+                 command_line: Mapping[str, Any] | None = None) -> ConfigError:
+    """``error`` of a check after validation (its config has the schema's defaults) named by the user's file
+    that holds its key, or ``--config`` (``command_line``: Snakemake's ``--config`` values)."""
+    files, from_files = _read_files(configfiles)
+    given = deep_merge(from_files, dict(command_line or {}))
+    return ConfigError(error.key, error.problem, origin(error.key, files, given, from_files))
+
+
+def _read_files(configfiles: Iterable[str | Path]) -> tuple[list[tuple[str, dict]], dict]:
+    """Each config file read strictly, (path, content), and all of them merged in order, as Snakemake merges them."""
+    files = [(str(path), read_config_file(path)) for path in configfiles]
+    merged: dict = {}
+    for _, content in files:
+        merged = deep_merge(merged, content)
+    return files, merged
+
+
+def origin(key: str, files: list[tuple[str, Mapping[str, Any]]], given: Mapping[str, Any],
+           from_files: Mapping[str, Any]) -> str:
+    """Where the user wrote ``key`` (dotted, as ConfigError names it): ``--config`` where the command line
+    changed the value, else the last config file that holds it (or the deepest part of its path that is
+    written: a missing key is named by its parent's file); all files where nothing of it is written."""
+    path = [] if key.startswith("<") else key.split(".")
+    for depth in range(len(path), 0, -1):
+        found, value = _lookup(given, path[:depth])
+        if not found:
+            continue
+        in_files, file_value = _lookup(from_files, path[:depth])
+        if not in_files or file_value != value:
+            return "--config"
+        return [name for name, content in files if _lookup(content, path[:depth])[0]][-1]
+    return ", ".join(name for name, _ in files) or "config"
+
+
+def _lookup(tree: Any, path: list[str]) -> tuple[bool, Any]:
+    """(found, value) of a dotted key's parts in nested mappings and lists (a list index as its digits)."""
+    for part in path:
+        if isinstance(tree, Mapping) and part in tree:
+            tree = tree[part]
+        elif isinstance(tree, list) and part.isdigit() and int(part) < len(tree):
+            tree = tree[int(part)]
+        else:
+            return False, None
+    return True, tree
 
 
 def _refuse_misplaced_command_line_keys(config: Mapping[str, Any], from_files: Mapping[str, Any]) -> None:

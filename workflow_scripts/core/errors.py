@@ -34,11 +34,25 @@ def few_names(names, limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
+#: The exit code of a stage stopped by Ctrl-C (SIGINT): 128 + the signal's number, as a shell reports it.
+INTERRUPTED_EXIT_CODE = 130
+
+
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> None:
-    """Run a stage's ``main`` as a command: a WorkflowError becomes one line on stderr and exit code 2."""
+    """Run a stage's ``main`` as a command: a WorkflowError becomes one line on stderr and exit code 2;
+    Ctrl-C one line and exit code 130 (the stages' ``finally`` blocks have removed their partial outputs by
+    the time the KeyboardInterrupt reaches here, so a traceback would only hide that line)."""
     try:
         code = main(argv)
     except WorkflowError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        stage = getattr(main, "__module__", None) or "the stage"
+        if stage == "__main__":  # python -m workflow_scripts.<stage>: the module's own name
+            spec = getattr(sys.modules["__main__"], "__spec__", None)
+            stage = spec.name if spec is not None else sys.argv[0]
+        print(f"interrupted: {stage} stopped by Ctrl-C (SIGINT); it left no output, rerun it to start again",
+              file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
     raise SystemExit(code or 0)

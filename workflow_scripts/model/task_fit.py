@@ -1,10 +1,11 @@
-"""A vision_language dataset on a text-only model, refused when the workflow is parsed (``snakemake -n``).
+"""A dataset on a model its task cannot load, refused when the workflow is parsed (``snakemake -n``).
 
 Where the model's config can be read without downloading anything (a tiny model's ``model.tiny.architecture``,
 a local model folder's ``config.json``, or a model already prepared under ``resources/models/<name>/``), a
-vision_language dataset listed for (or, without a ``models:`` list, run on) a model that has no vision part is
-refused naming the dataset and model. Otherwise (a hub model not yet downloaded) the stage-time check
-``model_loading.check_task_architecture`` gives the same verdict once the model is there.
+vision_language dataset listed for (or, without a ``models:`` list, run on) a model that has no vision part,
+and a masked_lm dataset on a model without a masked-LM form (a causal LM), are refused naming the dataset and
+model. Otherwise (a hub model not yet downloaded) the stage-time check ``model_loading.check_task_architecture``
+gives the same verdict once the model is there.
 """
 from __future__ import annotations
 
@@ -28,6 +29,17 @@ def text_only_reason(name: str, spec: "ModelSettings", root: Path) -> str | None
         return None if architecture in tiny_vlm.ARCHITECTURES else (
             f"a tiny '{architecture}' model (models.{name}.tiny.architecture; the vision ones are "
             f"{list(tiny_vlm.ARCHITECTURES)})")
+    known = saved_model_type(name, spec, root)
+    if known is None:
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return None if known[0] in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES else f"a '{known[0]}' model (per {known[1]})"
+
+
+def saved_model_type(name: str, spec: "ModelSettings", root: Path) -> tuple[str, Path] | None:
+    """(model_type, its config.json) of a local or already prepared model that transformers knows, or None (not
+    here yet, unreadable, or a model with its own code, which the loader judges)."""
     folders = [root / "resources" / "models" / name]
     if spec.source == "local":
         folders.insert(0, Path(spec.path))
@@ -41,12 +53,45 @@ def text_only_reason(name: str, spec: "ModelSettings", root: Path) -> str | None
     if not isinstance(fields, dict) or fields.get("auto_map"):
         return None  # the model's own code decides; the loader judges it
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     model_type = fields.get("model_type")
-    if model_type not in CONFIG_MAPPING_NAMES or model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+    return (model_type, config_file) if model_type in CONFIG_MAPPING_NAMES else None
+
+
+def no_masked_lm_reason(name: str, spec: "ModelSettings", root: Path) -> str | None:
+    """Why model ``name`` has no masked-LM form (its type, where it was read), or None (it has, or not known yet)."""
+    from workflow_scripts.model import tiny_bert
+
+    if spec.source == "tiny":  # decided without importing transformers (and torch): every job reads this
+        architecture = spec.tiny.architecture
+        return None if architecture in tiny_bert.ARCHITECTURES else (
+            f"a tiny '{architecture}' model (models.{name}.tiny.architecture; the masked LMs are "
+            f"{list(tiny_bert.ARCHITECTURES)})")
+    known = saved_model_type(name, spec, root)
+    if known is None:
         return None
-    return f"a '{model_type}' model (per {config_file})"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return None if known[0] in MODEL_FOR_MASKED_LM_MAPPING_NAMES else f"a '{known[0]}' model (per {known[1]})"
+
+
+def check_masked_lm_models(config: Mapping[str, Any], source: str | None = None, root: str | Path = ".") -> None:
+    """Refuse a masked_lm dataset run on a model whose known config has no masked-LM form (a causal LM): its
+    untrained model's evaluation, the first job scheduled, would otherwise stop in transformers' traceback."""
+    all_models = xc.model_entries(config, source)
+    for dataset, settings in xc.dataset_entries(config, source).items():
+        if settings.task != "masked_lm":
+            continue
+        for model in xc.dataset_models(config, dataset):
+            reason = no_masked_lm_reason(model, all_models[model], Path(root))
+            if reason is None:
+                continue
+            fix = (f"remove '{model}' from datasets.{dataset}.models" if settings.models else
+                   f"give datasets.{dataset} a models: list of masked language models (e.g. a tiny one with "
+                   "tiny.architecture: bert)")
+            raise ConfigError(f"datasets.{dataset}.models", f"task masked_lm needs a masked language model (an "
+                              f"encoder such as BERT, with a [MASK] token and a head that predicts it), but "
+                              f"'{model}' is {reason}, which predicts the next token only; {fix}", source)
 
 
 def check_vision_language_models(config: Mapping[str, Any], source: str | None = None, root: str | Path = ".") -> None:

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.model import tiny_model
 
+ARCHITECTURES = ("bert",)  # the tiny architectures built here: the masked LMs (model/task_fit.py)
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MAX_POSITIONS = 512  # BERT's own: longer inputs than any masked_lm max_length the demo uses
 
@@ -151,6 +152,6 @@ def build_model(tiny: Mapping[str, Any], tokenizer):
 
 def build(tiny: Mapping[str, Any], corpus_dirs: Sequence[str | Path], out: Path) -> dict[str, Any]:
     """Write config, safetensors weights and tokenizer into ``out``; return facts for the manifest."""
-    if tiny["architecture"] != "bert":
+    if tiny["architecture"] not in ARCHITECTURES:
         raise WorkflowError(f"model.tiny.architecture '{tiny['architecture']}' is built by tiny_model, not tiny_bert")
     return tiny_model.save_built(tiny, corpus_dirs, out, train_tokenizer, build_model, corpus_texts)

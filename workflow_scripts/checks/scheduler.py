@@ -1,0 +1,57 @@
+"""Training's time settings against the scheduler's warning signal, when the workflow is read.
+
+Under the SLURM profile (profiles/slurm) the train rule's ``slurm_extra`` asks ``--signal=USR1@300``: SLURM
+signals the job 300 seconds before its time limit, and training checkpoints before it is killed. A
+``signal_grace_seconds`` (torchrun's time for that checkpoint) at or above the warning, or a
+``runtime_minutes`` (the job's time limit) no longer than it, leaves no time to checkpoint: SLURM kills the
+step first. The workflow knows the figure from the resources Snakemake was given (``--profile`` and
+``--set-resources`` alike end in ``workflow.resource_settings.overwrite_resources``), so the check names
+what the run would really send; without one (a local run) there is nothing to check.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+from workflow_scripts.checks.config import where_set
+from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.core.experiment_config import model_entry_variants, training_settings
+
+# sbatch's --signal=[{R|B}:]<sig_num>[@sig_time]; without @sig_time SLURM signals 60 seconds before the limit.
+_SIGNAL = re.compile(r"--signal[= ]['\"]?(?:[RB]+:)?(?P<signal>\w+)(?:@(?P<seconds>\d+))?")
+SLURM_DEFAULT_SIGNAL_SECONDS = 60
+TRAIN_RULE = "train"
+
+
+def signal_warning(overwrite_resources: Mapping[str, Mapping[str, Any]] | None) -> tuple[int, str] | None:
+    """(seconds of warning, the setting as written) from the train rule's ``slurm_extra``, or None."""
+    extra = ((overwrite_resources or {}).get(TRAIN_RULE) or {}).get("slurm_extra")
+    extra = getattr(extra, "raw", extra)  # Snakemake's Resource keeps the expression as given (a quoted string)
+    match = _SIGNAL.search(str(extra)) if extra else None
+    if match is None:
+        return None
+    seconds = int(match["seconds"]) if match["seconds"] else SLURM_DEFAULT_SIGNAL_SECONDS
+    return seconds, match.group(0).strip("'\"")
+
+
+def check_signal_timing(config: Mapping[str, Any], overwrite_resources: Mapping[str, Mapping[str, Any]] | None,
+                        source: str | None = None) -> None:
+    """Refuse a (model, variant) whose grace or time limit leaves no time to checkpoint after the warning."""
+    warning = signal_warning(overwrite_resources)
+    if warning is None:
+        return
+    seconds, written = warning
+    figure = (f"the profile's {written} (set-resources: {TRAIN_RULE}: slurm_extra, profiles/slurm), which SLURM "
+              f"sends {seconds} s before the job's time limit")
+    for model, _, variant in model_entry_variants(config):
+        training = training_settings(config, variant, model, source)
+        if training.signal_grace_seconds >= seconds:
+            raise ConfigError(where_set(config, model, variant, "signal_grace_seconds"),
+                              f"is {training.signal_grace_seconds} s, not below {figure}: SLURM would kill the step "
+                              f"before the checkpoint ends; set it below {seconds} (e.g. {seconds * 9 // 10}), or "
+                              "raise the @seconds of --signal in the profile", source)
+        if training.runtime_minutes * 60 <= seconds:
+            raise ConfigError(where_set(config, model, variant, "runtime_minutes"),
+                              f"is {training.runtime_minutes} min, no longer than {figure}: the warning would come "
+                              f"before training starts, so no checkpoint is ever kept; set runtime_minutes above "
+                              f"{-(-seconds // 60)} (the time a run needs, plus the warning)", source)
