@@ -102,7 +102,6 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
                                   "switch validation off for it with a variant's training override", source)
         _check_validation_metric(config, entry, training.validation, source)
         _check_gpu_only_switches(config, model, variant, training, source)
-        _check_quantised_sharding(config, model, variant, training, source)
     comparison = ComparisonSettings.parse(config["comparison"], "comparison", source)
     _check_bootstrap_seeds(config, comparison, source)
     _check_detectable_effect(config, comparison, source)
@@ -376,17 +375,6 @@ def _check_gpu_only_switches(config: Mapping[str, Any], model: str, variant: str
                           "is true but training.gpus is 0: offloading moves the checkpointed activations from GPU "
                           "memory to host memory, where a CPU run keeps them already, so it would do nothing; set "
                           "activation_offloading: false, or train on GPUs (training.gpus > 0)", source)
-
-
-def _check_quantised_sharding(config: Mapping[str, Any], model: str, variant: str, training: "TrainingSettings",
-                              source: str | None) -> None:
-    """QLoRA under FSDP, in the config's own words (training/fsdp.py refuses it again before sharding)."""
-    if training.quantization is not None and training.sharded:
-        raise ConfigError(where_set(config, model, variant, "strategy"),
-                          "is fsdp, but training.quantization is set (QLoRA), and FSDP shards unquantised weights "
-                          "only (bitsandbytes 4/8-bit tensors are not DTensors); set training.strategy: ddp to train "
-                          "QLoRA on several GPUs, or drop training.quantization to shard the unquantised model",
-                          source)
 
 
 def _check_target_templates(typed_variants: Mapping[str, Any], source: str | None) -> None:
