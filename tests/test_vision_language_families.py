@@ -1,5 +1,6 @@
-"""The dynamic-resolution vision-language families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; issue 38) on their tiny
-random models (model/tiny_vlm.py), through the stages as the rules call them:
+"""The vision-language families of issue 38 (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: dynamic resolution and M-RoPE;
+Gemma 3: pooled image tokens attending both ways) on their tiny random models (model/tiny_vlm.py), through the
+stages as the rules call them:
 
 - pretokenise -> gate -> a few training steps -> evaluation, the tower frozen, and the text-only control;
 - the gate's placeholder/feature check catches a planted mismatch, and a batch without M-RoPE token types;
@@ -9,7 +10,7 @@ random models (model/tiny_vlm.py), through the stages as the rules call them:
 - greedy predictions with batch 1 and batch 8 are equal on CPU in fp32 (left padding moves M-RoPE positions);
 - packing is refused with a message.
 
-Images differ in size and aspect, so each row has its own number of image tokens (unlike LLaVA / Idefics3).
+Images differ in size and aspect, so with the Qwen families each row has its own number of image tokens.
 """
 from __future__ import annotations
 
@@ -28,7 +29,11 @@ from workflow_scripts.core.errors import PreflightError, WorkflowError
 from workflow_scripts.model import tiny_vlm
 from workflow_scripts.model import vision_language_model as vlm
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = (*QWEN, "gemma3")
+TOKEN_TYPES = {**{family: "mm_token_type_ids" for family in QWEN}, "gemma3": "token_type_ids"}
+GATE_DETAIL = {**{family: "M-RoPE positions from mm_token_type_ids" for family in QWEN},
+               "gemma3": "image tokens attend within their image (token_type_ids)"}
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "vocab_size": 512, "seed": 0}
 PROMPT = {"prompt": "Question: {question}\nAnswer:", "target": " {answer}"}
 VISION, TEXT_ONLY = {**PROMPT, "images": True}, {**PROMPT, "images": False}
@@ -39,7 +44,7 @@ EVALUATION = {"split": "test", "max_new_tokens": 6, "batch_size": 8, "max_exampl
 # (width, height) of the images: wide, tall, square and small, so rows hold different numbers of image tokens.
 SIZES = [(40, 32), (24, 36), (32, 32), (48, 16), (16, 40), (28, 28), (56, 24), (20, 20)]
 WORDS = "what is the value of the highest bar in this small chart about the share of all the groups".split()
-TOWER = "base_model.model.model.visual."
+TOWER = {**{family: "base_model.model.model.visual." for family in QWEN}, "gemma3": "base_model.model.model.vision_tower."}
 
 
 @pytest.fixture(autouse=True)
@@ -108,7 +113,9 @@ def test_family_trains_and_evaluates_with_a_frozen_tower_and_the_text_only_contr
     text = run_pretokenise(model_dir, charts, TEXT_ONLY, tmp_path / "text", max_length=MAX_LENGTH)
     token = image_token_id(model_dir)
     counts = [ids.count(token) for ids in load_from_disk(str(data))["train"]["input_ids"]]
-    assert len(set(counts)) > 2 and min(counts) > 0  # dynamic resolution: the count follows each image's size
+    assert min(counts) > 0
+    if family in QWEN:
+        assert len(set(counts)) > 2  # dynamic resolution: the count follows each image's size
     assert all(token not in ids for ids in load_from_disk(str(text))["train"]["input_ids"])
     settings = tiny_training_settings(max_steps=3, effective_batch=8, micro_batch=4, max_length=MAX_LENGTH,
                                       checkpoint_every=100, lora={"target_modules": [*ALL_LINEAR, "lm_head"]})
@@ -117,18 +124,19 @@ def test_family_trains_and_evaluates_with_a_frozen_tower_and_the_text_only_contr
     gate = json.loads((tmp_path / "sanity.json").read_text())
     checks = {c["name"]: c for c in gate["checks"]}
     assert gate["passed"] and "vision tower frozen" in checks["vision_language_model"]["detail"]
-    assert "M-RoPE positions from mm_token_type_ids" in checks["vision_language_batch"]["detail"]
+    assert GATE_DETAIL[family] in checks["vision_language_batch"]["detail"]
     assert "no gradients" in checks["vision_language_gradients"]["detail"]
     out = tmp_path / "run"
     assert train.main(train_argv(out, model_dir, data, settings)) == 0
     assert [row["step"] for row in log_rows(out)] == [1, 2, 3]
     saved = adapter(out)
-    assert saved and not [name for name in saved if name.startswith(TOWER)]  # nothing of the tower or merger
+    assert saved and not [name for name in saved if name.startswith(TOWER[family])]  # nothing of the tower
     calls = record_generate_calls(monkeypatch)
     result = run_evaluate(tmp_path, model_dir, charts, VISION, "vision", "1", out / "adapter",
                           evaluation=EVALUATION)
     assert result["images"] is True and result["n_examples"] == 16
-    assert calls and all({"pixel_values", "image_grid_thw", "mm_token_type_ids"} <= set(call) for call in calls)
+    assert calls and all({"pixel_values", TOKEN_TYPES[family]} <= set(call) for call in calls)
+    assert family not in QWEN or all("image_grid_thw" in call for call in calls)
     # The text-only control: same model, same questions, no image inputs at all.
     text_settings = training_json(settings)
     assert train.main(train_argv(tmp_path / "text_run", model_dir, text, settings)) == 0, text_settings
@@ -136,7 +144,7 @@ def test_family_trains_and_evaluates_with_a_frozen_tower_and_the_text_only_contr
     control = run_evaluate(tmp_path, model_dir, charts, TEXT_ONLY, "text_only", "1", tmp_path / "text_run" / "adapter",
                            evaluation=EVALUATION)
     assert control["images"] is False and control["n_examples"] == 16
-    assert calls and not [call for call in calls if set(call) & {"pixel_values", "mm_token_type_ids"}]
+    assert calls and not [call for call in calls if set(call) & {"pixel_values", TOKEN_TYPES[family]}]
 
 
 # --- 2. the gate's placeholder/feature check, per family ---
@@ -165,23 +173,31 @@ def test_gate_catches_a_placeholder_without_its_image_feature(family, charts, mo
     token = model.config.image_token_id
     fed = {**batch, **VisionTargetTokenLoss(model).model_inputs(batch)}
     detail = vlm.check_image_tokens(fed, model)
-    counts = (batch["image_grid_thw"].prod(-1) // 4).tolist()
-    assert int((batch["input_ids"] == token).sum()) == sum(counts) and "M-RoPE" in detail
-    assert TASK.check_batch(batch, None, model).startswith(f"{len(counts)} images")
+    tokens = int((batch["input_ids"] == token).sum())
+    if family in QWEN:
+        features = (batch["image_grid_thw"].prod(-1) // 4).tolist()
+    else:
+        features = [model.config.mm_tokens_per_image] * batch["pixel_values"].shape[0]
+    assert tokens == sum(features) and GATE_DETAIL[family] in detail
+    assert TASK.check_batch(batch, None, model).startswith(f"{len(features)} images")
     # Planted: one image token of the first row becomes text (as a prompt cut through its image would).
     planted = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
     first = int((planted["input_ids"][0] == token).nonzero()[0])
-    planted["input_ids"][0, first] = model.config.vision_end_token_id
-    with pytest.raises(PreflightError, match=rf"image_tokens.*{sum(counts) - 1} image tokens .* give {sum(counts)} "
+    planted["input_ids"][0, first] = batch["input_ids"][0, 0]
+    with pytest.raises(PreflightError, match=rf"image_tokens.*{tokens - 1} image tokens .* give {tokens} "
                                              "image features"):
         TASK.check_batch(planted, None, model)
-    # Planted: one image's grid says fewer patches than its pixel values hold.
-    planted = {**batch, "image_grid_thw": batch["image_grid_thw"].clone()}
-    planted["image_grid_thw"][0, 1] -= 2
-    with pytest.raises(PreflightError, match="image_grid_thw gives"):
-        TASK.check_batch(planted, None, model)
-    # Planted: the forward without mm_token_type_ids would give image tokens 1-D positions.
-    with pytest.raises(PreflightError, match="no mm_token_type_ids: its M-RoPE would give the image tokens 1-D"):
+    if family in QWEN:  # Planted: one image's grid says fewer patches than its pixel values hold.
+        planted = {**batch, "image_grid_thw": batch["image_grid_thw"].clone()}
+        planted["image_grid_thw"][0, 1] -= 2
+        with pytest.raises(PreflightError, match="image_grid_thw gives"):
+            TASK.check_batch(planted, None, model)
+    else:  # Planted: one image fewer than the batch's placeholders.
+        planted = {**batch, "pixel_values": batch["pixel_values"][1:]}
+        with pytest.raises(PreflightError, match=rf"{tokens} image tokens .* give {tokens - features[0]} image"):
+            TASK.check_batch(planted, None, model)
+    # Planted: the forward without its token types (M-RoPE positions, or Gemma 3's attention within images).
+    with pytest.raises(PreflightError, match=f"no {TOKEN_TYPES[family]}: its "):
         vlm.check_image_tokens(batch, model)
 
 
@@ -227,6 +243,8 @@ def test_the_budget_is_refused_for_a_fixed_size_family_and_when_inverted(models)
     with pytest.raises(WorkflowError, match=r"variants.<name>.max_pixels / variants.<name>.min_pixels: the model's "
                                             r"image processor LlavaImageProcessorPil resizes every image"):
         vlm.apply_pixel_budget(Processor, max_pixels=4096, min_pixels=None)
+    with pytest.raises(WorkflowError, match="image processor Gemma3ImageProcessorPil resizes every image"):
+        vlm.apply_pixel_budget(vlm.load_processor(models["gemma3"]), max_pixels=4096, min_pixels=None)
     processor = vlm.load_processor(models["qwen2_vl"])
     with pytest.raises(WorkflowError, match="min_pixels: 4096 is above max_pixels 1024"):
         vlm.apply_pixel_budget(processor, max_pixels=1024, min_pixels=4096)
@@ -323,12 +341,18 @@ def test_tiny_families_build_with_their_own_classes(models):
     for family, directory in models.items():
         manifest = json.loads((directory / "model_manifest.json").read_text())
         config = json.loads((directory / "config.json").read_text())
-        assert config["model_type"] == family and manifest["image_token"] == "<|image_pad|>"
-        assert manifest["image_tokens_per_image"] == 16  # a 32 px image: 8x8 patches of 4 px, merged 2x2
         processor = vlm.load_processor(directory)
+        assert config["model_type"] == family
         assert type(processor).__name__ == {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
-                                            "qwen3_vl": "Qwen3VLProcessor"}[family]
-        assert tiny_vlm.image_tokens_per_image(tiny_vlm.settings({**TINY, "architecture": family})) == 16
+                                            "qwen3_vl": "Qwen3VLProcessor", "gemma3": "Gemma3Processor"}[family]
+        if family in QWEN:
+            assert manifest["image_token"] == "<|image_pad|>"
+            assert manifest["image_tokens_per_image"] == 16  # a 32 px image: 8x8 patches of 4 px, merged 2x2
+        else:  # 4x4 patches of 8 px, pooled 2x2; the processor's placeholder is the begin-of-image token
+            assert manifest["image_token"] == "<image_soft_token>" and processor.image_token == "<start_of_image>"
+            assert manifest["image_tokens_per_image"] == config["mm_tokens_per_image"] == 4
+        assert tiny_vlm.image_tokens_per_image(tiny_vlm.settings({**TINY, "architecture": family})) == \
+            manifest["image_tokens_per_image"]
 
 
 def test_the_config_level_estimate_prices_a_vlm_from_its_config_and_budget():

@@ -29,6 +29,7 @@ TINY_BUILDERS = {
     "qwen2_vl": "workflow_scripts.model.tiny_vlm",
     "qwen2_5_vl": "workflow_scripts.model.tiny_vlm",
     "qwen3_vl": "workflow_scripts.model.tiny_vlm",
+    "gemma3": "workflow_scripts.model.tiny_vlm",
     "bert": "workflow_scripts.model.tiny_bert",
 }
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -16,10 +16,12 @@ from typing import Any, Mapping, Sequence
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.model import tiny_model
 
-ARCHITECTURES = ("llava", "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+ARCHITECTURES = ("llava", "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3")
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # dynamic resolution: image tokens follow the image's size
 # Qwen's vision tokens, as the released tokenizers spell them (the chat template writes the first three).
 QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+# Gemma 3's tokens, as its tokenizer names them: the processor writes boi + image tokens + eoi for each image.
+GEMMA3_TOKENS = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
 QWEN_MERGE = 2  # spatial_merge_size: the merger folds 2x2 patches into one image token (all released models)
 # Vision keys of model.tiny that the text-only tiny model does not have, with their defaults:
 # 32 px images in 8 px patches keep a training step at batch 16 well under a second on a CPU.
@@ -64,7 +66,8 @@ def settings(tiny: Mapping[str, Any]) -> dict[str, Any]:
     if merged["architecture"] in QWEN and merged["hidden_size"] // merged["num_heads"] % 4:
         raise WorkflowError(f"model.tiny: M-RoPE splits each head's {merged['hidden_size'] // merged['num_heads']} "
                             "dimensions over 3 axes in pairs; make hidden_size / num_heads a multiple of 4")
-    if merged["architecture"] == "idefics3" and side % merged["scale_factor"]:
+    # Gemma 3's projector average-pools the patch grid to mm_tokens_per_image (scale_factor^2 patches each).
+    if merged["architecture"] in ("idefics3", "gemma3") and side % merged["scale_factor"]:
         raise WorkflowError(f"model.tiny: {side} patches per side (image_size / patch_size) is not a multiple of "
                             f"model.tiny.scale_factor {merged['scale_factor']}")
     return merged
@@ -75,7 +78,7 @@ def image_tokens_per_image(tiny: Mapping[str, Any]) -> int:
     side = tiny["image_size"] // tiny["patch_size"]
     if tiny["architecture"] in QWEN:
         return (side // QWEN_MERGE) ** 2
-    if tiny["architecture"] == "idefics3":
+    if tiny["architecture"] in ("idefics3", "gemma3"):
         return (side // tiny["scale_factor"]) ** 2
     return side * side  # LLaVA's "default" strategy drops CLIP's class token: one feature per patch
 
@@ -205,6 +208,37 @@ def qwen_parts(tiny: Mapping[str, Any], tokenizer):
     return config, processor
 
 
+def gemma3_parts(tiny: Mapping[str, Any], tokenizer):
+    """Gemma 3: SigLIP tower, average-pooling projector to mm_tokens_per_image, Gemma 3 text model (sliding and
+    global attention layers); image tokens attend bidirectionally within their image (token_type_ids).
+    Pan-and-scan is off by default, as in the released processor: every image is one image_size square."""
+    from transformers import Gemma3Config, Gemma3Processor, PreTrainedTokenizerFast, SiglipVisionConfig
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer.add_special_tokens({"additional_special_tokens": list(GEMMA3_TOKENS.values())})
+    # Gemma 3's processor reads image_token / boi_token / eoi_token as named tokens of the tokenizer.
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer, eos_token=tokenizer.eos_token, pad_token=tokenizer.pad_token,
+        model_max_length=tokenizer.model_max_length, extra_special_tokens=GEMMA3_TOKENS, chat_template=CHAT_TEMPLATE)
+    head_dim = tiny["hidden_size"] // tiny["num_heads"]
+    text = {**tiny_model.decoder_settings(tiny, tokenizer), "head_dim": head_dim, "query_pre_attn_scalar": head_dim,
+            "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * (tiny["num_layers"] // 2)
+            + ["full_attention"] * (tiny["num_layers"] % 2)}
+    vision = SiglipVisionConfig(
+        hidden_size=tiny["vision_hidden_size"], intermediate_size=2 * tiny["vision_hidden_size"],
+        num_hidden_layers=tiny["vision_layers"], num_attention_heads=tiny["vision_heads"],
+        image_size=tiny["image_size"], patch_size=tiny["patch_size"], vision_use_head=False)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in GEMMA3_TOKENS.items()}
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=image_tokens_per_image(tiny),
+                          image_token_index=ids["image_token"], boi_token_index=ids["boi_token"],
+                          eoi_token_index=ids["eoi_token"], tie_word_embeddings=False)
+    image_processor = Gemma3ImageProcessorPil(size={"height": tiny["image_size"], "width": tiny["image_size"]},
+                                              do_pan_and_scan=False)
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+                                image_seq_length=image_tokens_per_image(tiny))
+    return config, processor
+
+
 def build_model(tiny: Mapping[str, Any], corpus_dirs: Sequence[str | Path]):
     """The randomly initialised model (seeded by ``tiny.seed``) and its processor (holding the tokenizer)."""
     import torch
@@ -213,7 +247,8 @@ def build_model(tiny: Mapping[str, Any], corpus_dirs: Sequence[str | Path]):
     tiny = settings(tiny)
     tokenizer = tiny_model.train_tokenizer(tiny_model.corpus_texts(corpus_dirs), tiny["vocab_size"])
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE if tiny["architecture"] in QWEN else CHAT_TEMPLATE
-    parts = {"llava": llava_parts, "idefics3": idefics3_parts, **{name: qwen_parts for name in QWEN}}[tiny["architecture"]]
+    parts = {"llava": llava_parts, "idefics3": idefics3_parts, "gemma3": gemma3_parts,
+             **{name: qwen_parts for name in QWEN}}[tiny["architecture"]]
     config, processor = parts(tiny, tokenizer)  # adds the image tokens first: they count in vocab_size
     torch.manual_seed(tiny["seed"])
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -246,7 +281,7 @@ def build(tiny: Mapping[str, Any], corpus_dirs: Sequence[str | Path], out: Path)
         "image_size": tiny["image_size"],
         "patch_size": tiny["patch_size"],
         "image_tokens_per_image": image_tokens_per_image(tiny),
-        "image_token": processor.image_token,
-        "image_token_id": processor.tokenizer.convert_tokens_to_ids(processor.image_token),
+        "image_token": processor.tokenizer.convert_ids_to_tokens(model.config.image_token_id),
+        "image_token_id": model.config.image_token_id,
         "corpus": [str(d) for d in corpus_dirs],
     }

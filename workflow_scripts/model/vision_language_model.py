@@ -42,6 +42,10 @@ FAMILIES = {
     "Qwen2VLForConditionalGeneration": QWEN_PARTS,
     "Qwen2_5_VLForConditionalGeneration": QWEN_PARTS,
     "Qwen3VLForConditionalGeneration": QWEN_PARTS,  # its deepstack mergers count as tower (frozen with it)
+    "Gemma3ForConditionalGeneration": {
+        "vision_tower": "model.vision_tower", "projector": "model.multi_modal_projector",
+        "language_model": "model.language_model",
+    },
 }
 # How each family turns one image into image features (see image_features): a fixed count per image size
 # (select_strategy, pixel_shuffle), or the image's own patch grid (image_grid_thw) folded by the merger.
@@ -50,12 +54,20 @@ FEATURE_RULES = {"LlavaForConditionalGeneration": "select_strategy",
                  "SmolVLMForConditionalGeneration": "pixel_shuffle",
                  "Qwen2VLForConditionalGeneration": "grid_merge",
                  "Qwen2_5_VLForConditionalGeneration": "grid_merge",
-                 "Qwen3VLForConditionalGeneration": "grid_merge"}
-# Families whose language model places image tokens with M-RoPE (time, height, width): the forward and
-# generate find the image tokens through mm_token_type_ids (1 = image); without it transformers falls back to
-# 1-D positions silently, so the loss module and evaluation always pass it (token_type_inputs).
-MROPE_FAMILIES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                  "Qwen3VLForConditionalGeneration")
+                 "Qwen3VLForConditionalGeneration": "grid_merge",
+                 "Gemma3ForConditionalGeneration": "pooled"}
+# Families whose forward finds the image tokens through a token-type input (1 = image), which the loss module
+# and evaluation always pass (token_type_inputs): the Qwen families' M-RoPE places image tokens by (time,
+# height, width) from mm_token_type_ids, and without it falls back to 1-D positions silently; Gemma 3 lets an
+# image's tokens attend to each other both ways from token_type_ids, and without it attends causally, silently.
+TOKEN_TYPES = {"Qwen2VLForConditionalGeneration": "mm_token_type_ids",
+               "Qwen2_5_VLForConditionalGeneration": "mm_token_type_ids",
+               "Qwen3VLForConditionalGeneration": "mm_token_type_ids",
+               "Gemma3ForConditionalGeneration": "token_type_ids"}
+WITHOUT_TOKEN_TYPES = {"mm_token_type_ids": "its M-RoPE would give the image tokens 1-D text positions instead of "
+                                            "(time, height, width)",
+                       "token_type_ids": "its image tokens would attend causally instead of both ways within "
+                                         "their image"}
 OUTPUT_LAYER = "lm_head"  # outside language_model, but on the language side (text models can adapt it)
 # Characters that make a target_modules entry a regular expression (matched in full against module
 # names), not a module name; a dot alone stays a name separator.
@@ -328,6 +340,8 @@ def image_features_per_image(model: nn.Module, height: int, width: int) -> int:
     patch = config.vision_config.patch_size
     patches = (height // patch) * (width // patch)
     rule = FEATURE_RULES[type(base).__name__]
+    if rule == "pooled":  # Gemma 3: the projector pools every image (or pan-and-scan crop) to a fixed count
+        return config.mm_tokens_per_image
     if rule == "grid_merge":
         return patches // config.vision_config.spatial_merge_size ** 2
     if rule == "select_strategy":
@@ -374,14 +388,15 @@ def image_features(batch: Mapping[str, Any], model: nn.Module) -> tuple[int, str
 
 
 def token_type_inputs(model: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """What an M-RoPE family's forward needs beside input_ids to place image tokens in 3-D (mm_token_type_ids:
-    1 on image tokens, 0 elsewhere, as its processor makes them); nothing for the other families."""
+    """The token-type input a family's forward needs beside input_ids (TOKEN_TYPES: 1 on image tokens, 0
+    elsewhere, as its processor makes them); nothing for the other families."""
     from workflow_scripts.model.parameter_names import unwrap
 
     base, _ = base_of(unwrap(model))
-    if type(base).__name__ not in MROPE_FAMILIES:
+    name = TOKEN_TYPES.get(type(base).__name__)
+    if name is None:
         return {}
-    return {"mm_token_type_ids": (input_ids == base.config.image_token_id).to(torch.int32)}
+    return {name: (input_ids == base.config.image_token_id).to(torch.int32 if name.startswith("mm_") else torch.long)}
 
 
 def _refusal(name: str, problem: str, fix: str):
@@ -393,7 +408,7 @@ def _refusal(name: str, problem: str, fix: str):
 def check_image_tokens(batch: Mapping[str, Any], model: nn.Module) -> str:
     """The image-token ids in ``input_ids`` equal the image features the model makes for ``pixel_values``
     (a truncated prompt that cut an image's tokens fails inside the forward otherwise, far from the cause),
-    and an M-RoPE family gets mm_token_type_ids on exactly those tokens (else its positions are 1-D)."""
+    and a family with a token-type input (TOKEN_TYPES) gets it on exactly those tokens."""
     from workflow_scripts.model.parameter_names import unwrap
 
     base, _ = base_of(unwrap(model))
@@ -413,15 +428,17 @@ def check_image_tokens(batch: Mapping[str, Any], model: nn.Module) -> str:
             f"{features} image features ({detail})",
             "build prompts with the model's processor (it expands each image placeholder) and keep "
             "pretokenise's max_length long enough that no image's tokens are truncated")
-    if type(base).__name__ in MROPE_FAMILIES:
-        types = batch.get("mm_token_type_ids")
+    name = TOKEN_TYPES.get(type(base).__name__)
+    if name is not None:
+        types = batch.get(name)
         if types is None or not torch.equal(types.bool(), is_image):
             raise _refusal(
-                "image_tokens", f"{type(base).__name__} gets " + ("no mm_token_type_ids" if types is None else
-                                                                  "mm_token_type_ids that miss its image tokens")
-                + ": its M-RoPE would give the image tokens 1-D text positions instead of (time, height, width)",
+                "image_tokens", f"{type(base).__name__} gets " + (f"no {name}" if types is None else
+                                                                  f"{name} that miss its image tokens")
+                + f": {WITHOUT_TOKEN_TYPES[name]}",
                 "pass vision_language_model.token_type_inputs(model, input_ids) to the forward and to generate")
-        detail += "; M-RoPE positions from mm_token_type_ids"
+        detail += ("; M-RoPE positions from mm_token_type_ids" if name == "mm_token_type_ids"
+                   else "; image tokens attend within their image (token_type_ids)")
     return detail
 
 
