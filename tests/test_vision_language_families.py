@@ -1,5 +1,5 @@
 """The vision-language families of issue 38 (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: dynamic resolution and M-RoPE;
-Gemma 3: pooled image tokens attending both ways) on their tiny random models (model/tiny_vlm.py), through the
+Gemma 3: pooled image tokens attending both ways; LLaVA-OneVision: any-resolution tiles) on their tiny random models (model/tiny_vlm.py), through the
 stages as the rules call them:
 
 - pretokenise -> gate -> a few training steps -> evaluation, the tower frozen, and the text-only control;
@@ -30,10 +30,10 @@ from workflow_scripts.model import tiny_vlm
 from workflow_scripts.model import vision_language_model as vlm
 
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-FAMILIES = (*QWEN, "gemma3")
+FAMILIES = (*QWEN, "gemma3", "llava_onevision")
 TOKEN_TYPES = {**{family: "mm_token_type_ids" for family in QWEN}, "gemma3": "token_type_ids"}
 GATE_DETAIL = {**{family: "M-RoPE positions from mm_token_type_ids" for family in QWEN},
-               "gemma3": "image tokens attend within their image (token_type_ids)"}
+               "gemma3": "image tokens attend within their image (token_type_ids)", "llava_onevision": "image tokens"}
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "vocab_size": 512, "seed": 0}
 PROMPT = {"prompt": "Question: {question}\nAnswer:", "target": " {answer}"}
 VISION, TEXT_ONLY = {**PROMPT, "images": True}, {**PROMPT, "images": False}
@@ -44,7 +44,8 @@ EVALUATION = {"split": "test", "max_new_tokens": 6, "batch_size": 8, "max_exampl
 # (width, height) of the images: wide, tall, square and small, so rows hold different numbers of image tokens.
 SIZES = [(40, 32), (24, 36), (32, 32), (48, 16), (16, 40), (28, 28), (56, 24), (20, 20)]
 WORDS = "what is the value of the highest bar in this small chart about the share of all the groups".split()
-TOWER = {**{family: "base_model.model.model.visual." for family in QWEN}, "gemma3": "base_model.model.model.vision_tower."}
+TOWER = {**{family: "base_model.model.model.visual." for family in QWEN},
+         "gemma3": "base_model.model.model.vision_tower.", "llava_onevision": "base_model.model.model.vision_tower."}
 
 
 @pytest.fixture(autouse=True)
@@ -114,8 +115,8 @@ def test_family_trains_and_evaluates_with_a_frozen_tower_and_the_text_only_contr
     token = image_token_id(model_dir)
     counts = [ids.count(token) for ids in load_from_disk(str(data))["train"]["input_ids"]]
     assert min(counts) > 0
-    if family in QWEN:
-        assert len(set(counts)) > 2  # dynamic resolution: the count follows each image's size
+    if family in (*QWEN, "llava_onevision"):
+        assert len(set(counts)) > 2  # dynamic resolution or tiling: the count follows each image's size
     assert all(token not in ids for ids in load_from_disk(str(text))["train"]["input_ids"])
     settings = tiny_training_settings(max_steps=3, effective_batch=8, micro_batch=4, max_length=MAX_LENGTH,
                                       checkpoint_every=100, lora={"target_modules": [*ALL_LINEAR, "lm_head"]})
@@ -135,7 +136,7 @@ def test_family_trains_and_evaluates_with_a_frozen_tower_and_the_text_only_contr
     result = run_evaluate(tmp_path, model_dir, charts, VISION, "vision", "1", out / "adapter",
                           evaluation=EVALUATION)
     assert result["images"] is True and result["n_examples"] == 16
-    assert calls and all({"pixel_values", TOKEN_TYPES[family]} <= set(call) for call in calls)
+    assert calls and all({"pixel_values", TOKEN_TYPES.get(family, "image_sizes")} <= set(call) for call in calls)
     assert family not in QWEN or all("image_grid_thw" in call for call in calls)
     # The text-only control: same model, same questions, no image inputs at all.
     text_settings = training_json(settings)
@@ -144,7 +145,7 @@ def test_family_trains_and_evaluates_with_a_frozen_tower_and_the_text_only_contr
     control = run_evaluate(tmp_path, model_dir, charts, TEXT_ONLY, "text_only", "1", tmp_path / "text_run" / "adapter",
                            evaluation=EVALUATION)
     assert control["images"] is False and control["n_examples"] == 16
-    assert calls and not [call for call in calls if set(call) & {"pixel_values", TOKEN_TYPES[family]}]
+    assert calls and not [call for call in calls if set(call) & {"pixel_values", TOKEN_TYPES.get(family, "x")}]
 
 
 # --- 2. the gate's placeholder/feature check, per family ---
@@ -176,6 +177,8 @@ def test_gate_catches_a_placeholder_without_its_image_feature(family, charts, mo
     tokens = int((batch["input_ids"] == token).sum())
     if family in QWEN:
         features = (batch["image_grid_thw"].prod(-1) // 4).tolist()
+    elif family == "llava_onevision":  # the whole image, its tiles unpadded, a newline per row: the processor's count
+        features = [ids.count(token) for ids in batch["input_ids"].tolist()]
     else:
         features = [model.config.mm_tokens_per_image] * batch["pixel_values"].shape[0]
     assert tokens == sum(features) and GATE_DETAIL[family] in detail
@@ -183,7 +186,7 @@ def test_gate_catches_a_placeholder_without_its_image_feature(family, charts, mo
     # Planted: one image token of the first row becomes text (as a prompt cut through its image would).
     planted = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
     first = int((planted["input_ids"][0] == token).nonzero()[0])
-    planted["input_ids"][0, first] = batch["input_ids"][0, 0]
+    planted["input_ids"][0, first] = batch["input_ids"][0][batch["input_ids"][0] != token][0]  # a text token
     with pytest.raises(PreflightError, match=rf"image_tokens.*{tokens - 1} image tokens .* give {tokens} "
                                              "image features"):
         TASK.check_batch(planted, None, model)
@@ -193,12 +196,14 @@ def test_gate_catches_a_placeholder_without_its_image_feature(family, charts, mo
         with pytest.raises(PreflightError, match="image_grid_thw gives"):
             TASK.check_batch(planted, None, model)
     else:  # Planted: one image fewer than the batch's placeholders.
-        planted = {**batch, "pixel_values": batch["pixel_values"][1:]}
+        planted = {**batch, "pixel_values": batch["pixel_values"][1:],
+                   **({"image_sizes": batch["image_sizes"][1:]} if "image_sizes" in batch else {})}
         with pytest.raises(PreflightError, match=rf"{tokens} image tokens .* give {tokens - features[0]} image"):
             TASK.check_batch(planted, None, model)
     # Planted: the forward without its token types (M-RoPE positions, or Gemma 3's attention within images).
-    with pytest.raises(PreflightError, match=f"no {TOKEN_TYPES[family]}: its "):
-        vlm.check_image_tokens(batch, model)
+    if family in TOKEN_TYPES:
+        with pytest.raises(PreflightError, match=f"no {TOKEN_TYPES[family]}: its "):
+            vlm.check_image_tokens(batch, model)
 
 
 # --- 3. the pixel budget ---
@@ -344,10 +349,13 @@ def test_tiny_families_build_with_their_own_classes(models):
         processor = vlm.load_processor(directory)
         assert config["model_type"] == family
         assert type(processor).__name__ == {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
-                                            "qwen3_vl": "Qwen3VLProcessor", "gemma3": "Gemma3Processor"}[family]
+                                            "qwen3_vl": "Qwen3VLProcessor", "gemma3": "Gemma3Processor",
+                                            "llava_onevision": "LlavaOnevisionProcessor"}[family]
         if family in QWEN:
             assert manifest["image_token"] == "<|image_pad|>"
             assert manifest["image_tokens_per_image"] == 16  # a 32 px image: 8x8 patches of 4 px, merged 2x2
+        elif family == "llava_onevision":  # 16 for the image whole, 16 for it as one tile, 4 newlines
+            assert manifest["image_tokens_per_image"] == 36 and processor.num_image_tokens == 16
         else:  # 4x4 patches of 8 px, pooled 2x2; the processor's placeholder is the begin-of-image token
             assert manifest["image_token"] == "<image_soft_token>" and processor.image_token == "<start_of_image>"
             assert manifest["image_tokens_per_image"] == config["mm_tokens_per_image"] == 4
@@ -372,7 +380,7 @@ def test_the_config_level_estimate_prices_a_vlm_from_its_config_and_budget():
     assert with_budget["adapters"] == cme.estimate_from_config(text, **common)["adapters"]
     bigger = cme.estimate_from_config(vl, max_pixels=larger, **common)
     tower = memory_estimate.vision_activation_bytes(vl.config.vision_config, 1, 2, False,
-                                                    cme.budget_settings(vl.config.vision_config, budget))
+                                                    cme.budget_settings(vl.config, budget))
     assert tower == 8192 * (11 * 1280 + 2 * 3420) * 2  # 2048 tokens = 8192 patches of 14 px, one layer's set
     assert bigger["activations"] - with_budget["activations"] == 3 * tower
 
@@ -397,3 +405,52 @@ def test_the_real_qwen2_5_vl_config_builds_its_dag(tmp_path):
     assert {k: int(counts[k]) for k in ("download", "normalise", "prepare_model", "pretokenise", "train")} == {
         "download": 2, "normalise": 2, "prepare_model": 1, "pretokenise": 4, "train": 12}
     assert "Qwen/Qwen2.5-VL-7B-Instruct" in output and '"max_pixels": 1605632' in output
+
+
+def test_the_budget_bounds_llava_onevision_tiling_grid(models, charts, tmp_path):
+    """LLaVA-OneVision: max_pixels keeps the tiling grids within it, so a large image is tiled on fewer tiles
+    (fewer image tokens); the grids travel to training in tokenise_meta.json and the memory estimate counts them."""
+    from datasets import load_from_disk
+    from PIL import Image
+
+    from workflow_scripts.core.entry_settings import VariantSettings
+    from workflow_scripts.model import memory_estimate
+    from workflow_scripts.model.model_loading import load_tokenizer
+    from workflow_scripts.tasks import vision_language
+
+    model_dir = models["llava_onevision"]
+    tokenizer = load_tokenizer(model_dir)
+    budget = 64 * 32  # grids of at most two 32 px tiles
+    processor = vision_language.processor_for(
+        tokenizer, VariantSettings.parse({**VISION, "max_pixels": budget}, "vision_language"))
+    assert all(rows * columns <= budget for rows, columns in processor.image_processor.image_grid_pinpoints)
+    large = Image.new("RGB", (96, 90), (10, 20, 30))  # tiled 3 x 3 without the budget
+    tiles = processor.image_processor([large], return_tensors="pt")["pixel_values"].shape[1]
+    own = vision_language.processor_for(tokenizer, VariantSettings.parse(VISION, "vision_language"))
+    assert tiles == 1 + 2 < own.image_processor([large], return_tensors="pt")["pixel_values"].shape[1] == 1 + 9
+    with pytest.raises(WorkflowError, match="min_pixels: LlavaOnevisionImageProcessorPil tiles an image"):
+        vlm.apply_pixel_budget(vlm.load_processor(model_dir), max_pixels=None, min_pixels=64)
+    with pytest.raises(WorkflowError, match="max_pixels: 512 is below LlavaOnevisionImageProcessorPil's smallest"):
+        vlm.apply_pixel_budget(vlm.load_processor(model_dir), max_pixels=512, min_pixels=None)
+    full = run_pretokenise(model_dir, charts, VISION, tmp_path / "full", max_length=MAX_LENGTH)
+    small = run_pretokenise(model_dir, charts, {**VISION, "max_pixels": 32 * 32}, tmp_path / "small",
+                            max_length=MAX_LENGTH)
+    token = image_token_id(model_dir)
+    counts = {name: [ids.count(token) for ids in load_from_disk(str(path))["train"]["input_ids"]]
+              for name, path in (("full", full), ("small", small))}
+    assert max(counts["small"]) <= 36 < max(counts["full"])  # one tile each under the budget (unpadded: fewer)
+    meta = json.loads((small / "tokenise_meta.json").read_text())["image_processor"]
+    assert meta["image_grid_pinpoints"] == [[32, 32]] and vlm.max_tiles(meta) == 2
+    batch, model = gate_batch(model_dir, small, rows=8)
+    # The model tiles by its config's grids: left at the full grid it splits the tiles otherwise (the gate says so)
+    large_batch = {**batch, "pixel_values": processor.image_processor([large], return_tensors="pt")["pixel_values"],
+                   "image_sizes": torch.tensor([[90, 96]])}
+    with pytest.raises(PreflightError, match="the model's tiling grids do not give the batch's"):
+        vlm.check_image_tokens({**large_batch, "input_ids": torch.full((1, 4), token)}, model)
+    from workflow_scripts.tasks.vision_language import TASK
+
+    TASK.align_model(model, json.loads((small / "tokenise_meta.json").read_text()))  # as training_setup does
+    assert model.config.image_grid_pinpoints == [[32, 32]]
+    vlm.check_image_tokens(batch, model)  # training's collator tiles as pretokenise did
+    vision = model.config.vision_config
+    assert memory_estimate.tower_patches_per_image(vision, meta) == 2 * (16 + 1)

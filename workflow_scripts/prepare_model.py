@@ -30,6 +30,7 @@ TINY_BUILDERS = {
     "qwen2_5_vl": "workflow_scripts.model.tiny_vlm",
     "qwen3_vl": "workflow_scripts.model.tiny_vlm",
     "gemma3": "workflow_scripts.model.tiny_vlm",
+    "llava_onevision": "workflow_scripts.model.tiny_vlm",
     "bert": "workflow_scripts.model.tiny_bert",
 }
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

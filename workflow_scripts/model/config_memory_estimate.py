@@ -76,9 +76,15 @@ def is_vision_language(config) -> bool:
     return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type) in FAMILIES
 
 
-def budget_settings(vision, max_pixels: int | None) -> dict[str, Any] | None:
-    """A dynamic-resolution tower's image-processor settings under ``max_pixels`` (as tokenise_meta.json holds them),
-    for memory_estimate's tower patches; None for a fixed-size tower or without a budget."""
+def budget_settings(config, max_pixels: int | None) -> dict[str, Any] | None:
+    """A VLM's image-processor settings under ``max_pixels`` as tokenise_meta.json would hold them, for
+    memory_estimate's tower patches: a dynamic-resolution tower's budget, or a tiling model's grids within it
+    (all of them without a budget); None for a fixed-size tower."""
+    vision = config.vision_config
+    grids = getattr(config, "image_grid_pinpoints", None)
+    if grids:
+        kept = [grid for grid in grids if max_pixels is None or grid[0] * grid[1] <= max_pixels] or grids[:1]
+        return {"image_grid_pinpoints": kept, "size": {"height": vision.image_size}}
     merge = getattr(vision, "spatial_merge_size", None)
     if max_pixels is None or merge is None:
         return None
@@ -212,7 +218,7 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1, 
             language, micro_batch, max_length, compute_bytes, gradient_checkpointing,
             rank, adapted // max(1, language.num_hidden_layers) if adapted else 0) + (
             memory_estimate.vision_activation_bytes(vision, micro_batch, compute_bytes, False,
-                                                    budget_settings(vision, max_pixels)) if vision is not None else 0),
+                                                    budget_settings(model.config, max_pixels)) if vision is not None else 0),
         "runtime_overhead": memory_estimate.CUDA_RUNTIME_OVERHEAD if device == "cuda" else 0,
     }
     parts["total"] = sum(parts.values())

@@ -65,15 +65,19 @@ def activation_bytes(config, micro_batch: int, max_length: int, activation_dtype
 
 def tower_patches_per_image(vision, image_processor: Mapping | None = None) -> int:
     """Patches the vision tower sees for one image: a fixed-size tower's (image_size / patch_size)^2 plus a class
-    token, or under a dynamic-resolution processor's pixel budget (``image_processor``: its settings, as
-    tokenise_meta.json holds them) max_pixels / patch_size^2, the most one image can become."""
+    token (times the tiles of a tiling processor's largest grid, the whole image included), or under a
+    dynamic-resolution processor's pixel budget (``image_processor``: its settings, as tokenise_meta.json holds
+    them) max_pixels / patch_size^2, the most one image can become."""
     from workflow_scripts.model.vision_language_model import max_image_tokens
+
+    from workflow_scripts.model.vision_language_model import max_tiles
 
     budget = max_image_tokens(image_processor) if image_processor else None
     if budget is not None:
         return budget * image_processor["merge_size"] ** 2
     size, patch = _config_value(vision, "image_size", default=0), _config_value(vision, "patch_size", default=1)
-    return (size // max(1, patch)) ** 2 + 1
+    tiles = max_tiles(image_processor) if image_processor else None  # any-resolution tiling: every tile a pass
+    return (tiles or 1) * ((size // max(1, patch)) ** 2 + 1)
 
 
 def image_tokens_per_image(vision, image_processor: Mapping | None = None) -> int:

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.model import tiny_model
 
-ARCHITECTURES = ("llava", "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3")
+ARCHITECTURES = ("llava", "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava_onevision")
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # dynamic resolution: image tokens follow the image's size
 # Qwen's vision tokens, as the released tokenizers spell them (the chat template writes the first three).
 QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
@@ -78,6 +78,8 @@ def image_tokens_per_image(tiny: Mapping[str, Any]) -> int:
     side = tiny["image_size"] // tiny["patch_size"]
     if tiny["architecture"] in QWEN:
         return (side // QWEN_MERGE) ** 2
+    if tiny["architecture"] == "llava_onevision":  # the image whole, then as one tile unpadded, a newline per row
+        return side * side + side * side + side
     if tiny["architecture"] in ("idefics3", "gemma3"):
         return (side // tiny["scale_factor"]) ** 2
     return side * side  # LLaVA's "default" strategy drops CLIP's class token: one feature per patch
@@ -239,6 +241,43 @@ def gemma3_parts(tiny: Mapping[str, Any], tokenizer):
     return config, processor
 
 
+def onevision_grid(tiny: Mapping[str, Any]) -> list[list[int]]:
+    """LLaVA-OneVision's any-resolution grids, in tiles of image_size: up to 3 x 3 tiles, as the released
+    models' grid goes up to 6 x 6 tiles of 384 px."""
+    side = tiny["image_size"]
+    return [[side * rows, side * columns] for rows in range(1, 4) for columns in range(1, 4)]
+
+
+def llava_onevision_parts(tiny: Mapping[str, Any], tokenizer):
+    """LLaVA-OneVision: SigLIP tower on the whole image resized plus its tiles (any-resolution: the grid that
+    fits the image best, unpadded, a newline feature per row), 2-layer projector, Qwen2 language model."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionProcessor, Qwen2Config, SiglipVisionConfig
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil)
+
+    from workflow_scripts.model.vision_language_model import image_only
+
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, "<video>"]})
+    vision = SiglipVisionConfig(
+        hidden_size=tiny["vision_hidden_size"], intermediate_size=2 * tiny["vision_hidden_size"],
+        num_hidden_layers=tiny["vision_layers"], num_attention_heads=tiny["vision_heads"],
+        image_size=tiny["image_size"], patch_size=tiny["patch_size"], vision_use_head=False)
+    grid = onevision_grid(tiny)
+    config = LlavaOnevisionConfig(
+        vision_config=vision, text_config=Qwen2Config(**tiny_model.decoder_settings(tiny, tokenizer)),
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        video_token_index=tokenizer.convert_tokens_to_ids("<video>"),
+        vision_feature_select_strategy="full", vision_feature_layer=-1, image_grid_pinpoints=grid,
+        tie_word_embeddings=False)
+    image_processor = LlavaOnevisionImageProcessorPil(
+        size={"height": tiny["image_size"], "width": tiny["image_size"]}, image_grid_pinpoints=grid)
+    processor = image_only(LlavaOnevisionProcessor)(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+        num_image_tokens=(tiny["image_size"] // tiny["patch_size"]) ** 2, vision_feature_select_strategy="full",
+        vision_aspect_ratio="anyres_max_9")
+    return config, processor
+
+
 def build_model(tiny: Mapping[str, Any], corpus_dirs: Sequence[str | Path]):
     """The randomly initialised model (seeded by ``tiny.seed``) and its processor (holding the tokenizer)."""
     import torch
@@ -248,6 +287,7 @@ def build_model(tiny: Mapping[str, Any], corpus_dirs: Sequence[str | Path]):
     tokenizer = tiny_model.train_tokenizer(tiny_model.corpus_texts(corpus_dirs), tiny["vocab_size"])
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE if tiny["architecture"] in QWEN else CHAT_TEMPLATE
     parts = {"llava": llava_parts, "idefics3": idefics3_parts, "gemma3": gemma3_parts,
+             "llava_onevision": llava_onevision_parts,
              **{name: qwen_parts for name in QWEN}}[tiny["architecture"]]
     config, processor = parts(tiny, tokenizer)  # adds the image tokens first: they count in vocab_size
     torch.manual_seed(tiny["seed"])

@@ -46,6 +46,10 @@ FAMILIES = {
         "vision_tower": "model.vision_tower", "projector": "model.multi_modal_projector",
         "language_model": "model.language_model",
     },
+    "LlavaOnevisionForConditionalGeneration": {
+        "vision_tower": "model.vision_tower", "projector": "model.multi_modal_projector",
+        "language_model": "model.language_model",
+    },
 }
 # How each family turns one image into image features (see image_features): a fixed count per image size
 # (select_strategy, pixel_shuffle), or the image's own patch grid (image_grid_thw) folded by the merger.
@@ -55,7 +59,8 @@ FEATURE_RULES = {"LlavaForConditionalGeneration": "select_strategy",
                  "Qwen2VLForConditionalGeneration": "grid_merge",
                  "Qwen2_5_VLForConditionalGeneration": "grid_merge",
                  "Qwen3VLForConditionalGeneration": "grid_merge",
-                 "Gemma3ForConditionalGeneration": "pooled"}
+                 "Gemma3ForConditionalGeneration": "pooled",
+                 "LlavaOnevisionForConditionalGeneration": "anyres"}
 # Families whose forward finds the image tokens through a token-type input (1 = image), which the loss module
 # and evaluation always pass (token_type_inputs): the Qwen families' M-RoPE places image tokens by (time,
 # height, width) from mm_token_type_ids, and without it falls back to 1-D positions silently; Gemma 3 lets an
@@ -77,7 +82,7 @@ PATTERN_CHARACTERS = set("*?[]()|^$\\+{}")
 # Processors with a video slot whose video processor needs torchvision (absent beside the CPU torch build; its
 # lookup even fails inside transformers 5.23 then). The workflow trains on images only, so these are built
 # without it, on every machine alike (one code path): the tokenizer, the PIL image processor, the class.
-IMAGE_ONLY_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor")
+IMAGE_ONLY_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "LlavaOnevisionProcessor")
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,6 +94,12 @@ def image_only(processor_class: type) -> type:
             super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
                              chat_template=chat_template, **kwargs)
 
+    import inspect
+
+    # The parent's signature without the video slot: ProcessorMixin saves (and reloads) the settings it names.
+    signature = inspect.signature(processor_class.__init__)
+    ImageOnly.__init__.__signature__ = signature.replace(
+        parameters=[p for name, p in signature.parameters.items() if name != "video_processor"])
     ImageOnly.__name__ = ImageOnly.__qualname__ = processor_class.__name__
     return ImageOnly
 
@@ -97,14 +108,21 @@ def load_processor(model_dir: str | Path):
     """The model's processor: ``AutoProcessor``'s, or for the families above the image-only one."""
     import transformers
 
+    import inspect
+
     path = Path(model_dir) / "processor_config.json"
-    recorded = json.loads(path.read_text()).get("processor_class") if path.is_file() else None
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    recorded = saved.get("processor_class")
     if recorded not in IMAGE_ONLY_PROCESSORS:
         return transformers.AutoProcessor.from_pretrained(str(model_dir))
+    processor_class = getattr(transformers, recorded)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     image_processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir))  # PIL without torchvision
-    return image_only(getattr(transformers, recorded))(image_processor=image_processor, tokenizer=tokenizer,
-                                                       chat_template=tokenizer.chat_template)
+    # The processor's own settings (LLaVA-OneVision's num_image_tokens, vision_aspect_ratio...), as saved.
+    own = {key: value for key, value in saved.items() if key in inspect.signature(processor_class.__init__).parameters
+           and key not in ("image_processor", "tokenizer", "video_processor", "chat_template")}
+    return image_only(processor_class)(image_processor=image_processor, tokenizer=tokenizer,
+                                       chat_template=tokenizer.chat_template, **own)
 
 
 MAX_PIXELS_KEY, MIN_PIXELS_KEY = "variants.<name>.max_pixels", "variants.<name>.min_pixels"
@@ -116,21 +134,41 @@ def dynamic_resolution(image_processor) -> bool:
     return type(image_processor).__name__.startswith("Qwen2VLImageProcessor")
 
 
+def tiled(image_processor) -> bool:
+    """LLaVA-OneVision / LLaVA-NeXT: any-resolution tiling over the grids in image_grid_pinpoints."""
+    return getattr(image_processor, "image_grid_pinpoints", None) is not None
+
+
 def apply_pixel_budget(processor, *, max_pixels: int | None, min_pixels: int | None) -> None:
     """Set the variant's pixel budget on the processor's image processor (in place), or refuse it by name where
-    the family resizes every image to one fixed size (the budget would change nothing)."""
+    the family resizes every image to one fixed size (the budget would change nothing).
+
+    Dynamic resolution (Qwen): the resized image's area lies within [min_pixels, max_pixels]. Tiling
+    (LLaVA-OneVision): the tiling grids are those of at most max_pixels, so an image is tiled on a grid within
+    the budget (the tower also sees the image whole, at one tile's size); min_pixels has no meaning there."""
     from transformers.image_utils import SizeDict
 
     if max_pixels is None and min_pixels is None:
         return
     image_processor = processor.image_processor
     kind = type(image_processor).__name__
+    if tiled(image_processor):
+        if min_pixels is not None:
+            raise WorkflowError(f"{MIN_PIXELS_KEY}: {kind} tiles an image on a grid, it never scales one up; remove "
+                                "min_pixels (max_pixels bounds the grid)")
+        grids = [grid for grid in image_processor.image_grid_pinpoints if grid[0] * grid[1] <= max_pixels]
+        if not grids:
+            smallest = min(image_processor.image_grid_pinpoints, key=lambda grid: grid[0] * grid[1])
+            raise WorkflowError(f"{MAX_PIXELS_KEY}: {max_pixels} is below {kind}'s smallest tiling grid "
+                                f"{smallest[0]}x{smallest[1]} ({smallest[0] * smallest[1]} pixels); raise it")
+        image_processor.image_grid_pinpoints = grids
+        return
     if not dynamic_resolution(image_processor):
         raise WorkflowError(
             f"{MAX_PIXELS_KEY} / {MIN_PIXELS_KEY}: the model's image processor {kind} resizes every image to "
             f"{dict((k, v) for k, v in dict(image_processor.size).items() if v)}, so a pixel budget changes nothing; "
-            "remove max_pixels and min_pixels from the variant, or use a dynamic-resolution model (Qwen2-VL, "
-            "Qwen2.5-VL, Qwen3-VL)")
+            "remove max_pixels and min_pixels from the variant, or use a dynamic-resolution or tiling model "
+            "(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision)")
     size = image_processor.size
     low = size.shortest_edge if min_pixels is None else min_pixels
     high = size.longest_edge if max_pixels is None else max_pixels
@@ -146,17 +184,41 @@ def apply_pixel_budget(processor, *, max_pixels: int | None, min_pixels: int | N
 def max_image_tokens(image_processor_settings: Mapping[str, Any]) -> int | None:
     """The most image tokens one image can become under a dynamic-resolution processor's budget (its
     ``to_dict()``, as tokenise_meta.json holds it): max_pixels over the pixels one token covers; None for the
-    fixed-size families (their count is the model's, image_features_per_image)."""
+    other families (their count is the model's, image_features_per_image)."""
     if not str(image_processor_settings.get("image_processor_type", "")).startswith("Qwen2VLImageProcessor"):
         return None
     factor = image_processor_settings["patch_size"] * image_processor_settings["merge_size"]
     return image_processor_settings["size"]["longest_edge"] // (factor * factor)
 
 
+def max_tiles(image_processor_settings: Mapping[str, Any]) -> int | None:
+    """Tiles the tower sees for one image under a tiling processor's grids, the whole image included (one tile's
+    size each); None for the other families."""
+    grids = image_processor_settings.get("image_grid_pinpoints")
+    if not grids:
+        return None
+    size = image_processor_settings["size"]
+    tile = size.get("height") or size.get("shortest_edge")
+    return max(rows * columns for rows, columns in grids) // (tile * tile) + 1
+
+
+def align_tiling(model: nn.Module, grids) -> str | None:
+    """Give a tiling model (LLaVA-OneVision) the processor's tiling grids, as the pixel budget left them: the model
+    counts each image's tiles and unpads its features from its config's grids, so they must be the ones the
+    images were tiled on. Nothing for the other families (no grids, or none given)."""
+    from workflow_scripts.model.parameter_names import unwrap
+
+    base, _ = base_of(unwrap(model))
+    if not grids or getattr(base.config, "image_grid_pinpoints", None) is None:
+        return None
+    base.config.image_grid_pinpoints = [list(grid) for grid in grids]
+    return f"{len(grids)} tiling grids"
+
+
 def image_placeholder(processor) -> str:
     """What a prompt without a chat template writes for one image: the processor's image token, which it expands
     into the image's tokens; Qwen's between its vision start and end tokens, as its chat template writes it."""
-    if type(processor).__name__ in IMAGE_ONLY_PROCESSORS:
+    if type(processor).__name__ in IMAGE_ONLY_PROCESSORS and type(processor).__name__.startswith("Qwen"):
         return "<|vision_start|>" + processor.image_token + "<|vision_end|>"
     return processor.image_token
 
@@ -367,6 +429,27 @@ def image_features(batch: Mapping[str, Any], model: nn.Module) -> tuple[int, str
     base, _ = base_of(unwrap(model))
     components(base)
     pixel_values = batch["pixel_values"]
+    if FEATURE_RULES[type(base).__name__] == "anyres":
+        # LLaVA-OneVision: the base image and its tiles, unpadded to the image's aspect, a newline feature per
+        # row, capped by vision_aspect_ratio; counted by the model's own code (one pass of the frozen tower).
+        sizes = batch.get("image_sizes")
+        if sizes is None:
+            raise _refusal("image_tokens", "the batch has pixel_values but no image_sizes",
+                           "collate the processor's image_sizes with the pixel values (IMAGE_INPUTS)")
+        dtype = next(base.parameters()).dtype
+        try:
+            with torch.no_grad():
+                features = base.model.get_image_features(pixel_values=pixel_values.to(dtype), image_sizes=sizes,
+                                                         return_dict=True).pooler_output
+        except RuntimeError as error:  # the model splits the tiles by its own grids: another count fails here
+            raise _refusal("image_tokens", f"the model's tiling grids do not give the batch's {pixel_values.shape} "
+                           f"tiles ({str(error).splitlines()[0]})",
+                           "give the model the grids the processor tiled with (vision_language_model.align_tiling; "
+                           "the pixel budget changes them)") from None
+        counts = sorted({len(feature) for feature in features})
+        return sum(len(feature) for feature in features), (
+            f"{len(features)} images, {counts[0]}-{counts[-1]} image tokens each" if len(counts) > 1
+            else f"{len(features)} images, {counts[0]} image tokens each")
     if FEATURE_RULES[type(base).__name__] == "grid_merge":
         grid = batch.get("image_grid_thw")
         if grid is None:

@@ -227,6 +227,8 @@ def generate(model, tokenizer, variant, rows, prompts, batch_size: int, max_new_
     from workflow_scripts.tasks.vision_language_loss import IMAGE_INPUTS
 
     processor = processor_for(tokenizer, variant) if variant.images else None
+    if processor is not None:  # LLaVA-OneVision: the model tiles on the grids the pixel budget left
+        vlm.align_tiling(model, getattr(processor.image_processor, "image_grid_pinpoints", None))
     stop_ids = generation.stop_token_ids(tokenizer, model)
     tokenizer.padding_side = "left"
     config = generation.greedy_generation_config(max_new_tokens, stop_ids, tokenizer.pad_token_id)
@@ -329,6 +331,12 @@ class VisionLanguageTask(generation.GenerationTask):
         targets = vlm.lora_target_modules(model, list(lora.target_modules), train_tower=lora.train_vision_tower)
         saved = list(lora.modules_to_save) + vlm.modules_to_save(model, train_projector=lora.train_projector)
         return dataclasses.replace(lora, target_modules=tuple(targets), modules_to_save=tuple(saved))
+
+    def align_model(self, model, data_meta) -> None:
+        """Training: a tiling model (LLaVA-OneVision) takes the grids pretokenise tiled with (the pixel budget's)."""
+        from workflow_scripts.model import vision_language_model as vlm
+
+        vlm.align_tiling(model, (data_meta.get("image_processor") or {}).get("image_grid_pinpoints"))
 
     def check_model(self, peft_model, task_meta, training) -> str | None:
         from workflow_scripts.model import vision_language_model as vlm
