@@ -287,6 +287,9 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("model", "sanity-modules-to-save-matches-nothing", gate({"--training": training(lora={"modules_to_save": ["lm_haed"]})}), "sanity", "training.lora.modules_to_save: 'lm_haed' matches no module of this model (closest: ['lm_head']); fix the name or remove it"),
         case("model", "sanity-model-missing", gate({"--model": "{tmp}/nowhere"}), "sanity", "{tmp}/nowhere: no config.json; run the prepare_model rule first"),
         case("model", "sanity-model-config-not-json", gate({"--model": "{model_copy}"}, plant=copy_model(replace={"config.json": b"{not json"})), "sanity", "{model_copy}/config.json: not valid JSON at line 1, column 2: Expecting property name enclosed in double quotes; " + REPREPARE),
+        # --- vlm (issue 38) ---
+        case("config", "vlm-max-pixels-zero", cfg("variants.vision.max_pixels", 0, base=absolute_demo_config), "config", "{config}: config key 'variants.vision.max_pixels': 0 is less than the minimum of 1"),
+        case("config", "vlm-max-pixels-on-a-generation-variant", cfg("variants.baseline.max_pixels", 1024), "config", "{config}: config key 'variants.baseline.max_pixels': a pixel budget is a vision_language setting; a generation variant has no images. Set variants.baseline.task: vision_language, or remove it"),
     ]
 
 
