@@ -132,7 +132,7 @@ PHASES = [
           reason=lambda context: None if any(context.wheels.glob("*.whl")) else f"no wheels in {context.wheels}"),
     Phase("environment", 10, "GPU, driver and package versions", False, _environment_command),
     Phase("cuda_training", 90, "the CUDA tests in ONE process: gate + training in bf16 and fp16 (GradScaler), the "
-          "same seed twice, the LLaVA VLM in bf16 with its evaluation, evaluation in bf16", True,
+          "same seed twice, the LLaVA and Qwen2.5-VL VLMs (tiny) in bf16 with their evaluation, evaluation in bf16", True,
           _pytest("cuda and not launcher")),
     Phase("launcher", 50, "the gate and training through the launcher and torchrun, exactly as the rules run them "
           "(device lease, CUDA_VISIBLE_DEVICES); start-up cost of each stage", True, _pytest("cuda and launcher")),

@@ -26,6 +26,11 @@ MANIFEST_NAME = "model_manifest.json"
 TINY_BUILDERS = {
     "llava": "workflow_scripts.model.tiny_vlm",
     "idefics3": "workflow_scripts.model.tiny_vlm",
+    "qwen2_vl": "workflow_scripts.model.tiny_vlm",
+    "qwen2_5_vl": "workflow_scripts.model.tiny_vlm",
+    "qwen3_vl": "workflow_scripts.model.tiny_vlm",
+    "gemma3": "workflow_scripts.model.tiny_vlm",
+    "llava_onevision": "workflow_scripts.model.tiny_vlm",
     "bert": "workflow_scripts.model.tiny_bert",
 }
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

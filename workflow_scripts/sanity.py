@@ -82,7 +82,7 @@ def run_gate(args: argparse.Namespace, training: TrainingSettings) -> int:
         report.record("placement", checks.check_placement(setup.model, context.device))
         report.record("name_lookup", checks.check_name_lookup(setup.model))
         record_task_check(report, f"{setup.task.name}_model", setup.task.check_model(setup.peft_model, meta.get("task_meta") or {}, training))
-        estimate = memory_estimate.estimate(setup.peft_model, training, context.device)
+        estimate = memory_estimate.estimate(setup.peft_model, training, context.device, meta.get("image_processor"))
         processes_here = context.local_world_size if context.device.type == "cpu" else 1
         capacity = memory_estimate.device_capacity(context.device, processes_here)
         loading = memory_estimate.loading_estimate(setup.peft_model, training, context.device)  # FSDP's loading peak

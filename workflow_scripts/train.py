@@ -97,8 +97,10 @@ def run_fingerprint(training: TrainingSettings, meta: dict, model_dir: str, seed
     }
 
 
-def start_up_checks(setup: training_setup.TrainingSetup, training: TrainingSettings) -> dict:
-    """The gate's cheap checks, repeated at start-up: the job may land on another machine than the gate."""
+def start_up_checks(setup: training_setup.TrainingSetup, training: TrainingSettings,
+                    image_processor: dict | None = None) -> dict:
+    """The gate's cheap checks, repeated at start-up: the job may land on another machine than the gate.
+    ``image_processor``: a VLM's image-processor settings from tokenise_meta.json (its pixel budget)."""
     context = setup.context
     checks = preflight_checks
     checks.check_device_count(training.gpus, torch.cuda.device_count() if training.gpus else 0,
@@ -107,7 +109,7 @@ def start_up_checks(setup: training_setup.TrainingSetup, training: TrainingSetti
     checks.check_placement(setup.model, context.device)
     checks.check_name_lookup(setup.model)
     checks.check_precision(training.precision, context.device, setup.scaler, training_setup.bf16_supported)
-    estimate = memory_estimate.estimate(setup.peft_model, training, context.device)
+    estimate = memory_estimate.estimate(setup.peft_model, training, context.device, image_processor)
     processes_here = context.local_world_size if context.device.type == "cpu" else 1
     capacity = memory_estimate.device_capacity(context.device, processes_here)
     checks.check_memory(estimate, capacity, training.memory_headroom, training, context.device,
@@ -155,7 +157,7 @@ def train(args: argparse.Namespace, training: TrainingSettings) -> int:
         scorer = validation_metric.open_metric(args.validation_metric, training.validation, args.model,
                                                args.trust_remote_code)
         setup = training_setup.build(args.model, training, context, args.trust_remote_code, meta, seed=args.seed)
-        estimate = start_up_checks(setup, training)
+        estimate = start_up_checks(setup, training, meta.get("image_processor"))
         if meta.get("vocab_size") is not None and meta["vocab_size"] > setup.vocab_size:
             raise WorkflowError(f"{args.data}/tokenise_meta.json: vocab_size {meta['vocab_size']} exceeds the "
                                 f"model's {setup.vocab_size}; the data was tokenised for another model")

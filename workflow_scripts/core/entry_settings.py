@@ -250,6 +250,8 @@ class VariantSettings:
     extractor: ExtractorSettings = ExtractorSettings()
     chat_template: bool = False
     images: bool = True  # vision_language: false is the text-only control
+    max_pixels: int | None = None  # vision_language: the pixel budget per image (None: the processor's own)
+    min_pixels: int | None = None
     # classification:
     input: str | None = None
     class_weights: Mapping[str, float] | None = None
@@ -280,6 +282,7 @@ class VariantSettings:
         return cls(name=name, task=task, prompt=checked.get("prompt"), target=checked.get("target"),
                    extractor=ExtractorSettings(**extractor) if extractor else ExtractorSettings(),
                    chat_template=checked.get("chat_template", False), images=checked.get("images", True),
+                   max_pixels=checked.get("max_pixels"), min_pixels=checked.get("min_pixels"),
                    input=checked.get("input"),
                    class_weights=None if weights is None else types.MappingProxyType(dict(weights)),
                    mask_rate=checked.get("mask_rate", 0.15), whole_word=checked.get("whole_word", False),

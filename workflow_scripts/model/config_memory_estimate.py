@@ -42,8 +42,9 @@ FP32 = memory_estimate.FP32
 
 
 def meta_model(source) -> nn.Module:
-    """A causal LM with every tensor on the meta device, from a config.json path/dir, dict or config."""
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+    """A causal LM (or a vision-language model: a config with a ``vision_config``) with every tensor on the meta
+    device, from a config.json path/dir, dict or config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
     if isinstance(source, nn.Module):
         return source
@@ -60,8 +61,35 @@ def meta_model(source) -> nn.Module:
         source = AutoConfig.for_model(fields.pop("model_type"), **fields)
     if not isinstance(source, PretrainedConfig):
         raise WorkflowError(f"not a model config: {type(source).__name__}")
+    auto = AutoModelForImageTextToText if is_vision_language(source) else AutoModelForCausalLM
     with torch.device("meta"):  # no storage is allocated, so 70B costs what 70M does
-        return AutoModelForCausalLM.from_config(source)
+        return auto.from_config(source)
+
+
+def is_vision_language(config) -> bool:
+    """A VLM of a family the workflow trains (model/vision_language_model.FAMILIES), from its config or fields."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    from workflow_scripts.model.vision_language_model import FAMILIES
+
+    model_type = config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
+    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type) in FAMILIES
+
+
+def budget_settings(config, max_pixels: int | None) -> dict[str, Any] | None:
+    """A VLM's image-processor settings under ``max_pixels`` as tokenise_meta.json would hold them, for
+    memory_estimate's tower patches: a dynamic-resolution tower's budget, or a tiling model's grids within it
+    (all of them without a budget); None for a fixed-size tower."""
+    vision = config.vision_config
+    grids = getattr(config, "image_grid_pinpoints", None)
+    if grids:
+        kept = [grid for grid in grids if max_pixels is None or grid[0] * grid[1] <= max_pixels] or grids[:1]
+        return {"image_grid_pinpoints": kept, "size": {"height": vision.image_size}}
+    merge = getattr(vision, "spatial_merge_size", None)
+    if max_pixels is None or merge is None:
+        return None
+    return {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": vision.patch_size, "merge_size": merge,
+            "size": {"longest_edge": max_pixels}}
 
 
 def count_parameters(source) -> int:
@@ -127,11 +155,16 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1, 
                          lora: Mapping[str, Any] | None = None, precision: str = "bf16",
                          quantization: Mapping[str, Any] | None = None, micro_batch: int = 1,
                          max_length: int = 512, gradient_checkpointing: bool = True,
-                         device: str = "cuda") -> dict[str, int]:
+                         device: str = "cuda", max_pixels: int | None = None) -> dict[str, int]:
     """Bytes per GPU (per process with ``device="cpu"``) by part, and ``total``. ``lora=None`` is a full
     fine-tune; ``source`` may also be a meta model from :func:`meta_model`, so that several estimates
     build it once. ``shard_size``: the processes fsdp shards over when not the world (a hybrid mesh: a
-    node's GPUs, core/fsdp_mesh.py)."""
+    node's GPUs, core/fsdp_mesh.py).
+
+    A vision-language model: LoRA on the language model only (as training adapts it, the tower frozen),
+    its activations for ``max_length`` tokens (image tokens included), plus the frozen tower's working set on
+    ``micro_batch`` images of at most ``max_pixels`` each (the variant's pixel budget; a fixed-size tower
+    its image_size)."""
     if strategy not in STRATEGIES:
         raise ConfigError("strategy", f"'{strategy}' is not one of {', '.join(STRATEGIES)}")
     if world_size < 1:
@@ -147,6 +180,8 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1, 
     if quantization is not None and strategy == "fsdp":  # as training/fsdp.py refuses it
         raise ConfigError("quantization", "fsdp shards unquantised weights only; use qlora or ddp for quantised ones")
     model = meta_model(source)
+    vision = getattr(model.config, "vision_config", None)
+    language = getattr(model.config, "text_config", None) or model.config
     shards = (shard_size or world_size) if strategy == "fsdp" else 1
     # The project stores frozen weights as model_loading does: bf16 on GPUs for bf16 runs, else fp32.
     dtype_bytes = torch.empty((), dtype=weights_dtype(precision, torch.device(device))).element_size()
@@ -161,7 +196,12 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1, 
         root, largest_unit = root * compute_bytes // dtype_bytes, largest_unit * compute_bytes // dtype_bytes
     else:
         rank = lora["rank"]
-        trainable, adapted = lora_parameters(model, rank, lora["target_modules"])
+        targets = lora["target_modules"]
+        if vision is not None:  # full names inside the language model: the tower's q_proj is no target
+            from workflow_scripts.model.vision_language_model import lora_target_modules
+
+            targets = lora_target_modules(model, list(targets), train_tower=False)
+        trainable, adapted = lora_parameters(model, rank, targets)
         weights, adapters = total_base, trainable * FP32  # PEFT keeps adapters in fp32
     gradients = trainable * FP32
     if strategy != "fsdp" and world_size > 1:
@@ -175,8 +215,10 @@ def estimate_from_config(source, *, strategy: str = "ddp", world_size: int = 1, 
         "gradients": gradients // shards,
         "optimizer": trainable * FP32 * 2 // shards,
         "activations": memory_estimate.activation_bytes(
-            model.config, micro_batch, max_length, compute_bytes, gradient_checkpointing,
-            rank, adapted // max(1, model.config.num_hidden_layers) if adapted else 0),
+            language, micro_batch, max_length, compute_bytes, gradient_checkpointing,
+            rank, adapted // max(1, language.num_hidden_layers) if adapted else 0) + (
+            memory_estimate.vision_activation_bytes(vision, micro_batch, compute_bytes, False,
+                                                    budget_settings(model.config, max_pixels)) if vision is not None else 0),
         "runtime_overhead": memory_estimate.CUDA_RUNTIME_OVERHEAD if device == "cuda" else 0,
     }
     parts["total"] = sum(parts.values())
@@ -409,6 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-double-quant", action="store_true", help="4-bit: fp32 absmax per block")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--max-pixels", type=int, help="a vision-language model's pixel budget per image (the variant's "
+                        "max_pixels); the frozen tower's activations follow it")
     parser.add_argument("--no-gradient-checkpointing", action="store_true")
     parser.add_argument("--headroom", type=float, default=0.9, help="share of GPU memory the estimate may use")
     args = parser.parse_args(argv)
@@ -424,7 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     world_size=args.gpus, shard_size=args.gpus // args.nodes if hybrid else None, lora=lora,
                     precision=args.precision, quantization=quantization,
                     micro_batch=args.micro_batch, max_length=args.max_length,
-                    gradient_checkpointing=not args.no_gradient_checkpointing)
+                    gradient_checkpointing=not args.no_gradient_checkpointing, max_pixels=args.max_pixels)
     for part, size in result["estimate"].items():
         print(f"{part:<18}{memory_estimate.human(size):>12}")
     if result["loading"]:  # fsdp: the peak while rank 0's weights are sharded out, before the loop

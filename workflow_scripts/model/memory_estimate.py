@@ -63,23 +63,52 @@ def activation_bytes(config, micro_batch: int, max_length: int, activation_dtype
     return elements * activation_dtype_bytes + logits
 
 
-def images_per_micro_batch(training: TrainingSettings, vision) -> int:
+def tower_patches_per_image(vision, image_processor: Mapping | None = None) -> int:
+    """Patches the vision tower sees for one image: a fixed-size tower's (image_size / patch_size)^2 plus a class
+    token (times the tiles of a tiling processor's largest grid, the whole image included), or under a
+    dynamic-resolution processor's pixel budget (``image_processor``: its settings, as tokenise_meta.json holds
+    them) max_pixels / patch_size^2, the most one image can become."""
+    from workflow_scripts.model.vision_language_model import max_image_tokens
+
+    from workflow_scripts.model.vision_language_model import max_tiles
+
+    budget = max_image_tokens(image_processor) if image_processor else None
+    if budget is not None:
+        return budget * image_processor["merge_size"] ** 2
+    size, patch = _config_value(vision, "image_size", default=0), _config_value(vision, "patch_size", default=1)
+    tiles = max_tiles(image_processor) if image_processor else None  # any-resolution tiling: every tile a pass
+    return (tiles or 1) * ((size // max(1, patch)) ** 2 + 1)
+
+
+def image_tokens_per_image(vision, image_processor: Mapping | None = None) -> int:
+    """Image tokens one image puts in the language sequence: under a pixel budget max_pixels / (patch x merge)^2,
+    else one per patch (the fixed-size estimate: LLaVA's count; Idefics3's pixel shuffle makes fewer)."""
+    from workflow_scripts.model.vision_language_model import max_image_tokens
+
+    budget = max_image_tokens(image_processor) if image_processor else None
+    if budget is not None:
+        return budget
+    size, patch = _config_value(vision, "image_size", default=0), _config_value(vision, "patch_size", default=1)
+    return (size // max(1, patch)) ** 2
+
+
+def images_per_micro_batch(training: TrainingSettings, vision, image_processor: Mapping | None = None) -> int:
     """Images (one per row) in a VLM micro-batch: micro_batch, or under a token budget the budget over the
     image tokens each row holds (its language sequence counts them), so at most that many rows fit."""
     if training.micro_batch_tokens is None:
         return training.micro_batch
-    size, patch = _config_value(vision, "image_size", default=0), _config_value(vision, "patch_size", default=1)
-    return max(1, training.micro_batch_tokens // max(1, (size // max(1, patch)) ** 2))
+    return max(1, training.micro_batch_tokens // max(1, image_tokens_per_image(vision, image_processor)))
 
 
-def vision_activation_bytes(vision, images: int, dtype_bytes: int, trains: bool) -> int:
+def vision_activation_bytes(vision, images: int, dtype_bytes: int, trains: bool,
+                            image_processor: Mapping | None = None) -> int:
     """The vision tower on ``images`` images (one per row): one layer's working set when frozen (nothing
-    is saved for backward), every layer's saved activations when it trains."""
-    hidden = _config_value(vision, "hidden_size", default=0)
+    is saved for backward), every layer's saved activations when it trains; each image at the most patches
+    its processor's budget allows."""
+    hidden = _config_value(vision, "embed_dim", "hidden_size", default=0)  # Qwen2-VL: embed_dim is the width
     inter = _config_value(vision, "intermediate_size", default=4 * hidden)
-    layers = _config_value(vision, "num_hidden_layers", default=1)
-    size, patch = _config_value(vision, "image_size", default=0), _config_value(vision, "patch_size", default=1)
-    tokens = images * ((size // max(1, patch)) ** 2 + 1)
+    layers = _config_value(vision, "num_hidden_layers", "depth", default=1)
+    tokens = images * tower_patches_per_image(vision, image_processor)
     per_layer = 11 * hidden + 2 * inter
     return tokens * per_layer * (layers if trains else 1) * dtype_bytes
 
@@ -141,8 +170,12 @@ def loading_estimate(peft_model: nn.Module, training: TrainingSettings, device: 
     return parts
 
 
-def estimate(peft_model: nn.Module, training: TrainingSettings, device: torch.device) -> dict[str, int]:
+def estimate(peft_model: nn.Module, training: TrainingSettings, device: torch.device,
+             image_processor: Mapping | None = None) -> dict[str, int]:
     """Bytes per process by component; ``total`` includes the CUDA runtime overhead on GPUs.
+
+    ``image_processor``: a VLM's image-processor settings as pretokenise recorded them (tokenise_meta.json),
+    whose pixel budget bounds the patches each image gives the tower.
 
     Under ``training.strategy: fsdp`` every parameter is sharded over the world size, or on a hybrid
     mesh over a node's ranks (``fsdp.shard`` wraps each decoder layer and the root), so weights, adapters, gradients and AdamW state count one
@@ -176,8 +209,9 @@ def estimate(peft_model: nn.Module, training: TrainingSettings, device: torch.de
     )
     vision = getattr(config, "vision_config", None)
     if vision is not None:
-        activations += vision_activation_bytes(vision, images_per_micro_batch(training, vision), activation_dtype_bytes,
-                                               training.lora.train_vision_tower)
+        activations += vision_activation_bytes(vision, images_per_micro_batch(training, vision, image_processor),
+                                               activation_dtype_bytes, training.lora.train_vision_tower,
+                                               image_processor)
     overhead = CUDA_RUNTIME_OVERHEAD if device.type == "cuda" else 0
     parts = {
         "weights": frozen, "gathered_weights": gathered_bytes(peft_model, training.precision) if shards > 1 else 0,

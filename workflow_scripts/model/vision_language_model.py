@@ -8,7 +8,10 @@ tower frozen around PEFT that left adapters with ``requires_grad=False`` (shirg-
 from __future__ import annotations
 
 import difflib
+import functools
+import json
 import re
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -21,7 +24,10 @@ TRAIN_PROJECTOR_KEY = "training.lora.train_projector"
 TARGETS_KEY = "training.lora.target_modules"
 PEFT_PREFIX = "base_model.model."
 # transformers 5 class name -> attribute paths inside it. The ForConditionalGeneration classes keep
-# the parts one level down in ``model`` (LlavaModel / Idefics3Model), beside ``lm_head``.
+# the parts one level down in ``model`` (LlavaModel / Idefics3Model / Qwen2_5_VLModel...), beside ``lm_head``.
+# The Qwen towers hold their projector (the 2x2 patch merger) inside: the tower's parameters are those
+# under vision_tower and not under projector.
+QWEN_PARTS = {"vision_tower": "model.visual", "projector": "model.visual.merger", "language_model": "model.language_model"}
 FAMILIES = {
     "LlavaForConditionalGeneration": {
         "vision_tower": "model.vision_tower", "projector": "model.multi_modal_projector",
@@ -33,15 +39,188 @@ FAMILIES = {
     "SmolVLMForConditionalGeneration": {  # SmolVLM2; SmolVLM (v1) checkpoints are Idefics3 classes
         "vision_tower": "model.vision_model", "projector": "model.connector", "language_model": "model.text_model",
     },
+    "Qwen2VLForConditionalGeneration": QWEN_PARTS,
+    "Qwen2_5_VLForConditionalGeneration": QWEN_PARTS,
+    "Qwen3VLForConditionalGeneration": QWEN_PARTS,  # its deepstack mergers count as tower (frozen with it)
+    "Gemma3ForConditionalGeneration": {
+        "vision_tower": "model.vision_tower", "projector": "model.multi_modal_projector",
+        "language_model": "model.language_model",
+    },
+    "LlavaOnevisionForConditionalGeneration": {
+        "vision_tower": "model.vision_tower", "projector": "model.multi_modal_projector",
+        "language_model": "model.language_model",
+    },
 }
-# How each family turns one image's patches into image features (see image_features_per_image).
+# How each family turns one image into image features (see image_features): a fixed count per image size
+# (select_strategy, pixel_shuffle), or the image's own patch grid (image_grid_thw) folded by the merger.
 FEATURE_RULES = {"LlavaForConditionalGeneration": "select_strategy",
                  "Idefics3ForConditionalGeneration": "pixel_shuffle",
-                 "SmolVLMForConditionalGeneration": "pixel_shuffle"}
+                 "SmolVLMForConditionalGeneration": "pixel_shuffle",
+                 "Qwen2VLForConditionalGeneration": "grid_merge",
+                 "Qwen2_5_VLForConditionalGeneration": "grid_merge",
+                 "Qwen3VLForConditionalGeneration": "grid_merge",
+                 "Gemma3ForConditionalGeneration": "pooled",
+                 "LlavaOnevisionForConditionalGeneration": "anyres"}
+# Families whose forward finds the image tokens through a token-type input (1 = image), which the loss module
+# and evaluation always pass (token_type_inputs): the Qwen families' M-RoPE places image tokens by (time,
+# height, width) from mm_token_type_ids, and without it falls back to 1-D positions silently; Gemma 3 lets an
+# image's tokens attend to each other both ways from token_type_ids, and without it attends causally, silently.
+TOKEN_TYPES = {"Qwen2VLForConditionalGeneration": "mm_token_type_ids",
+               "Qwen2_5_VLForConditionalGeneration": "mm_token_type_ids",
+               "Qwen3VLForConditionalGeneration": "mm_token_type_ids",
+               "Gemma3ForConditionalGeneration": "token_type_ids"}
+WITHOUT_TOKEN_TYPES = {"mm_token_type_ids": "its M-RoPE would give the image tokens 1-D text positions instead of "
+                                            "(time, height, width)",
+                       "token_type_ids": "its image tokens would attend causally instead of both ways within "
+                                         "their image"}
 OUTPUT_LAYER = "lm_head"  # outside language_model, but on the language side (text models can adapt it)
 # Characters that make a target_modules entry a regular expression (matched in full against module
 # names), not a module name; a dot alone stays a name separator.
 PATTERN_CHARACTERS = set("*?[]()|^$\\+{}")
+
+
+# Processors with a video slot whose video processor needs torchvision (absent beside the CPU torch build; its
+# lookup even fails inside transformers 5.23 then). The workflow trains on images only, so these are built
+# without it, on every machine alike (one code path): the tokenizer, the PIL image processor, the class.
+IMAGE_ONLY_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "LlavaOnevisionProcessor")
+
+
+@functools.lru_cache(maxsize=None)
+def image_only(processor_class: type) -> type:
+    """``processor_class`` without its video slot (ProcessorMixin's attributes come from ``__init__``'s
+    signature); saved under the original class name, so its files stay the family's own."""
+    class ImageOnly(processor_class):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                             chat_template=chat_template, **kwargs)
+
+    import inspect
+
+    # The parent's signature without the video slot: ProcessorMixin saves (and reloads) the settings it names.
+    signature = inspect.signature(processor_class.__init__)
+    ImageOnly.__init__.__signature__ = signature.replace(
+        parameters=[p for name, p in signature.parameters.items() if name != "video_processor"])
+    ImageOnly.__name__ = ImageOnly.__qualname__ = processor_class.__name__
+    return ImageOnly
+
+
+def load_processor(model_dir: str | Path):
+    """The model's processor: ``AutoProcessor``'s, or for the families above the image-only one."""
+    import transformers
+
+    import inspect
+
+    path = Path(model_dir) / "processor_config.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    recorded = saved.get("processor_class")
+    if recorded not in IMAGE_ONLY_PROCESSORS:
+        return transformers.AutoProcessor.from_pretrained(str(model_dir))
+    processor_class = getattr(transformers, recorded)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    image_processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir))  # PIL without torchvision
+    # The processor's own settings (LLaVA-OneVision's num_image_tokens, vision_aspect_ratio...), as saved.
+    own = {key: value for key, value in saved.items() if key in inspect.signature(processor_class.__init__).parameters
+           and key not in ("image_processor", "tokenizer", "video_processor", "chat_template")}
+    return image_only(processor_class)(image_processor=image_processor, tokenizer=tokenizer,
+                                       chat_template=tokenizer.chat_template, **own)
+
+
+MAX_PIXELS_KEY, MIN_PIXELS_KEY = "variants.<name>.max_pixels", "variants.<name>.min_pixels"
+
+
+def dynamic_resolution(image_processor) -> bool:
+    """Qwen's image processors: size.shortest_edge / longest_edge are pixel counts (min_pixels / max_pixels), and
+    smart_resize keeps each image's aspect within them, in multiples of patch_size x merge_size."""
+    return type(image_processor).__name__.startswith("Qwen2VLImageProcessor")
+
+
+def tiled(image_processor) -> bool:
+    """LLaVA-OneVision / LLaVA-NeXT: any-resolution tiling over the grids in image_grid_pinpoints."""
+    return getattr(image_processor, "image_grid_pinpoints", None) is not None
+
+
+def apply_pixel_budget(processor, *, max_pixels: int | None, min_pixels: int | None) -> None:
+    """Set the variant's pixel budget on the processor's image processor (in place), or refuse it by name where
+    the family resizes every image to one fixed size (the budget would change nothing).
+
+    Dynamic resolution (Qwen): the resized image's area lies within [min_pixels, max_pixels]. Tiling
+    (LLaVA-OneVision): the tiling grids are those of at most max_pixels, so an image is tiled on a grid within
+    the budget (the tower also sees the image whole, at one tile's size); min_pixels has no meaning there."""
+    from transformers.image_utils import SizeDict
+
+    if max_pixels is None and min_pixels is None:
+        return
+    image_processor = processor.image_processor
+    kind = type(image_processor).__name__
+    if tiled(image_processor):
+        if min_pixels is not None:
+            raise WorkflowError(f"{MIN_PIXELS_KEY}: {kind} tiles an image on a grid, it never scales one up; remove "
+                                "min_pixels (max_pixels bounds the grid)")
+        grids = [grid for grid in image_processor.image_grid_pinpoints if grid[0] * grid[1] <= max_pixels]
+        if not grids:
+            smallest = min(image_processor.image_grid_pinpoints, key=lambda grid: grid[0] * grid[1])
+            raise WorkflowError(f"{MAX_PIXELS_KEY}: {max_pixels} is below {kind}'s smallest tiling grid "
+                                f"{smallest[0]}x{smallest[1]} ({smallest[0] * smallest[1]} pixels); raise it")
+        image_processor.image_grid_pinpoints = grids
+        return
+    if not dynamic_resolution(image_processor):
+        raise WorkflowError(
+            f"{MAX_PIXELS_KEY} / {MIN_PIXELS_KEY}: the model's image processor {kind} resizes every image to "
+            f"{dict((k, v) for k, v in dict(image_processor.size).items() if v)}, so a pixel budget changes nothing; "
+            "remove max_pixels and min_pixels from the variant, or use a dynamic-resolution or tiling model "
+            "(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision)")
+    size = image_processor.size
+    low = size.shortest_edge if min_pixels is None else min_pixels
+    high = size.longest_edge if max_pixels is None else max_pixels
+    factor = image_processor.patch_size * image_processor.merge_size
+    if high < factor * factor:
+        raise WorkflowError(f"{MAX_PIXELS_KEY}: {high} is below one image token of {kind} ({factor}x{factor} = "
+                            f"{factor * factor} pixels); raise it")
+    if low > high:
+        raise WorkflowError(f"{MIN_PIXELS_KEY}: {low} is above max_pixels {high}; lower min_pixels or raise max_pixels")
+    image_processor.size = SizeDict(shortest_edge=low, longest_edge=high)
+
+
+def max_image_tokens(image_processor_settings: Mapping[str, Any]) -> int | None:
+    """The most image tokens one image can become under a dynamic-resolution processor's budget (its
+    ``to_dict()``, as tokenise_meta.json holds it): max_pixels over the pixels one token covers; None for the
+    other families (their count is the model's, image_features_per_image)."""
+    if not str(image_processor_settings.get("image_processor_type", "")).startswith("Qwen2VLImageProcessor"):
+        return None
+    factor = image_processor_settings["patch_size"] * image_processor_settings["merge_size"]
+    return image_processor_settings["size"]["longest_edge"] // (factor * factor)
+
+
+def max_tiles(image_processor_settings: Mapping[str, Any]) -> int | None:
+    """Tiles the tower sees for one image under a tiling processor's grids, the whole image included (one tile's
+    size each); None for the other families."""
+    grids = image_processor_settings.get("image_grid_pinpoints")
+    if not grids:
+        return None
+    size = image_processor_settings["size"]
+    tile = size.get("height") or size.get("shortest_edge")
+    return max(rows * columns for rows, columns in grids) // (tile * tile) + 1
+
+
+def align_tiling(model: nn.Module, grids) -> str | None:
+    """Give a tiling model (LLaVA-OneVision) the processor's tiling grids, as the pixel budget left them: the model
+    counts each image's tiles and unpads its features from its config's grids, so they must be the ones the
+    images were tiled on. Nothing for the other families (no grids, or none given)."""
+    from workflow_scripts.model.parameter_names import unwrap
+
+    base, _ = base_of(unwrap(model))
+    if not grids or getattr(base.config, "image_grid_pinpoints", None) is None:
+        return None
+    base.config.image_grid_pinpoints = [list(grid) for grid in grids]
+    return f"{len(grids)} tiling grids"
+
+
+def image_placeholder(processor) -> str:
+    """What a prompt without a chat template writes for one image: the processor's image token, which it expands
+    into the image's tokens; Qwen's between its vision start and end tokens, as its chat template writes it."""
+    if type(processor).__name__ in IMAGE_ONLY_PROCESSORS and type(processor).__name__.startswith("Qwen"):
+        return "<|vision_start|>" + processor.image_token + "<|vision_end|>"
+    return processor.image_token
 
 
 def base_of(model: nn.Module) -> tuple[nn.Module, str]:
@@ -101,8 +280,8 @@ def lora_target_modules(model: nn.Module, target_modules: list[str], *, train_to
     parts = components(base)
     linear = [name for name, module in base.named_modules() if isinstance(module, nn.Linear)]
     language = [n for n in linear if under(n, parts["language_model"]) or under(n, parts["output_layer"])]
-    tower = [n for n in linear if under(n, parts["vision_tower"])]
     projector = [n for n in linear if under(n, parts["projector"])]
+    tower = [n for n in linear if under(n, parts["vision_tower"]) and n not in projector]
     chosen: list[str] = []
     for entry in target_modules:
         if is_pattern(entry):
@@ -144,8 +323,9 @@ def tower_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The vision tower's parameters under PEFT-relative names (DDP's and the loss module's wrappers removed)."""
     from workflow_scripts.model.parameter_names import named_parameters, unwrap
 
-    prefix = components(unwrap(model))["vision_tower"]
-    return {name: p for name, p in named_parameters(model).items() if under(name, prefix)}
+    parts = components(unwrap(model))
+    return {name: p for name, p in named_parameters(model).items()
+            if under(name, parts["vision_tower"]) and not under(name, parts["projector"])}
 
 
 def check_frozen_tower(peft_model: nn.Module, *, train_tower: bool) -> str:
@@ -212,7 +392,8 @@ def check_tower_gradients(peft_model: nn.Module, *, train_tower: bool) -> str:
 
 
 def image_features_per_image(model: nn.Module, height: int, width: int) -> int:
-    """How many features the model's tower + projector make for one image of ``height`` x ``width`` pixels."""
+    """How many features the model's tower + projector make for one image of ``height`` x ``width`` pixels
+    (the fixed-size families; a Qwen image's count follows its grid: :func:`image_features`)."""
     from workflow_scripts.model.parameter_names import unwrap
 
     base, _ = base_of(unwrap(model))
@@ -220,7 +401,12 @@ def image_features_per_image(model: nn.Module, height: int, width: int) -> int:
     components(base)  # refuses an unsupported family by name
     patch = config.vision_config.patch_size
     patches = (height // patch) * (width // patch)
-    if FEATURE_RULES[type(base).__name__] == "select_strategy":
+    rule = FEATURE_RULES[type(base).__name__]
+    if rule == "pooled":  # Gemma 3: the projector pools every image (or pan-and-scan crop) to a fixed count
+        return config.mm_tokens_per_image
+    if rule == "grid_merge":
+        return patches // config.vision_config.spatial_merge_size ** 2
+    if rule == "select_strategy":
         # CLIP towers prepend a class token (SigLIP's do not); "default" drops the first position.
         has_class_token = config.vision_config.model_type == "clip_vision_model"
         return patches + int(has_class_token) - int(config.vision_feature_select_strategy == "default")
@@ -236,31 +422,107 @@ def count_images(pixel_values: torch.Tensor) -> int:
     return int((flat != 0).flatten(1).any(dim=1).sum())
 
 
+def image_features(batch: Mapping[str, Any], model: nn.Module) -> tuple[int, str]:
+    """(image features the tower + projector make for the batch's images, how they were counted)."""
+    from workflow_scripts.model.parameter_names import unwrap
+
+    base, _ = base_of(unwrap(model))
+    components(base)
+    pixel_values = batch["pixel_values"]
+    if FEATURE_RULES[type(base).__name__] == "anyres":
+        # LLaVA-OneVision: the base image and its tiles, unpadded to the image's aspect, a newline feature per
+        # row, capped by vision_aspect_ratio; counted by the model's own code (one pass of the frozen tower).
+        sizes = batch.get("image_sizes")
+        if sizes is None:
+            raise _refusal("image_tokens", "the batch has pixel_values but no image_sizes",
+                           "collate the processor's image_sizes with the pixel values (IMAGE_INPUTS)")
+        dtype = next(base.parameters()).dtype
+        try:
+            with torch.no_grad():
+                features = base.model.get_image_features(pixel_values=pixel_values.to(dtype), image_sizes=sizes,
+                                                         return_dict=True).pooler_output
+        except RuntimeError as error:  # the model splits the tiles by its own grids: another count fails here
+            raise _refusal("image_tokens", f"the model's tiling grids do not give the batch's {pixel_values.shape} "
+                           f"tiles ({str(error).splitlines()[0]})",
+                           "give the model the grids the processor tiled with (vision_language_model.align_tiling; "
+                           "the pixel budget changes them)") from None
+        counts = sorted({len(feature) for feature in features})
+        return sum(len(feature) for feature in features), (
+            f"{len(features)} images, {counts[0]}-{counts[-1]} image tokens each" if len(counts) > 1
+            else f"{len(features)} images, {counts[0]} image tokens each")
+    if FEATURE_RULES[type(base).__name__] == "grid_merge":
+        grid = batch.get("image_grid_thw")
+        if grid is None:
+            raise _refusal("image_tokens", "the batch has pixel_values but no image_grid_thw",
+                           "collate the processor's image_grid_thw with the pixel values (IMAGE_INPUTS)")
+        merge = base.config.vision_config.spatial_merge_size
+        per_image = (grid.prod(-1) // merge ** 2).tolist()
+        if grid.prod(-1).sum() != pixel_values.shape[0]:
+            raise _refusal("image_tokens", f"image_grid_thw gives {int(grid.prod(-1).sum())} patches but pixel_values "
+                           f"holds {pixel_values.shape[0]}", "collate pixel_values and image_grid_thw from one "
+                           "processor call")
+        counts = sorted(set(per_image))
+        return sum(per_image), (f"{len(per_image)} images, {counts[0]}-{counts[-1]} image tokens each"
+                                if len(counts) > 1 else f"{len(per_image)} images, {counts[0]} image tokens each")
+    height, width = pixel_values.shape[-2:]
+    images = count_images(pixel_values)
+    per_image = image_features_per_image(model, height, width)
+    return images * per_image, f"{images} images, {per_image} image tokens each"
+
+
+def token_type_inputs(model: nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The token-type input a family's forward needs beside input_ids (TOKEN_TYPES: 1 on image tokens, 0
+    elsewhere, as its processor makes them); nothing for the other families."""
+    from workflow_scripts.model.parameter_names import unwrap
+
+    base, _ = base_of(unwrap(model))
+    name = TOKEN_TYPES.get(type(base).__name__)
+    if name is None:
+        return {}
+    return {name: (input_ids == base.config.image_token_id).to(torch.int32 if name.startswith("mm_") else torch.long)}
+
+
+def _refusal(name: str, problem: str, fix: str):
+    from workflow_scripts.core.errors import PreflightError
+
+    return PreflightError(name, problem, fix)
+
+
 def check_image_tokens(batch: Mapping[str, Any], model: nn.Module) -> str:
     """The image-token ids in ``input_ids`` equal the image features the model makes for ``pixel_values``
-    (a truncated prompt that cut an image's tokens fails inside the forward otherwise, far from the cause)."""
-    from workflow_scripts.core.errors import PreflightError
+    (a truncated prompt that cut an image's tokens fails inside the forward otherwise, far from the cause),
+    and a family with a token-type input (TOKEN_TYPES) gets it on exactly those tokens."""
     from workflow_scripts.model.parameter_names import unwrap
 
     base, _ = base_of(unwrap(model))
     image_token_id = base.config.image_token_id
     pixel_values = batch.get("pixel_values")
-    tokens = int((batch["input_ids"] == image_token_id).sum())
+    is_image = batch["input_ids"] == image_token_id
+    tokens = int(is_image.sum())
     if pixel_values is None:
         if tokens:
-            raise PreflightError("image_tokens", f"the batch has {tokens} image tokens but no pixel_values",
-                                 "collate the processor's pixel_values with the rows that hold image tokens")
+            raise _refusal("image_tokens", f"the batch has {tokens} image tokens but no pixel_values",
+                           "collate the processor's pixel_values with the rows that hold image tokens")
         return "no images in this batch"
-    height, width = pixel_values.shape[-2:]
-    images = count_images(pixel_values)
-    per_image = image_features_per_image(model, height, width)
-    if tokens != images * per_image:
-        raise PreflightError(
-            "image_tokens", f"the batch has {tokens} image tokens (id {image_token_id}) but {images} images of "
-            f"{height}x{width} give {images * per_image} image features ({per_image} each)",
+    features, detail = image_features(batch, model)
+    if tokens != features:
+        raise _refusal(
+            "image_tokens", f"the batch has {tokens} image tokens (id {image_token_id}) but its images give "
+            f"{features} image features ({detail})",
             "build prompts with the model's processor (it expands each image placeholder) and keep "
             "pretokenise's max_length long enough that no image's tokens are truncated")
-    return f"{images} images, {per_image} image tokens each"
+    name = TOKEN_TYPES.get(type(base).__name__)
+    if name is not None:
+        types = batch.get(name)
+        if types is None or not torch.equal(types.bool(), is_image):
+            raise _refusal(
+                "image_tokens", f"{type(base).__name__} gets " + (f"no {name}" if types is None else
+                                                                  f"{name} that miss its image tokens")
+                + f": {WITHOUT_TOKEN_TYPES[name]}",
+                "pass vision_language_model.token_type_inputs(model, input_ids) to the forward and to generate")
+        detail += ("; M-RoPE positions from mm_token_type_ids" if name == "mm_token_type_ids"
+                   else "; image tokens attend within their image (token_type_ids)")
+    return detail
 
 
 def check_pixel_dtype(batch: Mapping[str, Any], dtype: torch.dtype) -> str:

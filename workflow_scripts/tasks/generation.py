@@ -318,6 +318,11 @@ def check_config_variant(name: str, variant: "VariantSettings", datasets: Mappin
         if dataset.task == "vision_language" and "image" not in dataset.fields:
             raise ConfigError(f"datasets.{ds_name}.fields", "a vision_language dataset needs fields.image: the "
                               "source field with its image (a path, {bytes, path} or bytes)")
+    if variant.task == "generation":  # vision_language keys, which a text model would ignore silently
+        for setting in ("max_pixels", "min_pixels"):
+            if setting in variant.given:
+                raise ConfigError(f"{key}.{setting}", "a pixel budget is a vision_language setting; a generation "
+                                  f"variant has no images. Set variants.{name}.task: vision_language, or remove it")
     if variant.extractor.type == "section" and not variant.extractor.marker:
         raise ConfigError(f"{key}.extractor.marker", "a section extractor needs the final task's marker")
     fields = {}

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from workflow_scripts.core.entry_settings import DatasetSettings, VariantSettings
     from torch import nn
 
-VARIANT_KEYS = generation.VARIANT_KEYS + ("images",)
+VARIANT_KEYS = generation.VARIANT_KEYS + ("images", "max_pixels", "min_pixels")
 
 
 def check_variant(variant: "VariantSettings") -> "VariantSettings":
@@ -39,6 +39,7 @@ def check_variant(variant: "VariantSettings") -> "VariantSettings":
 def variant_record(variant: "VariantSettings") -> dict[str, Any]:
     """Generation's record of the templates, then ``images`` (pretokenise's cache key: see generation's)."""
     templates_only = {key: value for key, value in variant.to_dict().items() if key != "images"}
+    # The pixel budget rides along where set (its absence keeps the records of variants written before it).
     return {"extractor": {"type": "whole"}, "chat_template": False, **templates_only, "images": variant.images}
 
 
@@ -95,19 +96,23 @@ class ImageRecordMapper(RecordMapper):
 
 # --- pre-tokenising: the processor expands the image placeholder ---
 @functools.lru_cache(maxsize=4)
-def _processor(model_dir: str):
-    from transformers import AutoProcessor
+def _processor(model_dir: str, max_pixels: int | None, min_pixels: int | None):
+    from workflow_scripts.model import vision_language_model as vlm
 
-    return AutoProcessor.from_pretrained(model_dir)
+    processor = vlm.load_processor(model_dir)
+    vlm.apply_pixel_budget(processor, max_pixels=max_pixels, min_pixels=min_pixels)
+    return processor
 
 
-def processor_for(tokenizer):
-    """The model's processor, found from its tokenizer's directory.
+def processor_for(tokenizer, variant: "VariantSettings"):
+    """The model's processor, found from its tokenizer's directory, under the variant's pixel budget.
 
     The task interface hands stages a tokenizer; a VLM's processor lives in the same model directory
-    (``prepare_model`` saves both), so it is loaded from there once per process.
+    (``prepare_model`` saves both), so it is loaded from there once per process. The budget
+    (``max_pixels`` / ``min_pixels``) is set on its image processor here, the one place pretokenise and
+    evaluation take it from; training's collator rebuilds that image processor from tokenise_meta.json.
     """
-    return _processor(str(tokenizer.name_or_path))
+    return _processor(str(tokenizer.name_or_path), variant.max_pixels, variant.min_pixels)
 
 
 def open_images(blobs: Sequence[bytes]):
@@ -130,7 +135,9 @@ def render_prompt(tokenizer, variant: "VariantSettings", row: Mapping[str, Any])
     count = len(row.get("images") or []) if variant.images else 0
     text = templates._render(variant.prompt, row, "prompt")
     if not variant.chat_template:
-        return processor_for(tokenizer).image_token * count + "\n" + text if count else text
+        from workflow_scripts.model import vision_language_model as vlm
+
+        return vlm.image_placeholder(processor_for(tokenizer, variant)) * count + "\n" + text if count else text
     templates.require_chat_template(tokenizer)
     content = [{"type": "image"}] * count + [{"type": "text", "text": text}]
     return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
@@ -146,7 +153,7 @@ def encode_prompt(processor, tokenizer, variant, prompt: str, blobs: Sequence[by
 
 
 def tokenise_batch(batch: Mapping[str, list], *, tokenizer, variant: "VariantSettings", max_length: int) -> dict[str, list]:
-    processor = processor_for(tokenizer) if variant.images else None
+    processor = processor_for(tokenizer, variant) if variant.images else None
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
     targets = templates.encode_targets(tokenizer, [templates.render_target(variant, row) for row in rows])
     out = {name: [] for name in ("id", "input_ids", "labels", "length", "truncated", "dropped", "images")}
@@ -216,9 +223,12 @@ class VisionCollator:
 def generate(model, tokenizer, variant, rows, prompts, batch_size: int, max_new_tokens: int, device) -> list[str]:
     import torch
 
+    from workflow_scripts.model import vision_language_model as vlm
     from workflow_scripts.tasks.vision_language_loss import IMAGE_INPUTS
 
-    processor = processor_for(tokenizer) if variant.images else None
+    processor = processor_for(tokenizer, variant) if variant.images else None
+    if processor is not None:  # LLaVA-OneVision: the model tiles on the grids the pixel budget left
+        vlm.align_tiling(model, getattr(processor.image_processor, "image_grid_pinpoints", None))
     stop_ids = generation.stop_token_ids(tokenizer, model)
     tokenizer.padding_side = "left"
     config = generation.greedy_generation_config(max_new_tokens, stop_ids, tokenizer.pad_token_id)
@@ -239,6 +249,8 @@ def generate(model, tokenizer, variant, rows, prompts, batch_size: int, max_new_
                     if name in processed:
                         value = processed[name].to(device)
                         inputs[name] = value.to(dtype) if name == "pixel_values" else value
+                # M-RoPE (Qwen): image tokens found by type, positions counted past the left padding
+                inputs.update(vlm.token_type_inputs(model, inputs["input_ids"]))
             generated = model.generate(**inputs, generation_config=config)
             width = inputs["input_ids"].shape[1]
             for row, i in enumerate(index):
@@ -300,7 +312,7 @@ class VisionLanguageTask(generation.GenerationTask):
         """The image processor's settings, so the collator can make pixel values without the model directory."""
         if not variant.images:
             return {"image_processor": None}
-        settings = processor_for(tokenizer).image_processor.to_dict()
+        settings = processor_for(tokenizer, variant).image_processor.to_dict()
         return {"image_processor": {k: v for k, v in settings.items() if not k.startswith("_")}}
 
     def collator(self, meta, vocab_size, packing_for=None, *, seed=None):
@@ -320,6 +332,12 @@ class VisionLanguageTask(generation.GenerationTask):
         targets = vlm.lora_target_modules(model, list(lora.target_modules), train_tower=lora.train_vision_tower)
         saved = list(lora.modules_to_save) + vlm.modules_to_save(model, train_projector=lora.train_projector)
         return dataclasses.replace(lora, target_modules=tuple(targets), modules_to_save=tuple(saved))
+
+    def align_model(self, model, data_meta) -> None:
+        """Training: a tiling model (LLaVA-OneVision) takes the grids pretokenise tiled with (the pixel budget's)."""
+        from workflow_scripts.model import vision_language_model as vlm
+
+        vlm.align_tiling(model, (data_meta.get("image_processor") or {}).get("image_grid_pinpoints"))
 
     def check_model(self, peft_model, task_meta, training) -> str | None:
         from workflow_scripts.model import vision_language_model as vlm

@@ -37,7 +37,11 @@ class VisionTargetTokenLoss(TargetTokenLoss):
         return loss
 
     def model_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        from workflow_scripts.model import vision_language_model as vlm
+
         inputs = {name: batch[name] for name in IMAGE_INPUTS if name in batch}
+        if "pixel_values" in inputs:  # M-RoPE families place the image tokens in 3-D from their token types
+            inputs.update(vlm.token_type_inputs(self.wrapped, batch["input_ids"]))
         if "pixel_values" in inputs:  # in the tower's own precision (bf16 weights on GPUs)
             tower_dtype = next(self.wrapped.parameters()).dtype
             inputs["pixel_values"] = inputs["pixel_values"].to(tower_dtype)

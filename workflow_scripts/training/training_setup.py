@@ -106,6 +106,8 @@ def build(model_dir, training: TrainingSettings, context: DistributedContext,
     base = model_loading.load_base_model(model_dir, load_device, dtype, trust_remote_code, task.auto_model_class,
                                          model_kwargs, seed=seed)
     task.prepare_model(base, data_meta.get("pad_token_id"), task_meta)
+    if hasattr(task, "align_model"):  # optional hook: a VLM's model follows the image settings pretokenise used
+        task.align_model(base, data_meta)
     if kernels.attn_implementation(training, device):  # training.flex_attention: packed rows keep a fused kernel
         base.set_attn_implementation(kernels.attn_implementation(training, device))
     kernels.apply_before_lora(base, training, device)  # training.liger_kernels
