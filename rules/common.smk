@@ -8,6 +8,7 @@ sys.path.insert(0, workflow.basedir)
 # (Snakemake formats the prefix too, hence the doubled braces.)
 shell.prefix(f"export PYTHONPATH={shlex.quote(workflow.basedir)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; ")
 
+from workflow_scripts.core import config_reads
 from workflow_scripts.core import experiment_config as xc
 from workflow_scripts.core import experiment_set
 from workflow_scripts.checks.config import check_config
@@ -61,8 +62,16 @@ def as_json(value):
     return json.dumps(value, sort_keys=True)
 
 
-def dataset_settings(wildcards):
-    return as_json(DATASETS[wildcards.dataset].to_dict())
+def dataset_reads(rule):
+    """The keys of the job's dataset that ``rule`` reads (core/config_reads.py): its recorded params, so a key
+    it does not read (the metric, for download and normalise) reruns nothing."""
+    return lambda wildcards: as_json(config_reads.pick(DATASETS[wildcards.dataset].to_dict(), rule, "datasets.*"))
+
+
+def dataset_entry(wildcards):
+    """download's and normalise's --dataset: the whole entry, typed again by the stage. Not recorded
+    (RuntimeOnly): what they read of it is their ``reads`` param (dataset_reads)."""
+    return RuntimeOnly(as_json(DATASETS[wildcards.dataset].to_dict()))
 
 
 def variant_templates(wildcards):
@@ -89,11 +98,15 @@ def evaluation_json(wildcards):
     evaluation = EVALUATION.replace(
         split=xc.evaluation_split(config, wildcards.dataset), max_length=training_settings(wildcards).max_length
     )
-    return as_json(evaluation.to_dict())
+    # only the keys evaluate reads (core/config_reads.py): not evaluate_base_model, which decides no score
+    return as_json(
+        {**config_reads.pick(evaluation.to_dict(), "evaluate", "evaluation"), "max_length": evaluation.max_length}
+    )
 
 
 def mixture_json(wildcards):
-    return as_json(MIXTURES[wildcards.dataset])
+    """What mix reads of the mixture (not its models: another model list mixes nothing again)."""
+    return as_json(config_reads.pick(MIXTURES[wildcards.dataset], "mix", "mixtures.*"))
 
 
 def mixture_components(wildcards):
@@ -357,6 +370,7 @@ def final_outputs():
         experiment_set_stamp(),
         *evaluation_outputs("eval.json"),
         *base_eval_outputs("eval.json"),
+        *power_reports(),
     ]
 
 
@@ -407,12 +421,32 @@ def power_variants(wildcards):
     return [v for m, d, v in xc.model_dataset_variants(config) if (m, d) == (wildcards.model, wildcards.dataset)]
 
 
-def power_reports(wildcards):
-    """sanity's extra input: the power report of every dataset the entry is scored on ([] without the
-    untrained model's evaluation, which the estimate needs)."""
+def power_gate(wildcards):
+    """sanity's extra input, always none: a gate that has not passed yet (no sanity.json) waits until the power
+    checkpoint of every dataset the entry is scored on has run (checkpoints.power.get raises until then, and
+    Snakemake re-evaluates this afterwards), so an underpowered design stops before any training. Once the gate
+    has passed, a rerun estimate (another evaluation setting) does not rerun it, so nothing is retrained. The
+    recorded input list is the same either way (empty), so it is no rerun trigger. Not ancient(): see
+    rules/power.smk. Without the untrained model's evaluation there is no estimate (and checks.config refuses
+    comparison.min_detectable_effect then)."""
     if not EVALUATION.evaluate_base_model:
         return []
-    return [
-        f"results/{wildcards.model}/{name}/power.json"
-        for name in xc.evaluated_datasets(config, wildcards.dataset, wildcards.model)
-    ]
+    if os.path.exists(f"results/{wildcards.model}/{wildcards.dataset}/{wildcards.variant}/sanity.json"):
+        return []
+    for name in xc.evaluated_datasets(config, wildcards.dataset, wildcards.model):
+        checkpoints.power.get(model=wildcards.model, dataset=name)
+    return []
+
+
+def power_reports():
+    """Every (model, evaluated dataset)'s power report: targets of the workflow, so an estimate whose inputs
+    changed is rerun (and, above comparison.min_detectable_effect, fails the run) after training too."""
+    if not EVALUATION.evaluate_base_model:
+        return []
+    return sorted(
+        {
+            f"results/{m}/{d}/power.json"
+            for m, t, _, _ in xc.experiments(config)
+            for d in xc.evaluated_datasets(config, t, m)
+        }
+    )

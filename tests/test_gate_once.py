@@ -24,8 +24,8 @@ from test_mixtures import mixture_config
 def planned(output: str) -> list[dict]:
     """Every job of a dry run (-n -p): its rule, wildcards, inputs, outputs and shell command."""
     jobs = []
-    for block in re.split(r"\n(?=(?:local)?rule \w+:)", output):
-        rule = re.match(r"(?:local)?rule (\w+):", block)
+    for block in re.split(r"\n(?=(?:local)?(?:rule|checkpoint) \w+:)", output):
+        rule = re.match(r"(?:local)?(?:rule|checkpoint) (\w+):", block)
         if not rule:
             continue
 
