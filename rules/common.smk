@@ -68,10 +68,23 @@ def dataset_reads(rule):
     return lambda wildcards: as_json(config_reads.pick(DATASETS[wildcards.dataset].to_dict(), rule, "datasets.*"))
 
 
-def dataset_entry(wildcards):
-    """download's and normalise's --dataset: the whole entry, typed again by the stage. Not recorded
-    (RuntimeOnly): what they read of it is their ``reads`` param (dataset_reads)."""
-    return RuntimeOnly(as_json(DATASETS[wildcards.dataset].to_dict()))
+def dataset_entry(rule):
+    """download's and normalise's --dataset: what they read of the entry, and the metric a dataset entry cannot
+    be without (config_reads.RUNTIME_READS), typed again by the stage. Not recorded (RuntimeOnly): their
+    ``reads`` param (dataset_reads) is the rerun trigger."""
+
+    def entry(wildcards):
+        given = DATASETS[wildcards.dataset].to_dict()
+        return RuntimeOnly(
+            as_json(
+                {
+                    **config_reads.pick(given, rule, "datasets.*", config_reads.RUNTIME_READS),
+                    **config_reads.pick(given, rule, "datasets.*"),
+                }
+            )
+        )
+
+    return entry
 
 
 def variant_templates(wildcards):
@@ -155,7 +168,9 @@ def cross_contamination_settings(wildcards):
         {
             name: {
                 "contamination": DATASETS[name].contamination.to_dict(),
-                "derived": sorted(DATASETS[name].derived),
+                # the derived fields' names are what the stage reads; their whole mapping is recorded, so the
+                # table (core/config_reads.py: datasets.*.derived) is exact
+                "derived": DATASETS[name].to_dict().get("derived", {}),
             }
             for name in dict.fromkeys(trained + checked)
         }
@@ -352,11 +367,22 @@ def loss_plots():
 def experiment_set_stamp():
     """compare's stamp, named by a hash of what it compares (core/experiment_set.py): a config whose set
     differs from the one the comparison holds reruns compare, and every missing job before it."""
+    evaluated = dict.fromkeys(d for *_, d in xc.evaluations(config))
     return experiment_set.stamp_path(
         {
             "experiments": [list(e) for e in xc.evaluations(config)],
             "comparison": COMPARISON.to_dict(),
             "with_base": EVALUATION.evaluate_base_model,
+            # what else decides the table (issue 35): the seeds, each dataset's metrics and evaluation settings
+            "seeds": list(config["seeds"]),
+            "metrics": {d: [DATASETS[d].metric, *DATASETS[d].also_metrics] for d in evaluated},
+            "evaluation": {
+                d: {
+                    **config_reads.pick(EVALUATION.to_dict(), "evaluate", "evaluation"),
+                    "split": xc.evaluation_split(config, d),
+                }
+                for d in evaluated
+            },
         }
     )
 

@@ -31,11 +31,11 @@ _NORMALISED_ROWS = (
     "datasets.*.roles", "datasets.*.max_rejected_fraction", "datasets.*.on_invalid_text", "datasets.*.contamination",
     "datasets.*.unlabelled", "datasets.*.submission.id_type",
 )
-_DOWNLOADED = ("datasets.*.task", "datasets.*.source", "datasets.*.format", "datasets.*.splits",
-               "datasets.*.fields.image")
+# (download looks at fields.image alone, but a dataset entry needs its whole field mapping to be valid)
+_DOWNLOADED = ("datasets.*.task", "datasets.*.source", "datasets.*.format", "datasets.*.splits", "datasets.*.fields")
 # A model as prepare_model builds it (not its training overrides).
 _MODEL_BUILD = (
-    "models.*.name", "models.*.source", "models.*.hub_id", "models.*.revision", "models.*.path", "models.*.gguf",
+    "models.*.source", "models.*.hub_id", "models.*.revision", "models.*.path", "models.*.gguf",
     "models.*.tiny", "models.*.initialise", "models.*.trust_remote_code",
 )
 # Training settings: the shared block, then the model's and the variant's overrides (merged per experiment).
@@ -84,6 +84,9 @@ CONDITIONAL_READS: Mapping[tuple[str, str], tuple[str, ...]] = {
 
 # Received at run time, never a rerun trigger.
 RUNTIME_READS: Mapping[str, tuple[str, ...]] = {
+    # a dataset entry is valid only with its metric: download and normalise are given it, and read none of it
+    "download": ("datasets.*.metric",),
+    "normalise": ("datasets.*.metric",),
     "sanity": ("seeds",),  # the gate runs with the first seed; a new first seed reruns no gate
     "train": ("tracking",),
 }
@@ -91,7 +94,7 @@ RUNTIME_READS: Mapping[str, tuple[str, ...]] = {
 # Keys that decide which jobs exist (the matrix of experiments): a change adds or removes jobs, and reruns
 # compare (its experiment set, core/experiment_set.py), not the finished jobs that stay.
 PLAN_READS: tuple[str, ...] = (
-    "seeds", "datasets.*.models", "datasets.*.train_alone", "datasets.*.splits", "datasets.*.task",
+    "seeds", "models.*.name", "datasets.*.models", "datasets.*.train_alone", "datasets.*.splits", "datasets.*.task",
     "datasets.*.unlabelled", "datasets.*.submission.format", "mixtures.*.datasets", "mixtures.*.models",
     "variants.*.task", "evaluation.evaluate_base_model",
 )
@@ -149,12 +152,13 @@ def _dig(mapping, parts: list[str]):
     return mapping
 
 
-def pick(entry: Mapping, stage: str, prefix: str) -> dict:
+def pick(entry: Mapping, stage: str, prefix: str, reads: Mapping[str, tuple[str, ...]] | None = None) -> dict:
     """The keys of one entry (a dataset's mapping under ``prefix`` ``datasets.*``, a mixture's, a section)
-    that ``stage`` reads, nested as in the entry: what the rule records as the stage's params."""
+    that ``stage`` reads (``reads``: READS, or RUNTIME_READS), nested as in the entry: what the rule records as
+    the stage's params."""
     picked: dict = {}
     depth = len(_parts(prefix))
-    for declared in READS[stage]:
+    for declared in (READS if reads is None else reads).get(stage, ()):
         parts = _parts(declared)
         if len(parts) <= depth or not covers(prefix, declared):
             continue
