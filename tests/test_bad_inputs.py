@@ -287,7 +287,16 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("model", "sanity-modules-to-save-matches-nothing", gate({"--training": training(lora={"modules_to_save": ["lm_haed"]})}), "sanity", "training.lora.modules_to_save: 'lm_haed' matches no module of this model (closest: ['lm_head']); fix the name or remove it"),
         case("model", "sanity-model-missing", gate({"--model": "{tmp}/nowhere"}), "sanity", "{tmp}/nowhere: no config.json; run the prepare_model rule first"),
         case("model", "sanity-model-config-not-json", gate({"--model": "{model_copy}"}, plant=copy_model(replace={"config.json": b"{not json"})), "sanity", "{model_copy}/config.json: not valid JSON at line 1, column 2: Expecting property name enclosed in double quotes; " + REPREPARE),
+        # --- reruns (issue 35) ---
+        case("config", "power-threshold-without-the-base-evaluation", cfg("comparison.min_detectable_effect", 0.001, base=without_base_evaluation), "config", "{config}: config key 'comparison.min_detectable_effect': is 0.001, but evaluation.evaluate_base_model is false, and the power check estimates from the untrained model's scores: set evaluation.evaluate_base_model: true, or remove the threshold"),
     ]
+
+
+def without_base_evaluation() -> dict:
+    """The one-model demo config without the untrained model's evaluation (issue 35's silent threshold)."""
+    config = single_model_config()
+    config["evaluation"]["evaluate_base_model"] = False
+    return config
 
 
 # --- the parts of the messages that many rows share ---

@@ -100,6 +100,43 @@ PLAN_READS: tuple[str, ...] = (
 )
 
 
+# Which stages consume each stage's outputs (rules/*.smk): a rerun stage reruns these in turn, and so on. (sanity
+# waits for power only before its first run: a rerun estimate reruns no gate, rules/power.smk.)
+CONSUMERS: Mapping[str, tuple[str, ...]] = {
+    "download": ("normalise",),
+    "normalise": ("prepare_model", "pretokenise", "cross_contamination", "train", "evaluate", "evaluate_base",
+                  "evaluate_on", "predict", "predict_on", "compare"),
+    "prepare_model": ("pretokenise", "sanity", "train", "evaluate", "evaluate_base", "evaluate_on", "predict",
+                      "predict_on"),
+    "pretokenise": ("mix", "sanity", "train"),
+    "mix": ("sanity", "train"),
+    "cross_contamination": ("sanity",),
+    "sanity": ("train",),
+    "train": ("evaluate", "evaluate_on", "predict", "predict_on", "compare"),
+    "evaluate": ("compare",),
+    "evaluate_on": ("compare",),
+    "evaluate_base": ("power", "compare"),
+    "power": (),
+    "predict": (),
+    "predict_on": (),
+    "compare": (),
+}
+
+
+def downstream(stages: Iterable[str]) -> tuple[str, ...]:
+    """Every stage that consumes, directly or not, the outputs of ``stages`` (not ``stages`` themselves), in
+    the workflow's order."""
+    seen: dict[str, None] = {}
+    queue = list(stages)
+    while queue:
+        for consumer in CONSUMERS.get(queue.pop(0), ()):
+            if consumer not in seen:
+                seen[consumer] = None
+                queue.append(consumer)
+    order = list(CONSUMERS)
+    return tuple(sorted((s for s in seen if s not in stages), key=order.index))
+
+
 def _parts(path: str) -> list[str]:
     parts = path.split(".")
     return ["models", "*", *parts[1:]] if parts[0] == "model" else parts
@@ -173,8 +210,8 @@ def pick(entry: Mapping, stage: str, prefix: str, reads: Mapping[str, tuple[str,
     return picked
 
 
-def rerun_table() -> list[tuple[str, str]]:
-    """(kind of change, what it reruns): the rows of docs/reruns.md's generated table."""
+def rerun_table() -> list[tuple[str, str, str]]:
+    """(kind of change, the stages it reruns itself, the stages that rerun after them): docs/reruns.md's rows."""
     kinds = (
         ("a seed added or removed (`seeds`)", "seeds"),
         ("a dataset's field mapping (`datasets.<name>.fields`)", "datasets.*.fields"),
@@ -192,23 +229,24 @@ def rerun_table() -> list[tuple[str, str]]:
         ("a model's build (`models.<name>.tiny`, `hub_id`, `revision`, ...)", "models.*.revision"),
         ("tracking (`tracking.*`)", "tracking.mlflow.enabled"),
     )
+
+    def names(stages: Iterable[str]) -> str:
+        return ", ".join(f"`{stage}`" for stage in stages)
+
     rows = []
     for kind, key in kinds:
-        stages = list(stages_reading(key))
-        parts = []
-        plain = [s for s in stages if not conditions_of(s, key)]
-        if plain:
-            parts.append(", ".join(f"`{s}`" for s in plain))
-        for stage in stages:
-            for condition in conditions_of(stage, key):
-                parts.append(f"`{stage}` (only with `{condition}` set)")
+        stages = stages_reading(key)
+        plain = [stage for stage in stages if not conditions_of(stage, key)]
+        itself = [names(plain)] if plain else []
+        itself += [f"`{stage}` (only with `{condition}` set)"
+                   for stage in stages for condition in conditions_of(stage, key)]
         if plan_key(key):
-            parts.append("adds or removes the jobs it decides, then `compare`")
-        if not parts:
+            itself.append("the jobs it adds (removes)" + ("" if "compare" in plain else ", and `compare`"))
+        if not itself:
             runtime = runtime_stages_reading(key)
-            parts.append("nothing" + (f" (read by {', '.join(f'`{s}`' for s in runtime)} at run time only)"
-                                      if runtime else ""))
-        rows.append((kind, "; ".join(parts)))
+            itself.append("nothing" + (f" (`{'`, `'.join(runtime)}` reads it at run time only)" if runtime else ""))
+        after = downstream(plain)
+        rows.append((kind, "; ".join(itself), names(after) if after else "-"))
     return rows
 
 
@@ -217,11 +255,10 @@ TABLE_END = "<!-- rerun-table:end -->"
 
 
 def rerun_table_markdown() -> str:
-    """The generated block of docs/reruns.md (and the README): each kind of change and the stages it reruns
-    by itself; each of them reruns, in turn, every stage that consumes its outputs (download -> normalise ->
-    pretokenise -> sanity -> train -> evaluate -> compare)."""
-    lines = [TABLE_START, "| change | reruns (and then what depends on their outputs) |", "|---|---|"]
-    lines += [f"| {kind} | {reruns} |" for kind, reruns in rerun_table()]
+    """The generated block of docs/reruns.md (and the README): each kind of change, the stages it reruns by
+    itself, and those that rerun after them because they consume their outputs."""
+    lines = [TABLE_START, "| change | reruns | and then, through their outputs |", "|---|---|---|"]
+    lines += [f"| {kind} | {itself} | {after} |" for kind, itself, after in rerun_table()]
     return "\n".join([*lines, TABLE_END])
 
 
@@ -229,3 +266,18 @@ def replace_table_block(text: str) -> str:
     """``text`` with its generated block (between TABLE_START and TABLE_END) rewritten."""
     start, end = text.index(TABLE_START), text.index(TABLE_END) + len(TABLE_END)
     return text[:start] + rerun_table_markdown() + text[end:]
+
+
+def write_table_block(path: str) -> None:
+    """Rewrite the generated block of the Markdown file at ``path`` (docs/reruns.md, the README)."""
+    from pathlib import Path
+
+    file = Path(path)
+    file.write_text(replace_table_block(file.read_text()))
+
+
+if __name__ == "__main__":  # python -m workflow_scripts.core.config_reads docs/reruns.md [README.md ...]
+    import sys
+
+    for argument in sys.argv[1:]:
+        write_table_block(argument)
