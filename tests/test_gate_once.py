@@ -105,9 +105,9 @@ def plan(workdir: Path, config: dict, *args: str) -> set[tuple[str, str | None]]
 
 def test_a_finished_run_adds_seeds_without_its_gate_and_retrains_on_a_training_change(tmp_path):
     """A finished one-seed run (every output planted, stage by stage, and recorded by ``--touch --forceall``
-    as a real run records it: params and code, the rerun triggers). The power estimate is left out: its own
-    param, the seed count, reruns it for a new seed, and Snakemake then skips everything after its ancient
-    input in that invocation (snakemake#4166)."""
+    as a real run records it: params and code, the rerun triggers). Without the untrained model's evaluation;
+    the same changes with it (and the power estimate, no longer an ancient() input, snakemake#4166) are
+    test_reruns.py's."""
     config = absolute_demo_config(["amr_demo"])
     config["seeds"] = [1]
     config["evaluation"]["evaluate_base_model"] = False
