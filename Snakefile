@@ -2,7 +2,7 @@
 # Run: snakemake --cores all [--resources gpu=8]  |  snakemake --profile profiles/slurm
 from snakemake.utils import min_version, validate
 
-from workflow_scripts.core import config_files
+from workflow_scripts.core import config_files, final_check
 from workflow_scripts.launch import launcher
 
 min_version("9.0")
@@ -42,3 +42,8 @@ rule all:
     input:
         final_outputs(),
         submission_outputs(),
+
+
+# After a successful run: nothing planned is left out of date (exit non-zero naming it otherwise; core/final_check.py).
+onsuccess:
+    final_check.check_up_to_date(workflow)

@@ -16,6 +16,7 @@ OWN_PYTHON = (
 # (Snakemake formats the prefix too, hence the doubled braces.)
 shell.prefix(f"{OWN_PYTHON}export PYTHONPATH={shlex.quote(workflow.basedir)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; ")
 
+from workflow_scripts.core import config_reads
 from workflow_scripts.core import experiment_config as xc
 from workflow_scripts.core import config_files, experiment_set
 from workflow_scripts.checks import scheduler
@@ -73,8 +74,29 @@ def as_json(value):
     return json.dumps(value, sort_keys=True)
 
 
-def dataset_settings(wildcards):
-    return as_json(DATASETS[wildcards.dataset].to_dict())
+def dataset_reads(rule):
+    """The keys of the job's dataset that ``rule`` reads (core/config_reads.py): its recorded params, so a key
+    it does not read (the metric, for download and normalise) reruns nothing."""
+    return lambda wildcards: as_json(config_reads.pick(DATASETS[wildcards.dataset].to_dict(), rule, "datasets.*"))
+
+
+def dataset_entry(rule):
+    """download's and normalise's --dataset: what they read of the entry, and the metric a dataset entry cannot
+    be without (config_reads.RUNTIME_READS), typed again by the stage. Not recorded (RuntimeOnly): their
+    ``reads`` param (dataset_reads) is the rerun trigger."""
+
+    def entry(wildcards):
+        given = DATASETS[wildcards.dataset].to_dict()
+        return RuntimeOnly(
+            as_json(
+                {
+                    **config_reads.pick(given, rule, "datasets.*", config_reads.RUNTIME_READS),
+                    **config_reads.pick(given, rule, "datasets.*"),
+                }
+            )
+        )
+
+    return entry
 
 
 def variant_templates(wildcards):
@@ -101,7 +123,10 @@ def evaluation_json(wildcards):
     evaluation = EVALUATION.replace(
         split=xc.evaluation_split(config, wildcards.dataset), max_length=training_settings(wildcards).max_length
     )
-    return as_json(evaluation.to_dict())
+    # only the keys evaluate reads (core/config_reads.py): not evaluate_base_model, which decides no score
+    return as_json(
+        {**config_reads.pick(evaluation.to_dict(), "evaluate", "evaluation"), "max_length": evaluation.max_length}
+    )
 
 
 def untrained_base_argument(wildcards):
@@ -115,7 +140,8 @@ def untrained_base_argument(wildcards):
 
 
 def mixture_json(wildcards):
-    return as_json(MIXTURES[wildcards.dataset])
+    """What mix reads of the mixture (not its models: another model list mixes nothing again)."""
+    return as_json(config_reads.pick(MIXTURES[wildcards.dataset], "mix", "mixtures.*"))
 
 
 def mixture_components(wildcards):
@@ -164,7 +190,9 @@ def cross_contamination_settings(wildcards):
         {
             name: {
                 "contamination": DATASETS[name].contamination.to_dict(),
-                "derived": sorted(DATASETS[name].derived),
+                # the derived fields' names are what the stage reads; their whole mapping is recorded, so the
+                # table (core/config_reads.py: datasets.*.derived) is exact
+                "derived": DATASETS[name].to_dict().get("derived", {}),
             }
             for name in dict.fromkeys(trained + checked)
         }
@@ -357,11 +385,22 @@ def loss_plots():
 def experiment_set_stamp():
     """compare's stamp, named by a hash of what it compares (core/experiment_set.py): a config whose set
     differs from the one the comparison holds reruns compare, and every missing job before it."""
+    evaluated = dict.fromkeys(d for *_, d in xc.evaluations(config))
     return experiment_set.stamp_path(
         {
             "experiments": [list(e) for e in xc.evaluations(config)],
             "comparison": COMPARISON.to_dict(),
             "with_base": EVALUATION.evaluate_base_model,
+            # what else decides the table (issue 35): the seeds, each dataset's metrics and evaluation settings
+            "seeds": list(config["seeds"]),
+            "metrics": {d: [DATASETS[d].metric, *DATASETS[d].also_metrics] for d in evaluated},
+            "evaluation": {
+                d: {
+                    **config_reads.pick(EVALUATION.to_dict(), "evaluate", "evaluation"),
+                    "split": xc.evaluation_split(config, d),
+                }
+                for d in evaluated
+            },
         }
     )
 
@@ -375,6 +414,7 @@ def final_outputs():
         experiment_set_stamp(),
         *evaluation_outputs("eval.json"),
         *base_eval_outputs("eval.json"),
+        *power_reports(),
     ]
 
 
@@ -425,12 +465,32 @@ def power_variants(wildcards):
     return [v for m, d, v in xc.model_dataset_variants(config) if (m, d) == (wildcards.model, wildcards.dataset)]
 
 
-def power_reports(wildcards):
-    """sanity's extra input: the power report of every dataset the entry is scored on ([] without the
-    untrained model's evaluation, which the estimate needs)."""
+def power_gate(wildcards):
+    """sanity's extra input, always none: a gate that has not passed yet (no sanity.json) waits until the power
+    checkpoint of every dataset the entry is scored on has run (checkpoints.power.get raises until then, and
+    Snakemake re-evaluates this afterwards), so an underpowered design stops before any training. Once the gate
+    has passed, a rerun estimate (another evaluation setting) does not rerun it, so nothing is retrained. The
+    recorded input list is the same either way (empty), so it is no rerun trigger. Not ancient(): see
+    rules/power.smk. Without the untrained model's evaluation there is no estimate (and checks.config refuses
+    comparison.min_detectable_effect then)."""
     if not EVALUATION.evaluate_base_model:
         return []
-    return [
-        f"results/{wildcards.model}/{name}/power.json"
-        for name in xc.evaluated_datasets(config, wildcards.dataset, wildcards.model)
-    ]
+    if os.path.exists(f"results/{wildcards.model}/{wildcards.dataset}/{wildcards.variant}/sanity.json"):
+        return []
+    for name in xc.evaluated_datasets(config, wildcards.dataset, wildcards.model):
+        checkpoints.power.get(model=wildcards.model, dataset=name)
+    return []
+
+
+def power_reports():
+    """Every (model, evaluated dataset)'s power report: targets of the workflow, so an estimate whose inputs
+    changed is rerun (and, above comparison.min_detectable_effect, fails the run) after training too."""
+    if not EVALUATION.evaluate_base_model:
+        return []
+    return sorted(
+        {
+            f"results/{m}/{d}/power.json"
+            for m, t, _, _ in xc.experiments(config)
+            for d in xc.evaluated_datasets(config, t, m)
+        }
+    )

@@ -20,7 +20,8 @@ rule download:
         "../envs/data.yaml"
     threads: 1
     params:
-        dataset=dataset_settings,
+        reads=dataset_reads("download"),  # the keys it reads (core/config_reads.py): its rerun trigger
+        dataset=dataset_entry("download"),
         source_sha256=local_source_sha256,  # content, not clocks, decides a rerun
         images_sha256=local_images_sha256,  # images are copied, not inputs: their content decides too
     shell:
@@ -46,7 +47,8 @@ rule normalise:
         "../envs/data.yaml"
     threads: 1
     params:
-        dataset=dataset_settings,
+        reads=dataset_reads("normalise"),
+        dataset=dataset_entry("normalise"),
     shell:
         "python -m workflow_scripts.normalise --name {wildcards.dataset:q} --dataset {params.dataset:q}"
         " --raw {input.raw:q} --out {output.data:q} --report {output.report:q} > {log:q} 2>&1"

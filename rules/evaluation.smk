@@ -104,7 +104,8 @@ rule compare:
         "../envs/evaluation.yaml"
     threads: 1
     params:
-        comparison=as_json(COMPARISON.to_dict()),
+        # what compare reads of the section (not the power threshold: core/config_reads.py)
+        comparison=as_json(config_reads.pick(COMPARISON.to_dict(), "compare", "comparison")),
         experiments=as_json([list(e) for e in xc.evaluations(config)]),
         with_base="--with-base" if EVALUATION.evaluate_base_model else "",
     shell:

@@ -1,9 +1,12 @@
 # Power before training: from the untrained model's evaluation of each scored dataset, the minimum
-# detectable effect of the planned comparison (workflow_scripts/power.py). Its report is an input of
-# sanity, so with comparison.min_detectable_effect set an underpowered design stops before any training.
+# detectable effect of the planned comparison (workflow_scripts/power.py). A checkpoint: a gate that has not
+# run yet waits for it (power_gate in rules/common.smk), so with comparison.min_detectable_effect set an
+# underpowered design stops before any training; once the gate has passed, a rerun of the estimate (another
+# evaluation setting) retrains nothing. Not an ancient() input: Snakemake skips the jobs after a rerun job
+# with an ancient input, even those with reasons of their own (snakemake#4166).
 
 
-rule power:
+checkpoint power:
     input:
         summaries=lambda w: [f"results/{w.model}/{w.dataset}/{v}/base/eval.json" for v in power_variants(w)],
         predictions=lambda w: [f"results/{w.model}/{w.dataset}/{v}/base/predictions.jsonl" for v in power_variants(w)],

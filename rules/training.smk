@@ -13,9 +13,8 @@ rule sanity:
         # a mixture's components, evaluation-only datasets: held-out rows against the other datasets' train
         cross_contamination=cross_contamination_report,
         # the minimum detectable effect, from the untrained model's scores (comparison.min_detectable_effect):
-        # it must exist before the gate, but a rewritten report (another seed count, comparison block or
-        # evaluation) must not retrain anything, hence ancient
-        power=ancient(power_reports),
+        # checked before the gate first runs, never an input afterwards (power_gate, rules/common.smk)
+        power=power_gate,
     output:
         report(
             "results/{model}/{dataset}/{variant}/sanity.json",

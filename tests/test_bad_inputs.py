@@ -322,7 +322,16 @@ def table() -> list:  # called at collection, after the helpers below are define
         # --- vlm (issue 38) ---
         case("config", "vlm-max-pixels-zero", cfg("variants.vision.max_pixels", 0, base=absolute_demo_config), "config", "{config}: config key 'variants.vision.max_pixels': 0 is less than the minimum of 1"),
         case("config", "vlm-max-pixels-on-a-generation-variant", cfg("variants.baseline.max_pixels", 1024), "config", "{config}: config key 'variants.baseline.max_pixels': a pixel budget is a vision_language setting; a generation variant has no images. Set variants.baseline.task: vision_language, or remove it"),
+        # --- reruns (issue 35) ---
+        case("config", "power-threshold-without-the-base-evaluation", cfg("comparison.min_detectable_effect", 0.001, base=without_base_evaluation), "config", "{config}: config key 'comparison.min_detectable_effect': is 0.001, but evaluation.evaluate_base_model is false, and the power check estimates from the untrained model's scores: set evaluation.evaluate_base_model: true, or remove the threshold"),
     ]
+
+
+def without_base_evaluation() -> dict:
+    """The one-model demo config without the untrained model's evaluation (issue 35's silent threshold)."""
+    config = single_model_config()
+    config["evaluation"]["evaluate_base_model"] = False
+    return config
 
 
 # --- the parts of the messages that many rows share ---

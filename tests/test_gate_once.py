@@ -24,8 +24,8 @@ from test_mixtures import mixture_config
 def planned(output: str) -> list[dict]:
     """Every job of a dry run (-n -p): its rule, wildcards, inputs, outputs and shell command."""
     jobs = []
-    for block in re.split(r"\n(?=(?:local)?rule \w+:)", output):
-        rule = re.match(r"(?:local)?rule (\w+):", block)
+    for block in re.split(r"\n(?=(?:local)?(?:rule|checkpoint) \w+:)", output):
+        rule = re.match(r"(?:local)?(?:rule|checkpoint) (\w+):", block)
         if not rule:
             continue
 
@@ -105,9 +105,9 @@ def plan(workdir: Path, config: dict, *args: str) -> set[tuple[str, str | None]]
 
 def test_a_finished_run_adds_seeds_without_its_gate_and_retrains_on_a_training_change(tmp_path):
     """A finished one-seed run (every output planted, stage by stage, and recorded by ``--touch --forceall``
-    as a real run records it: params and code, the rerun triggers). The power estimate is left out: its own
-    param, the seed count, reruns it for a new seed, and Snakemake then skips everything after its ancient
-    input in that invocation (snakemake#4166)."""
+    as a real run records it: params and code, the rerun triggers). Without the untrained model's evaluation;
+    the same changes with it (and the power estimate, no longer an ancient() input, snakemake#4166) are
+    test_reruns.py's."""
     config = absolute_demo_config(["amr_demo"])
     config["seeds"] = [1]
     config["evaluation"]["evaluate_base_model"] = False

@@ -53,8 +53,8 @@ def snakemake(directory: Path, *arguments: str, timeout: int = 1200) -> str:
 def planned_jobs(dry_run_output: str) -> list[tuple[str, dict[str, str]]]:
     """(rule, wildcards) of every job a dry run would execute."""
     jobs = []
-    for block in re.split(r"\n(?=(?:local)?rule \w+:)", dry_run_output):
-        match = re.match(r"(?:local)?rule (\w+):", block)
+    for block in re.split(r"\n(?=(?:local)?(?:rule|checkpoint) \w+:)", dry_run_output):
+        match = re.match(r"(?:local)?(?:rule|checkpoint) (\w+):", block)
         if not match:
             continue
         wildcards = re.search(r"wildcards: (.*)", block)

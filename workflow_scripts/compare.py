@@ -301,6 +301,22 @@ def check_fairness(runs: Sequence[Run], intended: Sequence[str]) -> None:
         fairness.check_fair(f"model '{model}', dataset '{where}'", seed, settings, sources, intended)
 
 
+def check_evaluation_settings(model: str, trained: str, dataset: str, runs: Sequence[Run],
+                              base: Mapping[str, "BaseRun"] | None) -> None:
+    """The runs of one table group and the untrained model's evaluations beside them: the same evaluation
+    settings (fairness.check_same_evaluation), so no row mixes settings."""
+    settings, sources = {}, {}
+    for run in runs:
+        name = f"{run.variant} seed {run.seed}"
+        settings[name], sources[name] = fairness.evaluation_settings(run.summary), str(run.directory / "eval.json")
+    for variant, base_run in (base or {}).items():
+        name = f"{variant} untrained"
+        settings[name] = fairness.evaluation_settings(read_json(base_run.directory / "eval.json"))
+        sources[name] = str(base_run.directory / "eval.json")
+    where = dataset if trained == dataset else f"{trained}, scored on {dataset}"
+    fairness.check_same_evaluation(f"model '{model}', dataset '{where}'", settings, sources)
+
+
 def _round(value: float | None) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else round(value, 6)
 
@@ -573,6 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metric = group_runs[0].summary["metric"]
         variants = list(dict.fromkeys(run.variant for run in group_runs))
         base = read_base_runs(results_dir, model, dataset, variants, metric) if args.with_base else None
+        check_evaluation_settings(model, trained, dataset, group_runs, base)
         reference = reference_for(comparison, group_runs[0].summary.get("task", "generation"))
         rows.extend(compare_dataset(dataset, group_runs, reference, comparison, base, mode))
         also_rows.extend(also_scored_rows(dataset, group_runs, reference, comparison, base, mode))

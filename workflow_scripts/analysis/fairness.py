@@ -117,6 +117,38 @@ def check_fair(dataset: str, seed: int, settings_by_variant: Mapping[str, Mappin
     )
 
 
+# What decides an evaluation's numbers among the user's choices (config_reads' evaluation keys): eval.json's
+# record of the evaluation settings, and the run fields it writes for batch size and dtype. A run's device is
+# not a setting (the fairness guard above compares it between variants).
+EVALUATION_SETTING_FIELDS = ("batch_size", "dtype_setting")
+
+
+def evaluation_settings(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """One eval.json's evaluation settings: ``evaluation.<key>`` -> value (absent keys left out)."""
+    recorded = summary.get("manifest", {}).get("settings", {}).get("evaluation", {})
+    settings = {f"evaluation.{key}": recorded[key] for key in EVALUATION_KEYS if key in recorded}
+    settings.update({f"evaluation.{field.removesuffix('_setting')}": summary[field]
+                     for field in EVALUATION_SETTING_FIELDS if field in summary})
+    return settings
+
+
+def check_same_evaluation(where: str, settings_by_run: Mapping[str, Mapping[str, Any]],
+                          sources: Mapping[str, str]) -> None:
+    """Every evaluation of one (model, dataset), trained and untrained, every variant and seed, must have been
+    made under the same evaluation settings: a table that mixes them (an untrained score decoded with 64 new
+    tokens beside trained ones with 96) compares nothing. One WorkflowError naming the settings and the runs."""
+    found = differences(settings_by_run, ())
+    if not found:
+        return
+    shown = "; ".join(f"{key}: " + ", ".join(f"{run}={value!r}" for run, value in values.items())
+                      for key, values in found.items())
+    raise WorkflowError(
+        f"mixed evaluation settings on {where}: {shown} (from {'; '.join(f'{run}: {path}' for run, path in sources.items())}). "
+        "The comparison needs every evaluation made under the same settings: run snakemake again (a change of "
+        "evaluation settings reruns evaluate and evaluate_base), or delete the stale eval.json files"
+    )
+
+
 def brief_paths(sources: Mapping[str, str]) -> str:
     """The variants' files in one short phrase: '<root>/{baseline,mtup}/seed1/run_manifest.json' when the
     paths differ only in one folder named for the variant, else 'baseline: <path>; mtup: <path>'."""

@@ -124,6 +124,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
             raise ConfigError("model" if "model" in config else f"models.{name}", f"no dataset or mixture trains "
                               f"on '{name}' (their models: lists leave it out), so it would silently drop out of the "
                               f"matrix; add '{name}' to the models: list of a dataset or mixture, or remove it", source)
+    _check_power_threshold(config, comparison, source)
     if config["evaluation"]["gpus"] > 1:  # evaluate decodes on cuda:0 alone; the rest would sit reserved
         raise ConfigError("evaluation.gpus", f"is {config['evaluation']['gpus']}, but evaluation runs on one GPU "
                           "(the others would be reserved and idle); set evaluation.gpus: 1 (or 0 for the CPU)", source)
@@ -167,6 +168,13 @@ def _check_bootstrap_seeds(config: Mapping[str, Any], comparison: ComparisonSett
         raise ConfigError("comparison.bootstrap", f"'{paired_bootstrap.SEEDS_AND_EXAMPLES}' resamples seeds, which needs "
                           f"at least 2, but seeds is {list(config['seeds'])}; add seeds, or use 'examples' (or 'auto', "
                           f"which resamples seeds from {paired_bootstrap.AUTO_MIN_SEEDS} on)", source)
+def _check_power_threshold(config: Mapping[str, Any], comparison: ComparisonSettings, source: str | None) -> None:
+    """The power check (rules/power.smk) estimates from the untrained model's scores: a threshold that nothing
+    would check must not pass in silence (every training job would run, no message)."""
+    if comparison.min_detectable_effect is not None and not config["evaluation"]["evaluate_base_model"]:
+        raise ConfigError("comparison.min_detectable_effect", f"is {comparison.min_detectable_effect}, but "
+                          "evaluation.evaluate_base_model is false, and the power check estimates from the untrained "
+                          "model's scores: set evaluation.evaluate_base_model: true, or remove the threshold", source)
 
 
 def _check_validation_metric(config: Mapping[str, Any], entry: str, validation: "ValidationSettings",
