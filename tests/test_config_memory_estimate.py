@@ -179,7 +179,10 @@ DEMO = Path(__file__).parent.parent / "config" / "config.yaml"
 
 
 def demo_config(**training):
-    return load_config(DEMO, {"training": training} if training else None)
+    overrides = {"training": training} if training else None
+    if training.get("strategy") == "fsdp":  # FSDP refuses the vision_language task: its variants stay on DDP
+        overrides["variants"] = {name: {"training": {"strategy": "ddp"}} for name in ("vision", "text_only")}
+    return load_config(DEMO, overrides)
 
 
 def test_demo_config_is_estimated_for_its_tiny_causal_lm_and_fits(tmp_path):

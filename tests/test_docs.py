@@ -106,12 +106,15 @@ def test_every_rule_is_on_the_stages_page():
 
 
 def test_the_stages_column_comes_from_the_config_reads_table(monkeypatch):
-    """The reference's 'read by' column is the reads table's answer, once that table exists (issue 35)."""
-    fake = type(sys)("workflow_scripts.core.config_reads")
-    fake.stages_reading = lambda path: ("evaluate", "compare") if path == "evaluation.max_new_tokens" else ()
-    monkeypatch.setitem(sys.modules, "workflow_scripts.core.config_reads", fake)
+    """The reference's 'read by' column is the reads table's answer (core/config_reads.py, issue 35)."""
+    from workflow_scripts.core import config_reads
+
+    expected = ", ".join(f"`{stage}`" for stage in config_reads.stages_reading("evaluation.max_new_tokens"))
+    assert "evaluate" in expected
     page = generate.configuration_reference(SCHEMA)
-    assert re.search(r"(?m)^\| `evaluation.max_new_tokens` \|.*\| `evaluate`, `compare` \|$", page)
+    assert re.search(rf"(?m)^\| `evaluation.max_new_tokens` \|.*\| {re.escape(expected)} \|$", page)
+    monkeypatch.setitem(config_reads.READS, "compare", (*config_reads.READS["compare"], "evaluation.max_new_tokens"))
+    assert generate.configuration_reference(SCHEMA) != page
 
 
 # --- the README and its demo figures ----------------------------------------------------------------------------

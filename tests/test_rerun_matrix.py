@@ -83,7 +83,7 @@ ENTRIES = {
 MUTATIONS: dict[str, tuple[str | None, Any]] = {
     "datasets.*.fields.image": ("shapes_demo", "picture"),
     "datasets.*.fields.question": ("amr_demo", "graph"),
-    "datasets.*.fields.answers": ("amr_demo", "sentence"),
+    "datasets.*.fields.answers": ("chartqa_demo", "image"),  # (amr_demo's smatch needs graphs as answers)
     "datasets.*.extra_fields": ("amr_demo", {"sentence_again": "sentence"}),
     "datasets.*.metric": ("chartqa_demo", "exact_match"),
     "datasets.*.also_metrics": ("amr_demo", []),
@@ -118,6 +118,8 @@ MUTATIONS: dict[str, tuple[str | None, Any]] = {
     "training.epochs": (None, lambda config: _epochs_instead_of_steps(config)),
     "training.lora.dropout": (None, 0.1),
     "datasets.*.contamination.max_fraction": ("amr_demo", 0.2),
+    "datasets.*.duplicates.max_fraction": ("amr_demo", 0.5),
+    "datasets.*.encoding": ("amr_demo", "utf-8-sig"),
     "training.validation.every_steps": (None, 25),
     "training.validation.early_stopping_patience": (None, 2),
     "training.validation.metric_examples": (None, 8),
@@ -158,6 +160,11 @@ NOT_EXERCISED = {
     "datasets.*.roles.assistant": "the demo has no conversation dataset",
     "variants.*.system_prompt": "the demo has no conversation dataset",
     "training.quantization.bits": "QLoRA: bitsandbytes on a GPU",
+    "variants.*.max_pixels": "the demo's VLMs (LLaVA-1.5, Idefics3) have fixed-size processors, which refuse a budget",
+    "variants.*.min_pixels": "the demo's VLMs (LLaVA-1.5, Idefics3) have fixed-size processors, which refuse a budget",
+    "training.packing": "the demo's classification, masked-LM and vision-language experiments refuse packing",
+    "training.strategy": "FSDP refuses the demo's vision-language experiments (core/settings.sharding_problem)",
+    "evaluation.qlora_base": "QLoRA only: refused where no training block sets training.quantization",
     "training.quantization.type": "QLoRA: bitsandbytes on a GPU",
     "training.quantization.double_quant": "QLoRA: bitsandbytes on a GPU",
     "training.quantization.compute_dtype": "QLoRA: bitsandbytes on a GPU",
@@ -221,6 +228,8 @@ def _base_config() -> dict:
     # scored on validation, so that its test split may be unlabelled (datasets.*.unlabelled's change)
     config["datasets"]["amr_demo"]["evaluation_split"] = "validation"
     validate_schema(config)  # the schema's defaults filled, as Snakemake's validate() fills them
+    # written only with a QLoRA training block (config_files.refuse_unused_qlora_base); Snakemake fills it again
+    config["evaluation"].pop("qlora_base")
     return config
 
 

@@ -149,14 +149,14 @@ def refuse_unused_qlora_base(given: Mapping[str, Any], source: str | None = None
     shared one, a model's or a variant's) quantises, it changes nothing. ``given``: the config as written, before
     the schema's default fills ``qlora_base`` (afterwards a set value and the default look alike), which is why
     this check sits here, where the config is read, rather than in checks/config."""
-    evaluation = given.get("evaluation")
-    if not isinstance(evaluation, Mapping) or "qlora_base" not in evaluation:
+    as_written = given.get("evaluation")  # the raw mapping: this check runs before EvaluationSettings exist
+    if not isinstance(as_written, Mapping) or "qlora_base" not in as_written:
         return
     entries = [given.get("model")] if "model" in given else list((given.get("models") or {}).values())
     entries += list((given.get("variants") or {}).values())
     blocks = [given.get("training"), *(entry.get("training") for entry in entries if isinstance(entry, Mapping))]
     if not any(isinstance(block, Mapping) and block.get("quantization") is not None for block in blocks):
-        raise ConfigError("evaluation.qlora_base", f"is {evaluation['qlora_base']!r}, but no training block sets "
+        raise ConfigError("evaluation.qlora_base", f"is {as_written['qlora_base']!r}, but no training block sets "
                           "training.quantization (QLoRA), so there is no QLoRA adapter to score and it would change "
                           "nothing; remove evaluation.qlora_base, or set training.quantization (e.g. {bits: 4}) to "
                           "train QLoRA", source)

@@ -29,10 +29,11 @@ _NORMALISED_ROWS = (
     "datasets.*.task", "datasets.*.source", "datasets.*.format", "datasets.*.splits", "datasets.*.fields",
     "datasets.*.extra_fields", "datasets.*.flatten", "datasets.*.derived", "datasets.*.labels", "datasets.*.keys",
     "datasets.*.roles", "datasets.*.max_rejected_fraction", "datasets.*.on_invalid_text", "datasets.*.contamination",
-    "datasets.*.unlabelled", "datasets.*.submission.id_type",
+    "datasets.*.unlabelled", "datasets.*.submission.id_type", "datasets.*.encoding", "datasets.*.duplicates",
 )
 # (download looks at fields.image alone, but a dataset entry needs its whole field mapping to be valid)
-_DOWNLOADED = ("datasets.*.task", "datasets.*.source", "datasets.*.format", "datasets.*.splits", "datasets.*.fields")
+_DOWNLOADED = ("datasets.*.task", "datasets.*.source", "datasets.*.format", "datasets.*.splits", "datasets.*.fields",
+               "datasets.*.encoding")
 # A model as prepare_model builds it (not its training overrides).
 _MODEL_BUILD = (
     "models.*.source", "models.*.hub_id", "models.*.revision", "models.*.path", "models.*.gguf",
@@ -45,7 +46,8 @@ _MAX_LENGTH = ("training.max_length", "models.*.training.max_length", "variants.
 _VARIANT_FORMAT = (
     "variants.*.prompt", "variants.*.target", "variants.*.extractor", "variants.*.chat_template",
     "variants.*.images", "variants.*.input", "variants.*.class_weights", "variants.*.mask_rate",
-    "variants.*.whole_word", "variants.*.grouping", "variants.*.system_prompt",
+    "variants.*.whole_word", "variants.*.grouping", "variants.*.system_prompt", "variants.*.max_pixels",
+    "variants.*.min_pixels",
 )
 # What an evaluation's numbers depend on (not evaluate_base_model, which decides whether the base is scored).
 _EVALUATION = (
