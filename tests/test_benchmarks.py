@@ -338,6 +338,17 @@ def test_gpu_check_phases_run_in_order_skip_what_will_not_fit_and_stop_at_the_bu
     assert "===== gpu-check [fails]" in log and "===== gpu-check [too_long]" not in log
 
 
+def test_a_phase_named_alone_comes_with_the_wheels(capsys):
+    """The first H200 run: `--only benchmark_7b` left out the wheels phase, so every side of ours failed on an
+    import the image lacks. A named phase now installs the wheels first (the plan shows it)."""
+    from benchmarks import gpu_check as harness
+
+    assert harness.main(["--plan", "--only", "benchmark_7b"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:] if line.startswith("  ")]
+    assert "wheels" in names, names
+    assert names.index("wheels") < names.index("benchmark_7b")
+
+
 @pytest.mark.parametrize("relative", [True, False])
 def test_gpu_check_writes_into_a_relative_or_absolute_out(tmp_path, relative):
     """Issue 24: with an absolute GPU_CHECK_OUT every record went to $PWD/$out. Both spellings work,
