@@ -272,6 +272,10 @@ def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, i
         for key in sorted(set(expected) | set(ours)):
             mine, theirs = ours.get(key, fairness.ABSENT), expected.get(key, fairness.ABSENT)
             if mine != theirs and not fairness.is_intended(key, intended):
+                if fairness.ABSENT in (mine, theirs):  # a block on one side, null on the other: name the whole block
+                    key = ".".join(key.split(".")[:2])
+                    mine = resolved_training(config, name, model)[key.split(".")[1]]
+                    theirs = resolved_training(config, reference, model)[key.split(".")[1]]
                 raise ConfigError(
                     f"variants.{name}.{key}",
                     f"sets {mine!r} where the reference variant '{reference}' uses {theirs!r}, so the comparison "
