@@ -75,39 +75,44 @@ def no_masked_lm_reason(name: str, spec: "ModelSettings", root: Path) -> str | N
     return None if known[0] in MODEL_FOR_MASKED_LM_MAPPING_NAMES else f"a '{known[0]}' model (per {known[1]})"
 
 
+def _first_misfit(config: Mapping[str, Any], task: str, reason_of, source: str | None, root: str | Path):
+    """(dataset, its settings, model, reason, every model entry) of the first dataset of ``task`` run on a model
+    that ``reason_of(name, entry, root)`` says cannot serve it, or None."""
+    all_models = xc.model_entries(config, source)
+    for dataset, settings in xc.dataset_entries(config, source).items():
+        if settings.task != task:
+            continue
+        for model in xc.dataset_models(config, dataset):
+            reason = reason_of(model, all_models[model], Path(root))
+            if reason is not None:
+                return dataset, settings, model, reason, all_models
+    return None
+
+
 def check_masked_lm_models(config: Mapping[str, Any], source: str | None = None, root: str | Path = ".") -> None:
     """Refuse a masked_lm dataset run on a model whose known config has no masked-LM form (a causal LM): its
     untrained model's evaluation, the first job scheduled, would otherwise stop in transformers' traceback."""
-    all_models = xc.model_entries(config, source)
-    for dataset, settings in xc.dataset_entries(config, source).items():
-        if settings.task != "masked_lm":
-            continue
-        for model in xc.dataset_models(config, dataset):
-            reason = no_masked_lm_reason(model, all_models[model], Path(root))
-            if reason is None:
-                continue
-            fix = (f"remove '{model}' from datasets.{dataset}.models" if settings.models else
-                   f"give datasets.{dataset} a models: list of masked language models (e.g. a tiny one with "
-                   "tiny.architecture: bert)")
-            raise ConfigError(f"datasets.{dataset}.models", f"task masked_lm needs a masked language model (an "
-                              f"encoder such as BERT, with a [MASK] token and a head that predicts it), but "
-                              f"'{model}' is {reason}, which predicts the next token only; {fix}", source)
+    misfit = _first_misfit(config, "masked_lm", no_masked_lm_reason, source, root)
+    if misfit is None:
+        return
+    dataset, settings, model, reason, _ = misfit
+    fix = (f"remove '{model}' from datasets.{dataset}.models" if settings.models else
+           f"give datasets.{dataset} a models: list of masked language models (e.g. a tiny one with "
+           "tiny.architecture: bert)")
+    raise ConfigError(f"datasets.{dataset}.models", f"task masked_lm needs a masked language model (an "
+                      f"encoder such as BERT, with a [MASK] token and a head that predicts it), but "
+                      f"'{model}' is {reason}, which predicts the next token only; {fix}", source)
 
 
 def check_vision_language_models(config: Mapping[str, Any], source: str | None = None, root: str | Path = ".") -> None:
     """Refuse a vision_language dataset run on a model whose known config has no vision part."""
-    all_models = xc.model_entries(config, source)
-    for dataset, settings in xc.dataset_entries(config, source).items():
-        if settings.task != "vision_language":
-            continue
-        for model in xc.dataset_models(config, dataset):
-            reason = text_only_reason(model, all_models[model], Path(root))
-            if reason is None:
-                continue
-            listed = settings.models
-            fix = (f"remove '{model}' from datasets.{dataset}.models" if listed else
-                   "run it on a vision-language model (e.g. a tiny one with tiny.architecture: llava)"
-                   if len(all_models) == 1 else
-                   f"give datasets.{dataset} a models: list of vision-language models only")
-            raise ConfigError(f"datasets.{dataset}.models", f"task vision_language needs a model with a vision part, "
-                              f"but '{model}' is {reason}, which reads text only; {fix}", source)
+    misfit = _first_misfit(config, "vision_language", text_only_reason, source, root)
+    if misfit is None:
+        return
+    dataset, settings, model, reason, all_models = misfit
+    fix = (f"remove '{model}' from datasets.{dataset}.models" if settings.models else
+           "run it on a vision-language model (e.g. a tiny one with tiny.architecture: llava)"
+           if len(all_models) == 1 else
+           f"give datasets.{dataset} a models: list of vision-language models only")
+    raise ConfigError(f"datasets.{dataset}.models", f"task vision_language needs a model with a vision part, "
+                      f"but '{model}' is {reason}, which reads text only; {fix}", source)
