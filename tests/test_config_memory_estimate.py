@@ -1,6 +1,7 @@
 """Memory from config.json alone: meta-device counts equal hand-worked formulas, and a 70B LoRA run on
 8 x 80 GiB is refused under DDP and accepted under FSDP and QLoRA, with every figure worked by hand."""
 import json
+import math
 import time
 from pathlib import Path
 
@@ -318,3 +319,89 @@ def test_host_estimate_is_not_below_a_real_runs_peak_resident_memory(tmp_path, t
     # The demo's tiny-llama is larger than this tiny model: a node declaring only the measured peak is refused.
     with pytest.raises(ConfigError, match=r"config key 'training.mem_mb': .*Fix: raise training.mem_mb to at least"):
         check_declared_memory(demo_config(mem_mb=peak // 2**20), root=tmp_path)
+
+
+REAL_VLM = Path(__file__).parent.parent / "config" / "real_vlm_hub.yaml"
+QWEN_VL = "qwen2_5-vl-7b-instruct"  # real_vlm_hub.yaml's model name
+INFOGRAPHIC_BUDGET, SMALL_BUDGET = 2048 * 28 * 28, 512 * 28 * 28  # pixels: at most 2048 / 512 image tokens
+
+
+def qwen_vl_cpu_config(tmp_path, max_pixels, mem_mb):
+    """real_vlm_hub.yaml's Qwen2.5-VL-7B as prepared here (its config.json only: no weights), trained on CPU."""
+    prepared = tmp_path / "resources" / "models" / QWEN_VL
+    prepared.mkdir(parents=True, exist_ok=True)
+    (prepared / "config.json").write_text((CONFIGS / "Qwen2.5-VL-7B-Instruct.json").read_text())
+    if max_pixels is not None:
+        return load_config(REAL_VLM, {"training": {"gpus": 0, "mem_mb": mem_mb, "dataloader_workers": 0},
+                                      "variants": {"vision": {"max_pixels": max_pixels}}})
+    import yaml
+
+    raw = yaml.safe_load(REAL_VLM.read_text())  # the variant without a budget of its own
+    del raw["variants"]["vision"]["max_pixels"]
+    raw["training"].update(gpus=0, mem_mb=mem_mb, dataloader_workers=0)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    return load_config(tmp_path / "config.yaml")
+
+
+def test_a_vision_language_model_is_refused_at_a_pixel_budget_its_declared_memory_cannot_hold(tmp_path):
+    """Issue 38: check_declared_memory skipped vision-language models, so Qwen2.5-VL-7B at InfographicVQA's budget
+    passed `snakemake -n` whatever mem_mb said. Now its images count at the variant's budget: at the mem_mb a
+    512-token budget needs, that budget passes and the 2048-token one is refused by model, variant, key and figure."""
+    from workflow_scripts.core import experiment_config as xc
+
+    small = {c["variant"]: c for c in check_declared_memory(qwen_vl_cpu_config(tmp_path, SMALL_BUDGET, 10**7),
+                                                             root=tmp_path)}
+    assert {(variant, c["model"]) for variant, c in small.items()} == {("vision", QWEN_VL), ("text_only", QWEN_VL)}
+    assert small["vision"]["max_pixels"] == SMALL_BUDGET and small["text_only"]["max_pixels"] is None
+    large = check_declared_memory(qwen_vl_cpu_config(tmp_path, INFOGRAPHIC_BUDGET, 10**7), root=tmp_path)[0]
+    # The frozen tower's one-layer working set per image (memory_estimate.vision_activation_bytes): patches
+    # (max_pixels / 14^2) x (11 x hidden 1280 + 2 x intermediate 3420) elements in bf16, the tower of
+    # tests/model_configs/Qwen2.5-VL-7B-Instruct.json; nothing else follows the budget.
+    per_patch = (11 * 1280 + 2 * 3420) * 2
+    assert large["host"]["total"] - small["vision"]["host"]["total"] == (8192 - 2048) * per_patch
+    headroom = xc.training_settings(qwen_vl_cpu_config(tmp_path, SMALL_BUDGET, 10**7), "vision").memory_headroom
+    fits_small = math.ceil(small["vision"]["host"]["total"] / headroom / 2**20)
+    needs_large = math.ceil(large["host"]["total"] / headroom / 2**20)
+    assert needs_large > fits_small
+    assert check_declared_memory(qwen_vl_cpu_config(tmp_path, SMALL_BUDGET, fits_small), root=tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        check_declared_memory(qwen_vl_cpu_config(tmp_path, INFOGRAPHIC_BUDGET, fits_small), root=tmp_path)
+    message = str(caught.value)
+    assert caught.value.key == "training.mem_mb"
+    assert f"model '{QWEN_VL}', variant 'vision'" in message
+    assert f"Fix: raise training.mem_mb to at least {needs_large}" in message
+    assert f"or lower variants.vision.max_pixels (now {INFOGRAPHIC_BUDGET}" in message
+
+
+def test_a_variant_without_a_budget_counts_its_prepared_processors_own(tmp_path):
+    """Qwen2.5-VL's released processor allows 12,845,056 pixels (16,384 image tokens): a variant that sets no
+    max_pixels is estimated at that, read from the prepared preprocessor_config.json, not at one patch."""
+    config = qwen_vl_cpu_config(tmp_path, None, 10**7)
+    unknown = check_declared_memory(config, root=tmp_path)[0]
+    assert unknown["variant"] == "vision" and unknown["max_pixels"] is None  # no processor file: nothing to read
+    (tmp_path / "resources" / "models" / QWEN_VL / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "merge_size": 2,
+         "max_pixels": 12845056, "min_pixels": 3136}))
+    own = check_declared_memory(config, root=tmp_path)[0]
+    infographic = check_declared_memory(qwen_vl_cpu_config(tmp_path, INFOGRAPHIC_BUDGET, 10**7), root=tmp_path)[0]
+    assert own["max_pixels"] == 12845056
+    per_patch = (11 * 1280 + 2 * 3420) * 2  # as in the test above
+    assert own["host"]["total"] - infographic["host"]["total"] == (12845056 - INFOGRAPHIC_BUDGET) // 14**2 * per_patch
+
+
+def test_a_prepared_tiny_vision_language_model_is_estimated_with_its_variants(tmp_path):
+    """The demo's tiny-llava, once prepare_model has built it (its config.json here, made as tiny_vlm makes it),
+    is estimated for the vision_language variants it runs: a fixed-size tower, so no pixel budget."""
+    from workflow_scripts.model import tiny_model, tiny_vlm
+
+    config = demo_config()
+    tiny = tiny_vlm.settings({**config["models"]["tiny-llava"]["tiny"], "seed": 0})
+    texts = [f"a chart of {n} bars, the tallest is {n % 7}" for n in range(50)]
+    vlm_config, _ = tiny_vlm.llava_parts(tiny, tiny_model.train_tokenizer(texts, tiny["vocab_size"]))
+    prepared = tmp_path / "resources" / "models" / "tiny-llava"
+    prepared.mkdir(parents=True)
+    (prepared / "config.json").write_text(json.dumps(vlm_config.to_dict()))
+    checked = check_declared_memory(config, root=tmp_path)
+    vision_language = {v for v, s in config["variants"].items() if s["task"] == "vision_language"}
+    assert {c["variant"] for c in checked if c["model"] == "tiny-llava"} == vision_language
+    assert all(c["max_pixels"] is None and c["estimate"]["activations"] > 0 for c in checked)

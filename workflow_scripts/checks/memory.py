@@ -1,8 +1,10 @@
 """Before any job runs: each (model, variant) whose model config is here, estimated against the memory
-its config declares (model/config_memory_estimate prices it; the task types say which models are causal LMs).
+its config declares (model/config_memory_estimate prices it; the task types say which models are causal LMs
+and which vision-language models, whose images count at the variant's pixel budget).
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any, Mapping
@@ -13,8 +15,8 @@ from workflow_scripts.core import experiment_config as xc
 from workflow_scripts.core.errors import ConfigError
 from workflow_scripts.model import memory_estimate
 from workflow_scripts.model.config_memory_estimate import (
-    PROCESS_HOST_BYTES, estimate_from_config, host_memory, host_memory_problem, is_causal_lm, loading_from_config,
-    local_model_config, mesh_arguments, meta_model, training_arguments)
+    PROCESS_HOST_BYTES, estimate_from_config, host_memory, host_memory_problem, is_causal_lm, is_vision_language,
+    loading_from_config, local_model_config, mesh_arguments, meta_model, training_arguments)
 from workflow_scripts.tasks import task_named
 
 
@@ -23,33 +25,50 @@ def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> 
     ConfigError naming ``training.mem_mb`` and the figure needed when one needs more host memory per node
     than the config declares (``config_memory_estimate.host_memory``: CPU and GPU jobs; CPU fsdp's loading).
 
-    Returns what was checked: ``[{model, variant, estimate, host, loading, declared, processes}]``
+    A vision-language model (a family of model/vision_language_model.FAMILIES, under the vision_language task)
+    is estimated with its images at the variant's pixel budget (``variants.<v>.max_pixels``; a fixed-size
+    tower at its image size), as pretokenise and training apply it.
+
+    Returns what was checked: ``[{model, variant, estimate, host, loading, declared, processes, max_pixels}]``
     (``estimate``/``loading``: the per-process figures of a CPU job, None for a GPU job, whose device memory
     the gate checks).
     """
     root = Path(root)
     checked = []
-    # Only the (model, variant) pairs the matrix runs, and only where the task loads a causal LM (the model
-    # meta_model builds): a BERT under a masked-LM task is not estimated as BertLMHeadModel.
-    pairs = {(model, variant) for model, entry, variant in xc.model_entry_variants(config)
-             if task_named(xc.entry_task(config, entry)).auto_model_class == "AutoModelForCausalLM"}
+    # Only the (model, variant) pairs the matrix runs, each with the class its task loads; a model is estimated
+    # only as the class meta_model builds from its config: a BERT under a masked-LM task is not estimated as
+    # BertLMHeadModel, nor a text-only model under vision_language (task_fit refuses that).
+    pairs = {(model, variant): task_named(xc.entry_task(config, entry)).auto_model_class
+             for model, entry, variant in xc.model_entry_variants(config)}
+    variant_entries = xc.variant_entries(config)
     for name, spec in xc.model_entries(config).items():
-        variants = [variant for variant in config["variants"] if (name, variant) in pairs]
         source = local_model_config(name, spec, root)
-        if source is None or not variants or not is_causal_lm(source):
+        if source is None:
             continue  # nothing to read without a download
+        loads = ("AutoModelForImageTextToText" if is_vision_language(source) else
+                 "AutoModelForCausalLM" if is_causal_lm(source) else None)
+        variants = [variant for variant in config["variants"] if loads and pairs.get((name, variant)) == loads]
+        if not variants:
+            continue
         model = meta_model(source)
         for variant in variants:
             training = xc.training_settings(config, variant, name)
+            # The variant's pixel budget (else the prepared processor's own) bounds each image's patches in the
+            # tower (the language sequence's image tokens are within max_length); the text-only control has none.
+            settings = variant_entries[variant]
+            max_pixels = None
+            if loads == "AutoModelForImageTextToText" and settings.images:
+                max_pixels = settings.max_pixels or processor_max_pixels(name, spec, root)
             parts = loading = None
             if training.gpus == 0:
                 parts = estimate_from_config(model, device="cpu", **mesh_arguments(training),
-                                             **training_arguments(training))
+                                             **training_arguments(training), max_pixels=max_pixels)
                 loading = loading_from_config(model, device="cpu", **mesh_arguments(training),
                                               **training_arguments(training))
             host = host_memory(model, training, parts)
             checked.append({"model": name, "variant": variant, "estimate": parts, "host": host, "loading": loading,
-                            "declared": training.mem_mb * 2**20, "processes": host["ranks"]})
+                            "declared": training.mem_mb * 2**20, "processes": host["ranks"],
+                            "max_pixels": max_pixels})
             # CPU fsdp's loading: rank 0's copy of the whole model once, beside every process and its share and unit.
             if loading is not None:
                 per_process = PROCESS_HOST_BYTES + loading["total"] - loading["host_copy"]
@@ -69,5 +88,30 @@ def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> 
             if problem is not None:
                 if parts is not None:  # CPU: the training state itself may be what is too big
                     problem += f", or {memory_estimate.knob_advice(parts, training, torch.device('cpu'))}"
+                    if max_pixels is not None:
+                        now = "" if settings.max_pixels else ", the processor's own"
+                        problem += (f", or lower variants.{variant}.max_pixels (now {max_pixels}{now}: each image's "
+                                    "patches in the vision tower count at it)")
                 raise ConfigError("training.mem_mb", problem)
     return checked
+
+
+def processor_max_pixels(name: str, spec, root: Path) -> int | None:
+    """A dynamic-resolution processor's own budget (``size.longest_edge``, or ``max_pixels`` in older files) from
+    the preprocessor_config.json beside the model's config.json, for a variant that sets none: Qwen2.5-VL's is
+    12,845,056 pixels (16,384 image tokens). None where there is no such file or budget (the tower's own size)."""
+    for directory in (root / "resources" / "models" / name, root / spec.path if spec.source == "local" else None):
+        path = None if directory is None else directory / "preprocessor_config.json"
+        if path is not None and path.is_file():
+            try:
+                fields = json.loads(path.read_text())
+            except (OSError, ValueError) as error:
+                raise ConfigError(f"models.{name}", f"{path} cannot be read as a processor config ({error}); "
+                                  "prepare the model again") from None
+            if not isinstance(fields, dict) or not str(fields.get("image_processor_type", "")).startswith(
+                    "Qwen2VLImageProcessor"):  # the others' size is an edge or a tile, not a pixel count
+                return None
+            size = fields.get("size")
+            budget = (size.get("longest_edge") if isinstance(size, dict) else None) or fields.get("max_pixels")
+            return budget if isinstance(budget, int) else None
+    return None
