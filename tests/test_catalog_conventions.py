@@ -42,4 +42,4 @@ def test_the_catalog_file_names_the_usage():
         rules = "\n".join(path.read_text() for path in (ROOT / "rules").glob("*.smk"))
         named = set(re.findall(r'conda:\s*\n\s*"\.\./(envs/[\w.]+)"', rules))
         assert named and all((ROOT / env).is_file() for env in named)
-        assert rules.count("\nrule ") == len(re.findall(r"\n    conda:", rules)), "a rule without conda:"
+        assert rules.count("\nrule ") + rules.count("\ncheckpoint ") == len(re.findall(r"\n    conda:", rules)), "a rule without conda:"

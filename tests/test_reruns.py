@@ -9,6 +9,7 @@ stale. The real runs of the same changes are in test_rerun_runs.py.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 
@@ -68,3 +69,20 @@ def test_a_training_setting_retrains_every_seed_after_its_gate(finished):
     changed["training"]["learning_rate"] *= 0.5
     assert plan(workdir, changed) == {("sanity", None), ("train", "1"), ("evaluate", "1"), ("compare", None),
                                       ("all", None)}
+
+
+@pytest.mark.xfail(strict=True, reason="Snakemake limitation: --until names the gates, but a gate that never ran "
+                   "waits for the power checkpoint (rules/common.smk power_gate); once the checkpoint's dependencies "
+                   "are updated, --until's target jobs are recomputed without the updated gates, so none is planned. "
+                   "Explicit targets (snakemake results/<model>/<dataset>/<variant>/sanity.json) work; docs/reruns.md")
+def test_until_sanity_plans_a_gate_that_never_ran(finished):
+    workdir, config = finished
+    gate = workdir / "results" / "tiny-llama" / "amr_demo" / "baseline" / "sanity.json"
+    kept, times = gate.read_bytes(), gate.stat()
+    gate.unlink()
+    try:
+        planned_jobs = plan(workdir, config, "--until", "sanity")
+    finally:
+        gate.write_bytes(kept)
+        os.utime(gate, ns=(times.st_atime_ns, times.st_mtime_ns))  # the finished run stays finished for the others
+    assert ("sanity", None) in planned_jobs

@@ -276,4 +276,4 @@ def test_snakemake_n_refuses_a_vision_language_dataset_on_a_text_only_model(tmp_
     assert code != 0 and "Job stats" not in output, output[-3000:]
     assert (f"{path}: config key 'datasets.charts.models': task vision_language needs a model with a vision part, but "
             "'tiny-llama' is a tiny 'llama' model (models.tiny-llama.tiny.architecture; the vision ones are "
-            "['llava', 'idefics3']), which reads text only; remove 'tiny-llama' from datasets.charts.models") in output
+            "['llava', 'idefics3', 'qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'gemma3', 'llava_onevision']), which reads text only; remove 'tiny-llama' from datasets.charts.models") in output
