@@ -90,7 +90,11 @@ def wait_for(condition, seconds: float, what: str):
 def test_a_stopped_pretokenise_leaves_nothing_after_its_next_run(corpus_inputs, tmp_path, stop):
     model, data, reference = corpus_inputs
     out = tmp_path / "run" / "tokenised"
-    stage = subprocess.Popen(command(model, data, out), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # The stage gets SIGINT's default disposition, as a command a user interrupts has: a shell that starts a
+    # job in the background (CI's runner, `cmd &`) leaves SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt, so the stage would finish as if not stopped (seen in a backgrounded .ci/run).
+    stage = subprocess.Popen(command(model, data, out), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # Stopped while both tokenising processes write their pieces into the scratch directory.
         def started():
