@@ -1,6 +1,6 @@
 """Open the built site in headless Chromium, as a reader would, and check what a reader needs (issue 39).
 
-    python docs/gen/browser_check.py site [--screenshot /tmp/docs_start_page.png]
+    python docs/gen/browser_check.py site [--screenshot site-check.png]
 
 Serves the site on localhost (Material's search loads its index with fetch(), which file:// pages may not do),
 renders the start page and the configuration reference with Chromium's --dump-dom (the DOM after the page's
