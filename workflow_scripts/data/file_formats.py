@@ -191,15 +191,34 @@ def is_utf8(encoding: str | None) -> bool:
     return encoding is None or codecs.lookup(encoding).name == "utf-8"
 
 
-def text_codec(encoding: str | None) -> str:
+# An endian-specific codec keeps a byte-order mark as the character U+FEFF; its marked sibling skips it.
+_MARKED = {"utf-16-le": ("utf-16", codecs.BOM_UTF16_LE), "utf-16-be": ("utf-16", codecs.BOM_UTF16_BE),
+           "utf-32-le": ("utf-32", codecs.BOM_UTF32_LE), "utf-32-be": ("utf-32", codecs.BOM_UTF32_BE)}
+
+
+def text_codec(encoding: str | None, path: str | Path | None = None) -> str:
     """The codec that reads ``encoding``: UTF-8, explicit or not, skips a byte-order mark (``utf-8-sig``, as Excel
-    writes one and as the default has always read it), so ``encoding: utf-8`` reads what leaving it out reads."""
-    return "utf-8-sig" if is_utf8(encoding) else encoding
+    writes one and as the default has always read it), so ``encoding: utf-8`` reads what leaving it out reads.
+    Likewise a file (``path``) declared ``utf-16-le`` (-be, utf-32-...) that starts with that byte order's mark is
+    read by the codec that skips it (``utf-16``): a mark is never data (pandas drops it too), where ``utf-16-le``
+    alone would make it the first character of the first row (a header ``\ufeffq``, a JSON line that does not parse)."""
+    if is_utf8(encoding):
+        return "utf-8-sig"
+    marked = _MARKED.get(codecs.lookup(encoding).name)
+    if marked and path is not None:
+        try:
+            with open_binary(path) as handle:
+                head = handle.read(4)
+        except (*DAMAGED, WorkflowError):
+            return encoding
+        if head.startswith(marked[1]) and not (marked[0] == "utf-16" and head.startswith(codecs.BOM_UTF32_LE)):
+            return marked[0]
+    return encoding
 
 
 def open_text(path: str | Path, encoding: str | None = None, errors: str = "strict", newline: str | None = None) -> IO[str]:
     """The file as text in ``encoding`` (UTF-8, a byte-order mark skipped, when None), decompressed as needed."""
-    return io.TextIOWrapper(open_binary(path), encoding=text_codec(encoding), errors=errors, newline=newline)
+    return io.TextIOWrapper(open_binary(path), encoding=text_codec(encoding, path), errors=errors, newline=newline)
 
 
 def is_single_byte(encoding: str) -> bool:

@@ -214,7 +214,9 @@ def _not_utf8_row(path: Path, line: int, on_invalid_text: str, encoding: str | N
 def _jsonl(path: Path, on_invalid_text: str = "stop", encoding: str | None = None) -> Iterator[tuple[Place, Any]]:
     index = 0
     try:
-        with file_formats.open_text(path, encoding, errors="surrogateescape") as handle:
+        # newline="\n": JSON Lines are separated by \n only; a bare \r is JSON whitespace inside a line, where
+        # universal newlines would cut the line in two
+        with file_formats.open_text(path, encoding, errors="surrogateescape", newline="\n") as handle:
             for index, line in enumerate(handle):
                 if not line.strip():
                     continue
@@ -340,7 +342,7 @@ def _penman_problem(error: Exception) -> str:
 def _json_list(path: Path, errors: str = "strict", encoding: str | None = None) -> list:
     try:
         # file_formats.text_codec: an explicit utf-8 skips a byte-order mark as the default does (utf-8-sig)
-        records = json.loads(Path(path).read_text(encoding=file_formats.text_codec(encoding), errors=errors))
+        records = json.loads(Path(path).read_text(encoding=file_formats.text_codec(encoding, path), errors=errors))
     except UnicodeError:
         raise _not_utf8(path, encoding=encoding) from None
     except json.JSONDecodeError as error:

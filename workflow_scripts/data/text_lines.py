@@ -100,7 +100,8 @@ def _open_lines(path: Path, encoding: str | None):
     surrogate-escaped, so that line alone is stopped at or rejected, named by its own number."""
     if file_formats.is_utf8(encoding):
         return _open_bytes(path)
-    return io.TextIOWrapper(_open_bytes(path), encoding=encoding, errors="surrogateescape", newline="\n")
+    return io.TextIOWrapper(_open_bytes(path), encoding=file_formats.text_codec(encoding, path), errors="surrogateescape",
+                            newline="\n")
 
 
 class SplitProblems(WorkflowError):
