@@ -34,6 +34,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -117,6 +118,10 @@ class SplitProblems(WorkflowError):
 ON_INVALID_TEXT = ("stop", "reject_row")  # the dataset's ``on_invalid_text``
 
 
+# A byte the codec does not decode comes through ``surrogateescape`` as one of these code points.
+_ESCAPED = re.compile("[\udc80-\udcff]")
+
+
 class _Undecodable(Exception):
     """A line holding a byte the dataset's (non-UTF-8) encoding does not decode: ``found`` is (line, byte, offset)."""
 
@@ -165,10 +170,10 @@ def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = N
                     try:
                         if isinstance(raw, str):
                             text = raw.rstrip("\n").removesuffix("\r")
-                            escaped = next((k for k, char in enumerate(text) if "\udc80" <= char <= "\udcff"), None)
+                            escaped = _ESCAPED.search(text)
                             if escaped is not None:  # a byte the dataset's encoding does not decode
-                                offset = escaped if file_formats.is_single_byte(encoding) else None
-                                raise _Undecodable((number, ord(text[escaped]) - 0xDC00, offset))
+                                offset = escaped.start() if file_formats.is_single_byte(encoding) else None
+                                raise _Undecodable((number, ord(escaped[0]) - 0xDC00, offset))
                         else:
                             text = raw.rstrip(b"\n").removesuffix(b"\r").decode("utf-8")
                         if "\x00" in text:  # another encoding read as UTF-8 (UTF-16...): never an example
