@@ -78,13 +78,19 @@ def test_a_utf8_corpus_declared_latin1_stops_too_and_a_real_latin1_corpus_is_rea
 
 
 @pytest.mark.parametrize("fmt", ["parquet"])
-def test_encoding_on_a_binary_format_is_refused_at_config_time_naming_the_key(fmt):
+def test_encoding_on_a_binary_format_or_a_hub_source_is_refused_at_config_time_naming_the_key(fmt):
     settings = {**QA, "format": fmt, "encoding": "latin-1", "source": {"type": "local", "path": "data"}}
     with pytest.raises(ConfigError) as caught:
         check_dataset(DatasetSettings.parse(settings, "d"), "config.yaml")
     assert str(caught.value) == ("config.yaml: config key 'datasets.d.encoding': format parquet is binary (its text is "
                                  "UTF-8 inside the file, as Parquet stores it), so encoding: latin-1 would do nothing; "
                                  "remove datasets.d.encoding")
+    hub = {**QA, "encoding": "cp1252", "source": {"type": "hub", "id": "org/set", "revision": "0" * 40}}
+    with pytest.raises(ConfigError) as caught:
+        check_dataset(DatasetSettings.parse(hub, "d"), "config.yaml")
+    assert str(caught.value) == ("config.yaml: config key 'datasets.d.encoding': a hub dataset is read by "
+                                 "datasets.load_dataset, which decodes its files itself, so encoding: cp1252 would do "
+                                 "nothing; remove datasets.d.encoding")
 
 
 # --- 2. unclear stops -------------------------------------------------------------------------------------------

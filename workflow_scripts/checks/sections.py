@@ -57,6 +57,10 @@ def check_dataset(dataset: DatasetSettings, source: str | None, evaluated_split:
             raise ConfigError(f"datasets.{name}.encoding", f"format {dataset.format} is binary (its text is UTF-8 inside "
                               f"the file, as Parquet stores it), so encoding: {dataset.encoding} would do nothing; remove "
                               f"datasets.{name}.encoding", source)
+        if src.type == "hub":  # likewise: load_dataset decodes the hub's files, saved as Arrow (UTF-8)
+            raise ConfigError(f"datasets.{name}.encoding", f"a hub dataset is read by datasets.load_dataset, which decodes "
+                              f"its files itself, so encoding: {dataset.encoding} would do nothing; remove "
+                              f"datasets.{name}.encoding", source)
         try:
             check_encoding(dataset.encoding)
         except WorkflowError as error:
