@@ -327,6 +327,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         # --- issue 43: text formats, encodings, compression ---
         case("data", "utf8-file-declared-latin-1", text_files({"train.jsonl": b'{"q": "ok?", "a": "1"}\n' + '{"q": "\u00bfQu\u00e9 valor?", "a": "7"}\n'.encode()}, encoding="latin-1"), "normalise", "{source}/train.jsonl line 2: the dataset declares encoding: latin-1, but the file is valid UTF-8 with multi-byte characters: read as latin-1 the line is '{\"q\": \"\u00c2\u00bfQu\u00c3\u00a9 valor?\", \"a\": \"7\"}', read as UTF-8 it is '{\"q\": \"\u00bfQu\u00e9 valor?\", \"a\": \"7\"}'; remove datasets.d.encoding (UTF-8 is the default) if the UTF-8 reading is right"),
         case("config", "encoding-on-parquet", cfg("datasets.amr_demo.encoding", "latin-1", base=parquet_amr_config), "config", "{config}: config key 'datasets.amr_demo.encoding': format parquet is binary (its text is UTF-8 inside the file, as Parquet stores it), so encoding: latin-1 would do nothing; remove datasets.amr_demo.encoding"),
+        case("config", "encoding-on-a-hub-source", cfg("datasets.amr_demo.encoding", "cp1252", base=hub_amr_config), "config", "{config}: config key 'datasets.amr_demo.encoding': a hub dataset is read by datasets.load_dataset, which decodes its files itself, so encoding: cp1252 would do nothing; remove datasets.amr_demo.encoding"),
         case("data", "cp1252-undefined-byte", text_files({"train.jsonl": b'{"q": "caf\xe9?", "a": "1"}\n' * 3 + b'{"q": "bad \x81?", "a": "1"}\n'}, encoding="cp1252"), "normalise", "{source}/train.jsonl line 4: not cp1252 text (byte 0x81, which cp1252 does not define, at byte 11 of the line), the dataset's encoding; fix that line or set the dataset's encoding to the file's, or set the dataset's on_invalid_text: reject_row to reject and count such rows"),
         case("data", "gzip-cut-short-at-download", laid_out({"train.jsonl.gz": cut_stream("gzip"), "test.jsonl": ROW}), "download", rx(r"\{source\}/train\.jsonl\.gz: the gzip stream is damaged or cut short after line (\d{3,}), the last line read whole \(Compressed file ended before the end-of-stream marker was reached\); download or compress the file again")),
         case("data", "zstd-cut-short-at-download", laid_out({"train.jsonl.zst": cut_stream("zstd"), "test.jsonl": ROW}), "download", rx(r"\{source\}/train\.jsonl\.zst: the zstd stream is damaged or cut short after line (\d{3,}), the last line read whole \(the input ends inside a zstd frame\); download or compress the file again")),
@@ -1065,6 +1066,12 @@ def text_files(files: dict[str, bytes], fmt: str = "jsonl", **settings):
 def parquet_amr_config() -> dict:
     config = single_model_config()
     config["datasets"]["amr_demo"]["format"] = "parquet"
+    return config
+
+
+def hub_amr_config() -> dict:
+    config = single_model_config()
+    config["datasets"]["amr_demo"]["source"] = {"type": "hub", "id": "org/amr", "revision": "0" * 40}
     return config
 
 
