@@ -268,10 +268,10 @@ def contradiction_problem(file: str, key: str, encoding: str, found: tuple[int, 
             f"{utf8[:60]!r}; remove {key}.encoding (UTF-8 is the default) if the UTF-8 reading is right")
 
 
-def undecodable_line(path: str | Path, encoding: str | None) -> tuple[int, int, int] | None:
-    """(line, byte, offset of that byte in the line) for the first line holding a byte that ``encoding`` does not
-    decode (surrogate-escaped by Python's codec), or None. Line numbers count the decoded text's lines."""
-    with open_text(path, encoding, errors="surrogateescape") as handle:
+def undecodable_line(path: str | Path, encoding: str | None) -> tuple[int, int, int | None] | None:
+    """(line, byte, offset of that byte in the line where known) for the first line holding a byte that ``encoding``
+    does not decode (surrogate-escaped by Python's codec), or None. Lines are split on \\n, as the readers split them."""
+    with open_text(path, encoding, errors="surrogateescape", newline="\n") as handle:
         for number, line in enumerate(handle, start=1):
             for position, char in enumerate(line):
                 if "\udc80" <= char <= "\udcff":
