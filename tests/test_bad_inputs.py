@@ -169,7 +169,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("config", "vision-language-dataset-on-a-text-only-model-at-parse", cfg("datasets.shapes_demo.models", ["tiny-llava", "tiny-llama"], base=absolute_demo_config), "parse", "{config}: config key 'datasets.shapes_demo.models': task vision_language needs a model with a vision part, but 'tiny-llama' is a tiny 'llama' model (models.tiny-llama.tiny.architecture; the vision ones are ['llava', 'idefics3', 'qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'gemma3', 'llava_onevision']), which reads text only; remove 'tiny-llama' from datasets.shapes_demo.models"),
         case("data", "files-glob-matches-nothing", laid_out({"test.jsonl": ROW}, source={"files": {"train": "shards/part-*.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files.train': 'shards/part-*.jsonl' matches no file under {source} (paths and globs are relative to source.path, or absolute)"),
         case("data", "files-key-not-a-split", laid_out({"train.jsonl": ROW, "test.jsonl": ROW}, source={"files": {"val": "train.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files.val': 'val' is not a split of the dataset (its splits mapping names ['test', 'train']); key files by the source split name"),
-        case("data", "files-another-format", laid_out({"parts/a.json": b"[]", "test.jsonl": ROW}, source={"files": {"train": "parts/*"}}), "download", "--dataset: config key 'datasets.d.source.files.train': {source}/parts/a.json is not a jsonl file (a jsonl split file ends in .jsonl, .jsonl.gz, .jsonl.bz2)"),
+        case("data", "files-another-format", laid_out({"parts/a.json": b"[]", "test.jsonl": ROW}, source={"files": {"train": "parts/*"}}), "download", "--dataset: config key 'datasets.d.source.files.train': {source}/parts/a.json is not a jsonl file (a jsonl split file ends in .jsonl, .jsonl.gz, .jsonl.bz2, .jsonl.zst)"),
         case("data", "files-same-name-twice", laid_out({"a/part-1.jsonl": ROW, "b/part-1.jsonl": ROW, "test.jsonl": ROW}, source={"files": {"train": "*/part-1.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files.train': {source}/a/part-1.jsonl and {source}/b/part-1.jsonl have the same file name; a split's files are read in file-name order, so rename one of them"),
         case("data", "files-named-metadata", laid_out({"parts/metadata.jsonl": ROW, "test.jsonl": ROW}, source={"files": {"train": "parts/*.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files.train': {source}/parts/metadata.jsonl: a split's file may not be named metadata.jsonl (the image-folder metadata name); rename it"),
         case("data", "files-with-imagefolder", laid_out({"train/metadata.jsonl": ROW, "test/metadata.jsonl": ROW}, **IMAGEFOLDER, source={"layout": "imagefolder", "files": {"train": "train/metadata.jsonl"}}), "download", "--dataset: config key 'datasets.d.source.files': an image folder's split is its folder; give layout: imagefolder or files, not both"),
@@ -324,6 +324,15 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("config", "vlm-max-pixels-on-a-generation-variant", cfg("variants.baseline.max_pixels", 1024), "config", "{config}: config key 'variants.baseline.max_pixels': a pixel budget is a vision_language setting; a generation variant has no images. Set variants.baseline.task: vision_language, or remove it"),
         # --- reruns (issue 35) ---
         case("config", "power-threshold-without-the-base-evaluation", cfg("comparison.min_detectable_effect", 0.001, base=without_base_evaluation), "config", "{config}: config key 'comparison.min_detectable_effect': is 0.001, but evaluation.evaluate_base_model is false, and the power check estimates from the untrained model's scores: set evaluation.evaluate_base_model: true, or remove the threshold"),
+        # --- issue 43: text formats, encodings, compression ---
+        case("data", "utf8-file-declared-latin-1", text_files({"train.jsonl": b'{"q": "ok?", "a": "1"}\n' + '{"q": "\u00bfQu\u00e9 valor?", "a": "7"}\n'.encode()}, encoding="latin-1"), "normalise", "{source}/train.jsonl line 2: the dataset declares encoding: latin-1, but the file is valid UTF-8 with multi-byte characters: read as latin-1 the line is '{\"q\": \"\u00c2\u00bfQu\u00c3\u00a9 valor?\", \"a\": \"7\"}', read as UTF-8 it is '{\"q\": \"\u00bfQu\u00e9 valor?\", \"a\": \"7\"}'; remove datasets.d.encoding (UTF-8 is the default) if the UTF-8 reading is right"),
+        case("config", "encoding-on-parquet", cfg("datasets.amr_demo.encoding", "latin-1", base=parquet_amr_config), "config", "{config}: config key 'datasets.amr_demo.encoding': format parquet is binary (its text is UTF-8 inside the file, as Parquet stores it), so encoding: latin-1 would do nothing; remove datasets.amr_demo.encoding"),
+        case("config", "encoding-on-a-hub-source", cfg("datasets.amr_demo.encoding", "cp1252", base=hub_amr_config), "config", "{config}: config key 'datasets.amr_demo.encoding': a hub dataset is read by datasets.load_dataset, which decodes its files itself, so encoding: cp1252 would do nothing; remove datasets.amr_demo.encoding"),
+        case("data", "cp1252-undefined-byte", text_files({"train.jsonl": b'{"q": "caf\xe9?", "a": "1"}\n' * 3 + b'{"q": "bad \x81?", "a": "1"}\n'}, encoding="cp1252"), "normalise", "{source}/train.jsonl line 4: not cp1252 text (byte 0x81, which cp1252 does not define, at byte 11 of the line), the dataset's encoding; fix that line or set the dataset's encoding to the file's, or set the dataset's on_invalid_text: reject_row to reject and count such rows"),
+        case("data", "gzip-cut-short-at-download", laid_out({"train.jsonl.gz": cut_stream("gzip"), "test.jsonl": ROW}), "download", rx(r"\{source\}/train\.jsonl\.gz: the gzip stream is damaged or cut short after line (\d{3,}), the last line read whole \(Compressed file ended before the end-of-stream marker was reached\); download or compress the file again")),
+        case("data", "zstd-cut-short-at-download", laid_out({"train.jsonl.zst": cut_stream("zstd"), "test.jsonl": ROW}), "download", rx(r"\{source\}/train\.jsonl\.zst: the zstd stream is damaged or cut short after line (\d{3,}), the last line read whole \(the input ends inside a zstd frame\); download or compress the file again")),
+        case("data", "tsv-embedded-tab", text_files({"train.tsv": b"q\ta\n" + b"".join(b"question %d?\tanswer %d\n" % (i, i) for i in range(9)) + b"a\ttab inside?\t1\n"}, fmt="tsv"), "normalise", "{source}/train.tsv: 1 of 10 rows of split 'train' rejected (10.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unparseable_record 1; for example {source}/train.tsv line 11: not valid TSV: line 11 has 3 fields where the header (line 1) has 2; a value holding a tab splits into two fields (TSV has no quoting): replace the tab inside the value; fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("data", "tsv-file-under-format-csv", laid_out({"train.tsv": b"q\ta\nx?\t1\n", "test.tsv": b"q\ta\ny?\t1\n"}, format="csv"), "download", "split 'train': {source}/train.csv is missing (the directory holds ['test.tsv', 'train.tsv']); train.tsv is there: set format: tsv"),
     ]
 
 
@@ -1038,6 +1047,45 @@ def relative_raw(setup: Callable):
         argv[index] = os.path.relpath(argv[index])
         return argv
     return wrapped
+
+
+# --- issue 43: text formats, encodings, compression: setups ---
+TEST_SPLITS = {"jsonl": b'{"q": "held out?", "a": "1"}\n', "tsv": b"q\ta\nheld out?\t1\n", "csv": b"q,a\nheld out?,1\n"}
+
+
+def text_files(files: dict[str, bytes], fmt: str = "jsonl", **settings):
+    """normalise over raw files ``files`` (name -> bytes) and a good test split, with ``settings`` changed."""
+    def plant(w: Workspace) -> None:
+        w.raw.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (w.raw / name).write_bytes(data)
+        (w.raw / f"test.{fmt}").write_bytes(TEST_SPLITS[fmt])
+    return normalise_args(fmt=fmt, settings=settings, plant=plant)
+
+
+def parquet_amr_config() -> dict:
+    config = single_model_config()
+    config["datasets"]["amr_demo"]["format"] = "parquet"
+    return config
+
+
+def hub_amr_config() -> dict:
+    config = single_model_config()
+    config["datasets"]["amr_demo"]["source"] = {"type": "hub", "id": "org/amr", "revision": "0" * 40}
+    return config
+
+
+def cut_stream(kind: str) -> bytes:
+    """4000 JSON lines of incompressible text (several zstd blocks), compressed and cut at two thirds."""
+    import gzip
+    import random
+
+    import zstandard
+
+    rng = random.Random(0)
+    data = b"".join(b'{"q": "%x?", "a": "%d"}\n' % (rng.getrandbits(128), i) for i in range(4000))
+    packed = gzip.compress(data) if kind == "gzip" else zstandard.ZstdCompressor().compress(data)
+    return packed[: len(packed) * 2 // 3]
 
 
 # --- the tests (last: the table needs the helpers above) ---

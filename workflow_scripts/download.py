@@ -8,7 +8,8 @@ Sources (``datasets.<name>.source``):
   ``<split>.<format>`` file per split (in any folder), or a single ``.json`` file holding an object
   that maps split names to lists of records.
 - ``local``: a directory with one ``<split>.<format>`` file per split; format ``text`` (plain-text
-  corpora, one example per line) takes ``<split>.txt`` or ``<split>.txt.gz`` and counts non-blank lines.
+  corpora, one example per line) takes ``<split>.txt`` (or compressed: ``.txt.gz``, ``.bz2``, ``.zst``) and counts
+  non-blank lines.
   ``source.layout: imagefolder`` copies each split's folder (``metadata.<format>`` and its images) and
   ``source.files`` a split's several files (a glob or list) into ``<split>/`` (``data/split_layouts``).
 For url and local sources the raw files are kept byte for byte (rows may be malformed; normalise
@@ -155,7 +156,7 @@ def download_url(settings: DatasetSettings, out: Path, work: Path) -> dict[str, 
 
 
 def local_split_file(directory: Path, split: str, fmt: str) -> Path:
-    """A split's file: ``<split>.<format>``, or its compressed ``<split>.<format>.gz`` / ``.bz2`` (a line format's)."""
+    """A split's file: ``<split>.<format>``, or its compressed ``<split>.<format>.gz`` / ``.bz2`` / ``.zst`` (a line format's)."""
     if fmt == text_lines.TEXT_FORMAT:
         return text_lines.split_file(directory, split)
     return raw_records.split_file(directory, split, fmt)

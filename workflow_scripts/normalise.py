@@ -20,7 +20,9 @@ Duplicates within a split (the kept rows repeating an earlier row's input and go
 counted with their ids in the report, and stop the stage above ``duplicates.max_fraction`` when set. Gold answers
 of a dataset scored by smatch or smatchpp must be one PENMAN graph its metrics can read (``unreadable_gold``).
 Files in another encoding than the dataset's (a UTF-16/32 mark, NUL-interleaved text) stop the stage before
-any row is read, every such file named (docs/data-formats.md).
+any row is read, every such file named; so does a valid UTF-8 file declared in a single-byte encoding (latin-1,
+cp1252: it would decode into mojibake without an error), with both readings of its first such line
+(docs/data-formats.md).
 
 Counting: a row is one record, or one question/answer pair of a flattened record; a flattened
 record that cannot be split into pairs (not lists, or lists of different lengths) counts as one.
@@ -375,11 +377,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def check_encodings(args: argparse.Namespace, settings: DatasetSettings, key: str, names: SourceNames) -> None:
     """Stop, naming every file of every split, when files look like another encoding (a UTF-16/32 byte-order mark,
     NUL-interleaved text) than the dataset reads: read as UTF-8 they fail line by line, or worse, under
-    on_invalid_text: reject_row, NUL-laden lines would pass on."""
+    on_invalid_text: reject_row, NUL-laden lines would pass on. And stop at the first file that is valid UTF-8
+    with multi-byte characters while the dataset declares a single-byte encoding (latin-1, cp1252...), which
+    would decode without an error into mojibake: the message gives both readings of its first such line."""
     from workflow_scripts.data import file_formats, text_lines
 
     fmt = settings.format
-    if fmt not in file_formats.LINE_FORMATS or raw_records.is_saved_dataset(args.raw):
+    if (fmt not in file_formats.LINE_FORMATS and fmt != "json") or raw_records.is_saved_dataset(args.raw):
         return
     files: list[str] = []
     for split in dict.fromkeys(settings.splits.values()):
@@ -389,6 +393,10 @@ def check_encodings(args: argparse.Namespace, settings: DatasetSettings, key: st
         except WorkflowError:
             continue  # a missing split is named by the read itself
         files += [str(path) for path in found if Path(path).is_file()]
+    for file in files:
+        contradicted = file_formats.contradicted_encoding(file, settings.encoding)
+        if contradicted:
+            raise WorkflowError(file_formats.contradiction_problem(names.shown(file), key, settings.encoding, contradicted))
     unset = settings.encoding is None or codecs.lookup(settings.encoding).name == "utf-8"
     sniffed = {file: kind for file in files if (kind := file_formats.sniff_encoding(file))} if unset else {}
     if sniffed:

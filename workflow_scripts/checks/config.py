@@ -350,7 +350,7 @@ def _gold_sample(files, dataset, answers: str, raw_records, csv_list) -> list[tu
         for place, record in raw_records.read_placed(path, dataset.format, "reject_row", dataset.encoding):
             if not isinstance(record, Mapping) or record.get(answers) is None:
                 continue
-            value = csv_list(record[answers], answers) if dataset.format == "csv" else record[answers]
+            value = csv_list(record[answers], answers) if dataset.format in ("csv", "tsv") else record[answers]
             golds = value if isinstance(value, list) else [value]
             sample += [(str(path), place, gold) for gold in golds[:1] if isinstance(gold, str)]
             if len(sample) >= GOLD_ROWS_SAMPLED:

@@ -51,8 +51,16 @@ def check_dataset(dataset: DatasetSettings, source: str | None, evaluated_split:
     if src.type == "hub":
         _check_pinned(src.revision, f"datasets.{name}.source.revision", source)
     if dataset.encoding is not None:
-        from workflow_scripts.data.file_formats import check_encoding
+        from workflow_scripts.data.file_formats import BINARY_FORMATS, check_encoding
 
+        if dataset.format in BINARY_FORMATS:  # the setting would be accepted and do nothing
+            raise ConfigError(f"datasets.{name}.encoding", f"format {dataset.format} is binary (its text is UTF-8 inside "
+                              f"the file, as Parquet stores it), so encoding: {dataset.encoding} would do nothing; remove "
+                              f"datasets.{name}.encoding", source)
+        if src.type == "hub":  # likewise: load_dataset decodes the hub's files, saved as Arrow (UTF-8)
+            raise ConfigError(f"datasets.{name}.encoding", f"a hub dataset is read by datasets.load_dataset, which decodes "
+                              f"its files itself, so encoding: {dataset.encoding} would do nothing; remove "
+                              f"datasets.{name}.encoding", source)
         try:
             check_encoding(dataset.encoding)
         except WorkflowError as error:

@@ -1,8 +1,8 @@
 """Reading the raw records that ``download`` stored, one split at a time, exactly as they are.
 
 Raw layouts (see docs/architecture.md): a hub dataset is a ``DatasetDict.save_to_disk`` directory;
-url and local sources are files named ``<source split>.<format>`` (jsonl, json, csv, parquet, or penman: AMR
-graphs in PENMAN text; the line formats also gzip- or bzip2-compressed, ``data/file_formats``), or a
+url and local sources are files named ``<source split>.<format>`` (jsonl, json, csv, tsv, parquet, or penman: AMR
+graphs in PENMAN text; the line formats also gzip-, bzip2- or zstd-compressed, ``data/file_formats``), or a
 folder ``<source split>/`` (``data/split_layouts``): an image folder (``metadata.<format>`` with its images)
 or a split's several files, read in file-name order with one running row index (:func:`split_files`).
 Records are yielded with their 0-based row index and never repaired: a row that cannot be decoded
@@ -35,9 +35,13 @@ from typing import Any, Iterator
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.data import file_formats
 
-FORMATS = ("jsonl", "json", "csv", "parquet", "penman")
+FORMATS = ("jsonl", "json", "csv", "tsv", "parquet", "penman")
 # Text files are UTF-8; a byte order mark (Excel writes one) is skipped, never read as data.
 TEXT_ENCODING = "utf-8-sig"
+# The delimited formats' csv dialects: CSV as Python's csv reads it (double quotes quote a value); TSV with quoting
+# off (csv.QUOTE_NONE), as GLUE's loaders and pandas' read_csv(sep="\t", quoting=3) read it: a lone " in a
+# sentence is a character, never the start of a quoted value running on over the next lines.
+DELIMITED: dict[str, dict[str, Any]] = {"csv": {}, "tsv": {"delimiter": "\t", "quoting": csv.QUOTE_NONE}}
 # Bytes that do not decode come through ``surrogateescape`` as these code points, so a JSONL or CSV row
 # that is not UTF-8 can be found and, under the dataset's ``on_invalid_text: reject_row``, rejected alone.
 _UNDECODED = re.compile("[\udc80-\udcff]")
@@ -158,8 +162,8 @@ def read_placed(path: Path, fmt: str, on_invalid_text: str = "stop",
     elif fmt == "json":
         for index, record in enumerate(_json_list(path, encoding=encoding)):
             yield Place(index), record
-    elif fmt == "csv":
-        yield from _csv(path, on_invalid_text, encoding)
+    elif fmt in DELIMITED:
+        yield from _csv(path, on_invalid_text, encoding, fmt)
     elif fmt == "parquet":
         for index, record in enumerate(_parquet_rows(path)):
             yield Place(index), record
@@ -177,12 +181,12 @@ def count_rows(path: Path, fmt: str) -> int:
             raise file_formats.damaged(path, 0, error) from None
     if fmt == "penman":
         return sum(1 for _ in _penman(path, "reject_row"))
-    if fmt == "csv":
+    if fmt in DELIMITED:
         try:
             with file_formats.open_text(path, errors="replace", newline="") as handle:
-                return max(sum(1 for fields in csv.reader(handle) if fields) - 1, 0)  # minus the header
+                return max(sum(1 for fields in csv.reader(handle, **DELIMITED[fmt]) if fields) - 1, 0)  # minus the header
         except csv.Error as error:
-            raise WorkflowError(f"{path}: not valid CSV: {error}") from None
+            raise WorkflowError(f"{path}: not valid {fmt.upper()}: {error}") from None
         except (UnicodeError, *file_formats.DAMAGED) as error:
             raise file_formats.damaged(path, 0, error) from None
     if fmt == "parquet":
@@ -199,22 +203,25 @@ def count_rows(path: Path, fmt: str) -> int:
 
 
 # --- the formats ---
-def _not_utf8_row(path: Path, line: int, on_invalid_text: str) -> Unparseable:
+def _not_utf8_row(path: Path, line: int, on_invalid_text: str, encoding: str | None = None) -> Unparseable:
     if on_invalid_text != "reject_row":
-        raise _not_utf8(path, rows=True)
-    return Unparseable(f"not UTF-8 text: line {line} holds bytes that do not decode or NUL bytes "
+        raise _not_utf8(path, rows=True, encoding=encoding)
+    name = "UTF-8" if file_formats.is_utf8(encoding) else encoding
+    return Unparseable(f"not {name} text: line {line} holds bytes that do not decode or NUL bytes "
                        "(on_invalid_text: reject_row)")
 
 
 def _jsonl(path: Path, on_invalid_text: str = "stop", encoding: str | None = None) -> Iterator[tuple[Place, Any]]:
     index = 0
     try:
-        with file_formats.open_text(path, encoding, errors="surrogateescape") as handle:
+        # newline="\n": JSON Lines are separated by \n only; a bare \r is JSON whitespace inside a line, where
+        # universal newlines would cut the line in two
+        with file_formats.open_text(path, encoding, errors="surrogateescape", newline="\n") as handle:
             for index, line in enumerate(handle):
                 if not line.strip():
                     continue
                 if _UNDECODED.search(line) or "\x00" in line:
-                    yield Place(index, index + 1), _not_utf8_row(path, index + 1, on_invalid_text)
+                    yield Place(index, index + 1), _not_utf8_row(path, index + 1, on_invalid_text, encoding)
                     continue
                 try:
                     # Only the line's own end is dropped: the columns json reports stay the editor's.
@@ -261,7 +268,7 @@ def _penman(path: Path, on_invalid_text: str = "stop", encoding: str | None = No
             place = Place(index, line, block=number)
             index += 1
             if any(_UNDECODED.search(text) or "\x00" in text for text in lines):
-                yield place, _not_utf8_row(path, line, on_invalid_text)
+                yield place, _not_utf8_row(path, line, on_invalid_text, encoding)
                 continue
             graph_lines = [text for text in lines if not text.lstrip().startswith("#")]
             if not graph_lines:
@@ -334,7 +341,8 @@ def _penman_problem(error: Exception) -> str:
 
 def _json_list(path: Path, errors: str = "strict", encoding: str | None = None) -> list:
     try:
-        records = json.loads(Path(path).read_text(encoding=encoding or TEXT_ENCODING, errors=errors))
+        # file_formats.text_codec: an explicit utf-8 skips a byte-order mark as the default does (utf-8-sig)
+        records = json.loads(Path(path).read_text(encoding=file_formats.text_codec(encoding, path), errors=errors))
     except UnicodeError:
         raise _not_utf8(path, encoding=encoding) from None
     except json.JSONDecodeError as error:
@@ -346,12 +354,16 @@ def _json_list(path: Path, errors: str = "strict", encoding: str | None = None) 
     return records
 
 
-def _csv(path: Path, on_invalid_text: str = "stop", encoding: str | None = None) -> Iterator[tuple[Place, Any]]:
-    """Strict CSV: a line with more or fewer fields than the header is Unparseable, never shifted or padded."""
+def _csv(path: Path, on_invalid_text: str = "stop", encoding: str | None = None,
+         fmt: str = "csv") -> Iterator[tuple[Place, Any]]:
+    """Strict CSV (or TSV, ``fmt``): a line with more or fewer fields than the header is Unparseable, never shifted
+    or padded."""
     line = 0
+    name = fmt.upper()
+    separator = "a tab" if fmt == "tsv" else "a comma"
     try:
         with file_formats.open_text(path, encoding, errors="surrogateescape", newline="") as handle:
-            reader = csv.reader(handle, strict=True)
+            reader = csv.reader(handle, strict=True, **DELIMITED[fmt])
             header, header_line = None, 0
             index = 0
             while True:
@@ -362,8 +374,8 @@ def _csv(path: Path, on_invalid_text: str = "stop", encoding: str | None = None)
                     return
                 except csv.Error as error:
                     if header is None:
-                        raise WorkflowError(f"{path} line {line}: the header is not valid CSV: {error}") from None
-                    yield Place(index, line), Unparseable(f"not valid CSV: line {line}: {error}")
+                        raise WorkflowError(f"{path} line {line}: the header is not valid {name}: {error}") from None
+                    yield Place(index, line), Unparseable(f"not valid {name}: line {line}: {error}")
                     index += 1
                     continue
                 if not fields:  # a blank line holds no record
@@ -371,7 +383,7 @@ def _csv(path: Path, on_invalid_text: str = "stop", encoding: str | None = None)
                 if any(_UNDECODED.search(value) or "\x00" in value for value in fields):
                     if header is None:
                         raise _not_utf8(path, encoding=encoding)
-                    yield Place(index, line), _not_utf8_row(path, line, on_invalid_text)
+                    yield Place(index, line), _not_utf8_row(path, line, on_invalid_text, encoding)
                     index += 1
                     continue
                 if header is None:
@@ -384,10 +396,12 @@ def _csv(path: Path, on_invalid_text: str = "stop", encoding: str | None = None)
                         )
                     continue
                 if len(fields) != len(header):
-                    hint = ("a value that holds a comma must be in double quotes" if len(fields) > len(header)
-                            else "every line needs one value per column (an empty value is still separated by a comma)")
+                    more = ("a value holding a tab splits into two fields (TSV has no quoting): replace the tab "
+                            "inside the value" if fmt == "tsv" else "a value that holds a comma must be in double quotes")
+                    hint = (more if len(fields) > len(header)
+                            else f"every line needs one value per column (an empty value is still separated by {separator})")
                     yield Place(index, line), Unparseable(
-                        f"not valid CSV: line {line} has {_count(len(fields), 'field')} where the header "
+                        f"not valid {name}: line {line} has {_count(len(fields), 'field')} where the header "
                         f"(line {header_line}) has {len(header)}; {hint}"
                     )
                 else:
@@ -441,6 +455,15 @@ def _not_utf8(path: Path, rows: bool = False, encoding: str | None = None) -> Wo
         return WorkflowError(f"{path}: not UTF-8 text but {sniffed} (a byte-order mark or NUL bytes between the "
                              f"characters); set the dataset's encoding: {sniffed}, or re-save the file as UTF-8")
     if not unset:
+        try:
+            found = file_formats.undecodable_line(path, encoding)
+        except (UnicodeError, *file_formats.DAMAGED):
+            found = None
+        fix = "fix that line or set the dataset's encoding to the file's" + (
+            ", or set the dataset's on_invalid_text: reject_row to reject and count such rows" if rows else "")
+        if found:
+            return WorkflowError(f"{file_formats.undecodable_problem(str(path), encoding, found)}, the dataset's "
+                                 f"encoding; {fix}")
         return WorkflowError(f"{path}: not valid {encoding} text (the dataset's encoding); check the file's encoding")
     fix = "re-save the file as UTF-8" + (
         ", or set the dataset's on_invalid_text: reject_row to reject and count such rows" if rows else "")

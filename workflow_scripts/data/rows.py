@@ -117,7 +117,7 @@ class RecordMapper:
         self.extra_kinds: dict[str, str] = {}
         self.unlabelled = frozenset(settings.unlabelled)
         self.gold_source = self.fields["answers"]  # the source field an unlabelled split must not hold
-        self.lists_as_text = settings.format == "csv"  # a CSV cell holds a list only as JSON text
+        self.lists_as_text = settings.format in ("csv", "tsv")  # a CSV/TSV cell holds a list only as JSON text
         self.bare_string_ids: dict[str, set[str]] = {}  # split -> ids of rows whose answers were one string
         self.list_answers_seen = False
         available = {"id", "question", "answer"} | set(self.extra)

@@ -19,22 +19,22 @@ Rules:
 - A line holding a NUL byte is never an example (no text holds one: it is another encoding read as UTF-8,
   e.g. UTF-16): it stops the read, or under ``reject_row`` is counted as ``invalid_text``; normalise
   first checks every file's start for another encoding (``data/file_formats.sniff_encoding``) and names them all.
-- Another encoding is read with the dataset's ``encoding:`` (a Python codec), lines split on ``\n`` only.
-- A damaged or cut-short gzip stream names the last line that decoded whole (found by decoding the
+- Another encoding is read with the dataset's ``encoding:`` (a Python codec), lines split on ``\n`` only; a byte
+  that codec does not decode is handled as invalid UTF-8 is (``stop`` naming the line and the encoding, or
+  ``reject_row``).
+- A damaged or cut-short gzip, bzip2 or zstd stream names the last line that decoded whole (found by decoding the
   file again in small steps: the buffered reader loses the lines of the read that failed).
 - A UTF-8 byte-order mark at the start of a file is removed (editors on Windows write one).
-- ``.gz`` and ``.bz2`` files are recognised by their magic bytes, not by their name (``data/file_formats``).
-- Ids are ``<file stem>-<line>`` (stem without ``.gz``/``.bz2`` and the text suffix; line 1-based), stable as
+- ``.gz``, ``.bz2`` and ``.zst`` files are recognised by their magic bytes, not by their name (``data/file_formats``).
+- Ids are ``<file stem>-<line>`` (stem without ``.gz``/``.bz2``/``.zst`` and the text suffix; line 1-based), stable as
   long as the file is; two input files with the same stem are refused (their ids would collide).
 """
 from __future__ import annotations
 
-import codecs
-import gzip
 import io
 import json
 import os
-import zlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -73,7 +73,7 @@ class LineCounts:
 
 
 def file_stem(path: str | os.PathLike) -> str:
-    """``corpus/part-01.txt.gz`` -> ``part-01``: the name without ``.gz`` and its text suffix."""
+    """``corpus/part-01.txt.gz`` -> ``part-01``: the name without ``.gz`` (``.bz2``, ``.zst``) and its text suffix."""
     name = Path(path).name
     for compressed in file_formats.COMPRESSIONS:
         name = name.removesuffix(compressed)
@@ -91,16 +91,18 @@ def check_unique_stems(paths: Iterable[str | os.PathLike]) -> None:
 
 
 def _open_bytes(path: Path):
-    # gzip's and bz2's own line iteration reads in small steps; file_formats' 1 MiB buffer halves its cost.
+    # gzip's, bz2's and zstd's line iteration reads in small steps; file_formats' 1 MiB buffer halves its cost.
     return file_formats.open_binary(path)
 
 
 def _open_lines(path: Path, encoding: str | None):
     """The file's lines: bytes (decoded line by line, so one bad line can be rejected alone) for UTF-8, else
-    text decoded by Python's codec for ``encoding`` (lines split on ``\\n`` only)."""
-    if encoding is None or codecs.lookup(encoding).name == "utf-8":
+    text decoded by Python's codec for ``encoding`` (lines split on ``\\n`` only), a byte it does not decode
+    surrogate-escaped, so that line alone is stopped at or rejected, named by its own number."""
+    if file_formats.is_utf8(encoding):
         return _open_bytes(path)
-    return io.TextIOWrapper(_open_bytes(path), encoding=encoding, errors="strict", newline="\n")
+    return io.TextIOWrapper(_open_bytes(path), encoding=file_formats.text_codec(encoding, path), errors="surrogateescape",
+                            newline="\n")
 
 
 class SplitProblems(WorkflowError):
@@ -116,27 +118,30 @@ class SplitProblems(WorkflowError):
 ON_INVALID_TEXT = ("stop", "reject_row")  # the dataset's ``on_invalid_text``
 
 
-def _invalid_utf8(path: Path, number: int, error: UnicodeDecodeError) -> WorkflowError:
+# A byte the codec does not decode comes through ``surrogateescape`` as one of these code points.
+_ESCAPED = re.compile("[\udc80-\udcff]")
+
+
+class _Undecodable(Exception):
+    """A line holding a byte the dataset's (non-UTF-8) encoding does not decode: ``found`` is (line, byte, offset)."""
+
+    def __init__(self, found: tuple[int, int, int | None]):
+        super().__init__(found)
+        self.found = found
+
+
+def _invalid_utf8(path: Path, number: int, error: Exception, encoding: str | None = None) -> WorkflowError:
     # No iconv suggestion: converting a UTF-8 file with one bad line from another encoding would damage the rest.
+    if isinstance(error, _Undecodable):
+        found = error.found
+        return WorkflowError(
+            f"{file_formats.undecodable_problem(str(path), encoding, found)}, the dataset's encoding; fix or remove "
+            "that line or set the dataset's encoding to the file's, or set the dataset's on_invalid_text: reject_row "
+            "to reject and count such lines")
+    assert isinstance(error, UnicodeDecodeError)
     return WorkflowError(
         f"{path} line {number}: invalid UTF-8 at byte {error.start} of the line ({error.reason}); fix or remove "
         "that line, or set the dataset's on_invalid_text: reject_row to reject and count such lines")
-
-
-def lines_before_damage(path: Path) -> int:
-    """Lines that decode whole from a damaged gzip file, read again in small steps (error path only)."""
-    lines, decoder = 0, zlib.decompressobj(16 + zlib.MAX_WBITS)
-    try:
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 14), b""):
-                while block:
-                    lines += decoder.decompress(block).count(b"\n")
-                    block = decoder.unused_data if decoder.eof else b""
-                    if decoder.eof:  # the next member of a multi-member file
-                        decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    except zlib.error:
-        pass
-    return lines
 
 
 def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = None,
@@ -165,14 +170,18 @@ def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = N
                     try:
                         if isinstance(raw, str):
                             text = raw.rstrip("\n").removesuffix("\r")
+                            escaped = _ESCAPED.search(text)
+                            if escaped is not None:  # a byte the dataset's encoding does not decode
+                                offset = escaped.start() if file_formats.is_single_byte(encoding) else None
+                                raise _Undecodable((number, ord(escaped[0]) - 0xDC00, offset))
                         else:
                             text = raw.rstrip(b"\n").removesuffix(b"\r").decode("utf-8")
                         if "\x00" in text:  # another encoding read as UTF-8 (UTF-16...): never an example
                             raise UnicodeDecodeError("utf-8", raw if isinstance(raw, bytes) else b"", 0, 1,
                                                      "a NUL byte, which no text holds (another encoding, e.g. UTF-16?)")
-                    except UnicodeDecodeError as error:
+                    except (UnicodeDecodeError, _Undecodable) as error:
                         if on_invalid_text == "stop":
-                            raise _invalid_utf8(path, number, error) from None
+                            raise _invalid_utf8(path, number, error, encoding) from None
                         invalid += 1
                         if len(invalid_lines) < NAMED_PER_COUNT:
                             invalid_lines.append(number)
@@ -185,15 +194,11 @@ def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = N
                         continue
                     kept += 1
                     yield str(path), number, text
-            except UnicodeDecodeError as error:  # a codec's error mid-stream (encoding: set): no line to skip
+            except UnicodeDecodeError as error:  # a codec's error mid-stream (UTF-16 cut inside a character)
                 raise WorkflowError(f"{path} line {number + 1}: not valid {encoding} text ({error.reason}); check the "
                                     "dataset's encoding setting") from None
-            except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as error:
-                if file_formats.compression(path) != "gzip":
-                    raise file_formats.damaged(path, number, error) from None
-                whole = max(number, lines_before_damage(path))
-                raise WorkflowError(f"{path}: the gzip stream is damaged or cut short after line {whole}, the last line "
-                                    f"read whole ({error}); download or compress the file again") from None
+            except file_formats.DAMAGED as error:
+                raise file_formats.damaged(path, number, error) from None
             finally:  # counted once per file, not per line (the loop runs millions of times)
                 if counts is not None:
                     counts.files[str(path)] = {"lines": number, "kept": kept, "blank": number - kept - invalid,
@@ -289,7 +294,7 @@ def write_normalised(splits: Mapping[str, Sequence[str | os.PathLike]], out_dir:
 
 # Raw files of a split ------------------------------------------------------------------------------
 TEXT_FORMAT = "text"  # the dataset ``format`` of plain-text corpora
-SPLIT_SUFFIXES = file_formats.suffixes(TEXT_FORMAT)  # ``<split>.txt``, or compressed ``<split>.txt.gz`` / ``.txt.bz2``
+SPLIT_SUFFIXES = file_formats.suffixes(TEXT_FORMAT)  # ``<split>.txt``, or compressed ``<split>.txt.gz`` / ``.bz2`` / ``.zst``
 
 
 def split_file(directory: str | os.PathLike, split: str) -> Path:
@@ -300,7 +305,7 @@ def split_file(directory: str | os.PathLike, split: str) -> Path:
     if not found:
         present = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
         raise WorkflowError(f"{directory / (split + '.txt')}: missing; split '{split}' needs <split>.txt or "
-                            f"<split>.txt.gz / .txt.bz2 (the directory holds {present})")
+                            f"<split>.txt.gz / .txt.bz2 / .txt.zst (the directory holds {present})")
     if len(found) > 1:
         raise WorkflowError(f"{directory}: both {found[0].name} and {found[1].name} exist for split '{split}'; keep one")
     return found[0]
