@@ -109,12 +109,28 @@ def test_the_stages_column_comes_from_the_config_reads_table(monkeypatch):
     """The reference's 'read by' column is the reads table's answer (core/config_reads.py, issue 35)."""
     from workflow_scripts.core import config_reads
 
-    expected = ", ".join(f"`{stage}`" for stage in config_reads.stages_reading("evaluation.max_new_tokens"))
+    expected = ", ".join(f"`{stage}`" for stage in config_reads.unconditional_stages_reading("evaluation.max_new_tokens"))
     assert "evaluate" in expected
     page = generate.configuration_reference(SCHEMA)
-    assert re.search(rf"(?m)^\| `evaluation.max_new_tokens` \|.*\| {re.escape(expected)} \|$", page)
+    assert re.search(rf"(?m)^\| `evaluation.max_new_tokens` \|.*\| {re.escape(expected)}, `train` \(only with "
+                     r"`training.validation.metric_examples` set\) \|$", page)
     monkeypatch.setitem(config_reads.READS, "compare", (*config_reads.READS["compare"], "evaluation.max_new_tokens"))
     assert generate.configuration_reference(SCHEMA) != page
+
+
+def test_read_by_keeps_the_conditions_and_the_run_time_reads_and_runtime_only_is_defined_once():
+    """A key train reads only under training.validation.metric_examples is never shown as read by train outright
+    (the page said a new max_new_tokens retrains every adapter, which the rerun table denies); a key received at
+    run time says it reruns nothing; "Runtime-only" keeps the one meaning the page defines (issue 42)."""
+    page = generate.configuration_reference(SCHEMA)
+    rows = {match.group(1): match.group(0) for match in re.finditer(r"(?m)^\| `([^`]+)` \|.*$", page)}
+    conditional = "`train` (only with `training.validation.metric_examples` set)"
+    for key in ("evaluation.max_new_tokens", "evaluation.batch_size", "datasets.*.metric", "variants.*.prompt"):
+        assert rows[key].endswith(f"{conditional} |") and "`train`, " not in rows[key], rows[key]
+    assert rows["training.learning_rate"].endswith("| `sanity`, `train` |")
+    assert rows["tracking.mlflow.enabled"].endswith("| `train` at run time (reruns nothing) |")
+    assert page.count("*Runtime-only* in a description means") == 1
+    assert not re.search(r"(?i)runtime only", page), "a second meaning of runtime-only"
 
 
 # --- the README and its demo figures ----------------------------------------------------------------------------
