@@ -207,8 +207,9 @@ def class_weight_vector(variant: "VariantSettings", label_names: Sequence[str]) 
         return None
     unknown = sorted(set(weights) - set(label_names))
     if unknown:
-        raise WorkflowError(f"variant class_weights: {unknown} not in the label set {list(label_names)} (the keys "
-                            "are label names as the data spells them)")
+        raise WorkflowError(f"variant class_weights: {unknown} not in the label set {list(label_names)}; the keys are "
+                            "label names as the data spells them, never class ids: fix variants.<name>.class_weights "
+                            "(or declare datasets.<name>.labels, so snakemake -n checks them)")
     return [float(weights.get(name, 1.0)) for name in label_names]
 
 
