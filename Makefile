@@ -44,11 +44,12 @@ demo-docs: install
 	PYTHONPATH=. $(BIN)/python docs/gen/generate.py
 
 # The documentation site: the generated pages checked current, built strictly into site/, then opened in
-# headless Chromium (navigation, search index, code blocks; a screenshot of the start page in site-check.png).
+# headless Chromium (navigation, search index, code blocks, the reference's tables within a 1280 px window;
+# screenshots of the start page and the reference at 1280 px in site-check.png and reference-check.png).
 docs: install
 	PYTHONPATH=. $(BIN)/python docs/gen/generate.py --check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
-	$(BIN)/python docs/gen/browser_check.py site --screenshot site-check.png
+	$(BIN)/python docs/gen/browser_check.py site --screenshot site-check.png --reference-screenshot reference-check.png
 	@echo "open site/index.html, or run $(BIN)/mkdocs serve and read http://127.0.0.1:8000"
 
 # Rewrite every generated page and block (configuration reference, messages, stages, README's demo block).
@@ -77,4 +78,4 @@ lint: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --lint
 
 clean:
-	rm -rf results logs resources .snakemake site site-check.png
+	rm -rf results logs resources .snakemake site site-check.png reference-check.png

@@ -44,8 +44,12 @@ try:
     # Each (model, variant) whose model config is here, against the memory its config declares (a few
     # seconds of torch/transformers imports: once, not again in each job that re-reads the Snakefile).
     if workflow.is_main_process:
+        from workflow_scripts.checks.lora_targets import check_lora_targets
         from workflow_scripts.checks.memory import check_declared_memory
 
+        # Each LoRA target against the module names of a model known now (a BERT on a decoder's default
+        # names), before the estimate counts the adapters on those names.
+        check_lora_targets(config, "config")
         check_declared_memory(config)
 except ConfigError as error:  # named by the user's config file (or --config) that holds the key
     named = config_files.in_user_file(error, workflow.configfiles, workflow.config_settings.config)

@@ -35,7 +35,7 @@ import pytest
 import yaml
 
 from conftest import tiny_training_settings
-from data_helpers import ROOT, default_config, leftovers, single_model_config, write_jsonl
+from data_helpers import ROOT, default_config, demo_settings, leftovers, single_model_config, write_jsonl
 from test_compare import COMPARISON, EXPERIMENTS, TRAINING, correct, write_experiment
 from workflow_scripts.core.errors import WorkflowError
 
@@ -333,7 +333,42 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "zstd-cut-short-at-download", laid_out({"train.jsonl.zst": cut_stream("zstd"), "test.jsonl": ROW}), "download", rx(r"\{source\}/train\.jsonl\.zst: the zstd stream is damaged or cut short after line (\d{3,}), the last line read whole \(the input ends inside a zstd frame\); download or compress the file again")),
         case("data", "tsv-embedded-tab", text_files({"train.tsv": b"q\ta\n" + b"".join(b"question %d?\tanswer %d\n" % (i, i) for i in range(9)) + b"a\ttab inside?\t1\n"}, fmt="tsv"), "normalise", "{source}/train.tsv: 1 of 10 rows of split 'train' rejected (10.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unparseable_record 1; for example {source}/train.tsv line 11: not valid TSV: line 11 has 3 fields where the header (line 1) has 2; a value holding a tab splits into two fields (TSV has no quoting): replace the tab inside the value; fix the rows or raise datasets.d.max_rejected_fraction"),
         case("data", "tsv-file-under-format-csv", laid_out({"train.tsv": b"q\ta\nx?\t1\n", "test.tsv": b"q\ta\ny?\t1\n"}, format="csv"), "download", "split 'train': {source}/train.csv is missing (the directory holds ['test.tsv', 'train.tsv']); train.tsv is there: set format: tsv"),
+        # --- issue 42: docs (class_weights keys, a BERT's LoRA targets, a single model's own key) ---
+        case("config", "class-weights-class-id-as-key", cfg("variants.plain.class_weights", {0: 2.0}, base=declared_topics), "config", "{config}: config key 'variants.plain.class_weights.0': is not a label of dataset 'topics_demo' (datasets.topics_demo.labels: ['food', 'sport', 'weather']) (class id 0 is 'food'); class_weights keys are label names, not class ids: write the label's name"),
+        case("config", "class-weights-misspelt-label", cfg("variants.plain.class_weights", {"sports": 2.0}, base=declared_topics), "config", "{config}: config key 'variants.plain.class_weights.sports': is not a label of dataset 'topics_demo' (datasets.topics_demo.labels: ['food', 'sport', 'weather']); class_weights keys are label names, not class ids: write the label's name"),
+        case("config", "bert-classifier-on-decoder-lora-targets", cfg("model.training", {"micro_batch": 16}, base=bert_classifier), "parse", "{config}: config key 'training.lora.target_modules': 'q_proj' matches no module of model 'tiny-bert' (tiny.architecture: bert, whose projection layers are named ['dense', 'key', 'query', 'value']); set target_modules to names the model has (a BERT-style encoder: [query, key, value, dense]; a decoder: [q_proj, k_proj, v_proj, o_proj]), e.g. under model.training.lora"),
+        case("config", "single-model-unknown-training-key", cfg("model.training", {"learning_rat": 1e-4}), "config", "{config}: config key 'model.training': unknown training keys ['learning_rat']"),
+        case("config", "single-model-masked-lm-on-a-causal-model", cfg("model.name", "tiny-llama", base=causal_single_model_with_corpus), "parse", "{config}: config key 'datasets.corpus_demo.models': task masked_lm needs a masked language model (an encoder such as BERT, with a [MASK] token and a head that predicts it), but 'tiny-llama' is a tiny 'llama' model (model.tiny.architecture; the masked LMs are ['bert']), which predicts the next token only; run it on a masked language model (e.g. a tiny one with tiny.architecture: bert)"),
     ]
+
+
+def declared_topics() -> dict:
+    """The one-model demo config whose classifier declares its labels (the label set is known at config time)."""
+    config = single_model_config()
+    config["datasets"]["topics_demo"]["labels"] = ["food", "sport", "weather"]
+    return config
+
+
+def causal_single_model_with_corpus() -> dict:
+    """The tiny Llama as the one model: (``model:``) with the demo's masked-LM corpus and its variants."""
+    config = absolute_single_model_config()
+    demo = default_config()
+    config["datasets"]["corpus_demo"] = demo_settings("corpus_demo")
+    del config["datasets"]["corpus_demo"]["models"]
+    config["variants"].update({name: v for name, v in demo["variants"].items() if v.get("task") == "masked_lm"})
+    config["comparison"]["reference_variant"]["masked_lm"] = "mlm_tokens"
+    return config
+
+
+def bert_classifier() -> dict:
+    """The demo's topic classifier on the tiny BERT as the one model, with the default LoRA targets (a decoder's)."""
+    config = single_model_config("tiny-bert")
+    config["datasets"] = {"topics_demo": demo_settings("topics_demo")}
+    del config["datasets"]["topics_demo"]["models"]
+    config["variants"] = {name: {k: v for k, v in variant.items() if k != "training"}
+                          for name, variant in default_config()["variants"].items() if variant.get("task") == "classification"}
+    config["comparison"]["reference_variant"] = "plain"
+    return config
 
 
 def without_base_evaluation() -> dict:
@@ -422,7 +457,10 @@ def call(stage: str, argv: list[str]):
         config = load_config(argv[0])
         check_local_splits(dataset_entries(config), argv[0])
         check_masked_lm_models(config, argv[0])
-        return check_vision_language_models(config, argv[0])
+        check_vision_language_models(config, argv[0])
+        from workflow_scripts.checks.lora_targets import check_lora_targets
+
+        return check_lora_targets(config, argv[0])
     return importlib.import_module(f"workflow_scripts.{stage}").main(argv)
 
 

@@ -109,12 +109,30 @@ def test_the_stages_column_comes_from_the_config_reads_table(monkeypatch):
     """The reference's 'read by' column is the reads table's answer (core/config_reads.py, issue 35)."""
     from workflow_scripts.core import config_reads
 
-    expected = ", ".join(f"`{stage}`" for stage in config_reads.stages_reading("evaluation.max_new_tokens"))
+    expected = ", ".join(f"`{stage}`" for stage in config_reads.unconditional_stages_reading("evaluation.max_new_tokens"))
     assert "evaluate" in expected
     page = generate.configuration_reference(SCHEMA)
-    assert re.search(rf"(?m)^\| `evaluation.max_new_tokens` \|.*\| {re.escape(expected)} \|$", page)
+    assert re.search(rf"(?m)^\| `evaluation.max_new_tokens` \|.*\| {re.escape(expected)}, `train` \(only with "
+                     r"`training.validation.metric_examples` set\) \|$", page)
     monkeypatch.setitem(config_reads.READS, "compare", (*config_reads.READS["compare"], "evaluation.max_new_tokens"))
     assert generate.configuration_reference(SCHEMA) != page
+
+
+def test_read_by_keeps_the_conditions_and_the_run_time_reads_and_runtime_only_is_defined_once():
+    """A key train reads only under training.validation.metric_examples is never shown as read by train outright
+    (the page said a new max_new_tokens retrains every adapter, which the rerun table denies); a key received at
+    run time says it reruns nothing; "Runtime-only" keeps the one meaning the page defines (issue 42)."""
+    page = generate.configuration_reference(SCHEMA)
+    rows = {match.group(1): match.group(0) for match in re.finditer(r"(?m)^\| `([^`]+)` \|.*$", page)}
+    conditional = "`train` (only with `training.validation.metric_examples` set)"
+    for key in ("evaluation.max_new_tokens", "evaluation.batch_size", "datasets.*.metric", "variants.*.prompt"):
+        assert rows[key].endswith(f"{conditional} |") and "`train`, " not in rows[key], rows[key]
+    assert rows["training.learning_rate"].endswith("| `sanity`, `train` |")
+    assert rows["tracking.mlflow.enabled"].endswith("| `train` at run time |")
+    assert rows["seeds"].endswith("| `sanity` at run time, the plan: which jobs exist |")
+    assert rows["model"].endswith("| its keys, below |")  # not every stage of every model key, one per line
+    assert page.count("*Runtime-only* in a description means") == 1
+    assert not re.search(r"(?i)runtime only", page), "a second meaning of runtime-only"
 
 
 # --- the README and its demo figures ----------------------------------------------------------------------------
@@ -164,6 +182,47 @@ def test_the_five_steps_plan_a_real_experiment(tmp_path):
     assert counts["train"] == 6 and "Qwen/Qwen2.5-7B-Instruct" in output
 
 
+# --- pages a newcomer reads first (issue 42) ----------------------------------------------------------------------
+USER_FILES = [*sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "tasks").glob("*.md")),
+              ROOT / "README.md", ROOT / "config" / "README.md", ROOT / "mkdocs.yml",
+              ROOT / ".snakemake-workflow-catalog.yml", *sorted((ROOT / "config").glob("*.yaml")),
+              *sorted((ROOT / "config" / "examples").glob("*.yaml"))]
+DEVELOPER_PAGES = {"architecture.md", "development.md"}  # how the code is built: its tests and modules by name
+
+
+def test_the_catalog_and_the_pages_give_the_slurm_profile_alike():
+    """Snakemake 9: --profile is the compute environment's profile (executor, jobs, resources), which
+    profiles/slurm is; --workflow-profile is for a workflow's own settings. The catalog said the other."""
+    assert "executor: slurm" in (ROOT / "profiles" / "slurm" / "config.yaml").read_text()
+    for path in USER_FILES:
+        text = path.read_text()
+        assert "--workflow-profile" not in text, path
+    assert "--profile profiles/slurm" in (ROOT / ".snakemake-workflow-catalog.yml").read_text()
+
+
+def test_no_internal_process_words_on_user_pages():
+    """Post-mortems are post-mortems, not "seeds" (the random seeds' word); no page speaks of who writes it or
+    of the tracker's issue numbers; user pages name no test file."""
+    words = re.compile(r"(?i)other engineers|being written by|\bissue \d+\b|seeds' set-up|set-up of the seeds|"
+                       r"seed's kind|\(the seed's\)|(CNM-BERT|LMOL|SHIRG|MTUP) seed")
+    for path in USER_FILES:
+        text = path.read_text()
+        assert not words.search(text), f"{path}: {words.search(text).group(0)!r}"
+        if path.parent.name in ("docs", "tasks") and path.name not in DEVELOPER_PAGES | {"what-it-prevents.md"}:
+            assert not re.search(r"tests/test_\w+\.py", text), path
+
+
+def test_getting_starteds_smallest_config_is_valid_and_offline(tmp_path):
+    from workflow_scripts.checks.config import load_config
+
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    config = re.search(r"(?ms)The smallest config.*?^```yaml\n(.*?)^```", page).group(1)
+    assert "source: tiny" in config
+    path = tmp_path / "smallest.yaml"
+    path.write_text(config.replace("path: demo_data/", f"path: {ROOT}/demo_data/"))
+    assert load_config(path)["model"]["source"] == "tiny"
+
+
 # --- the site ------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
@@ -208,9 +267,9 @@ def browser():
 
 
 def test_the_start_page_and_the_reference_render_with_navigation_search_and_code(site, browser, tmp_path):
-    shot = tmp_path / "start_page.png"
-    assert browser_check.problems(site, browser, screenshot=shot) == []
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    shot, reference = tmp_path / "start_page.png", tmp_path / "reference.png"
+    assert browser_check.problems(site, browser, screenshot=shot, reference_screenshot=reference) == []
+    assert shot.read_bytes()[:8] == reference.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_browser_check_sees_a_missing_search_index_and_navigation(site, browser, tmp_path):
@@ -225,6 +284,26 @@ def test_the_browser_check_sees_a_missing_search_index_and_navigation(site, brow
     found = browser_check.problems(broken, browser, pages={"start page": "index.html"})
     assert any("index.html (start page): the navigation" in line for line in found)
     assert any("index.html (start page): no highlighted code block" in line for line in found)
+
+
+def test_the_browser_check_sees_reference_tables_past_a_1280_px_column(browser, tmp_path):
+    """Without the table of contents in the left navigation and the narrower table cells, the reference's tables
+    ran past the text column at 1280 px and the model section's row was a 312 px band (issue 42)."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert "- toc.integrate" in config
+    (tmp_path / "mkdocs.yml").write_text(config.replace("    - toc.integrate\n", "")
+                                         .replace("docs_dir: docs", f"docs_dir: {ROOT / 'docs'}"))
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                           str(tmp_path / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr
+    server, base = browser_check.serve(tmp_path / "site")
+    try:
+        found = browser_check.layout_problems(browser, base)
+    finally:
+        server.shutdown()
+    assert any("scrolls sideways" in line for line in found), found
 
 
 def test_the_statistics_page_figures_from_the_demo_table_agree_with_it():

@@ -1,12 +1,14 @@
-"""Open the built site in headless Chromium, as a reader would, and check what a reader needs (issue 39).
+"""Open the built site in headless Chromium, as a reader would, and check what a reader needs.
 
-    python docs/gen/browser_check.py site [--screenshot site-check.png]
+    python docs/gen/browser_check.py site [--screenshot site-check.png] [--reference-screenshot reference-check.png]
 
 Serves the site on localhost (Material's search loads its index with fetch(), which file:// pages may not do),
 renders the start page and the configuration reference with Chromium's --dump-dom (the DOM after the page's
 scripts ran) and checks: the navigation lists the guide's sections, the search box is there and the search
 index holds the configuration reference, the start page shows highlighted code blocks, and the reference shows
-its key tables. Exit 1 with one line per problem. Chromium: Debian's package (`apt-get install chromium`).
+its key tables; and in a 1280 px window, that every table of the reference fits the text column (no sideways
+scrolling) and that no row of it is a tall band with no description (a section's row listing every stage of its
+keys one per line). Exit 1 with one line per problem. Chromium: Debian's package (`apt-get install chromium`).
 """
 from __future__ import annotations
 
@@ -28,6 +30,33 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--hide-scrollbars", "--virtual-time-budget=5000"]
 PAGES = {"start page": "index.html", "configuration reference": "reference/configuration.html"}
 NAV_SECTIONS = ("Getting started", "Kinds of experiment", "How-to", "Reference")
+WINDOW = "1280,1000"  # a laptop's window: the reference's tables must fit its text column
+# Measured in the page by the check's own server (never part of the site): each table of the article, its width
+# against its column's, and its tallest row without a description (the fifth cell) with that row's key.
+LAYOUT_PAGE = "reference/configuration.html"
+LAYOUT_QUERY = "layout-check"
+LAYOUT_SCRIPT = r"""<script>
+window.addEventListener("load", () => {
+  const lines = [];
+  document.querySelectorAll("article table").forEach((table, index) => {
+    const column = table.closest(".md-typeset__scrollwrap") || table.parentElement;
+    let band = [0, ""];
+    for (const row of Array.from(table.rows).slice(1)) {
+      const cells = row.cells;
+      if (cells.length > 4 && !cells[4].textContent.trim() && row.offsetHeight > band[0])
+        band = [row.offsetHeight, cells[0].textContent.trim()];
+    }
+    lines.push([index, table.scrollWidth, column.clientWidth, band[0], band[1]].join("\t"));
+  });
+  const out = document.createElement("pre");
+  out.id = "layout-check";
+  out.textContent = lines.join("\n");
+  document.body.appendChild(out);
+});
+</script>"""
+# A row with no description taller than this is a band: the model section's row listing every stage of its keys
+# was 312 px (the datasets section's 475); a section row whose name pattern wraps in the narrow column is ~150.
+BAND_PX = 200
 
 
 def chromium() -> str | None:
@@ -38,6 +67,19 @@ def chromium() -> str | None:
 class Quiet(SimpleHTTPRequestHandler):
     def log_message(self, *args):  # one line per request would bury the check's own lines
         pass
+
+    def do_GET(self):
+        """A page asked with ``?layout-check`` comes with LAYOUT_SCRIPT before ``</body>`` (the files are not touched)."""
+        path, _, query = self.path.partition("?")
+        if query != LAYOUT_QUERY:
+            return super().do_GET()
+        page = Path(self.translate_path(path)).read_text(encoding="utf-8")
+        body = page.replace("</body>", LAYOUT_SCRIPT + "</body>", 1).encode("utf-8")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
 
 def serve(site: Path) -> tuple[ThreadingHTTPServer, str]:
@@ -55,7 +97,28 @@ def render(browser: str, url: str, *extra: str, timeout: int = 60) -> str:
     return done.stdout
 
 
-def problems(site: Path, browser: str, screenshot: Path | None = None, pages: dict[str, str] = PAGES) -> list[str]:
+def layout_problems(browser: str, base: str) -> list[str]:
+    """The reference at 1280 px: each table within its column, and no tall row without a description."""
+    import html
+    import re
+
+    dom = render(browser, f"{base}/{LAYOUT_PAGE}?{LAYOUT_QUERY}", "--dump-dom", f"--window-size={WINDOW}")
+    found = re.search(r'<pre id="layout-check">(.*?)</pre>', dom, re.DOTALL)
+    if found is None:
+        return [f"{LAYOUT_PAGE}: the layout could not be measured"]
+    lines = [line.split("\t") for line in html.unescape(found.group(1)).splitlines() if line]
+    out = []
+    for index, width, column, band, key in lines:
+        if int(width) > int(column) + 1:
+            out.append(f"{LAYOUT_PAGE}: table {int(index) + 1} is {width} px wide in a {column} px column at "
+                       f"{WINDOW.split(',')[0]} px: it scrolls sideways")
+        if int(band) > BAND_PX:
+            out.append(f"{LAYOUT_PAGE}: table {int(index) + 1}'s row {key} is {band} px tall with no description")
+    return out if lines else [f"{LAYOUT_PAGE}: no table measured"]
+
+
+def problems(site: Path, browser: str, screenshot: Path | None = None, pages: dict[str, str] = PAGES,
+             reference_screenshot: Path | None = None) -> list[str]:
     """What a reader would miss on the built ``site``; empty when the check passes."""
     found = []
     index = site / "search" / "search_index.json"
@@ -77,10 +140,12 @@ def problems(site: Path, browser: str, screenshot: Path | None = None, pages: di
                 found.append(f"{page} ({name}): no highlighted code block")
             if page.startswith("reference/") and ("<table" not in dom or "training.max_length" not in dom):
                 found.append(f"{page} ({name}): the key table (training.max_length) is missing")
-        if screenshot is not None:
-            render(browser, f"{base}/index.html", f"--screenshot={screenshot}", "--window-size=1280,1000")
-            if not screenshot.exists() or screenshot.stat().st_size == 0:
-                found.append(f"{screenshot}: no screenshot written")
+        found += layout_problems(browser, base)
+        for shot, page in ((screenshot, "index.html"), (reference_screenshot, LAYOUT_PAGE)):
+            if shot is not None:
+                render(browser, f"{base}/{page}", f"--screenshot={shot}", f"--window-size={WINDOW}")
+                if not shot.exists() or shot.stat().st_size == 0:
+                    found.append(f"{shot}: no screenshot written")
     finally:
         server.shutdown()
     return found
@@ -89,17 +154,19 @@ def problems(site: Path, browser: str, screenshot: Path | None = None, pages: di
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("site", type=Path)
-    parser.add_argument("--screenshot", type=Path)
+    parser.add_argument("--screenshot", type=Path, help="the start page at 1280 px")
+    parser.add_argument("--reference-screenshot", type=Path, help="the configuration reference at 1280 px")
     args = parser.parse_args(argv)
     browser = chromium()
     if browser is None:
         print("error: no Chromium found; install it (apt-get install chromium)", file=sys.stderr)
         return 2
-    found = problems(args.site, browser, args.screenshot)
+    found = problems(args.site, browser, args.screenshot, reference_screenshot=args.reference_screenshot)
     for line in found:
         print(f"error: {line}", file=sys.stderr)
     if not found:
-        print(f"the site in {args.site} renders in {browser} with navigation, search and code blocks")
+        print(f"the site in {args.site} renders in {browser} with navigation, search and code blocks, and the "
+              f"reference's tables fit a {WINDOW.split(',')[0]} px window")
     return 1 if found else 0
 
 

@@ -43,6 +43,26 @@ def stages_reading(path: str) -> tuple[str, ...]:
     return tuple(config_reads.stages_reading(path))
 
 
+def read_by(path: str) -> str:
+    """The reference's *Read by* cell: each stage whose params carry ``path``, with the keys that must be set for
+    it to read it (``config_reads.conditions_of``: train reads a dataset's metric only under
+    ``training.validation.metric_examples``); else the stages that receive it at run time only (no rerun of its own).
+    A key that decides which jobs exist (``plan_key``: seeds, a dataset's models) says so. Uses the reads table's
+    public functions only: stages_reading, conditions_of, runtime_stages_reading, plan_key."""
+    from workflow_scripts.core import config_reads
+
+    cells = []
+    for stage in stages_reading(path):
+        conditions = config_reads.conditions_of(stage, path)
+        cells.append(code(stage) + (" (only with " + ", ".join(code(key) for key in conditions) + " set)"
+                                    if conditions else ""))
+    if not cells:
+        cells = [f"{code(stage)} at run time" for stage in config_reads.runtime_stages_reading(path)]
+    if not stages_reading(path) and config_reads.plan_key(path):
+        cells.append("the plan: which jobs exist")
+    return ", ".join(cells)
+
+
 # --- the configuration reference -------------------------------------------------------------------------------
 class Key:
     """One row of the reference: a key's dotted path and its schema."""
@@ -155,13 +175,28 @@ def cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+def has_keys(spec: dict, schema: dict) -> bool:
+    """Whether the reference lists keys below this one (its properties, or the entries of a named mapping)."""
+    spec = resolve(spec, schema)
+    entries = spec.get("additionalProperties")
+    return bool(spec.get("properties")) or (isinstance(entries, dict) and bool(
+        entries.get("properties") or entries.get("$ref") or entries.get("if")))
+
+
 def configuration_reference(schema: dict) -> str:
     lines = [HEADER.format(source="config/schema.yaml"), "# Configuration reference", "",
              cell(schema.get("description", "")), "",
              "Every key of `config/schema.yaml`, section by section. A dotted path names a nested key; `*` stands "
              "for a name you choose (a dataset, a variant, a model). *Default* is what the schema fills in when "
              "the key is absent (empty: no schema default; the description says what then holds). *Read by* names "
-             "the stages (rules) whose parameters carry the key, so changing it reruns them and what follows. "
+             "the stages (rules) whose parameters carry the key, so changing it reruns them and what follows "
+             "([What a change reruns](../reruns.md)); a stage marked *only with* a key reads it only while that key "
+             "is set, and one marked *at run time* receives it without recording it, so it reruns nothing of its own; "
+             "*the plan* marks a key that decides which jobs exist (a seed, a dataset's models), so changing it adds "
+             "or removes jobs. "
+             "*Runtime-only* in a description means one thing: the key cannot change what is learned (where and "
+             "how fast a run goes: processes, checkpoints, memory), so the fairness guard does not compare it "
+             "between variants; it may still rerun the stages that read it. "
              "Keys marked with a task apply to datasets or variants of that task only.", ""]
     for section, spec in schema["properties"].items():
         spec = resolve(spec, schema)
@@ -175,7 +210,9 @@ def configuration_reference(schema: dict) -> str:
             if key.when:
                 description = f"*{key.when}:* {description}".rstrip()
             default = code(key.spec["default"]) if "default" in key.spec else ""
-            readers = ", ".join(code(stage) for stage in stages_reading(key.path))
+            # A section or a mapping of keys is read key by key: its own row would list every stage of its keys
+            # (the model section's, 12 of them, one per line: a tall empty row), so its keys' rows say it.
+            readers = "its keys, below" if has_keys(key.spec, schema) else read_by(key.path)
             lines.append(f"| {code(key.path)} | {cell(type_of(key.spec, schema))} | {default} | {allowed(key.spec, schema)} "
                          f"| {description} | {readers} |")
         lines.append("")

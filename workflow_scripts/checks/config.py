@@ -58,7 +58,7 @@ def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
         check_model(model, source, key)
         unknown = set(model.training) - _training_keys()
         if unknown:
-            raise ConfigError(f"models.{name}.training", f"unknown training keys {sorted(unknown)}", source)
+            raise ConfigError(f"{key}.training", f"unknown training keys {sorted(unknown)}", source)
     typed_datasets = dataset_entries(config, source)
     for name, dataset in typed_datasets.items():
         check_dataset(dataset, source, evaluation_split(config, name))

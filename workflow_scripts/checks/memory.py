@@ -42,7 +42,7 @@ def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> 
              for model, entry, variant in xc.model_entry_variants(config)}
     variant_entries = xc.variant_entries(config)
     for name, spec in xc.model_entries(config).items():
-        source = local_model_config(name, spec, root)
+        source = local_model_config(name, spec, root, xc.model_key(config, name))
         if source is None:
             continue  # nothing to read without a download
         loads = ("AutoModelForImageTextToText" if is_vision_language(source) else
@@ -58,7 +58,7 @@ def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> 
             settings = variant_entries[variant]
             max_pixels = None
             if loads == "AutoModelForImageTextToText" and settings.images:
-                max_pixels = settings.max_pixels or processor_max_pixels(name, spec, root)
+                max_pixels = settings.max_pixels or processor_max_pixels(name, spec, root, xc.model_key(config, name))
             parts = loading = None
             if training.gpus == 0:
                 parts = estimate_from_config(model, device="cpu", **mesh_arguments(training),
@@ -96,7 +96,7 @@ def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> 
     return checked
 
 
-def processor_max_pixels(name: str, spec, root: Path) -> int | None:
+def processor_max_pixels(name: str, spec, root: Path, key: str | None = None) -> int | None:
     """A dynamic-resolution processor's own budget (``size.longest_edge``, or ``max_pixels`` in older files) from
     the preprocessor_config.json beside the model's config.json, for a variant that sets none: Qwen2.5-VL's is
     12,845,056 pixels (16,384 image tokens). None where there is no such file or budget (the tower's own size)."""
@@ -106,7 +106,7 @@ def processor_max_pixels(name: str, spec, root: Path) -> int | None:
             try:
                 fields = json.loads(path.read_text())
             except (OSError, ValueError) as error:
-                raise ConfigError(f"models.{name}", f"{path} cannot be read as a processor config ({error}); "
+                raise ConfigError(key or f"models.{name}", f"{path} cannot be read as a processor config ({error}); "
                                   "prepare the model again") from None
             if not isinstance(fields, dict) or not str(fields.get("image_processor_type", "")).startswith(
                     "Qwen2VLImageProcessor"):  # the others' size is an edge or a tile, not a pixel count

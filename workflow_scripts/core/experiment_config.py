@@ -41,6 +41,11 @@ def models(config: Mapping[str, Any]) -> dict[str, dict]:
     return {config["model"]["name"]: dict(config["model"])}
 
 
+def model_key(config: Mapping[str, Any], name: str) -> str:
+    """The key the user wrote for model ``name``: ``model`` (one model) or ``models.<name>``, for messages."""
+    return "model" if "model" in config else f"models.{name}"
+
+
 def model_settings(config: Mapping[str, Any], model: str | None = None) -> dict:
     """One model's settings as prepare_model receives them (with its name)."""
     all_models = models(config)

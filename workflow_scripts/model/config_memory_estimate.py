@@ -327,7 +327,7 @@ def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[
 TINY_CAUSAL = ("llama", "qwen2")
 
 
-def local_model_config(name: str, spec: "ModelSettings", root: Path) -> dict | None:
+def local_model_config(name: str, spec: "ModelSettings", root: Path, key: str | None = None) -> dict | None:
     """The model's config without downloading anything: its prepared ``resources/models/<name>/config.json``,
     a local model's own directory, or for a tiny causal LM one built from ``model.tiny``; None otherwise
     (a hub or GGUF model not yet prepared: the gate estimates it once it exists)."""
@@ -337,7 +337,7 @@ def local_model_config(name: str, spec: "ModelSettings", root: Path) -> dict | N
             try:
                 fields = json.loads(path.read_text())
             except (OSError, ValueError) as error:
-                raise ConfigError(f"models.{name}", f"{path} cannot be read as a model config ({error}); "
+                raise ConfigError(key or f"models.{name}", f"{path} cannot be read as a model config ({error}); "
                                   "prepare the model again") from None
             return fields if isinstance(fields, dict) else {}
     tiny = spec.tiny

@@ -20,14 +20,14 @@ if TYPE_CHECKING:
     from workflow_scripts.core.entry_settings import ModelSettings
 
 
-def text_only_reason(name: str, spec: "ModelSettings", root: Path) -> str | None:
+def text_only_reason(name: str, spec: "ModelSettings", root: Path, key: str | None = None) -> str | None:
     """Why model ``name`` reads text only (its type, where it was read), or None (a vision model, or not known yet)."""
     from workflow_scripts.model import tiny_vlm
 
     if spec.source == "tiny":
         architecture = spec.tiny.architecture
         return None if architecture in tiny_vlm.ARCHITECTURES else (
-            f"a tiny '{architecture}' model (models.{name}.tiny.architecture; the vision ones are "
+            f"a tiny '{architecture}' model ({key or f'models.{name}'}.tiny.architecture; the vision ones are "
             f"{list(tiny_vlm.ARCHITECTURES)})")
     known = saved_model_type(name, spec, root)
     if known is None:
@@ -58,14 +58,14 @@ def saved_model_type(name: str, spec: "ModelSettings", root: Path) -> tuple[str,
     return (model_type, config_file) if model_type in CONFIG_MAPPING_NAMES else None
 
 
-def no_masked_lm_reason(name: str, spec: "ModelSettings", root: Path) -> str | None:
+def no_masked_lm_reason(name: str, spec: "ModelSettings", root: Path, key: str | None = None) -> str | None:
     """Why model ``name`` has no masked-LM form (its type, where it was read), or None (it has, or not known yet)."""
     from workflow_scripts.model import tiny_bert
 
     if spec.source == "tiny":  # decided without importing transformers (and torch): every job reads this
         architecture = spec.tiny.architecture
         return None if architecture in tiny_bert.ARCHITECTURES else (
-            f"a tiny '{architecture}' model (models.{name}.tiny.architecture; the masked LMs are "
+            f"a tiny '{architecture}' model ({key or f'models.{name}'}.tiny.architecture; the masked LMs are "
             f"{list(tiny_bert.ARCHITECTURES)})")
     known = saved_model_type(name, spec, root)
     if known is None:
@@ -77,13 +77,13 @@ def no_masked_lm_reason(name: str, spec: "ModelSettings", root: Path) -> str | N
 
 def _first_misfit(config: Mapping[str, Any], task: str, reason_of, source: str | None, root: str | Path):
     """(dataset, its settings, model, reason, every model entry) of the first dataset of ``task`` run on a model
-    that ``reason_of(name, entry, root)`` says cannot serve it, or None."""
+    that ``reason_of(name, entry, root, key)`` says cannot serve it, or None."""
     all_models = xc.model_entries(config, source)
     for dataset, settings in xc.dataset_entries(config, source).items():
         if settings.task != task:
             continue
         for model in xc.dataset_models(config, dataset):
-            reason = reason_of(model, all_models[model], Path(root))
+            reason = reason_of(model, all_models[model], Path(root), xc.model_key(config, model))
             if reason is not None:
                 return dataset, settings, model, reason, all_models
     return None
@@ -95,8 +95,10 @@ def check_masked_lm_models(config: Mapping[str, Any], source: str | None = None,
     misfit = _first_misfit(config, "masked_lm", no_masked_lm_reason, source, root)
     if misfit is None:
         return
-    dataset, settings, model, reason, _ = misfit
+    dataset, settings, model, reason, all_models = misfit
     fix = (f"remove '{model}' from datasets.{dataset}.models" if settings.models else
+           "run it on a masked language model (e.g. a tiny one with tiny.architecture: bert)"
+           if len(all_models) == 1 else
            f"give datasets.{dataset} a models: list of masked language models (e.g. a tiny one with "
            "tiny.architecture: bert)")
     raise ConfigError(f"datasets.{dataset}.models", f"task masked_lm needs a masked language model (an "

@@ -207,7 +207,9 @@ def class_weight_vector(variant: "VariantSettings", label_names: Sequence[str]) 
         return None
     unknown = sorted(set(weights) - set(label_names))
     if unknown:
-        raise WorkflowError(f"variant class_weights: {unknown} not in the label set {list(label_names)}")
+        raise WorkflowError(f"variant class_weights: {unknown} not in the label set {list(label_names)}; the keys are "
+                            "label names as the data spells them, never class ids: fix variants.<name>.class_weights "
+                            "(or declare datasets.<name>.labels, so snakemake -n checks them)")
     return [float(weights.get(name, 1.0)) for name in label_names]
 
 
@@ -607,6 +609,15 @@ class ClassificationTask:
             if fields - available:
                 raise ConfigError(f"variants.{name}.input", f"refers to {sorted(fields - available)}, which dataset "
                                   f"'{ds_name}' does not provide (it has {sorted(available)})")
+            # The keys are label names; with labels: declared the set is known now (else pretokenise checks them
+            # against the train split's labels). An integer key is not a class id here, as a data label would be.
+            for key in checked.class_weights or ():
+                if dataset.labels is not None and key not in dataset.labels:
+                    index = f" (class id {key} is {dataset.labels[int(key)]!r})" if _INTEGER.match(key) and \
+                        0 <= int(key) < len(dataset.labels) else ""
+                    raise ConfigError(f"variants.{name}.class_weights.{key}", f"is not a label of dataset '{ds_name}' "
+                                      f"(datasets.{ds_name}.labels: {list(dataset.labels)}){index}; class_weights "
+                                      "keys are label names, not class ids: write the label's name")
 
     def record_mapper(self, settings: "DatasetSettings", key: str) -> FieldsMapper:
         return FieldsMapper(self, settings, key)
