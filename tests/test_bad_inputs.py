@@ -288,7 +288,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("model", "sanity-model-missing", gate({"--model": "{tmp}/nowhere"}), "sanity", "{tmp}/nowhere: no config.json; run the prepare_model rule first"),
         case("model", "sanity-model-config-not-json", gate({"--model": "{model_copy}"}, plant=copy_model(replace={"config.json": b"{not json"})), "sanity", "{model_copy}/config.json: not valid JSON at line 1, column 2: Expecting property name enclosed in double quotes; " + REPREPARE),
         # --- formats (issue 37) ---
-        case("data", "penman-unbalanced-graph", penman_blocks("# ::id a5\n# ::snt The boy sleeps.\n(s / sleep-01\n   :ARG0 (b / boy)"), "normalise", penman_rejected("unparseable_record", None, "not valid PENMAN: block 7 (line 28): Unexpected end of input at line 31")),
+        case("data", "penman-unbalanced-graph", penman_blocks("# ::id a5\n# ::snt The boy sleeps.\n(s / sleep-01\n   :ARG0 (b / boy)"), "normalise", penman_rejected("unparseable_record", None, "not valid PENMAN: block 6 (line 28): Unexpected end of input at line 31")),
         case("data", "penman-block-without-snt", penman_blocks("# ::id a5\n(s / sleep-01\n   :ARG0 (b / boy))"), "normalise", penman_rejected("missing_field", "snt", "is missing")),
         case("data", "penman-duplicate-id", penman_blocks("# ::id a1\n# ::snt Again.\n(s / sleep-01\n   :ARG0 (d / dog))"), "normalise", penman_rejected("duplicate_id", "id", "id 'a1' occurs earlier in the split")),
         case("config", "format-text-for-amr-records", cfg("datasets.amr_demo.format", "text", base=absolute_single_model_config), "parse", "{config}: config key 'datasets.amr_demo.format': format text (one example per line, no fields) is read by task masked_lm only, not generation; for AMR graphs in PENMAN text (# ::id, # ::snt and a graph per block) set format: penman; other records belong in jsonl, json, csv or parquet files"),
@@ -953,7 +953,8 @@ def gzip_bytes(data: bytes) -> bytes:
 
 
 def penman_blocks(bad_block: str):
-    """train.txt in PENMAN text: a header comment, nine good blocks (ids a0..a8, 4 lines each), ``bad_block`` as block 7."""
+    """train.txt in PENMAN text: a header comment, nine good blocks (ids a0..a8, 4 lines each), ``bad_block`` as the
+    6th graph (block 6)."""
     blocks = [f"# ::id a{k}\n# ::snt Sentence {k}.\n(s / sleep-01\n   :ARG0 (b / boy{k}))" for k in range(9)]
     blocks.insert(5, bad_block)
 
@@ -976,8 +977,9 @@ def graph_rows(bad_graph: str):
 
 
 def penman_rejected(reason: str, field: str | None, detail: str) -> str:
-    """normalise's message for one bad block among ten: block 7 of train.txt starts on line 28."""
-    where = "{source}/train.txt block 7 (line 28): " + (f"field '{field}': " if field else "")
+    """normalise's message for one bad block among ten: the 6th graph, block 6 of train.txt (its header comment is no
+    graph), starts on line 28."""
+    where = "{source}/train.txt block 6 (line 28): " + (f"field '{field}': " if field else "")
     return ("{source}/train.txt: 1 of 10 rows of split 'train' rejected (10.0%), more than "
             f"datasets.d.max_rejected_fraction = 0.01; reasons: {reason} 1; for example {where}{detail}; "
             "fix the rows or raise datasets.d.max_rejected_fraction")

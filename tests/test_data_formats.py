@@ -112,11 +112,91 @@ def test_bad_penman_blocks_are_rejected_each_named_by_file_block_and_line(tmp_pa
     shown = {reason: [(e["file"], e.get("block"), e["line"], e["field"], e["detail"]) for e in entry["examples"]]
              for reason, entry in reasons.items()}
     train = str(source / "train.txt")
-    assert shown["unparseable_record"] == [(train, 6, 23, None, "not valid PENMAN: block 6 (line 23): Unexpected end of "
+    # numbered as a user counts the graphs: blocks[4] is the 5th (the header comment is no graph)
+    assert shown["unparseable_record"] == [(train, 5, 23, None, "not valid PENMAN: block 5 (line 23): Unexpected end of "
                                             "input at line 26")]
-    assert shown["missing_field"] == [(train, 11, 48, "snt", "is missing")]
-    assert shown["duplicate_id"] == [(train, 16, 71, "id", "id 'a3' occurs earlier in the split")]
-    assert normalise.describe(reasons["missing_field"]["examples"][0]) == f"{train} block 11 (line 48): field 'snt': is missing"
+    assert shown["missing_field"] == [(train, 10, 48, "snt", "is missing")]
+    assert shown["duplicate_id"] == [(train, 15, 71, "id", "id 'a3' occurs earlier in the split")]
+    assert normalise.describe(reasons["missing_field"]["examples"][0]) == f"{train} block 10 (line 48): field 'snt': is missing"
+
+
+def penman_source(tmp_path, train: str, test: str = "# ::id t1\n# ::snt A test.\n(t / test-01)\n") -> tuple[dict, Path]:
+    source = tmp_path / "src"
+    source.mkdir(exist_ok=True)
+    (source / "train.txt").write_text(train)
+    (source / "test.txt").write_text(test)
+    settings = penman_settings(source, max_rejected_fraction=0.5, derived={}, metric="smatch", also_metrics=[],
+                               splits={"train": "train", "test": "test"})
+    return settings, source
+
+
+def penman_reasons(settings: dict, tmp_path) -> dict:
+    _, report = run_normalise("d", settings, run_download("d", settings, tmp_path), tmp_path)
+    reasons = json.loads(report.read_text())["reasons"]
+    return {reason: [normalise.describe(example) for example in entry["examples"]] for reason, entry in reasons.items()}
+
+
+GOOD_BLOCKS = [f"# ::id a{k}\n# ::snt Sentence {k}.\n(s / sleep-01\n   :ARG0 (b / boy{k}))" for k in range(6)]
+
+
+def test_a_top_node_closed_one_line_early_is_refused_naming_block_line_and_the_leftover_text(tmp_path):
+    blocks = list(GOOD_BLOCKS)
+    blocks[2] = "# ::id a2\n# ::snt The girl does not sleep.\n(s / sleep-01\n   :ARG0 (g / girl))\n   :polarity -"
+    settings, source = penman_source(tmp_path, "# AMR release; header\n\n" + "\n\n".join(blocks) + "\n")
+    # the graphs are numbered as a user counts them (the header comment is no graph): the third is block 3
+    assert penman_reasons(settings, tmp_path)["unparseable_record"] == [
+        f"{source}/train.txt block 3 (line 13): not valid PENMAN: block 3 (line 13): text after the graph's last "
+        "bracket at line 17: ':polarity -' (a block holds one graph: is the top node closed early?)"]
+
+
+def test_the_gold_graph_check_refuses_text_after_the_top_node_and_counts_nothing_else():
+    from workflow_scripts.data.raw_records import penman_graph_problem
+
+    assert penman_graph_problem("(s / sleep-01 :ARG0 (g / girl)) :polarity -") == (
+        "text after the graph's last bracket at line 1: ':polarity -' (a block holds one graph: is the top node "
+        "closed early?)")
+    assert penman_graph_problem("(s / sleep-01 :ARG0 (g / girl) :polarity -)") is None
+    assert penman_graph_problem('(s / say-01 :ARG1 (q / "a (quoted) text)"))') is None
+
+
+def test_a_sentence_holding_double_colons_is_read_whole(tmp_path):
+    from workflow_scripts.data import raw_records
+
+    path = tmp_path / "train.txt"
+    path.write_text("# ::id a1 ::date 2026-11-29 ::annotator x\n# ::snt Call std::sort on it.\n(c / call-02)\n")
+    [(_, record)] = raw_records.read_placed(path, "penman")
+    assert record == {"id": "a1", "date": "2026-11-29", "annotator": "x", "snt": "Call std::sort on it.",
+                      "graph": "(c / call-02)"}
+
+
+def test_a_graph_nested_thousands_deep_is_refused_by_block_not_a_recursion_error(tmp_path):
+    from workflow_scripts.data import raw_records
+
+    deep = "".join(f"(n{i} / thing :mod " for i in range(4000)) + "(z / zero)" + ")" * 4000
+    blocks = list(GOOD_BLOCKS)
+    blocks[1] = "# ::id a1\n# ::snt Deep.\n" + deep
+    settings, source = penman_source(tmp_path, "\n\n".join(blocks) + "\n")
+    assert penman_reasons(settings, tmp_path)["unparseable_record"] == [
+        f"{source}/train.txt block 2 (line 6): not valid PENMAN: block 2 (line 6): the graph nests 4001 levels deep, "
+        f"more than the {raw_records.PENMAN_MAX_DEPTH} this reader (and penman's writer) can follow; an AMR graph "
+        "nests a few dozen: check the block"]
+    assert raw_records.penman_graph_problem(deep).startswith("the graph nests 4001 levels deep")
+
+
+def test_json_lines_in_a_penman_file_stop_naming_the_real_cause(tmp_path):
+    lines = "".join(json.dumps({"id": f"a{k}", "snt": "x", "graph": "(a / b)"}) + "\n\n" for k in range(3))
+    settings, source = penman_source(tmp_path, lines)
+    message = failing(settings, run_download("d", settings, tmp_path), tmp_path)
+    assert "absent from every row" not in message
+    assert (f"for example {source}/train.txt block 1 (line 1): not valid PENMAN: block 1 (line 1) does not start "
+            "with a graph but with '{\"id\": \"a0\", \"snt\": \"x\", \"graph\": \"(a / b)\"}' (a graph starts with "
+            "'('; a file of JSON lines is format: jsonl)") in message
+
+
+def test_a_penman_file_of_comments_only_stops_naming_it(tmp_path):
+    settings, source = penman_source(tmp_path, "# AMR release; header\n\n# another comment\n")
+    message = failing(settings, run_download("d", settings, tmp_path), tmp_path)
+    assert message.startswith(f"{source}/train.txt: holds no PENMAN graph: its 2 blocks are comments only")
 
 
 def test_penman_files_are_read_under_source_files_globs_too(tmp_path):

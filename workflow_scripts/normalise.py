@@ -135,7 +135,9 @@ def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_spli
         tally.problem, tally.unreadable = names.translate(str(error)), True
         return kept, tally
     for config_key, source in source_fields.items():
-        if tally.examined and not tally.present[source]:
+        # Only over rows that had fields: where no record could be read at all (JSON lines in a PENMAN file), the
+        # rejections' reason is the cause, said by tally_problem, and the fields are not absent but unread.
+        if tally.seen_keys and not tally.present[source]:
             tally.problem = (
                 f"{location}: field '{source}' ({key}.{config_key}) is absent from every row of split "
                 f"'{source_split}'; the rows have fields {sorted(tally.seen_keys)}"
