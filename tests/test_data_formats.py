@@ -351,6 +351,103 @@ def test_a_fractional_label_among_integers_is_rejected_not_made_a_class(tmp_path
             "write integer ids (0, 1, 2...) or class names") in message
 
 
+def classlabel_parquet(tmp_path, names: list[str], ids: list[int], declared: list[str] | None) -> tuple[dict, Path]:
+    """A classification split exported by datasets (``Dataset.to_parquet``) with a ClassLabel column: the ids in
+    the rows, the names only in the schema's ``huggingface`` metadata."""
+    from datasets import ClassLabel, Dataset, Features, Value
+
+    source = tmp_path / "src"
+    source.mkdir(exist_ok=True)
+    features = Features({"text": Value("string"), "label": ClassLabel(names=names)})
+    for split, rows in (("train", ids), ("test", ids[:2])):
+        Dataset.from_dict({"text": [f"{split} sentence {i}" for i in range(len(rows))], "label": rows},
+                          features=features).to_parquet(str(source / f"{split}.parquet"))
+    settings = {"task": "classification", "format": "parquet", "source": {"type": "local", "path": str(source)},
+                "splits": {"train": "train", "test": "test"}, "fields": {"text": "text", "label": "label"},
+                "metric": "accuracy", **({"labels": declared} if declared else {})}
+    return settings, run_download("d", settings, tmp_path)
+
+
+@pytest.mark.parametrize("declared", [None, ["neg", "pos"], ["pos", "neg"]], ids=["undeclared", "same-order", "reversed"])
+def test_a_classlabel_parquet_export_is_read_by_its_names_whatever_the_declared_order(tmp_path, capsys, declared):
+    ids = [0, 1, 1, 0] * 5
+    settings, raw = classlabel_parquet(tmp_path, ["neg", "pos"], ids, declared)
+    out, report = run_normalise("d", settings, raw, tmp_path)
+    assert load_from_disk(str(out))["train"]["label"] == [["neg", "pos"][i] for i in ids]  # never swapped
+    meta = json.loads((out / "task_meta.json").read_text())
+    assert meta["labels"] == (declared or ["neg", "pos"])  # without labels: the names, not '0'/'1'
+    assert json.loads(report.read_text())["class_names"] == {"train": ["neg", "pos"], "test": ["neg", "pos"]}
+    assert "d: labels: the source's ClassLabel names ['neg', 'pos'] name its class ids" in capsys.readouterr().out
+
+
+def test_a_classlabel_id_outside_the_names_is_rejected_by_row(tmp_path):
+    from workflow_scripts.tasks.classification import LabelReading
+
+    settings = DatasetSettings.parse({"task": "classification", "source": {"type": "local", "path": "x"},
+                                      "fields": {"text": "text", "label": "label"}, "metric": "accuracy"}, "d")
+    from workflow_scripts.tasks.classification import TASK
+    with pytest.raises(normalise.Rejected, match=r"label 2 is not a class id 0..1 of the source's ClassLabel names"):
+        TASK.normalise_fields({"text": "a", "label": 2}, settings, reading=LabelReading(class_names=("neg", "pos")))
+
+
+STARS = ["1", "2", "3", "4", "5"]
+
+
+def test_numeric_names_on_ids_from_zero_are_read_by_index_for_the_whole_column(tmp_path, capsys):
+    settings, raw = classification(tmp_path, ["0", "1", "2", "3", "4"] * 4, STARS)
+    out, report = run_normalise("d", settings, raw, tmp_path)
+    assert load_from_disk(str(out))["train"]["label"][:5] == STARS  # raw 0 -> "1", raw 1 -> "2": never both "1"
+    assert load_from_disk(str(out))["test"]["label"] == ["2"]  # the test split's raw 1, by index as the column
+    log = capsys.readouterr().out
+    assert ("d: labels: declared ['1', '2', '3', '4', '5']; 21 rows gave integer class ids, mapped to the declared "
+            "labels by index (0 -> 1, 1 -> 2, 2 -> 3, 3 -> 4, 4 -> 5), as datasets' ClassLabel does") in log
+    assert json.loads(report.read_text())["label_mapping"]["read_as"] == "index"
+
+
+def test_numeric_names_on_the_names_are_read_by_name_for_the_whole_column(tmp_path, capsys):
+    settings, raw = classification(tmp_path, STARS * 4, STARS)
+    out, report = run_normalise("d", settings, raw, tmp_path)
+    assert load_from_disk(str(out))["train"]["label"][:5] == STARS
+    assert load_from_disk(str(out))["test"]["label"] == ["1"]
+    assert json.loads(report.read_text())["label_mapping"] == {"by_index": {str(i): name for i, name in enumerate(STARS)}, "rows": 0,
+                                                               "read_as": "name"}
+    assert "d: labels: declared ['1', '2', '3', '4', '5']; every row gave a declared name" in capsys.readouterr().out
+
+
+def test_a_numeric_label_column_that_reads_both_ways_is_refused_naming_the_key(tmp_path):
+    settings, raw = classification(tmp_path, ["1", "2", "3", "4"] * 5, STARS)
+    message = failing(settings, raw, tmp_path)
+    assert message == (
+        "datasets.d.labels: the declared labels ['1', '2', '3', '4', '5'] are numbers, and column "
+        "'label' holds ['1', '2', '3', '4'], each both a declared name and a class id 0..4, so the rows cannot say "
+        "which they are: by name 1 -> 1, 2 -> 2, 3 -> 3, 4 -> 4, or by index 1 -> 2, 2 -> 3, 3 -> 4, 4 -> 5; give "
+        "the rows the ids 0..4 or name every class at least once, or declare labels that are not numbers")
+
+
+def test_a_numeric_label_column_mixing_names_and_ids_is_refused_showing_the_mapping_rows_would_get(tmp_path):
+    settings, raw = classification(tmp_path, ["0", "1", "2", "3", "4", "5"] * 4, STARS)
+    message = failing(settings, raw, tmp_path)
+    assert message == (
+        "datasets.d.labels: the declared labels ['1', '2', '3', '4', '5'] are numbers, and column "
+        "'label' holds ['0', '1', '2', '3', '4', '5']: ['0'] only a class id, ['5'] only a declared name, so no one "
+        "reading fits the column (row by row: 0 -> 1, 1 -> 1, 2 -> 2, 3 -> 3, 4 -> 4, 5 -> 5, two values onto one "
+        "class); give the rows the ids 0..4 or the declared names, not both")
+
+
+def test_float_labels_stop_naming_the_field_and_a_row_not_an_empty_label_set(tmp_path):
+    source = tmp_path / "src"
+    write_jsonl(source / "train.jsonl", [{"text": f"s {i}", "label": float(i % 2)} for i in range(10)])
+    write_jsonl(source / "test.jsonl", [{"text": "t", "label": 1.0}])
+    settings = {"task": "classification", "source": {"type": "local", "path": str(source)},
+                "splits": {"train": "train", "test": "test"}, "fields": {"text": "text", "label": "label"},
+                "metric": "accuracy"}
+    message = failing(settings, run_download("d", settings, tmp_path), tmp_path)
+    assert "labels []" not in message
+    assert (f"{source}/train.jsonl: 10 of 10 rows of split 'train' rejected (100.0%), so no row is left; reasons: "
+            f"wrong_type 10; for example {source}/train.jsonl line 1: field 'label': a label must be a string or an "
+            "integer, got float 0.0") in message
+
+
 # --- encodings ---------------------------------------------------------------------------------------------------
 def test_a_utf16_corpus_is_named_file_by_file_with_the_encoding_setting_as_the_fix(tmp_path):
     corpus = tmp_path / "corpus"

@@ -142,6 +142,56 @@ def iter_placed_records(raw_dir: Path, split: str, fmt: str, on_invalid_text: st
             offset += size
 
 
+def class_label_names(raw_dir: Path, split: str, fmt: str) -> dict[str, list[str]]:
+    """Field -> the class names of a ``datasets.ClassLabel`` column of one source split, whose rows hold the ids:
+    a Parquet file written by ``datasets`` keeps its features in the schema's ``huggingface`` metadata, a saved
+    dataset in ``<split>/dataset_info.json``; other formats have none. Read with datasets' own ``Features``, so the
+    names are the ones ``datasets.load_dataset`` would decode the ids with. A split of several Parquet files whose
+    names differ is refused naming both files."""
+    raw_dir = Path(raw_dir)
+    if is_saved_dataset(raw_dir):
+        info = raw_dir / split / "dataset_info.json"
+        features = json.loads(info.read_text(encoding="utf-8")).get("features") if info.is_file() else None
+        return _class_labels(features)
+    if fmt != "parquet" or split not in available_splits(raw_dir, fmt):
+        return {}
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    found: dict[str, tuple[list[str], Path]] = {}
+    for path in split_files(raw_dir, split, fmt):
+        try:
+            metadata = pq.read_schema(path).metadata or {}
+        except (pa.ArrowException, OSError) as error:
+            raise _not_parquet(path, error) from None
+        try:
+            features = json.loads(metadata[b"huggingface"]).get("info", {}).get("features") if b"huggingface" in metadata else None
+        except (ValueError, AttributeError):
+            raise WorkflowError(f"{path}: the schema's 'huggingface' metadata is not the JSON datasets writes; export the "
+                                "file again, or remove that metadata") from None
+        for name, names in _class_labels(features).items():
+            earlier = found.setdefault(name, (names, path))
+            if earlier[0] != names:
+                raise WorkflowError(f"{path}: column '{name}' has the ClassLabel names {names}, but {earlier[1]} (the "
+                                    f"same split) has {earlier[0]}: the same id would name two classes; export the "
+                                    "split's files with one set of names")
+    return {name: names for name, (names, _) in found.items()}
+
+
+def _class_labels(features: Any) -> dict[str, list[str]]:
+    """The ClassLabel columns of a features mapping as ``datasets`` serialises it (top-level columns)."""
+    if not isinstance(features, dict):
+        return {}
+    from datasets import ClassLabel, Features
+
+    try:
+        parsed = Features.from_dict(features)
+    except Exception:  # noqa: BLE001 - another column's type this datasets version lacks: the ClassLabels as written
+        return {name: [str(label) for label in spec["names"]] for name, spec in features.items()
+                if isinstance(spec, dict) and spec.get("_type") == "ClassLabel" and isinstance(spec.get("names"), list)}
+    return {name: list(feature.names) for name, feature in parsed.items() if isinstance(feature, ClassLabel)}
+
+
 def read_file(path: Path, fmt: str) -> Iterator[tuple[int, Any]]:
     """(row index, record) for every row of one raw file."""
     for place, record in read_placed(path, fmt):
