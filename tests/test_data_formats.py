@@ -146,15 +146,15 @@ def test_a_top_node_closed_one_line_early_is_refused_naming_block_line_and_the_l
     # the graphs are numbered as a user counts them (the header comment is no graph): the third is block 3
     assert penman_reasons(settings, tmp_path)["unparseable_record"] == [
         f"{source}/train.txt block 3 (line 13): not valid PENMAN: block 3 (line 13): text after the graph's last "
-        "bracket at line 17: ':polarity -' (a block holds one graph: is the top node closed early?)"]
+        "bracket at line 17: ':polarity -' (a graph ends with its top node's bracket: is the top node closed early?)"]
 
 
 def test_the_gold_graph_check_refuses_text_after_the_top_node_and_counts_nothing_else():
     from workflow_scripts.data.raw_records import penman_graph_problem
 
     assert penman_graph_problem("(s / sleep-01 :ARG0 (g / girl)) :polarity -") == (
-        "text after the graph's last bracket at line 1: ':polarity -' (a block holds one graph: is the top node "
-        "closed early?)")
+        "text after the graph's last bracket at line 1: ':polarity -' (a graph ends with its top node's bracket: is "
+        "the top node closed early?)")
     assert penman_graph_problem("(s / sleep-01 :ARG0 (g / girl) :polarity -)") is None
     assert penman_graph_problem('(s / say-01 :ARG1 (q / "a (quoted) text)"))') is None
 

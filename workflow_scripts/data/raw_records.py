@@ -406,7 +406,7 @@ def _decode_graph(lines: list[str], first_line: int = 1, in_file: bool = True):
         rest = stream.peek()
         hint = {"RPAREN": "a closing bracket more than the opening ones",
                 "LPAREN": "a second graph: a block holds one graph, and blocks are separated by a blank line"}.get(
-            rest.type, "a block holds one graph: is the top node closed early?")
+            rest.type, "a graph ends with its top node's bracket: is the top node closed early?")
         raise _GraphProblem(f": text after the graph's last bracket at line {first_line + rest.lineno - 1}: "
                             f"{rest.line[rest.offset:].strip()[:60]!r} ({hint})")
     return Tree(node)
