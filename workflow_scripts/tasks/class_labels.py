@@ -66,8 +66,8 @@ def column_reading(values: Iterable[str], declared: Sequence[str], key: str, sou
     as_name = {value for value in values if value in names}
     as_index = {value for value in values if INTEGER.match(value) and 0 <= int(value) < count}
     both, name_only, index_only = as_name & as_index, as_name - as_index, as_index - as_name
-    if not both and not (name_only and index_only):
-        return None
+    if not (name_only and index_only) and all(names[int(value)] == value for value in both):
+        return None  # no value reads two ways (["0", "1"] read by name or by index alike)
     if name_only and index_only:
         per_row = [(value, value if value in names else names[int(value)]) for value in _sorted(as_name | as_index)]
         raise WorkflowError(
