@@ -380,6 +380,21 @@ def test_a_classlabel_parquet_export_is_read_by_its_names_whatever_the_declared_
     assert "d: labels: the source's ClassLabel names ['neg', 'pos'] name its class ids" in capsys.readouterr().out
 
 
+def test_a_hub_dataset_saved_with_a_classlabel_column_is_read_by_its_names(tmp_path):
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    features = Features({"text": Value("string"), "label": ClassLabel(names=["neg", "pos"])})
+    ids = [1, 0, 1, 1] * 3
+    raw = tmp_path / "raw"  # as download saves a hub source (DatasetDict.save_to_disk)
+    DatasetDict({split: Dataset.from_dict({"text": [f"{split} {i}" for i in range(len(ids))], "label": ids}, features=features)
+                 for split in ("train", "test")}).save_to_disk(str(raw))
+    settings = {"task": "classification", "source": {"type": "hub", "id": "some/dataset", "revision": "0" * 40},
+                "splits": {"train": "train", "test": "test"}, "fields": {"text": "text", "label": "label"},
+                "metric": "accuracy", "labels": ["pos", "neg"]}
+    out, _ = run_normalise("d", settings, raw, tmp_path)
+    assert load_from_disk(str(out))["train"]["label"] == [["neg", "pos"][i] for i in ids]
+
+
 def test_a_classlabel_id_outside_the_names_is_rejected_by_row(tmp_path):
     from workflow_scripts.tasks.classification import LabelReading
 
