@@ -79,7 +79,8 @@ VARIANT_KEYS = ("system_prompt",)
 IGNORE_INDEX = -100
 #: Reasons of this task's rejections, for the normalise report (beside normalise.REASONS).
 REJECTION_REASONS = {
-    "unknown_role": "a turn's role is not one of the roles mapped to system/user/assistant (datasets.<name>.roles)",
+    "unknown_role": ("a turn's role is not one of the roles mapped to system/user/assistant (datasets.<name>.roles), "
+                     "or is a tool turn (tool, function, ipython...), which no role fits"),
     "turn_order": "the turns are out of order: a system message only first, then user and assistant alternating "
                   "from a user turn, ending with an assistant turn",
 }
