@@ -395,6 +395,30 @@ def test_a_hub_dataset_saved_with_a_classlabel_column_is_read_by_its_names(tmp_p
     assert load_from_disk(str(out))["train"]["label"] == [["neg", "pos"][i] for i in ids]
 
 
+def test_a_split_of_parquet_files_with_different_classlabel_names_is_refused_naming_both(tmp_path):
+    from datasets import ClassLabel, Dataset, Features, Value
+    from workflow_scripts.data import raw_records
+
+    for part, names in (("train-0", ["neg", "pos"]), ("train-1", ["pos", "neg"])):
+        features = Features({"text": Value("string"), "label": ClassLabel(names=names)})
+        (tmp_path / "train").mkdir(exist_ok=True)
+        Dataset.from_dict({"text": ["a"], "label": [0]}, features=features).to_parquet(str(tmp_path / "train" / f"{part}.parquet"))
+    with pytest.raises(WorkflowError) as caught:
+        raw_records.class_label_names(tmp_path, "train", "parquet")
+    assert str(caught.value) == (
+        f"{tmp_path}/train/train-1.parquet: column 'label' has the ClassLabel names ['pos', 'neg'], but "
+        f"{tmp_path}/train/train-0.parquet (the same split) has ['neg', 'pos']: the same id would name two classes; "
+        "export the split's files with one set of names")
+
+
+def test_a_parquet_file_without_datasets_metadata_has_no_class_names(tmp_path):
+    import pandas as pd
+    from workflow_scripts.data import raw_records
+
+    pd.DataFrame({"text": ["a", "b"], "label": [0, 1]}).to_parquet(tmp_path / "train.parquet")
+    assert raw_records.class_label_names(tmp_path, "train", "parquet") == {}
+
+
 def test_a_classlabel_id_outside_the_names_is_rejected_by_row(tmp_path):
     from workflow_scripts.tasks.classification import LabelReading
 

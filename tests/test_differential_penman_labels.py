@@ -183,7 +183,7 @@ def test_penman_blocks_read_as_penman_decode_reads_them_whole_or_refused_by_both
 @dataclass
 class LabelCase:
     name: str
-    fmt: str  # parquet (a datasets export with a ClassLabel column), csv or jsonl
+    fmt: str  # parquet (a datasets export with a ClassLabel column), saved (a hub dataset as download saves it), csv, jsonl
     values: list  # the raw label column of train (ids for a ClassLabel column)
     class_names: list[str] | None = None  # the ClassLabel names of a Parquet export
     declared: list[str] | None = None
@@ -198,6 +198,8 @@ LABEL_CASES = [
     LabelCase("classlabel-numeric-names", "parquet", [0, 1, 2, 3, 4] * 3, STARS),
     LabelCase("classlabel-numeric-names-reversed", "parquet", [0, 1, 2, 3, 4] * 3, STARS, STARS[::-1]),
     LabelCase("classlabel-name-not-declared", "parquet", [0, 1, 2] * 4, ["neg", "neu", "pos"], ["neg", "pos"]),
+    LabelCase("saved-hub-classlabel-undeclared", "saved", [1, 0, 1] * 4, ["neg", "pos"]),
+    LabelCase("saved-hub-classlabel-reversed", "saved", [1, 0, 1] * 4, ["neg", "pos"], ["pos", "neg"]),
     LabelCase("numeric-declared-ids-from-zero", "csv", [0, 1, 2, 3, 4] * 3, None, STARS),
     LabelCase("numeric-declared-names", "csv", [1, 2, 3, 4, 5] * 3, None, STARS),
     LabelCase("numeric-declared-both-ways", "csv", [1, 2, 3, 4] * 3, None, STARS),
@@ -211,7 +213,14 @@ LABEL_CASES = [
 
 def write_label_split(path: Path, case: LabelCase, values: list, prefix: str) -> None:
     texts = [f"{prefix} sentence {i}" for i in range(len(values))]
-    if case.fmt == "parquet":
+    if case.fmt == "saved":  # both splits at once: DatasetDict.save_to_disk, download's layout of a hub source
+        from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+        features = Features({"text": Value("string"), "label": ClassLabel(names=case.class_names)})
+        DatasetDict({split: Dataset.from_dict({"text": [f"{split} sentence {i}" for i in range(len(rows))], "label": rows},
+                                              features=features)
+                     for split, rows in (("train", values), ("test", values[:2]))}).save_to_disk(str(path.parent))
+    elif case.fmt == "parquet":
         from datasets import ClassLabel, Dataset, Features, Value
 
         features = Features({"text": Value("string"), "label": ClassLabel(names=case.class_names)})
@@ -228,8 +237,9 @@ def reference_labels(raw: Path, case: LabelCase) -> tuple[list[str], list] | tup
     import pyarrow.parquet as pq
     from datasets import ClassLabel, Features
 
-    if case.fmt == "parquet":
-        feature = Features.from_arrow_schema(pq.read_schema(raw / "train.parquet"))["label"]
+    if case.fmt in ("parquet", "saved"):
+        feature = (Features.from_arrow_schema(pq.read_schema(raw / "train.parquet"))["label"] if case.fmt == "parquet"
+                   else load_from_disk(str(raw))["train"].features["label"])
         names = [feature.int2str(int(value)) for value in case.values]
         label_set = case.declared or list(feature.names)
         return label_set, [name if name in label_set else REFUSED for name in names]
@@ -247,7 +257,9 @@ def reference_labels(raw: Path, case: LabelCase) -> tuple[list[str], list] | tup
 
 
 def workflow_labels(raw: Path, case: LabelCase, tmp: Path) -> tuple[list[str], list] | tuple[str, str]:
-    settings = {"task": "classification", "format": case.fmt, "source": {"type": "local", "path": str(raw)},
+    source = ({"type": "hub", "id": "some/dataset", "revision": "0" * 40} if case.fmt == "saved" else
+              {"type": "local", "path": str(raw)})
+    settings = {"task": "classification", "format": "parquet" if case.fmt == "saved" else case.fmt, "source": source,
                 "splits": {"train": "train", "test": "test"}, "fields": {"text": "text", "label": "label"},
                 "metric": "accuracy", "max_rejected_fraction": 1.0,
                 **({"labels": case.declared} if case.declared else {})}
@@ -270,9 +282,11 @@ def label_outcomes(tmp_path_factory) -> list[tuple[str, object, object]]:
         tmp = tmp_path_factory.mktemp(f"labels-{case.name}")
         raw = tmp / "raw"
         raw.mkdir()
-        suffix = case.fmt
-        write_label_split(raw / f"train.{suffix}", case, case.values, "train")
-        write_label_split(raw / f"test.{suffix}", case, case.values[:2], "test")
+        if case.fmt == "saved":
+            write_label_split(raw / "train", case, case.values, "train")
+        else:
+            write_label_split(raw / f"train.{case.fmt}", case, case.values, "train")
+            write_label_split(raw / f"test.{case.fmt}", case, case.values[:2], "test")
         reference = reference_labels(raw, case)
         got = workflow_labels(raw, case, tmp)
         if reference[0] == REFUSED and got[0] == REFUSED:
