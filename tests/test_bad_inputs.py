@@ -288,7 +288,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("model", "sanity-model-missing", gate({"--model": "{tmp}/nowhere"}), "sanity", "{tmp}/nowhere: no config.json; run the prepare_model rule first"),
         case("model", "sanity-model-config-not-json", gate({"--model": "{model_copy}"}, plant=copy_model(replace={"config.json": b"{not json"})), "sanity", "{model_copy}/config.json: not valid JSON at line 1, column 2: Expecting property name enclosed in double quotes; " + REPREPARE),
         # --- formats (issue 37) ---
-        case("data", "penman-unbalanced-graph", penman_blocks("# ::id a5\n# ::snt The boy sleeps.\n(s / sleep-01\n   :ARG0 (b / boy)"), "normalise", penman_rejected("unparseable_record", None, "not valid PENMAN: block 7 (line 28): Unexpected end of input at line 31")),
+        case("data", "penman-unbalanced-graph", penman_blocks("# ::id a5\n# ::snt The boy sleeps.\n(s / sleep-01\n   :ARG0 (b / boy)"), "normalise", penman_rejected("unparseable_record", None, "not valid PENMAN: block 6 (line 28): Unexpected end of input at line 31")),
         case("data", "penman-block-without-snt", penman_blocks("# ::id a5\n(s / sleep-01\n   :ARG0 (b / boy))"), "normalise", penman_rejected("missing_field", "snt", "is missing")),
         case("data", "penman-duplicate-id", penman_blocks("# ::id a1\n# ::snt Again.\n(s / sleep-01\n   :ARG0 (d / dog))"), "normalise", penman_rejected("duplicate_id", "id", "id 'a1' occurs earlier in the split")),
         case("config", "format-text-for-amr-records", cfg("datasets.amr_demo.format", "text", base=absolute_single_model_config), "parse", "{config}: config key 'datasets.amr_demo.format': format text (one example per line, no fields) is read by task masked_lm only, not generation; for AMR graphs in PENMAN text (# ::id, # ::snt and a graph per block) set format: penman; other records belong in jsonl, json, csv or parquet files"),
@@ -339,6 +339,20 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("config", "bert-classifier-on-decoder-lora-targets", cfg("model.training", {"micro_batch": 16}, base=bert_classifier), "parse", "{config}: config key 'training.lora.target_modules': 'q_proj' matches no module of model 'tiny-bert' (tiny.architecture: bert, whose projection layers are named ['dense', 'key', 'query', 'value']); set target_modules to names the model has (a BERT-style encoder: [query, key, value, dense]; a decoder: [q_proj, k_proj, v_proj, o_proj]), e.g. under model.training.lora"),
         case("config", "single-model-unknown-training-key", cfg("model.training", {"learning_rat": 1e-4}), "config", "{config}: config key 'model.training': unknown training keys ['learning_rat']"),
         case("config", "single-model-masked-lm-on-a-causal-model", cfg("model.name", "tiny-llama", base=causal_single_model_with_corpus), "parse", "{config}: config key 'datasets.corpus_demo.models': task masked_lm needs a masked language model (an encoder such as BERT, with a [MASK] token and a head that predicts it), but 'tiny-llama' is a tiny 'llama' model (model.tiny.architecture; the masked LMs are ['bert']), which predicts the next token only; run it on a masked language model (e.g. a tiny one with tiny.architecture: bert)"),
+        # --- issue 43: AMR/PENMAN and labels ---
+        case("data", "penman-top-node-closed-early", penman_blocks("# ::id a5\n# ::snt The girl does not sleep.\n(s / sleep-01\n   :ARG0 (g / girl))\n   :polarity -"), "normalise", penman_rejected("unparseable_record", None, "not valid PENMAN: block 6 (line 28): text after the graph's last bracket at line 32: ':polarity -' (a graph ends with its top node's bracket: is the top node closed early?)")),
+        case("data", "penman-second-graph-in-a-block", penman_blocks("# ::id a5\n# ::snt Two.\n(s / sleep-01)\n(g / girl)"), "normalise", penman_rejected("unparseable_record", None, "not valid PENMAN: block 6 (line 28): text after the graph's last bracket at line 31: '(g / girl)' (a second graph: a block holds one graph, and blocks are separated by a blank line)")),
+        case("data", "gold-graph-top-node-closed-early", graph_rows("(s / sleep-01 :ARG0 (g / girl)) :polarity -"), "normalise", rejected("unreadable_gold", "a", "gold graph '(s / sleep-01 :ARG0 (g / girl)) :polarity -' is not one PENMAN graph (text after the graph's last bracket at line 1: ':polarity -' (a graph ends with its top node's bracket: is the top node closed early?)), so metric smatch would score it as read by guesswork; fix the graph")),
+        case("data", "gold-graph-closing-bracket-too-many", graph_rows("(s / sleep-01 :ARG0 (b / boy)))"), "normalise", rejected("unreadable_gold", "a", "gold graph '(s / sleep-01 :ARG0 (b / boy)))' is not one PENMAN graph (text after the graph's last bracket at line 1: ')' (a closing bracket more than the opening ones)), so metric smatch would score it as read by guesswork; fix the graph")),
+        case("data", "penman-graph-4000-levels-deep", penman_blocks("# ::id a5\n# ::snt Deep.\n" + "".join(f"(n{i} / thing :mod " for i in range(4000)) + "(z / zero)" + ")" * 4000), "normalise", penman_rejected("unparseable_record", None, "not valid PENMAN: block 6 (line 28): the graph nests 4001 levels deep, more than the 200 this reader (and penman's writer) can follow; an AMR graph nests a few dozen: check the block")),
+        case("data", "penman-file-of-json-lines", penman_file(b'{"id": "a0", "snt": "x", "graph": "(a / b)"}\n{"id": "a1", "snt": "y", "graph": "(a / b)"}\n'), "normalise", "{source}/train.txt: 1 of 1 rows of split 'train' rejected (100.0%), so no row is left; reasons: unparseable_record 1; for example {source}/train.txt block 1 (line 1): not valid PENMAN: block 1 (line 1) does not start with a graph but with '{\"id\": \"a0\", \"snt\": \"x\", \"graph\": \"(a / b)\"}' (a graph starts with '('; a file of JSON lines is format: jsonl); fix the rows (or the field mapping, if every row fails alike)"),
+        case("data", "penman-file-of-comments-only", penman_file(b"# AMR release (demo)\n\n# no graphs here\n"), "normalise", "{source}/train.txt: holds no PENMAN graph: its 2 blocks are comments only (format: penman reads blank-line separated blocks of '# ::' metadata lines and a graph); check that this is the file of graphs"),
+        case("data", "numeric-labels-read-both-ways", labels_csv(["1", "2", "3", "4"] * 3, ["1", "2", "3", "4", "5"]), "normalise", "datasets.d.labels: the declared labels ['1', '2', '3', '4', '5'] are numbers, and column 'label' holds ['1', '2', '3', '4'], each both a declared name and a class id 0..4, so the rows cannot say which they are: by name 1 -> 1, 2 -> 2, 3 -> 3, 4 -> 4, or by index 1 -> 2, 2 -> 3, 3 -> 4, 4 -> 5; give the rows the ids 0..4 or name every class at least once, or declare labels that are not numbers"),
+        case("data", "numeric-labels-mixing-names-and-ids", labels_csv(["0", "1", "2", "3", "4", "5"] * 2, ["1", "2", "3", "4", "5"]), "normalise", "datasets.d.labels: the declared labels ['1', '2', '3', '4', '5'] are numbers, and column 'label' holds ['0', '1', '2', '3', '4', '5']: ['0'] only a class id, ['5'] only a declared name, so no one reading fits the column (row by row: 0 -> 1, 1 -> 1, 2 -> 2, 3 -> 3, 4 -> 4, 5 -> 5, two values onto one class); give the rows the ids 0..4 or the declared names, not both"),
+        case("data", "numeric-labels-read-by-name-one-out-of-set", labels_csv(["1", "2", "3", "4", "5"] * 2 + ["6"], ["1", "2", "3", "4", "5"]), "normalise", "{source}/train.csv: 1 of 11 rows of split 'train' rejected (9.1%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unknown_label 1; for example {source}/train.csv line 12: field 'label': label '6' is not in the label set ['1', '2', '3', '4', '5'] (the column's numbers are read as the declared names); fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("data", "float-labels-in-every-row", float_labels(), "normalise", "{source}/train.jsonl: 4 of 4 rows of split 'train' rejected (100.0%), so no row is left; reasons: wrong_type 4; for example {source}/train.jsonl line 1: field 'label': a label must be a string or an integer, got float 0.0; fix the rows (or the field mapping, if every row fails alike)"),
+        case("data", "classlabel-id-outside-its-names", classlabel_parquet([0, 1, 0, 1, 0, 1, 0, 1, 0, 2]), "normalise", "{source}/train.parquet: 1 of 10 rows of split 'train' rejected (10.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unknown_label 1; for example {source}/train.parquet row index 9: field 'label': label 2 is not a class id 0..1 of the source's ClassLabel names ['neg', 'pos'] (the file's datasets features); fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("data", "conversation-tool-turn", tool_turn_conversation(), "normalise", "{source}/train.jsonl: 1 of 10 rows of split 'train' rejected (10.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unknown_role 1; for example {source}/train.jsonl line 6: field 'messages[2].role': turn 2: role 'tool' is a tool call or its result, which this task does not train on (conversations of system, user and assistant turns only, rendered without tools); leave conversations with tool turns out of the dataset; fix the rows or raise datasets.d.max_rejected_fraction"),
     ]
 
 
@@ -1000,13 +1014,24 @@ def gzip_bytes(data: bytes) -> bytes:
 
 
 def penman_blocks(bad_block: str):
-    """train.txt in PENMAN text: a header comment, nine good blocks (ids a0..a8, 4 lines each), ``bad_block`` as block 7."""
+    """train.txt in PENMAN text: a header comment, nine good blocks (ids a0..a8, 4 lines each), ``bad_block`` as the
+    6th graph (block 6)."""
     blocks = [f"# ::id a{k}\n# ::snt Sentence {k}.\n(s / sleep-01\n   :ARG0 (b / boy{k}))" for k in range(9)]
     blocks.insert(5, bad_block)
 
     def plant(w: Workspace) -> None:
         w.raw.mkdir(parents=True, exist_ok=True)
         (w.raw / "train.txt").write_text("# AMR release (demo)\n\n" + "\n\n".join(blocks) + "\n")
+        (w.raw / "test.txt").write_text("# ::id t1\n# ::snt A test.\n(t / test-01)\n")
+    return normalise_args(fmt="penman", settings={"fields": {"id": "id", "question": "snt", "answers": "graph"},
+                                                  "metric": "smatch"}, plant=plant)
+
+
+def penman_file(train: bytes):
+    """train.txt holding ``train`` (a good test.txt beside it), read as format: penman."""
+    def plant(w: Workspace) -> None:
+        w.raw.mkdir(parents=True, exist_ok=True)
+        (w.raw / "train.txt").write_bytes(train)
         (w.raw / "test.txt").write_text("# ::id t1\n# ::snt A test.\n(t / test-01)\n")
     return normalise_args(fmt="penman", settings={"fields": {"id": "id", "question": "snt", "answers": "graph"},
                                                   "metric": "smatch"}, plant=plant)
@@ -1023,8 +1048,9 @@ def graph_rows(bad_graph: str):
 
 
 def penman_rejected(reason: str, field: str | None, detail: str) -> str:
-    """normalise's message for one bad block among ten: block 7 of train.txt starts on line 28."""
-    where = "{source}/train.txt block 7 (line 28): " + (f"field '{field}': " if field else "")
+    """normalise's message for one bad block among ten: the 6th graph, block 6 of train.txt (its header comment is no
+    graph), starts on line 28."""
+    where = "{source}/train.txt block 6 (line 28): " + (f"field '{field}': " if field else "")
     return ("{source}/train.txt: 1 of 10 rows of split 'train' rejected (10.0%), more than "
             f"datasets.d.max_rejected_fraction = 0.01; reasons: {reason} 1; for example {where}{detail}; "
             "fix the rows or raise datasets.d.max_rejected_fraction")
@@ -1039,6 +1065,46 @@ def labels_csv(labels: list[str], declared: list[str] | None):
     settings = {"task": "classification", "fields": {"text": "text", "label": "label"}, "metric": "accuracy",
                 **({"labels": declared} if declared else {})}
     return normalise_args(fmt="csv", settings=settings, plant=plant)
+
+
+def float_labels():
+    """A classification train.jsonl whose every label is a float (0.0, 1.0)."""
+    def plant(w: Workspace) -> None:
+        write_jsonl(w.raw / "train.jsonl", [{"text": f"sentence {i}", "label": float(i % 2)} for i in range(4)])
+        write_jsonl(w.raw / "test.jsonl", [{"text": "a test", "label": 1}])
+    return normalise_args(settings={"task": "classification", "fields": {"text": "text", "label": "label"},
+                                    "metric": "accuracy"}, plant=plant)
+
+
+def classlabel_parquet(ids: list[int]):
+    """train.parquet as datasets exports a ClassLabel column (names neg, pos: the schema's ``huggingface``
+    metadata), holding ``ids`` (written with pyarrow: datasets itself refuses an id outside the names)."""
+    def plant(w: Workspace) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        w.raw.mkdir(parents=True, exist_ok=True)
+        features = {"text": {"dtype": "string", "_type": "Value"}, "label": {"names": ["neg", "pos"], "_type": "ClassLabel"}}
+        for split, values in (("train", ids), ("test", [1])):
+            table = pa.table({"text": [f"{split} sentence {i}" for i in range(len(values))],
+                              "label": pa.array(values, pa.int64())})
+            pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})}),
+                           w.raw / f"{split}.parquet")
+    return normalise_args(fmt="parquet", settings={"task": "classification", "metric": "accuracy",
+                                                   "fields": {"text": "text", "label": "label"}}, plant=plant)
+
+
+def tool_turn_conversation():
+    """A conversation train.jsonl whose row 5 holds a tool turn (role tool) after the assistant's call."""
+    def chat(i: int, tool: bool = False) -> dict:
+        middle = [{"role": "assistant", "content": "calling"}, {"role": "tool", "content": "12 C"}] if tool else []
+        return {"messages": [{"role": "user", "content": f"question {i}?"}, *middle,
+                             {"role": "assistant", "content": f"answer {i}"}]}
+
+    def plant(w: Workspace) -> None:
+        write_jsonl(w.raw / "train.jsonl", [chat(i, tool=i == 5) for i in range(10)])
+        write_jsonl(w.raw / "test.jsonl", [chat(100)])
+    return normalise_args(settings={"task": "conversation", "fields": {"messages": "messages"}}, plant=plant)
 
 
 def text_corpus(train: bytes, test: bytes, **settings):

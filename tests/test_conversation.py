@@ -237,6 +237,18 @@ def test_malformed_conversations_are_rejected_naming_the_turn(messages, reason, 
     assert detail in caught.value.detail and "\n" not in caught.value.detail
 
 
+@pytest.mark.parametrize("role", ["tool", "function", "ipython", "observation"])
+def test_a_tool_turn_is_named_as_one_not_sent_to_map_its_role(role):
+    messages = [*turns(("user", "weather?")), {"role": "assistant", "content": "calling"}, {"role": role, "content": "12 C"},
+                *turns(("assistant", "It is 12 C."))]
+    with pytest.raises(Rejected) as caught:
+        TASK.normalise_fields({"id": "r1", "messages": messages}, SETTINGS)
+    assert (caught.value.reason, caught.value.field) == ("unknown_role", "messages[2].role")
+    assert caught.value.detail == (f"turn 2: role {role!r} is a tool call or its result, which this task does not "
+                                   "train on (conversations of system, user and assistant turns only, rendered without "
+                                   "tools); leave conversations with tool turns out of the dataset")
+
+
 def test_a_clean_conversation_is_stripped_and_kept():
     row = TASK.normalise_fields({"id": 7, "messages": turns(("user", " hi "), ("assistant", "yo\n"))}, SETTINGS)
     assert row == {"id": "7", "messages": turns(("user", "hi"), ("assistant", "yo"))}

@@ -112,11 +112,91 @@ def test_bad_penman_blocks_are_rejected_each_named_by_file_block_and_line(tmp_pa
     shown = {reason: [(e["file"], e.get("block"), e["line"], e["field"], e["detail"]) for e in entry["examples"]]
              for reason, entry in reasons.items()}
     train = str(source / "train.txt")
-    assert shown["unparseable_record"] == [(train, 6, 23, None, "not valid PENMAN: block 6 (line 23): Unexpected end of "
+    # numbered as a user counts the graphs: blocks[4] is the 5th (the header comment is no graph)
+    assert shown["unparseable_record"] == [(train, 5, 23, None, "not valid PENMAN: block 5 (line 23): Unexpected end of "
                                             "input at line 26")]
-    assert shown["missing_field"] == [(train, 11, 48, "snt", "is missing")]
-    assert shown["duplicate_id"] == [(train, 16, 71, "id", "id 'a3' occurs earlier in the split")]
-    assert normalise.describe(reasons["missing_field"]["examples"][0]) == f"{train} block 11 (line 48): field 'snt': is missing"
+    assert shown["missing_field"] == [(train, 10, 48, "snt", "is missing")]
+    assert shown["duplicate_id"] == [(train, 15, 71, "id", "id 'a3' occurs earlier in the split")]
+    assert normalise.describe(reasons["missing_field"]["examples"][0]) == f"{train} block 10 (line 48): field 'snt': is missing"
+
+
+def penman_source(tmp_path, train: str, test: str = "# ::id t1\n# ::snt A test.\n(t / test-01)\n") -> tuple[dict, Path]:
+    source = tmp_path / "src"
+    source.mkdir(exist_ok=True)
+    (source / "train.txt").write_text(train)
+    (source / "test.txt").write_text(test)
+    settings = penman_settings(source, max_rejected_fraction=0.5, derived={}, metric="smatch", also_metrics=[],
+                               splits={"train": "train", "test": "test"})
+    return settings, source
+
+
+def penman_reasons(settings: dict, tmp_path) -> dict:
+    _, report = run_normalise("d", settings, run_download("d", settings, tmp_path), tmp_path)
+    reasons = json.loads(report.read_text())["reasons"]
+    return {reason: [normalise.describe(example) for example in entry["examples"]] for reason, entry in reasons.items()}
+
+
+GOOD_BLOCKS = [f"# ::id a{k}\n# ::snt Sentence {k}.\n(s / sleep-01\n   :ARG0 (b / boy{k}))" for k in range(6)]
+
+
+def test_a_top_node_closed_one_line_early_is_refused_naming_block_line_and_the_leftover_text(tmp_path):
+    blocks = list(GOOD_BLOCKS)
+    blocks[2] = "# ::id a2\n# ::snt The girl does not sleep.\n(s / sleep-01\n   :ARG0 (g / girl))\n   :polarity -"
+    settings, source = penman_source(tmp_path, "# AMR release; header\n\n" + "\n\n".join(blocks) + "\n")
+    # the graphs are numbered as a user counts them (the header comment is no graph): the third is block 3
+    assert penman_reasons(settings, tmp_path)["unparseable_record"] == [
+        f"{source}/train.txt block 3 (line 13): not valid PENMAN: block 3 (line 13): text after the graph's last "
+        "bracket at line 17: ':polarity -' (a graph ends with its top node's bracket: is the top node closed early?)"]
+
+
+def test_the_gold_graph_check_refuses_text_after_the_top_node_and_counts_nothing_else():
+    from workflow_scripts.data.raw_records import penman_graph_problem
+
+    assert penman_graph_problem("(s / sleep-01 :ARG0 (g / girl)) :polarity -") == (
+        "text after the graph's last bracket at line 1: ':polarity -' (a graph ends with its top node's bracket: is "
+        "the top node closed early?)")
+    assert penman_graph_problem("(s / sleep-01 :ARG0 (g / girl) :polarity -)") is None
+    assert penman_graph_problem('(s / say-01 :ARG1 (q / "a (quoted) text)"))') is None
+
+
+def test_a_sentence_holding_double_colons_is_read_whole(tmp_path):
+    from workflow_scripts.data import raw_records
+
+    path = tmp_path / "train.txt"
+    path.write_text("# ::id a1 ::date 2026-11-29 ::annotator x\n# ::snt Call std::sort on it.\n(c / call-02)\n")
+    [(_, record)] = raw_records.read_placed(path, "penman")
+    assert record == {"id": "a1", "date": "2026-11-29", "annotator": "x", "snt": "Call std::sort on it.",
+                      "graph": "(c / call-02)"}
+
+
+def test_a_graph_nested_thousands_deep_is_refused_by_block_not_a_recursion_error(tmp_path):
+    from workflow_scripts.data import raw_records
+
+    deep = "".join(f"(n{i} / thing :mod " for i in range(4000)) + "(z / zero)" + ")" * 4000
+    blocks = list(GOOD_BLOCKS)
+    blocks[1] = "# ::id a1\n# ::snt Deep.\n" + deep
+    settings, source = penman_source(tmp_path, "\n\n".join(blocks) + "\n")
+    assert penman_reasons(settings, tmp_path)["unparseable_record"] == [
+        f"{source}/train.txt block 2 (line 6): not valid PENMAN: block 2 (line 6): the graph nests 4001 levels deep, "
+        f"more than the {raw_records.PENMAN_MAX_DEPTH} this reader (and penman's writer) can follow; an AMR graph "
+        "nests a few dozen: check the block"]
+    assert raw_records.penman_graph_problem(deep).startswith("the graph nests 4001 levels deep")
+
+
+def test_json_lines_in_a_penman_file_stop_naming_the_real_cause(tmp_path):
+    lines = "".join(json.dumps({"id": f"a{k}", "snt": "x", "graph": "(a / b)"}) + "\n\n" for k in range(3))
+    settings, source = penman_source(tmp_path, lines)
+    message = failing(settings, run_download("d", settings, tmp_path), tmp_path)
+    assert "absent from every row" not in message
+    assert (f"for example {source}/train.txt block 1 (line 1): not valid PENMAN: block 1 (line 1) does not start "
+            "with a graph but with '{\"id\": \"a0\", \"snt\": \"x\", \"graph\": \"(a / b)\"}' (a graph starts with "
+            "'('; a file of JSON lines is format: jsonl)") in message
+
+
+def test_a_penman_file_of_comments_only_stops_naming_it(tmp_path):
+    settings, source = penman_source(tmp_path, "# AMR release; header\n\n# another comment\n")
+    message = failing(settings, run_download("d", settings, tmp_path), tmp_path)
+    assert message.startswith(f"{source}/train.txt: holds no PENMAN graph: its 2 blocks are comments only")
 
 
 def test_penman_files_are_read_under_source_files_globs_too(tmp_path):
@@ -269,6 +349,142 @@ def test_a_fractional_label_among_integers_is_rejected_not_made_a_class(tmp_path
     message = failing(settings, raw, tmp_path)
     assert ("field 'label': label '1.0' is a number but not an integer class id (it would become a class of its own); "
             "write integer ids (0, 1, 2...) or class names") in message
+
+
+def classlabel_parquet(tmp_path, names: list[str], ids: list[int], declared: list[str] | None) -> tuple[dict, Path]:
+    """A classification split exported by datasets (``Dataset.to_parquet``) with a ClassLabel column: the ids in
+    the rows, the names only in the schema's ``huggingface`` metadata."""
+    from datasets import ClassLabel, Dataset, Features, Value
+
+    source = tmp_path / "src"
+    source.mkdir(exist_ok=True)
+    features = Features({"text": Value("string"), "label": ClassLabel(names=names)})
+    for split, rows in (("train", ids), ("test", ids[:2])):
+        Dataset.from_dict({"text": [f"{split} sentence {i}" for i in range(len(rows))], "label": rows},
+                          features=features).to_parquet(str(source / f"{split}.parquet"))
+    settings = {"task": "classification", "format": "parquet", "source": {"type": "local", "path": str(source)},
+                "splits": {"train": "train", "test": "test"}, "fields": {"text": "text", "label": "label"},
+                "metric": "accuracy", **({"labels": declared} if declared else {})}
+    return settings, run_download("d", settings, tmp_path)
+
+
+@pytest.mark.parametrize("declared", [None, ["neg", "pos"], ["pos", "neg"]], ids=["undeclared", "same-order", "reversed"])
+def test_a_classlabel_parquet_export_is_read_by_its_names_whatever_the_declared_order(tmp_path, capsys, declared):
+    ids = [0, 1, 1, 0] * 5
+    settings, raw = classlabel_parquet(tmp_path, ["neg", "pos"], ids, declared)
+    out, report = run_normalise("d", settings, raw, tmp_path)
+    assert load_from_disk(str(out))["train"]["label"] == [["neg", "pos"][i] for i in ids]  # never swapped
+    meta = json.loads((out / "task_meta.json").read_text())
+    assert meta["labels"] == (declared or ["neg", "pos"])  # without labels: the names, not '0'/'1'
+    assert json.loads(report.read_text())["class_names"] == {"train": ["neg", "pos"], "test": ["neg", "pos"]}
+    assert "d: labels: the source's ClassLabel names ['neg', 'pos'] name its class ids" in capsys.readouterr().out
+
+
+def test_a_hub_dataset_saved_with_a_classlabel_column_is_read_by_its_names(tmp_path):
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    features = Features({"text": Value("string"), "label": ClassLabel(names=["neg", "pos"])})
+    ids = [1, 0, 1, 1] * 3
+    raw = tmp_path / "raw"  # as download saves a hub source (DatasetDict.save_to_disk)
+    DatasetDict({split: Dataset.from_dict({"text": [f"{split} {i}" for i in range(len(ids))], "label": ids}, features=features)
+                 for split in ("train", "test")}).save_to_disk(str(raw))
+    settings = {"task": "classification", "source": {"type": "hub", "id": "some/dataset", "revision": "0" * 40},
+                "splits": {"train": "train", "test": "test"}, "fields": {"text": "text", "label": "label"},
+                "metric": "accuracy", "labels": ["pos", "neg"]}
+    out, _ = run_normalise("d", settings, raw, tmp_path)
+    assert load_from_disk(str(out))["train"]["label"] == [["neg", "pos"][i] for i in ids]
+
+
+def test_a_split_of_parquet_files_with_different_classlabel_names_is_refused_naming_both(tmp_path):
+    from datasets import ClassLabel, Dataset, Features, Value
+    from workflow_scripts.data import raw_records
+
+    for part, names in (("train-0", ["neg", "pos"]), ("train-1", ["pos", "neg"])):
+        features = Features({"text": Value("string"), "label": ClassLabel(names=names)})
+        (tmp_path / "train").mkdir(exist_ok=True)
+        Dataset.from_dict({"text": ["a"], "label": [0]}, features=features).to_parquet(str(tmp_path / "train" / f"{part}.parquet"))
+    with pytest.raises(WorkflowError) as caught:
+        raw_records.class_label_names(tmp_path, "train", "parquet")
+    assert str(caught.value) == (
+        f"{tmp_path}/train/train-1.parquet: column 'label' has the ClassLabel names ['pos', 'neg'], but "
+        f"{tmp_path}/train/train-0.parquet (the same split) has ['neg', 'pos']: the same id would name two classes; "
+        "export the split's files with one set of names")
+
+
+def test_a_parquet_file_without_datasets_metadata_has_no_class_names(tmp_path):
+    import pandas as pd
+    from workflow_scripts.data import raw_records
+
+    pd.DataFrame({"text": ["a", "b"], "label": [0, 1]}).to_parquet(tmp_path / "train.parquet")
+    assert raw_records.class_label_names(tmp_path, "train", "parquet") == {}
+
+
+def test_a_classlabel_id_outside_the_names_is_rejected_by_row(tmp_path):
+    from workflow_scripts.tasks.classification import LabelReading
+
+    settings = DatasetSettings.parse({"task": "classification", "source": {"type": "local", "path": "x"},
+                                      "fields": {"text": "text", "label": "label"}, "metric": "accuracy"}, "d")
+    from workflow_scripts.tasks.classification import TASK
+    with pytest.raises(normalise.Rejected, match=r"label 2 is not a class id 0..1 of the source's ClassLabel names"):
+        TASK.normalise_fields({"text": "a", "label": 2}, settings, reading=LabelReading(class_names=("neg", "pos")))
+
+
+STARS = ["1", "2", "3", "4", "5"]
+
+
+def test_numeric_names_on_ids_from_zero_are_read_by_index_for_the_whole_column(tmp_path, capsys):
+    settings, raw = classification(tmp_path, ["0", "1", "2", "3", "4"] * 4, STARS)
+    out, report = run_normalise("d", settings, raw, tmp_path)
+    assert load_from_disk(str(out))["train"]["label"][:5] == STARS  # raw 0 -> "1", raw 1 -> "2": never both "1"
+    assert load_from_disk(str(out))["test"]["label"] == ["2"]  # the test split's raw 1, by index as the column
+    log = capsys.readouterr().out
+    assert ("d: labels: declared ['1', '2', '3', '4', '5']; 21 rows gave integer class ids, mapped to the declared "
+            "labels by index (0 -> 1, 1 -> 2, 2 -> 3, 3 -> 4, 4 -> 5), as datasets' ClassLabel does") in log
+    assert json.loads(report.read_text())["label_mapping"]["read_as"] == "index"
+
+
+def test_numeric_names_on_the_names_are_read_by_name_for_the_whole_column(tmp_path, capsys):
+    settings, raw = classification(tmp_path, STARS * 4, STARS)
+    out, report = run_normalise("d", settings, raw, tmp_path)
+    assert load_from_disk(str(out))["train"]["label"][:5] == STARS
+    assert load_from_disk(str(out))["test"]["label"] == ["1"]
+    assert json.loads(report.read_text())["label_mapping"] == {"by_index": {str(i): name for i, name in enumerate(STARS)}, "rows": 0,
+                                                               "read_as": "name"}
+    assert "d: labels: declared ['1', '2', '3', '4', '5']; every row gave a declared name" in capsys.readouterr().out
+
+
+def test_a_numeric_label_column_that_reads_both_ways_is_refused_naming_the_key(tmp_path):
+    settings, raw = classification(tmp_path, ["1", "2", "3", "4"] * 5, STARS)
+    message = failing(settings, raw, tmp_path)
+    assert message == (
+        "datasets.d.labels: the declared labels ['1', '2', '3', '4', '5'] are numbers, and column "
+        "'label' holds ['1', '2', '3', '4'], each both a declared name and a class id 0..4, so the rows cannot say "
+        "which they are: by name 1 -> 1, 2 -> 2, 3 -> 3, 4 -> 4, or by index 1 -> 2, 2 -> 3, 3 -> 4, 4 -> 5; give "
+        "the rows the ids 0..4 or name every class at least once, or declare labels that are not numbers")
+
+
+def test_a_numeric_label_column_mixing_names_and_ids_is_refused_showing_the_mapping_rows_would_get(tmp_path):
+    settings, raw = classification(tmp_path, ["0", "1", "2", "3", "4", "5"] * 4, STARS)
+    message = failing(settings, raw, tmp_path)
+    assert message == (
+        "datasets.d.labels: the declared labels ['1', '2', '3', '4', '5'] are numbers, and column "
+        "'label' holds ['0', '1', '2', '3', '4', '5']: ['0'] only a class id, ['5'] only a declared name, so no one "
+        "reading fits the column (row by row: 0 -> 1, 1 -> 1, 2 -> 2, 3 -> 3, 4 -> 4, 5 -> 5, two values onto one "
+        "class); give the rows the ids 0..4 or the declared names, not both")
+
+
+def test_float_labels_stop_naming_the_field_and_a_row_not_an_empty_label_set(tmp_path):
+    source = tmp_path / "src"
+    write_jsonl(source / "train.jsonl", [{"text": f"s {i}", "label": float(i % 2)} for i in range(10)])
+    write_jsonl(source / "test.jsonl", [{"text": "t", "label": 1.0}])
+    settings = {"task": "classification", "source": {"type": "local", "path": str(source)},
+                "splits": {"train": "train", "test": "test"}, "fields": {"text": "text", "label": "label"},
+                "metric": "accuracy"}
+    message = failing(settings, run_download("d", settings, tmp_path), tmp_path)
+    assert "labels []" not in message
+    assert (f"{source}/train.jsonl: 10 of 10 rows of split 'train' rejected (100.0%), so no row is left; reasons: "
+            f"wrong_type 10; for example {source}/train.jsonl line 1: field 'label': a label must be a string or an "
+            "integer, got float 0.0") in message
 
 
 # --- encodings ---------------------------------------------------------------------------------------------------

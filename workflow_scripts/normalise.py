@@ -137,7 +137,9 @@ def normalise_split(mapper, raw_dir: Path, fmt: str, canonical: str, source_spli
         tally.problem, tally.unreadable = names.translate(str(error)), True
         return kept, tally
     for config_key, source in source_fields.items():
-        if tally.examined and not tally.present[source]:
+        # Only over rows that had fields: where no record could be read at all (JSON lines in a PENMAN file), the
+        # rejections' reason is the cause, said by tally_problem, and the fields are not absent but unread.
+        if tally.seen_keys and not tally.present[source]:
             tally.problem = (
                 f"{location}: field '{source}' ({key}.{config_key}) is absent from every row of split "
                 f"'{source_split}'; the rows have fields {sorted(tally.seen_keys)}"
@@ -444,6 +446,10 @@ def normalise(args: argparse.Namespace, settings: DatasetSettings, key: str, nam
     descriptions = {**REASONS, **getattr(task, "rejection_reasons", {})}  # a task's own reasons (images...)
     mapper = task.record_mapper(settings, key)
     mapper.raw_dir = args.raw  # files a record refers to (images) are found beside its split files
+    try:  # what the mapper reads of the data as a whole (a label column's ClassLabel names and its one reading)
+        getattr(mapper, "prepare", lambda raw_dir: None)(args.raw)
+    except WorkflowError as error:
+        fail_with_report({"dataset": args.name, "raw": str(args.raw)}, [names.translate(str(error))], args.report)
     gold_check = gold_graph_check(settings)
     rejections, splits, tallies = Rejections(), {}, {}
     for canonical in CANONICAL_SPLITS:
@@ -462,7 +468,8 @@ def normalise(args: argparse.Namespace, settings: DatasetSettings, key: str, nam
         try:
             mapper.split_done(canonical, rows)  # train first: a later split may be checked against it
         except WorkflowError as error:  # e.g. no label set from train: the later splits cannot be judged
-            tally.problem = tally.problem or str(error)
+            if rows:  # with no row kept, the rejections are the cause (tally_problem), not an empty label set
+                tally.problem = tally.problem or str(error)
             if canonical == "train":
                 break
     files = {canonical: tally.file for canonical, tally in tallies.items()}

@@ -61,7 +61,7 @@ class Place:
     index: int
     line: int | None = None
     file: str | None = None  # the file it is in, where a split has several (else the split's one file)
-    block: int | None = None  # a PENMAN block's 1-based number (its header comment counted)
+    block: int | None = None  # a PENMAN block's 1-based number, as a user counts graphs (a header comment not counted)
 
     def __str__(self) -> str:
         if self.block is not None:
@@ -146,6 +146,56 @@ def iter_placed_records(raw_dir: Path, split: str, fmt: str, on_invalid_text: st
             offset += size
 
 
+def class_label_names(raw_dir: Path, split: str, fmt: str) -> dict[str, list[str]]:
+    """Field -> the class names of a ``datasets.ClassLabel`` column of one source split, whose rows hold the ids:
+    a Parquet file written by ``datasets`` keeps its features in the schema's ``huggingface`` metadata, a saved
+    dataset in ``<split>/dataset_info.json``; other formats have none. Read with datasets' own ``Features``, so the
+    names are the ones ``datasets.load_dataset`` would decode the ids with. A split of several Parquet files whose
+    names differ is refused naming both files."""
+    raw_dir = Path(raw_dir)
+    if is_saved_dataset(raw_dir):
+        info = raw_dir / split / "dataset_info.json"
+        features = json.loads(info.read_text(encoding="utf-8")).get("features") if info.is_file() else None
+        return _class_labels(features)
+    if fmt != "parquet" or split not in available_splits(raw_dir, fmt):
+        return {}
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    found: dict[str, tuple[list[str], Path]] = {}
+    for path in split_files(raw_dir, split, fmt):
+        try:
+            metadata = pq.read_schema(path).metadata or {}
+        except (pa.ArrowException, OSError) as error:
+            raise _not_parquet(path, error) from None
+        try:
+            features = json.loads(metadata[b"huggingface"]).get("info", {}).get("features") if b"huggingface" in metadata else None
+        except (ValueError, AttributeError):
+            raise WorkflowError(f"{path}: the schema's 'huggingface' metadata is not the JSON datasets writes; export the "
+                                "file again, or remove that metadata") from None
+        for name, names in _class_labels(features).items():
+            earlier = found.setdefault(name, (names, path))
+            if earlier[0] != names:
+                raise WorkflowError(f"{path}: column '{name}' has the ClassLabel names {names}, but {earlier[1]} (the "
+                                    f"same split) has {earlier[0]}: the same id would name two classes; export the "
+                                    "split's files with one set of names")
+    return {name: names for name, (names, _) in found.items()}
+
+
+def _class_labels(features: Any) -> dict[str, list[str]]:
+    """The ClassLabel columns of a features mapping as ``datasets`` serialises it (top-level columns)."""
+    if not isinstance(features, dict):
+        return {}
+    from datasets import ClassLabel, Features
+
+    try:
+        parsed = Features.from_dict(features)
+    except Exception:  # noqa: BLE001 - another column's type this datasets version lacks: the ClassLabels as written
+        return {name: [str(label) for label in spec["names"]] for name, spec in features.items()
+                if isinstance(spec, dict) and spec.get("_type") == "ClassLabel" and isinstance(spec.get("names"), list)}
+    return {name: list(feature.names) for name, feature in parsed.items() if isinstance(feature, ClassLabel)}
+
+
 def read_file(path: Path, fmt: str) -> Iterator[tuple[int, Any]]:
     """(row index, record) for every row of one raw file."""
     for place, record in read_placed(path, fmt):
@@ -180,7 +230,7 @@ def count_rows(path: Path, fmt: str) -> int:
         except file_formats.DAMAGED as error:
             raise file_formats.damaged(path, 0, error) from None
     if fmt == "penman":
-        return sum(1 for _ in _penman(path, "reject_row"))
+        return sum(1 for _ in _penman(path, "reject_row", empty_ok=True))
     if fmt in DELIMITED:
         try:
             with file_formats.open_text(path, errors="replace", newline="") as handle:
@@ -254,80 +304,128 @@ def _penman_blocks(path: Path, encoding: str | None) -> Iterator[tuple[int, list
         yield start, block
 
 
-def _penman(path: Path, on_invalid_text: str = "stop", encoding: str | None = None) -> Iterator[tuple[Place, Any]]:
-    """One record per PENMAN block: its ``# ::`` metadata and ``graph`` (one line), or Unparseable."""
+def _penman(path: Path, on_invalid_text: str = "stop", encoding: str | None = None,
+            empty_ok: bool = False) -> Iterator[tuple[Place, Any]]:
+    """One record per PENMAN block: its ``# ::`` metadata and ``graph`` (one line), or Unparseable. Blocks are
+    numbered as a user counts graphs: a comment block (the release's header) is not counted. A file of comment
+    blocks only stops naming it (``empty_ok``: counted as 0 rows, for the download manifest)."""
     import penman
-    from penman.exceptions import PenmanError
 
-    index, number, line = 0, 0, 0
+    index, line, blocks = 0, 0, 0
     try:
-        for number, (line, lines) in enumerate(_penman_blocks(path, encoding), start=1):
+        for blocks, (line, lines) in enumerate(_penman_blocks(path, encoding), start=1):
             comments = [text for text in lines if text.lstrip().startswith("#")]
             if len(comments) == len(lines) and not any("::" in text for text in comments):
                 continue  # a header or comment block (the LDC release's first block) holds no graph
+            number = index + 1
             place = Place(index, line, block=number)
             index += 1
             if any(_UNDECODED.search(text) or "\x00" in text for text in lines):
                 yield place, _not_utf8_row(path, line, on_invalid_text, encoding)
                 continue
-            graph_lines = [text for text in lines if not text.lstrip().startswith("#")]
-            if not graph_lines:
+            if len(comments) == len(lines):
                 yield place, Unparseable(f"not a PENMAN block: block {number} (line {line}) has metadata but no graph")
                 continue
             try:
-                trees = list(penman.iterparse("\n".join(lines)))
-            except PenmanError as error:
-                at = line + getattr(error, "lineno", 1) - 1 if getattr(error, "lineno", None) else line
-                yield place, Unparseable(f"not valid PENMAN: block {number} (line {line}): {_penman_problem(error)} "
-                                         f"at line {at}")
+                tree = _decode_graph(lines, line)
+            except _GraphProblem as problem:
+                yield place, Unparseable(f"not valid PENMAN: block {number} (line {line}){problem.text}")
                 continue
-            surplus = _surplus_brackets(graph_lines)
-            if len(trees) != 1 or surplus:
-                what = f"{surplus} closing bracket(s) more than opening ones" if surplus else f"{len(trees)} graphs"
-                yield place, Unparseable(f"not valid PENMAN: block {number} (line {line}) holds {what}; a block "
-                                         "holds one graph")
-                continue
-            tree = trees[0]
-            metadata = dict(tree.metadata)
-            tree.metadata = {}
-            yield place, {**metadata, "graph": penman.format(tree, indent=None)}
+            yield place, {**_penman_metadata(comments), "graph": penman.format(tree, indent=None)}
     except UnicodeError:  # UnicodeDecodeError, or a UTF-16 codec's "does not start with BOM"
         raise _not_utf8(path, encoding=encoding) from None
     except file_formats.DAMAGED as error:
         raise file_formats.damaged(path, line, error) from None
+    if blocks and not index and not empty_ok:
+        raise WorkflowError(f"{path}: holds no PENMAN graph: its {_count(blocks, 'block')} {'is a comment' if blocks == 1 else 'are comments only'} "
+                            "(format: penman reads blank-line separated blocks of '# ::' metadata lines and a graph); "
+                            "check that this is the file of graphs")
+
+
+# An AMR graph nests a few dozen levels. penman parses and writes a graph recursively (about two frames a level,
+# under Python's limit of 1000 frames: some 450 levels read and written in a bare interpreter, fewer deeper in a
+# stage), and so do the smatch readers; a deeper graph is refused by name, not left to a RecursionError.
+PENMAN_MAX_DEPTH = 200
+
+# Metadata keys whose value is free text to the line's end (LDC's ``# ::snt``, ``# ::tok``): a sentence may hold
+# ``::`` (``std::sort``), which penman's own reader takes for the start of another key.
+_TEXT_KEYS = ("snt", "tok")
+# A key starts a comment line's metadata or follows whitespace (``# ::id a1 ::date ...``), never inside a word.
+_META_KEY = re.compile(r"(?:^|(?<=\s))::(\S+)")
+
+
+class _GraphProblem(Exception):
+    """Why a block's text is not one PENMAN graph; ``text`` follows the block's name in the message."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+
+def _penman_metadata(comments: list[str]) -> dict[str, str]:
+    """``# ::key value`` metadata of a block's comment lines, as penman reads it (a value without its line end;
+    a later line's key wins), except that a sentence (``::snt``, ``::tok``) runs to the line's end."""
+    metadata: dict[str, str] = {}
+    for text in comments:
+        body = text.lstrip()[1:]
+        keys = list(_META_KEY.finditer(body))
+        for position, key in enumerate(keys):
+            whole = key.group(1) in _TEXT_KEYS or position + 1 == len(keys)
+            value = body[key.end():len(body) if whole else keys[position + 1].start()]
+            metadata[key.group(1)] = value.removeprefix(" ").rstrip()
+            if whole:
+                break
+    return metadata
+
+
+def _decode_graph(lines: list[str], first_line: int = 1, in_file: bool = True):
+    """The one graph of ``lines`` (comments skipped) as a penman Tree, every token of it consumed: penman's own
+    ``iterparse`` stops silently at the first token that does not start a graph, so a top node closed one line
+    early (``(s / sleep-01 :ARG0 (g / girl)) :polarity -``) would lose its last edges. ``first_line``: the file's
+    line of ``lines[0]``, for the messages; ``in_file``: the lines are a PENMAN file's block (not one field's value).
+    Raises _GraphProblem."""
+    # penman's lexer and node parser (its public parse functions do not say what they left unread); the
+    # lexer is a loop, so the nesting can be measured before the recursive parser meets it.
+    from penman import Tree
+    from penman._lexer import TokenIterator, lex
+    from penman._parse import _parse_node
+    from penman.exceptions import PenmanError
+
+    tokens = [token for token in lex(lines) if token.type != "COMMENT"]
+    depth = deepest = 0
+    for token in tokens:
+        depth += 1 if token.type == "LPAREN" else -1 if token.type == "RPAREN" else 0
+        deepest = max(deepest, depth)
+    if deepest > PENMAN_MAX_DEPTH:
+        raise _GraphProblem(f": the graph nests {deepest} levels deep, more than the {PENMAN_MAX_DEPTH} this reader "
+                            "(and penman's writer) can follow; an AMR graph nests a few dozen: check the block")
+    if not tokens or tokens[0].type != "LPAREN":
+        shown = (tokens[0].line[tokens[0].offset:].strip() if tokens else "")[:60]
+        jsonl = "; a file of JSON lines is format: jsonl" if in_file else ""
+        raise _GraphProblem(f" does not start with a graph but with {shown!r} (a graph starts with '('{jsonl})")
+    stream = TokenIterator(iter(tokens))
+    try:
+        node = _parse_node(stream)
+    except PenmanError as error:
+        at = f" at line {first_line + error.lineno - 1}" if in_file and getattr(error, "lineno", None) else ""
+        raise _GraphProblem(f": {_penman_problem(error)}{at}") from None
+    if stream:
+        rest = stream.peek()
+        hint = {"RPAREN": "a closing bracket more than the opening ones",
+                "LPAREN": "a second graph: a block holds one graph, and blocks are separated by a blank line"}.get(
+            rest.type, "a graph ends with its top node's bracket: is the top node closed early?")
+        raise _GraphProblem(f": text after the graph's last bracket at line {first_line + rest.lineno - 1}: "
+                            f"{rest.line[rest.offset:].strip()[:60]!r} ({hint})")
+    return Tree(node)
 
 
 def penman_graph_problem(graph: str) -> str | None:
-    """Why ``graph`` is not exactly one balanced PENMAN graph (read by the ``penman`` library), or None."""
-    import penman
-    from penman.exceptions import PenmanError
-
+    """Why ``graph`` is not exactly one PENMAN graph read whole (by the ``penman`` library's parser), or None."""
     try:
-        trees = list(penman.iterparse(graph))
-    except PenmanError as error:
-        return _penman_problem(error)
-    surplus = _surplus_brackets(graph.splitlines())
-    if surplus:
-        return f"{surplus} closing bracket(s) more than opening ones"
-    return None if len(trees) == 1 else f"{len(trees)} graphs"
-
-
-def _surplus_brackets(lines: list[str]) -> int:
-    """Closing brackets beyond the opening ones, outside quoted strings. Counted here because penman stops
-    reading at the first graph's last bracket and ignores what follows (an unbalanced ``... (b / boy)))``)."""
-    depth = surplus = 0
-    quoted = False
-    for text in lines:
-        for position, char in enumerate(text):
-            if char == '"' and (position == 0 or text[position - 1] != "\\"):
-                quoted = not quoted
-            elif not quoted and char == "(":
-                depth += 1
-            elif not quoted and char == ")":
-                depth -= 1
-                if depth < 0:
-                    surplus, depth = surplus + 1, 0
-    return surplus
+        _decode_graph(graph.splitlines(), in_file=False)
+    except _GraphProblem as problem:
+        return problem.text.removeprefix(": ").strip()
+    return None
 
 
 def _penman_problem(error: Exception) -> str:

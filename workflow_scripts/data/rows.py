@@ -280,10 +280,12 @@ class FieldsMapper:
             yield problem
             return
         try:
+            # a task state's reading of the split (a classifier's label column), decided before any row
+            reading = {"reading": self.state.reading(split)} if hasattr(self.state, "reading") else {}
             if split in self.unlabelled:  # the gold is never read: the row's gold field is None
-                canonical = self.task.normalise_fields(record, self.settings, labelled=False)
+                canonical = self.task.normalise_fields(record, self.settings, labelled=False, **reading)
             else:
-                canonical = self.task.normalise_fields(record, self.settings)
+                canonical = self.task.normalise_fields(record, self.settings, **reading)
             canonical.setdefault("id", f"{split}-{row}")
             if self.state is not None:
                 self.state.check(canonical, split)
@@ -292,6 +294,12 @@ class FieldsMapper:
             yield canonical
         except Rejected as error:
             yield error
+
+    def prepare(self, raw_dir) -> None:
+        """Before any row is mapped: what the task's state reads from the raw data as a whole (a classifier's
+        ClassLabel names and label column reading); raises WorkflowError."""
+        if hasattr(self.state, "prepare"):
+            self.state.prepare(raw_dir, self.key)
 
     def split_done(self, split: str, rows: list[dict]) -> None:
         if self.state is not None:

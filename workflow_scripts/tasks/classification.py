@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.data.rows import FieldsMapper, Rejected, present as _present, text as _text
 from workflow_scripts.tasks import metrics, templates
+from workflow_scripts.tasks.class_labels import LabelReading, column_reading, numbers_among, source_class_name
 from workflow_scripts.tasks.base import EvaluationResult, Predictions
 
 if TYPE_CHECKING:
@@ -79,11 +80,16 @@ def _is_fraction(text: str) -> bool:
         return False
 
 
-def declared_label(label: str, labels: Sequence[str], source: str = "label") -> tuple[str, bool]:
+def declared_label(label: str, labels: Sequence[str], source: str = "label", by: str | None = None) -> tuple[str, bool]:
     """(the class name, whether it was an integer id mapped by index): a declared name as it is, an integer
-    0..K-1 as the K declared names' one at that index (``datasets.ClassLabel``); else ``Rejected``."""
-    if label in labels:
+    0..K-1 as the K declared names' one at that index (``datasets.ClassLabel``); else ``Rejected``. ``by``: the
+    whole column's reading where the declared labels are numbers (``"name"`` or ``"index"``,
+    ``class_labels.column_reading``), so no row is read one way and the next the other."""
+    if label in labels and by != "index":
         return label, False
+    if by == "name":
+        raise Rejected("unknown_label", source, f"label {label!r} is not in the label set {list(labels)} (the column's "
+                       "numbers are read as the declared names)")
     if _INTEGER.match(label):
         index = int(label)
         if 0 <= index < len(labels):
@@ -549,9 +555,11 @@ class ClassificationTask:
     gold_field = "label"  # an unlabelled split's rows carry label None (normalise checks the source holds none)
 
     def normalise_fields(self, record: Mapping[str, Any], settings: "DatasetSettings",
-                         labelled: bool = True) -> dict[str, Any]:
+                         labelled: bool = True, reading: LabelReading | None = None) -> dict[str, Any]:
         """The canonical row (``id`` only when mapped; the stage numbers the others); raises ``Rejected``.
-        ``labelled=False`` (an unlabelled split): the label is not read and is None."""
+        ``labelled=False`` (an unlabelled split): the label is not read and is None. ``reading``: how the split's
+        label column names classes (its ClassLabel names, the column's by-name/by-index decision), from
+        normalise's :class:`LabelSetState`; None: each value read alone."""
         fields = settings.fields
         row = {}
         if fields.get("id"):
@@ -564,8 +572,13 @@ class ClassificationTask:
             row["label"] = None
             return row
         row["label"] = _name(_present(record, fields["label"]), fields["label"])
-        if settings.labels is not None:  # declared: every split, train included, must keep to it (ids mapped by index)
-            row["label"], _ = declared_label(row["label"], settings.labels, fields["label"])
+        reading = reading or LabelReading()
+        if reading.class_names is not None:  # the source's own names for its ids, as datasets decodes them
+            row["label"] = source_class_name(row["label"], reading.class_names, fields["label"])
+            if settings.labels is not None:  # then matched by name: a declared list in another order swaps nothing
+                row["label"] = check_label(row["label"], settings.labels, fields["label"])
+        elif settings.labels is not None:  # declared: every split, train included, must keep to it (ids mapped by index)
+            row["label"], _ = declared_label(row["label"], settings.labels, fields["label"], reading.by)
         return row
 
     def tokenised_features(self):
@@ -729,12 +742,56 @@ class LabelSetState:
     """Normalise's memory across splits: the label set (declared, else train's) checks later splits."""
 
     def __init__(self, settings: "DatasetSettings"):
+        self.settings = settings
         self.declared = settings.labels
         self.source = settings.fields["label"]
         self.labels: list[str] | None = list(self.declared) if self.declared is not None else None
         self.unlabelled = frozenset(settings.unlabelled)
         self.mapped_rows = 0  # rows whose integer label was mapped to a declared name by index
         self.train_counts: Counter = Counter()
+        self.class_names: dict[str, tuple[str, ...]] = {}  # canonical split -> its source's ClassLabel names
+        self.by: str | None = None  # the label column's one reading against numeric declared labels
+        self.current = LabelReading()  # the reading of the split being mapped
+
+    def prepare(self, raw_dir: Path, key: str) -> None:
+        """Before any row: each split's ClassLabel names, and where the declared labels are numbers, the column's
+        one reading (by name or by index) from its values in every labelled split; raises WorkflowError naming
+        ``key``'s labels where the column does not decide."""
+        from workflow_scripts.data import raw_records
+
+        splits = {canonical: source for canonical, source in self.settings.splits.items()}
+        for canonical, source_split in splits.items():
+            names = raw_records.class_label_names(raw_dir, source_split, self.settings.format).get(self.source)
+            if names is not None:
+                self.class_names[canonical] = tuple(names)
+        if numbers_among(self.declared):
+            labelled = [source for canonical, source in splits.items()
+                        if canonical not in self.unlabelled and canonical not in self.class_names]
+            self.by = column_reading(self._column_values(raw_dir, labelled), self.declared, key, self.source)
+
+    def _column_values(self, raw_dir: Path, source_splits: Sequence[str]) -> set[str]:
+        """The label column's distinct values as class names would be read (an unreadable row or file is left to
+        normalise's own read, which names it)."""
+        from workflow_scripts.data import raw_records
+
+        values: set[str] = set()
+        for split in source_splits:
+            try:
+                for _, record in raw_records.iter_placed_records(raw_dir, split, self.settings.format, "reject_row",
+                                                                 self.settings.encoding):
+                    if isinstance(record, Mapping) and record.get(self.source) is not None:
+                        try:
+                            values.add(_name(record[self.source], self.source))
+                        except Rejected:
+                            pass
+            except WorkflowError:
+                pass
+        return values
+
+    def reading(self, split: str) -> LabelReading:
+        """How the rows of ``split`` read their labels (normalise's mapper passes it to ``normalise_fields``)."""
+        self.current = LabelReading(self.class_names.get(split), self.by)
+        return self.current
 
     def check(self, row: Mapping[str, Any], split: str) -> None:
         if split != "train" and self.labels is not None and row["label"] is not None:  # None: an unlabelled split
@@ -743,13 +800,17 @@ class LabelSetState:
     def note_record(self, record: Mapping[str, Any], row: Mapping[str, Any]) -> None:
         """Count a row whose raw label was an integer id mapped to a declared name by index."""
         raw = record.get(self.source) if isinstance(record, Mapping) else None
+        if self.current.class_names is not None:  # named by the source's ClassLabel, not by the declared list's index
+            return
         if self.declared is not None and row.get("label") is not None and str(raw).strip() != row["label"]:
             self.mapped_rows += 1
 
     def split_done(self, split: str, rows: list[dict]) -> None:
         if split == "train":
             self.train_counts = Counter(row["label"] for row in rows if row["label"] is not None)
-            self.labels = label_set([row["label"] for row in rows], self.declared)
+            named = self.class_names.get("train")  # without labels: the source's ClassLabel names, in their order
+            self.labels = label_set([row["label"] for row in rows],
+                                    self.declared if self.declared is not None or named is None else list(named))
 
     def task_meta(self) -> dict[str, Any]:
         return {"labels": self.labels}
@@ -760,7 +821,13 @@ class LabelSetState:
     def notes(self) -> list[str]:
         """The log's lines on the label set: the index mapping used, or the inferred set with counts and rare classes."""
         lines = []
-        if self.declared is not None:
+        if self.class_names:
+            names = self.class_names.get("train") or next(iter(self.class_names.values()))
+            matched = (f"; matched by name to the declared labels {list(self.declared)}" if self.declared is not None
+                       else "; they are the label set")
+            lines.append(f"labels: the source's ClassLabel names {list(names)} name its class ids, as datasets reads "
+                         f"them{matched}")
+        elif self.declared is not None:
             mapping = ", ".join(f"{index} -> {name}" for index, name in enumerate(self.declared))
             how = (f"{self.mapped_rows} rows gave integer class ids, mapped to the declared labels by index "
                    f"({mapping}), as datasets' ClassLabel does" if self.mapped_rows else "every row gave a declared name")
@@ -769,7 +836,7 @@ class LabelSetState:
             counts = ", ".join(f"{name}: {self.train_counts[name]}" for name in self.labels)
             lines.append(f"labels: not declared, so inferred from the train split: {counts} (declare labels: to fix "
                          "the set and its order)")
-        if self.declared is None and self.labels and all(_INTEGER.match(name) for name in self.labels) \
+        if self.declared is None and not self.class_names and self.labels and all(_INTEGER.match(name) for name in self.labels) \
                 and sorted(int(name) for name in self.labels) != list(range(len(self.labels))):
             lines.append(f"warning: the integer labels {self.labels} are not the class ids 0..{len(self.labels) - 1}: "
                          "each is taken as a class name; if they are ids into a list of names, declare labels:")
@@ -781,9 +848,11 @@ class LabelSetState:
         return lines
 
     def report(self, rows_by_split: Mapping[str, list[dict]]) -> dict[str, Any]:
-        mapping = ({"label_mapping": {"by_index": dict(enumerate(self.declared)), "rows": self.mapped_rows}}
+        mapping = ({"label_mapping": {"by_index": dict(enumerate(self.declared)), "rows": self.mapped_rows,
+                                      **({"read_as": self.by} if self.by else {})}}
                    if self.declared is not None else {})
-        return {"labels": self.labels, **mapping, "rare_classes": self.rare_classes(),
+        named = {"class_names": {split: list(names) for split, names in self.class_names.items()}} if self.class_names else {}
+        return {"labels": self.labels, **mapping, **named, "rare_classes": self.rare_classes(),
                 "class_balance": {split: class_balance([r["label"] for r in rows]) for split, rows in rows_by_split.items()
                                   if split not in self.unlabelled}}
 

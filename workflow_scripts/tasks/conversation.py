@@ -72,11 +72,15 @@ if TYPE_CHECKING:
 
 ROLES = ("system", "user", "assistant")
 DEFAULT_KEYS = {"role": "role", "content": "content"}
+# Roles of tool use (OpenAI's tool/function, Llama 3's ipython, ShareGPT exports' function_call/observation): a
+# tool's call or output is neither a user's nor an assistant's message, so no ``roles:`` mapping fits it.
+TOOL_ROLES = ("tool", "function", "ipython", "function_call", "observation", "tool_call", "tool_response")
 VARIANT_KEYS = ("system_prompt",)
 IGNORE_INDEX = -100
 #: Reasons of this task's rejections, for the normalise report (beside normalise.REASONS).
 REJECTION_REASONS = {
-    "unknown_role": "a turn's role is not one of the roles mapped to system/user/assistant (datasets.<name>.roles)",
+    "unknown_role": ("a turn's role is not one of the roles mapped to system/user/assistant (datasets.<name>.roles), "
+                     "or is a tool turn (tool, function, ipython...), which no role fits"),
     "turn_order": "the turns are out of order: a system message only first, then user and assistant alternating "
                   "from a user turn, ending with an assistant turn",
 }
@@ -148,6 +152,10 @@ def normalise_messages(value: Any, source: str, keys: Mapping[str, str],
         if not isinstance(role, str):
             raise Rejected("wrong_type", role_field, f"turn {index}: a role must be a string, got "
                            f"{type(role).__name__} {role!r:.60}")
+        if role not in role_of and role.lower() in TOOL_ROLES:  # no canonical role fits it: mapping it would lie
+            raise Rejected("unknown_role", role_field, f"turn {index}: role {role!r} is a tool call or its result, "
+                           "which this task does not train on (conversations of system, user and assistant turns "
+                           "only, rendered without tools); leave conversations with tool turns out of the dataset")
         if role not in role_of:
             raise Rejected("unknown_role", role_field, f"turn {index}: role {role!r} is not one of {sorted(role_of)}; "
                            "map the source's role names with datasets.<name>.roles")

@@ -1,0 +1,86 @@
+"""How a classification dataset's label column names its classes, decided once per column before a row is mapped.
+
+Two sources of ambiguity, each resolved for the whole column, never row by row:
+
+- A ``datasets.ClassLabel`` column (a Parquet file exported by ``datasets``, a saved dataset) holds class ids;
+  its names sit in the features (``data/raw_records.class_label_names``). An id is read as ``datasets`` reads it,
+  ``names[id]``; with ``labels:`` declared, those names are then matched by NAME, so a declared list in another
+  order swaps nothing, and without ``labels:`` the names are the classes (not ``'0'``/``'1'``).
+- Declared labels that are numbers (star ratings ``["1", ..., "5"]``) make a raw integer readable two ways: as a
+  declared name or as a class id into the list. :func:`column_reading` reads the column's values (every labelled
+  split) and decides: all by name, or all by index; a column where every value reads both ways, or where some
+  read only as names and others only as ids, is refused naming the key, with the mappings the rows would get.
+  Declared labels that are not numbers read every value one way only (a name, or an id), so no decision is needed.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.data.rows import Rejected
+
+INTEGER = re.compile(r"^[+-]?\d+$")
+
+
+@dataclass(frozen=True)
+class LabelReading:
+    """One split's reading of its label column: ``class_names``, the source's ClassLabel names that its integer ids
+    index (None: no ClassLabel); ``by``: ``"name"`` or ``"index"`` where the declared labels are numbers (the whole
+    column read one way), None where each value has one reading only."""
+
+    class_names: tuple[str, ...] | None = None
+    by: str | None = None
+
+
+def source_class_name(label: str, names: Sequence[str], source: str) -> str:
+    """The ClassLabel name of an id (``datasets``' ``int2str``); an id outside the names is ``Rejected``."""
+    if INTEGER.match(label):
+        index = int(label)
+        if 0 <= index < len(names):
+            return names[index]
+        raise Rejected("unknown_label", source, f"label {label} is not a class id 0..{len(names) - 1} of the source's "
+                       f"ClassLabel names {list(names)} (the file's datasets features)")
+    return label  # a name where the column holds names: matched against the label set later
+
+
+def numbers_among(declared: Sequence[str] | None) -> bool:
+    """Whether some declared label reads as an integer, so a raw integer could be a name or an id."""
+    return bool(declared) and any(INTEGER.match(name) for name in declared)
+
+
+def _mapping(pairs: Iterable[tuple[str, str]]) -> str:
+    return ", ".join(f"{raw} -> {name}" for raw, name in pairs)
+
+
+def _sorted(values: Iterable[str]) -> list[str]:
+    return sorted(values, key=lambda value: (0, int(value), value) if INTEGER.match(value) else (1, 0, value))
+
+
+def column_reading(values: Iterable[str], declared: Sequence[str], key: str, source: str) -> str | None:
+    """``"name"`` or ``"index"``: how every value of a label column reads against declared labels that are numbers
+    (None: no value reads both ways, each keeps its one reading). Values that read neither way are left to the
+    rows (rejected there, ``unknown_label``). Raises WorkflowError where the column does not decide."""
+    names, count = list(declared), len(declared)
+    as_name = {value for value in values if value in names}
+    as_index = {value for value in values if INTEGER.match(value) and 0 <= int(value) < count}
+    both, name_only, index_only = as_name & as_index, as_name - as_index, as_index - as_name
+    if not (name_only and index_only) and all(names[int(value)] == value for value in both):
+        return None  # no value reads two ways (["0", "1"] read by name or by index alike)
+    if name_only and index_only:
+        per_row = [(value, value if value in names else names[int(value)]) for value in _sorted(as_name | as_index)]
+        raise WorkflowError(
+            f"{key}.labels: the declared labels {names} are numbers, and column '{source}' holds "
+            f"{_sorted(as_name | as_index)}: {_sorted(index_only)} only a class id, {_sorted(name_only)} only a declared "
+            f"name, so no one reading fits the column (row by row: {_mapping(per_row)}, two values onto one class); "
+            f"give the rows the ids 0..{count - 1} or the declared names, not both")
+    if name_only or index_only:
+        return "name" if name_only else "index"
+    shown = _sorted(both)
+    raise WorkflowError(
+        f"{key}.labels: the declared labels {names} are numbers, and column '{source}' holds {shown}, each both a "
+        f"declared name and a class id 0..{count - 1}, so the rows cannot say which they are: by name "
+        f"{_mapping((value, value) for value in shown)}, or by index "
+        f"{_mapping((value, names[int(value)]) for value in shown)}; give the rows the ids 0..{count - 1} or name "
+        "every class at least once, or declare labels that are not numbers")
