@@ -203,7 +203,8 @@ def test_image_field_bytes_rejections_name_reason_field_and_detail(raw, value, r
 
 
 def test_every_image_reason_is_described():
-    assert set(IMAGE_REASONS) == {"missing_image", "image_outside_dataset", "unreadable_image", "empty_image"}
+    assert set(IMAGE_REASONS) == {"missing_image", "image_outside_dataset", "unreadable_image", "empty_image",
+                                  "image_aspect_ratio", "image_value_range"}
     assert all(description and "\n" not in description for description in IMAGE_REASONS.values())
 
 
