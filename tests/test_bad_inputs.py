@@ -324,7 +324,43 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("config", "vlm-max-pixels-on-a-generation-variant", cfg("variants.baseline.max_pixels", 1024), "config", "{config}: config key 'variants.baseline.max_pixels': a pixel budget is a vision_language setting; a generation variant has no images. Set variants.baseline.task: vision_language, or remove it"),
         # --- reruns (issue 35) ---
         case("config", "power-threshold-without-the-base-evaluation", cfg("comparison.min_detectable_effect", 0.001, base=without_base_evaluation), "config", "{config}: config key 'comparison.min_detectable_effect': is 0.001, but evaluation.evaluate_base_model is false, and the power check estimates from the untrained model's scores: set evaluation.evaluate_base_model: true, or remove the threshold"),
+        # --- issue 43: images and vision-language inputs ---
+        case("data", "imagefolder-image-above-200-to-1", image_folder({"file_name": "charts/strip.png", "query": "Q?", "label": "1"}, bad_file=("charts/strip.png", strip_png(402, 2))), "normalise", "{source}/train/metadata.jsonl: 1 of 11 rows of split 'train' rejected (9.1%), more than datasets.d.max_rejected_fraction = 0.01; reasons: image_aspect_ratio 1; for example {source}/train/metadata.jsonl line 6: field 'file_name': image file {source}/train/charts/strip.png is 402x2 pixels, 201:1, above 200:1 (the vision-language processors refuse it); crop or pad the image; fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("data", "imagefolder-32-bit-image-outside-0-255", image_folder({"file_name": "charts/depth.tif", "query": "Q?", "label": "1"}, bad_file=("charts/depth.tif", depth_tiff())), "normalise", "{source}/train/metadata.jsonl: 1 of 11 rows of split 'train' rejected (9.1%), more than datasets.d.max_rejected_fraction = 0.01; reasons: image_value_range 1; for example {source}/train/metadata.jsonl line 6: field 'file_name': image file {source}/train/charts/depth.tif is a mode I image with values 0..57000, outside 0..255, and its mode gives no range to scale them by (RGB would clip them); re-export it as an 8- or 16-bit PNG; fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("config", "vlm-min-pixels-above-max-pixels", cfg("variants.vision.max_pixels", 1024, base=with_min_pixels), "config", "{config}: config key 'variants.vision.max_pixels': 1024 is below min_pixels 4096: no image size lies within the budget; raise max_pixels or lower min_pixels"),
+        case("config", "vlm-budget-on-a-fixed-size-family", cfg("variants.vision.max_pixels", 4096, base=absolute_demo_config), "parse", "{config}: config key 'variants.vision.max_pixels': model 'tiny-llava': a 'llava' model (models.tiny-llava.tiny.architecture) resizes every image to one fixed size, so a pixel budget changes nothing; remove max_pixels and min_pixels from the variant, or run it on a dynamic-resolution or tiling model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision)"),
+        case("model", "qwen-vl-folder-without-its-processor-file", prepare_(plant=copy_model((), {"config.json": b'{"model_type": "qwen2_vl"}'}, name="source_model")), "prepare_model", "model.path {tmp}/source_model: {tmp}/source_model holds no preprocessor_config.json (nor processor_config.json): a qwen2_vl model's image processor settings (patch size, merge size, pixel budget) come from it; copy it from the model's release beside config.json"),
     ]
+
+
+def strip_png(width: int, height: int) -> bytes:
+    """A valid PNG of ``width`` x ``height`` pixels (issue 43: a strip past 200:1)."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (20, 40, 60)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def depth_tiff() -> bytes:
+    """A valid 32-bit integer (mode I) TIFF whose values run past 255, as depth maps ship (issue 43)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray((np.arange(20, dtype=np.int32) * 3000).reshape(4, 5), "I").save(buffer, format="TIFF")
+    return buffer.getvalue()
+
+
+def with_min_pixels() -> dict:
+    """The demo config whose vision variant sets min_pixels 4096 (issue 43: a budget floor above its ceiling)."""
+    config = absolute_demo_config()
+    config["variants"]["vision"]["min_pixels"] = 4096
+    return config
 
 
 def without_base_evaluation() -> dict:
