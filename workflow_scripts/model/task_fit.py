@@ -157,20 +157,26 @@ def check_vision_language_inputs(config: Mapping[str, Any], source: str | None =
     """The pixel budget against the model's family, and the processor file a dynamic-resolution model needs."""
     from workflow_scripts.model import processor_files
 
-    models, variants = xc.model_entries(config, source), xc.variant_entries(config, source)
+    models = xc.model_entries(config, source)
+    variants = {name: entry for name, entry in xc.variant_entries(config, source).items()
+                if entry.task == "vision_language"} if config.get("variants") else {}
     checked = set()
-    for model, entry, variant in xc.model_entry_variants(config):
-        if xc.entry_task(config, entry) != "vision_language" or (model, variant) in checked:
+    for dataset, settings in xc.dataset_entries(config, source).items():
+        if settings.task != "vision_language":
             continue
-        checked.add((model, variant))
-        spec = models[model]
-        known = model_family(model, spec, Path(root))
-        if known is None:
-            continue
-        problem = budget_problem(variant, variants[variant], *known)
-        if problem is not None:
-            raise ConfigError(problem[0], f"model '{model}': {problem[1]}", source)
-        if spec.source == "local":  # the user's folder; a prepared copy holds what prepare_model checked
-            missing = processor_files.missing_processor_problem(Path(spec.path), known[0])
-            if missing is not None:
-                raise ConfigError(f"models.{model}.path", missing, source)
+        for model in xc.dataset_models(config, dataset):
+            if model in checked:
+                continue
+            checked.add(model)
+            spec = models[model]
+            known = model_family(model, spec, Path(root))
+            if known is None:
+                continue
+            for variant, entry in variants.items():
+                problem = budget_problem(variant, entry, *known)
+                if problem is not None:
+                    raise ConfigError(problem[0], f"model '{model}': {problem[1]}", source)
+            if spec.source == "local":  # the user's folder; a prepared copy holds what prepare_model checked
+                missing = processor_files.missing_processor_problem(Path(spec.path), known[0])
+                if missing is not None:
+                    raise ConfigError(f"models.{model}.path", missing, source)
