@@ -157,8 +157,10 @@ def check_image(data: bytes, *, source: str = "the image") -> ImageFacts:
                 image.verify()  # the header and, for PNG, every chunk's checksum
             with Image.open(io.BytesIO(data)) as image:
                 image.load()  # the pixels: a truncated file fails here
-                facts = ImageFacts(image.width, image.height, image.format or "unknown", image.mode,
-                                   getattr(image, "n_frames", 1))
+                # The upright size, as decode_rgb turns the image by its EXIF orientation (5-8 swap the sides).
+                upright = image.getexif().get(0x0112) in (5, 6, 7, 8)
+                facts = ImageFacts(image.height if upright else image.width, image.width if upright else image.height,
+                                   image.format or "unknown", image.mode, getattr(image, "n_frames", 1))
                 extrema = image.getextrema() if image.mode in UNSCALED_MODES else None
     except (Image.DecompressionBombWarning, Image.DecompressionBombError) as error:
         raise Rejected("unreadable_image", None, f"{source} is too large to decode safely ({error}); shrink the image "
