@@ -222,3 +222,17 @@ def test_llava_onevision_rows_of_two_images_pass_the_gate_and_evaluate(models, c
     assert TASK.check_batch(batch, None, model).startswith("8 images")
     result = run_evaluate(tmp_path, model_dir, charts, VISION, "vision", "1", evaluation={**EVALUATION, "max_length": 400})
     assert result["n_examples"] == 4
+
+
+def test_a_damaged_processor_file_is_named_by_the_memory_check(tmp_path):
+    """Either layout's file, unreadable, stops snakemake -n naming the model and the file (not a JSON traceback)."""
+    from workflow_scripts.checks.memory import processor_max_pixels
+    from workflow_scripts.core.entry_settings import ModelSettings
+
+    folder = tmp_path / "resources" / "models" / "m"
+    folder.mkdir(parents=True)
+    (folder / processor_files.PROCESSOR_FILE).write_text('{"image_processor": {')
+    spec = ModelSettings.parse({"name": "m", "source": "hub", "hub_id": "o/m", "revision": "abc"}, "m", "model")
+    with pytest.raises(ConfigError, match=re.escape(f"config key 'models.m': {folder / processor_files.PROCESSOR_FILE} "
+                                                    "cannot be read as a processor config (")):
+        processor_max_pixels("m", spec, tmp_path)
