@@ -353,6 +353,12 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "float-labels-in-every-row", float_labels(), "normalise", "{source}/train.jsonl: 4 of 4 rows of split 'train' rejected (100.0%), so no row is left; reasons: wrong_type 4; for example {source}/train.jsonl line 1: field 'label': a label must be a string or an integer, got float 0.0; fix the rows (or the field mapping, if every row fails alike)"),
         case("data", "classlabel-id-outside-its-names", classlabel_parquet([0, 1, 0, 1, 0, 1, 0, 1, 0, 2]), "normalise", "{source}/train.parquet: 1 of 10 rows of split 'train' rejected (10.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unknown_label 1; for example {source}/train.parquet row index 9: field 'label': label 2 is not a class id 0..1 of the source's ClassLabel names ['neg', 'pos'] (the file's datasets features); fix the rows or raise datasets.d.max_rejected_fraction"),
         case("data", "conversation-tool-turn", tool_turn_conversation(), "normalise", "{source}/train.jsonl: 1 of 10 rows of split 'train' rejected (10.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unknown_role 1; for example {source}/train.jsonl line 6: field 'messages[2].role': turn 2: role 'tool' is a tool call or its result, which this task does not train on (conversations of system, user and assistant turns only, rendered without tools); leave conversations with tool turns out of the dataset; fix the rows or raise datasets.d.max_rejected_fraction"),
+        # --- issue 43: images and vision-language inputs ---
+        case("data", "imagefolder-image-above-200-to-1", image_folder({"file_name": "charts/strip.png", "query": "Q?", "label": "1"}, bad_file=("charts/strip.png", strip_png(402, 2))), "normalise", "{source}/train/metadata.jsonl: 1 of 11 rows of split 'train' rejected (9.1%), more than datasets.d.max_rejected_fraction = 0.01; reasons: image_aspect_ratio 1; for example {source}/train/metadata.jsonl line 6: field 'file_name': image file {source}/train/charts/strip.png is 402x2 pixels, 201:1, above 200:1 (the vision-language processors refuse it); crop or pad the image; fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("data", "imagefolder-32-bit-image-outside-0-255", image_folder({"file_name": "charts/depth.tif", "query": "Q?", "label": "1"}, bad_file=("charts/depth.tif", depth_tiff())), "normalise", "{source}/train/metadata.jsonl: 1 of 11 rows of split 'train' rejected (9.1%), more than datasets.d.max_rejected_fraction = 0.01; reasons: image_value_range 1; for example {source}/train/metadata.jsonl line 6: field 'file_name': image file {source}/train/charts/depth.tif is a mode I image with values 0..57000, outside 0..255, and its mode gives no range to scale them by (RGB would clip them); re-export it as an 8- or 16-bit PNG; fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("config", "vlm-min-pixels-above-max-pixels", cfg("variants.vision.max_pixels", 1024, base=with_min_pixels), "config", "{config}: config key 'variants.vision.max_pixels': 1024 is below min_pixels 4096: no image size lies within the budget; raise max_pixels or lower min_pixels"),
+        case("config", "vlm-budget-on-a-fixed-size-family", cfg("variants.vision.max_pixels", 4096, base=absolute_demo_config), "parse", "{config}: config key 'variants.vision.max_pixels': model 'tiny-llava': a 'llava' model (models.tiny-llava.tiny.architecture) resizes every image to one fixed size, so a pixel budget changes nothing; remove max_pixels and min_pixels from the variant, or run it on a dynamic-resolution or tiling model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision)"),
+        case("model", "qwen-vl-folder-without-its-processor-file", prepare_(plant=copy_model((), {"config.json": b'{"model_type": "qwen2_vl"}'}, name="source_model")), "prepare_model", "model.path {tmp}/source_model: {tmp}/source_model holds no preprocessor_config.json (nor processor_config.json): a qwen2_vl model's image processor settings (patch size, merge size, pixel budget) come from it; copy it from the model's release beside config.json"),
     ]
 
 
@@ -382,6 +388,36 @@ def bert_classifier() -> dict:
     config["variants"] = {name: {k: v for k, v in variant.items() if k != "training"}
                           for name, variant in default_config()["variants"].items() if variant.get("task") == "classification"}
     config["comparison"]["reference_variant"] = "plain"
+    return config
+
+
+def strip_png(width: int, height: int) -> bytes:
+    """A valid PNG of ``width`` x ``height`` pixels (issue 43: a strip past 200:1)."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (20, 40, 60)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def depth_tiff() -> bytes:
+    """A valid 32-bit integer (mode I) TIFF whose values run past 255, as depth maps ship (issue 43)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray((np.arange(20, dtype=np.int32) * 3000).reshape(4, 5), "I").save(buffer, format="TIFF")
+    return buffer.getvalue()
+
+
+def with_min_pixels() -> dict:
+    """The demo config whose vision variant sets min_pixels 4096 (issue 43: a budget floor above its ceiling)."""
+    config = absolute_demo_config()
+    config["variants"]["vision"]["min_pixels"] = 4096
     return config
 
 

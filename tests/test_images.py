@@ -134,6 +134,21 @@ def test_check_image_facts(mode, fmt):
     assert facts.mode == ("P" if fmt == "GIF" else mode)
 
 
+def test_check_image_gives_the_upright_size_of_a_rotated_photo():
+    """EXIF orientations 5-8 turn the picture a quarter: the report's width and height are the upright image's, as
+    every later stage reads it (data.images.decode_rgb)."""
+    from PIL import Image
+
+    for orientation, size in ((1, (8, 6)), (3, (8, 6)), (6, (6, 8)), (8, (6, 8))):
+        image = Image.new("RGB", (8, 6), (1, 2, 3))
+        exif = image.getexif()
+        exif[0x0112] = orientation
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", exif=exif)
+        facts = check_image(buffer.getvalue())
+        assert (facts.width, facts.height) == size, orientation
+
+
 def test_check_image_rejects_zero_bytes():
     error = rejection(check_image, b"", source="image file x.png")
     assert error.reason == "empty_image" and error.detail.startswith("image file x.png is empty (0 bytes)")
@@ -203,7 +218,8 @@ def test_image_field_bytes_rejections_name_reason_field_and_detail(raw, value, r
 
 
 def test_every_image_reason_is_described():
-    assert set(IMAGE_REASONS) == {"missing_image", "image_outside_dataset", "unreadable_image", "empty_image"}
+    assert set(IMAGE_REASONS) == {"missing_image", "image_outside_dataset", "unreadable_image", "empty_image",
+                                  "image_aspect_ratio", "image_value_range"}
     assert all(description and "\n" not in description for description in IMAGE_REASONS.values())
 
 

@@ -67,6 +67,19 @@ def check_model_dir(directory: Path, origin: str, weights: bool = True) -> None:
         raise WorkflowError(f"{origin}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
 
 
+def check_processor_files(prepared: Path, model: ModelSettings) -> None:
+    """A dynamic-resolution VLM (Qwen2/2.5/3-VL) needs its processor file: refused here, naming the user's folder
+    (or the hub repo), not at pretokenise in transformers' words about the prepared copy."""
+    from workflow_scripts.model import processor_files
+
+    fields = processor_files.read_json(prepared / "config.json", "a model config")
+    problem = processor_files.missing_processor_problem(
+        Path(model.path) if model.source == "local" else prepared, fields.get("model_type") if isinstance(fields, dict) else None)
+    if problem is not None:
+        where = f"model.path {model.path}" if model.source == "local" else f"model.hub_id {model.hub_id}@{model.revision}"
+        raise WorkflowError(f"{where}: {problem}")
+
+
 def snapshot_hub(model: ModelSettings, out: Path) -> dict[str, Any]:
     """Download the pinned revision's safetensors + tokenizer files; refuse a repo with pickle weights only.
     For ``initialise: random`` the weights are not downloaded (a 7B model's 15 GB would never be read)."""
@@ -143,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             origin = f"model.path {model.path}" if model.source == "local" else f"model.hub_id {model.hub_id}"
             check_remote_code(out, model.trust_remote_code, origin)
+            check_processor_files(out, model)
         files = {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
         write_json(out / MANIFEST_NAME, build_manifest("prepare_model", model.to_dict(), model_source=model.source, files=files, **facts))
     print(f"model {model.name} ({model.source}) ready in {args.out}: {facts}")

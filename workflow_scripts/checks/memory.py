@@ -4,7 +4,6 @@ and which vision-language models, whose images count at the variant's pixel budg
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Mapping
@@ -12,11 +11,11 @@ from typing import Any, Mapping
 import torch
 
 from workflow_scripts.core import experiment_config as xc
-from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.model import memory_estimate
 from workflow_scripts.model.config_memory_estimate import (
     PROCESS_HOST_BYTES, estimate_from_config, host_memory, host_memory_problem, is_causal_lm, is_vision_language,
-    loading_from_config, local_model_config, mesh_arguments, meta_model, training_arguments)
+    loading_from_config, local_model_config, mesh_arguments, model_folders, meta_model, training_arguments)
 from workflow_scripts.tasks import task_named
 
 
@@ -97,21 +96,17 @@ def check_declared_memory(config: Mapping[str, Any], root: Path | str = ".") -> 
 
 
 def processor_max_pixels(name: str, spec, root: Path, key: str | None = None) -> int | None:
-    """A dynamic-resolution processor's own budget (``size.longest_edge``, or ``max_pixels`` in older files) from
-    the preprocessor_config.json beside the model's config.json, for a variant that sets none: Qwen2.5-VL's is
-    12,845,056 pixels (16,384 image tokens). None where there is no such file or budget (the tower's own size)."""
-    for directory in (root / "resources" / "models" / name, root / spec.path if spec.source == "local" else None):
-        path = None if directory is None else directory / "preprocessor_config.json"
-        if path is not None and path.is_file():
-            try:
-                fields = json.loads(path.read_text())
-            except (OSError, ValueError) as error:
-                raise ConfigError(key or f"models.{name}", f"{path} cannot be read as a processor config ({error}); "
-                                  "prepare the model again") from None
-            if not isinstance(fields, dict) or not str(fields.get("image_processor_type", "")).startswith(
-                    "Qwen2VLImageProcessor"):  # the others' size is an edge or a tile, not a pixel count
-                return None
-            size = fields.get("size")
-            budget = (size.get("longest_edge") if isinstance(size, dict) else None) or fields.get("max_pixels")
-            return budget if isinstance(budget, int) else None
+    """A dynamic-resolution processor's own budget, for a variant that sets none (Qwen2.5-VL's is 12,845,056 pixels,
+    16,384 image tokens), read from the model's folder in either layout (``model/processor_files``: the Hub's
+    ``preprocessor_config.json`` or transformers 5's ``processor_config.json``), as pretokenise, training and
+    evaluation read it. None where there is no such file or budget (the tower's own size)."""
+    from workflow_scripts.model import processor_files
+
+    for directory in model_folders(name, spec, root):
+        try:
+            settings = processor_files.read(directory)
+        except WorkflowError as error:
+            raise ConfigError(key or f"models.{name}", str(error)) from None
+        if settings is not None:
+            return settings.max_pixels()
     return None

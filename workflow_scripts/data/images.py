@@ -37,7 +37,21 @@ IMAGE_REASONS = {
     "image_outside_dataset": "an image path leads outside the dataset's files ('..' or an absolute path elsewhere)",
     "unreadable_image": "an image cannot be decoded (unknown format, corrupt or truncated data, or above the decompression-bomb pixel limit)",
     "empty_image": "an image file or its bytes are empty (zero bytes)",
+    "image_aspect_ratio": "an image is more than 200:1 wide or tall (Qwen's smart_resize refuses it; a fixed-size "
+                          "tower would squash it beyond recognition)",
+    "image_value_range": "a 32-bit integer (I) or float (F) image holds values outside 0..255, which its mode does not "
+                         "scale: converting to RGB would clip them (re-export it as 8- or 16-bit PNG)",
 }
+# Above this ratio of the long side to the short one Qwen2/2.5/3-VL's smart_resize raises a bare ValueError (the
+# same limit in every dynamic-resolution family of transformers): refused here, with its row, at normalise.
+MAX_ASPECT_RATIO = 200
+# Modes whose samples span 0..65535: scaled to 8 bits by that range (the PNG specification's depth reduction,
+# libpng's png_set_scale_16). Pillow's own convert, which transformers' convert_to_rgb calls, clips them at 255
+# instead, so a 16-bit grayscale PNG of ordinary brightness became all white.
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+# Modes whose range the mode does not say (a 32-bit integer or float plane): converted as Pillow converts them
+# when every value lies in 0..255 (then that conversion is exact), refused otherwise (it would clip).
+UNSCALED_MODES = ("I", "F")
 IMAGES_FOLDER = "images"
 
 
@@ -49,6 +63,7 @@ class ImageFacts:
     height: int
     format: str
     mode: str
+    frames: int = 1  # an animated image's frame count: the first frame is the image, as PIL, datasets and transformers read it
 
 
 def default_base_dirs(raw_dir: Path) -> tuple[Path, Path]:
@@ -142,7 +157,11 @@ def check_image(data: bytes, *, source: str = "the image") -> ImageFacts:
                 image.verify()  # the header and, for PNG, every chunk's checksum
             with Image.open(io.BytesIO(data)) as image:
                 image.load()  # the pixels: a truncated file fails here
-                facts = ImageFacts(image.width, image.height, image.format or "unknown", image.mode)
+                # The upright size, as decode_rgb turns the image by its EXIF orientation (5-8 swap the sides).
+                upright = image.getexif().get(0x0112) in (5, 6, 7, 8)
+                facts = ImageFacts(image.height if upright else image.width, image.width if upright else image.height,
+                                   image.format or "unknown", image.mode, getattr(image, "n_frames", 1))
+                extrema = image.getextrema() if image.mode in UNSCALED_MODES else None
     except (Image.DecompressionBombWarning, Image.DecompressionBombError) as error:
         raise Rejected("unreadable_image", None, f"{source} is too large to decode safely ({error}); shrink the image "
                        "or raise PIL.Image.MAX_IMAGE_PIXELS if it is genuine") from None
@@ -157,7 +176,36 @@ def check_image(data: bytes, *, source: str = "the image") -> ImageFacts:
         ImageFile.LOAD_TRUNCATED_IMAGES = truncated_allowed
     if facts.width <= 0 or facts.height <= 0:  # PIL refuses these at open; a plugin that does not is caught here
         raise Rejected("unreadable_image", None, f"{source} has a zero size ({facts.width}x{facts.height})")
+    ratio = max(facts.width, facts.height) / min(facts.width, facts.height)
+    if ratio > MAX_ASPECT_RATIO:
+        raise Rejected("image_aspect_ratio", None, f"{source} is {facts.width}x{facts.height} pixels, {ratio:.0f}:1, "
+                       f"above {MAX_ASPECT_RATIO}:1 (the vision-language processors refuse it); crop or pad the image")
+    if extrema is not None and (extrema[0] < 0 or extrema[1] > 255):
+        raise Rejected("image_value_range", None, f"{source} is a mode {facts.mode} image with values "
+                       f"{extrema[0]:g}..{extrema[1]:g}, outside 0..255, and its mode gives no range to scale them "
+                       "by (RGB would clip them); re-export it as an 8- or 16-bit PNG")
     return facts
+
+
+# --- the bytes -> the RGB image every later stage gives the processor ---
+def decode_rgb(data: bytes):
+    """The image the model sees, read as the reference readers read it: the first frame (PIL's, as ``datasets``
+    and transformers take it), turned upright by its EXIF orientation (``ImageOps.exif_transpose``, as
+    ``datasets``' Image feature does), 16-bit grayscale scaled to 8 bits by its range (Pillow would clip it:
+    :data:`SIXTEEN_BIT_MODES`), then transformers' ``convert_to_rgb``: transparency (RGBA, LA, PA, a palette or
+    grayscale with a transparent colour) composited on white, every other mode (CMYK, 1-bit, L, P, YCbCr)
+    through Pillow's conversion. The bytes passed :func:`check_image` at normalise, so nothing is refused here."""
+    import numpy as np
+    from PIL import Image, ImageOps
+    from transformers.image_transforms import convert_to_rgb
+
+    with Image.open(io.BytesIO(data)) as opened:
+        opened.load()
+        image = ImageOps.exif_transpose(opened)  # a copy when rotated; the opened file itself otherwise
+        if image.mode in SIXTEEN_BIT_MODES:
+            wide = np.asarray(image, dtype=np.uint32)
+            image = Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), mode="L")
+        return Image.fromarray(convert_to_rgb(image, return_numpy=True))
 
 
 # --- what the vision_language record mapper calls ---

@@ -327,18 +327,25 @@ def advise(source, *, capacity: int, headroom: float = 0.9, **settings) -> dict[
 TINY_CAUSAL = ("llama", "qwen2")
 
 
+def model_folders(name: str, spec: "ModelSettings", root: Path) -> list[Path]:
+    """Where a model's files are before any job runs: its prepared ``resources/models/<name>/``, then a local
+    model's own directory (the config-time readers of config.json and of the processor files look in these)."""
+    return [root / "resources" / "models" / name] + ([root / spec.path] if spec.source == "local" else [])
+
+
 def local_model_config(name: str, spec: "ModelSettings", root: Path, key: str | None = None) -> dict | None:
     """The model's config without downloading anything: its prepared ``resources/models/<name>/config.json``,
     a local model's own directory, or for a tiny causal LM one built from ``model.tiny``; None otherwise
     (a hub or GGUF model not yet prepared: the gate estimates it once it exists)."""
-    for path in (root / "resources" / "models" / name / "config.json",
-                 root / spec.path / "config.json" if spec.source == "local" else None):
-        if path is not None and path.is_file():
+    from workflow_scripts.model.processor_files import read_json
+
+    for folder in model_folders(name, spec, root):
+        path = folder / "config.json"
+        if path.is_file():
             try:
-                fields = json.loads(path.read_text())
-            except (OSError, ValueError) as error:
-                raise ConfigError(key or f"models.{name}", f"{path} cannot be read as a model config ({error}); "
-                                  "prepare the model again") from None
+                fields = read_json(path, "a model config")
+            except WorkflowError as error:
+                raise ConfigError(key or f"models.{name}", str(error)) from None
             return fields if isinstance(fields, dict) else {}
     tiny = spec.tiny
     if spec.source == "tiny" and tiny.architecture in TINY_CAUSAL:

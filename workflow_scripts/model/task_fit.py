@@ -106,10 +106,45 @@ def check_masked_lm_models(config: Mapping[str, Any], source: str | None = None,
                       f"'{model}' is {reason}, which predicts the next token only; {fix}", source)
 
 
+# How each family sizes its images (model_type, and model.tiny.architecture alike): a pixel budget changes the
+# dynamic-resolution and the tiling ones (max_pixels only) and nothing in the others, which resize every image to
+# one size (vision_language_model.apply_pixel_budget refuses the same at pretokenise for a model not known here).
+DYNAMIC_RESOLUTION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+TILING = ("llava_onevision", "llava_next")
+
+
+def model_family(name: str, spec: "ModelSettings", root: Path) -> tuple[str, str] | None:
+    """(model_type, where it was read) of a tiny or already readable model, or None (not known yet)."""
+    if spec.source == "tiny":
+        return spec.tiny.architecture, f"models.{name}.tiny.architecture"
+    known = saved_model_type(name, spec, root)
+    return None if known is None else (known[0], str(known[1]))
+
+
+def budget_problem(variant: str, settings, model_type: str, where: str) -> tuple[str, str] | None:
+    """(key, message) when a variant's pixel budget cannot apply to a model of ``model_type``, or None."""
+    if settings.max_pixels is None and settings.min_pixels is None:
+        return None
+    if model_type in DYNAMIC_RESOLUTION:
+        return None
+    if model_type in TILING:
+        if settings.min_pixels is None:
+            return None
+        return (f"variants.{variant}.min_pixels", f"a '{model_type}' model ({where}) tiles an image on a grid and never "
+                "scales one up; remove min_pixels (max_pixels bounds the grid)")
+    key = "max_pixels" if settings.max_pixels is not None else "min_pixels"
+    return (f"variants.{variant}.{key}", f"a '{model_type}' model ({where}) resizes every image to one fixed size, "
+            "so a pixel budget changes nothing; remove max_pixels and min_pixels from the variant, or run it on a "
+            "dynamic-resolution or tiling model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision)")
+
+
 def check_vision_language_models(config: Mapping[str, Any], source: str | None = None, root: str | Path = ".") -> None:
-    """Refuse a vision_language dataset run on a model whose known config has no vision part."""
+    """Refuse a vision_language dataset run on a model whose known config has no vision part; then, for each
+    vision_language (model, variant) whose model is known, a pixel budget its family cannot apply, and a
+    dynamic-resolution model folder without its processor file (``model/processor_files``)."""
     misfit = _first_misfit(config, "vision_language", text_only_reason, source, root)
     if misfit is None:
+        check_vision_language_inputs(config, source, root)
         return
     dataset, settings, model, reason, all_models = misfit
     fix = (f"remove '{model}' from datasets.{dataset}.models" if settings.models else
@@ -118,3 +153,32 @@ def check_vision_language_models(config: Mapping[str, Any], source: str | None =
            f"give datasets.{dataset} a models: list of vision-language models only")
     raise ConfigError(f"datasets.{dataset}.models", f"task vision_language needs a model with a vision part, "
                       f"but '{model}' is {reason}, which reads text only; {fix}", source)
+
+
+def check_vision_language_inputs(config: Mapping[str, Any], source: str | None = None, root: str | Path = ".") -> None:
+    """The pixel budget against the model's family, and the processor file a dynamic-resolution model needs."""
+    from workflow_scripts.model import processor_files
+
+    models = xc.model_entries(config, source)
+    variants = {name: entry for name, entry in xc.variant_entries(config, source).items()
+                if entry.task == "vision_language"} if config.get("variants") else {}
+    checked = set()
+    for dataset, settings in xc.dataset_entries(config, source).items():
+        if settings.task != "vision_language":
+            continue
+        for model in xc.dataset_models(config, dataset):
+            if model in checked:
+                continue
+            checked.add(model)
+            spec = models[model]
+            known = model_family(model, spec, Path(root))
+            if known is None:
+                continue
+            for variant, entry in variants.items():
+                problem = budget_problem(variant, entry, *known)
+                if problem is not None:
+                    raise ConfigError(problem[0], f"model '{model}': {problem[1]}", source)
+            if spec.source == "local":  # the user's folder; a prepared copy holds what prepare_model checked
+                missing = processor_files.missing_processor_problem(Path(spec.path), known[0])
+                if missing is not None:
+                    raise ConfigError(f"models.{model}.path", missing, source)

@@ -44,6 +44,9 @@ CHAT_TEMPLATE = (
 )
 # Qwen's chat templates wrap each image in <|vision_start|> ... <|vision_end|>; the rest is tiny_model's.
 QWEN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(IMAGE_TOKEN, "<|vision_start|><|image_pad|><|vision_end|>")
+# Gemma 3's chat template writes <start_of_image> for an image part: the slot its processor expands (boi, the
+# image's tokens, eoi). Written as "<image>" the processor found no image slot and pretokenise stopped.
+GEMMA3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(IMAGE_TOKEN, GEMMA3_TOKENS["boi_token"])
 
 
 def settings(tiny: Mapping[str, Any]) -> dict[str, Any]:
@@ -221,7 +224,7 @@ def gemma3_parts(tiny: Mapping[str, Any], tokenizer):
     # Gemma 3's processor reads image_token / boi_token / eoi_token as named tokens of the tokenizer.
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer.backend_tokenizer, eos_token=tokenizer.eos_token, pad_token=tokenizer.pad_token,
-        model_max_length=tokenizer.model_max_length, extra_special_tokens=GEMMA3_TOKENS, chat_template=CHAT_TEMPLATE)
+        model_max_length=tokenizer.model_max_length, extra_special_tokens=GEMMA3_TOKENS, chat_template=GEMMA3_CHAT_TEMPLATE)
     head_dim = tiny["hidden_size"] // tiny["num_heads"]
     text = {**tiny_model.decoder_settings(tiny, tokenizer), "head_dim": head_dim, "query_pre_attn_scalar": head_dim,
             "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * (tiny["num_layers"] // 2)
@@ -236,7 +239,7 @@ def gemma3_parts(tiny: Mapping[str, Any], tokenizer):
                           eoi_token_index=ids["eoi_token"], tie_word_embeddings=False)
     image_processor = Gemma3ImageProcessorPil(size={"height": tiny["image_size"], "width": tiny["image_size"]},
                                               do_pan_and_scan=False)
-    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=GEMMA3_CHAT_TEMPLATE,
                                 image_seq_length=image_tokens_per_image(tiny))
     return config, processor
 

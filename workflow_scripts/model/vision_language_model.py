@@ -105,24 +105,43 @@ def image_only(processor_class: type) -> type:
 
 
 def load_processor(model_dir: str | Path):
-    """The model's processor: ``AutoProcessor``'s, or for the families above the image-only one."""
-    import transformers
-
+    """The model's processor: ``AutoProcessor``'s, or for the families above the image-only one, from either file
+    layout (``model/processor_files``: the Hub's ``preprocessor_config.json`` or transformers 5's
+    ``processor_config.json``), with the PIL image processor (the torchvision one cannot be installed here)."""
     import inspect
 
-    path = Path(model_dir) / "processor_config.json"
-    saved = json.loads(path.read_text()) if path.is_file() else {}
-    recorded = saved.get("processor_class")
+    import transformers
+
+    from workflow_scripts.model import processor_files
+
+    settings = processor_files.read(model_dir)
+    if settings is None:
+        problem = processor_files.missing_processor_problem(model_dir, _model_type(model_dir))
+        if problem is not None:
+            raise WorkflowError(problem)
+    recorded = settings.processor_class if settings is not None else None
     if recorded not in IMAGE_ONLY_PROCESSORS:
         return transformers.AutoProcessor.from_pretrained(str(model_dir))
     processor_class = getattr(transformers, recorded)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    image_processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir))  # PIL without torchvision
+    # AutoImageProcessor reads either layout and picks the PIL backend without torchvision.
+    image_processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir))
     # The processor's own settings (LLaVA-OneVision's num_image_tokens, vision_aspect_ratio...), as saved.
-    own = {key: value for key, value in saved.items() if key in inspect.signature(processor_class.__init__).parameters
+    own = {key: value for key, value in settings.own.items() if key in inspect.signature(processor_class.__init__).parameters
            and key not in ("image_processor", "tokenizer", "video_processor", "chat_template")}
+    # The chat template where the processor files keep it (chat_template.jinja, or the Hub's chat_template.json),
+    # as transformers' own processor loading finds it; else the tokenizer's.
+    template = transformers.ProcessorMixin.get_processor_dict(str(model_dir))[0].get("chat_template")
     return image_only(processor_class)(image_processor=image_processor, tokenizer=tokenizer,
-                                       chat_template=tokenizer.chat_template, **own)
+                                       chat_template=template or tokenizer.chat_template, **own)
+
+
+def _model_type(model_dir: str | Path) -> str | None:
+    from workflow_scripts.model import processor_files
+
+    path = Path(model_dir) / "config.json"
+    fields = processor_files.read_json(path, "a model config") if path.is_file() else {}
+    return fields.get("model_type") if isinstance(fields, dict) else None
 
 
 MAX_PIXELS_KEY, MIN_PIXELS_KEY = "variants.<name>.max_pixels", "variants.<name>.min_pixels"
@@ -440,6 +459,7 @@ def image_features(batch: Mapping[str, Any], model: nn.Module) -> tuple[int, str
         try:
             with torch.no_grad():
                 features = base.model.get_image_features(pixel_values=pixel_values.to(dtype), image_sizes=sizes,
+                                                         batch_num_images=batch.get("batch_num_images"),
                                                          return_dict=True).pooler_output
         except RuntimeError as error:  # the model splits the tiles by its own grids: another count fails here
             raise _refusal("image_tokens", f"the model's tiling grids do not give the batch's {pixel_values.shape} "

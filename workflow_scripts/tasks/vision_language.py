@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from workflow_scripts.core.errors import WorkflowError
@@ -116,13 +115,11 @@ def processor_for(tokenizer, variant: "VariantSettings"):
 
 
 def open_images(blobs: Sequence[bytes]):
-    from PIL import Image
+    """Each image as the model sees it: upright, RGB, transparency on white (``data.images.decode_rgb``, the one
+    reading of pretokenise, training's collator and evaluation)."""
+    from workflow_scripts.data.images import decode_rgb
 
-    opened = []
-    for blob in blobs:
-        image = Image.open(io.BytesIO(blob))
-        opened.append(image.convert("RGB"))
-    return opened
+    return [decode_rgb(blob) for blob in blobs]
 
 
 def render_prompt(tokenizer, variant: "VariantSettings", row: Mapping[str, Any]) -> str:
@@ -140,8 +137,19 @@ def render_prompt(tokenizer, variant: "VariantSettings", row: Mapping[str, Any])
         return vlm.image_placeholder(processor_for(tokenizer, variant)) * count + "\n" + text if count else text
     templates.require_chat_template(tokenizer)
     content = [{"type": "image"}] * count + [{"type": "text", "text": text}]
-    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+    if count:
+        from workflow_scripts.model import vision_language_model as vlm
+
+        slot = vlm.image_placeholder(processor_for(tokenizer, variant))
+        if rendered.count(slot) != count:  # the processor would stop in its own words, naming no setting
+            raise WorkflowError(
+                f"chat_template: true: the chat template of the model in {tokenizer.name_or_path} writes "
+                f"{rendered.count(slot)} image slots ({slot!r}, where its processor puts each image's tokens) for "
+                f"the row's {count} image(s), so the images cannot reach the prompt; give the model a chat template "
+                "that renders {'type': 'image'} parts as its image slot, or set the variant's chat_template: false")
+    return rendered
 
 
 def encode_prompt(processor, tokenizer, variant, prompt: str, blobs: Sequence[bytes]) -> list[int]:
@@ -261,8 +269,10 @@ def generate(model, tokenizer, variant, rows, prompts, batch_size: int, max_new_
 
 
 def _takes_nested(processor) -> bool:
-    """Idefics3-style image processors take one list of images per example."""
-    return type(processor.image_processor).__name__.startswith(("Idefics", "SmolVLM"))
+    """Idefics3-style image processors take one list of images per example; so does LLaVA-OneVision's, which counts
+    each row's images from the nesting (batch_num_images: a row of several images is not tiled)."""
+    return (type(processor.image_processor).__name__.startswith(("Idefics", "SmolVLM"))
+            or "batch_num_images" in getattr(processor.image_processor, "model_input_names", ()))
 
 
 class VisionLanguageTask(generation.GenerationTask):
@@ -304,6 +314,7 @@ class VisionLanguageTask(generation.GenerationTask):
 
     def check_config_variant(self, name, variant, datasets) -> None:
         generation.check_config_variant(name, variant, datasets)
+        check_config_budget(name, variant)
 
     def record_mapper(self, settings, key):
         return ImageRecordMapper(settings, key)
@@ -377,6 +388,17 @@ class VisionLanguageTask(generation.GenerationTask):
                            {"decoding": "greedy", "generation_config": decoding, "images": variant.images})
 
     # evaluate: generation's (check the rows, self.predict, score the records).
+
+
+def check_config_budget(name: str, variant: "VariantSettings") -> None:
+    """At parse time: a pixel budget whose floor lies above its ceiling (the model's family is checked by
+    ``model.task_fit.check_vision_language_models``, where its config can be read)."""
+    from workflow_scripts.core.errors import ConfigError
+
+    if variant.max_pixels is not None and variant.min_pixels is not None and variant.min_pixels > variant.max_pixels:
+        raise ConfigError(f"variants.{name}.max_pixels", f"{variant.max_pixels} is below min_pixels "
+                          f"{variant.min_pixels}: no image size lies within the budget; raise max_pixels or lower "
+                          "min_pixels")
 
 
 def _trains_tower(training: TrainingSettings) -> bool:

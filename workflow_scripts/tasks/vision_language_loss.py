@@ -11,7 +11,9 @@ from torch import nn
 from workflow_scripts.tasks.target_token_loss import TargetTokenLoss
 
 # What the processor adds beside input_ids that the model's forward takes (by family).
-IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes")
+# batch_num_images: LLaVA-OneVision tiles a row's only image but not the images of a row with several; without it the
+# model tiles every image, and its features no longer match the tokens the processor wrote.
+IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes", "batch_num_images")
 
 
 def image_path_parameters(peft_model: nn.Module) -> list[nn.Parameter]:
