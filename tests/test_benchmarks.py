@@ -298,6 +298,12 @@ def test_gpu_check_plan_lists_the_phases_within_eight_minutes():
     assert [p.name for p in driver.PHASES][:2] == ["wheels", "environment"]  # installation counts in the budget
     total = driver.PREFLIGHT_SECONDS + driver.RESERVE_SECONDS + sum(p.expected_seconds for p in driver.PHASES)
     assert total <= 8 * 60 and f"total expected {total:.0f} s" in result.stdout
+    # Issue 45: the 7B benchmark's sides, repeated, and the profile of the best side, about 6 minutes of it
+    for side in ("A", "B", "C", "D", "trl", "trainer"):
+        assert f"side {side} " in result.stdout
+    assert "3 interleaved repetitions" in result.stdout and "profile" in result.stdout
+    bench = next(p for p in driver.PHASES if p.name == "benchmark_7b")
+    assert 5 * 60 <= bench.expected_seconds <= 8 * 60 - 60
 
 
 def test_gpu_check_phases_run_in_order_skip_what_will_not_fit_and_stop_at_the_budget(tmp_path):

@@ -172,6 +172,12 @@ def test_the_benchmark_interleaves_repetitions_on_the_same_rows_and_keeps_the_ra
     assert f"{summary['best_ours']} / trainer" in summary["ratios"]
     raw = [json.loads(line) for line in (tmp_path / "out" / "gpu_benchmark_7b.jsonl").read_text().splitlines()]
     assert [(r["side"], r["repetition"]) for r in raw] == runs and all("steps" in r for r in raw if r["status"] == "measured")
+    from benchmarks import gpu_check  # make gpu-check's summary.md shows the medians, ratios and the profile
+
+    text = gpu_check.render_summary(check_records.read(report))
+    median = f"{trainer['median']:,.0f} ({trainer['min']:,.0f}-{trainer['max']:,.0f}, 3)"
+    assert f"| trainer | {median} |" in text and f"Profile of {summary['best_ours']}" in text
+    assert f"- {summary['best_ours']} / trainer: " in text and "NeMo AutoModel" in text
 
 
 @pytest.mark.bench
