@@ -191,3 +191,55 @@ def test_compiled_layers_compile_in_the_shape_pass_only(tiny_base):
     assert result["switches"]["compile_layers"] and result["compile_backend"] == "eager"
     assert result["shape_pass"]["new_graphs"] >= 1
     assert [s["new_graphs"] for s in result["steps"]] == [0] * len(result["steps"])
+
+
+def _saved_activation_bytes(loss_module, batch, parameters) -> int:
+    """An accounting of what one micro-batch's forward keeps for the backward: every tensor autograd saves
+    (each storage once, the model's own weights left out), plus the gradient of the target logits, which the
+    backward of the head makes at full size (the estimate charges logits and their gradient)."""
+    import torch
+
+    saved = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        loss_module(batch)
+    vocab = loss_module.wrapped.get_base_model().config.vocab_size
+    return sum(saved.values()) + batch["target_tokens"] * vocab * 4
+
+
+@pytest.mark.parametrize("name", ["A", "C"])
+def test_the_memory_estimate_counts_the_slots_a_packed_micro_batch_holds(tiny_base, name):
+    """The gate's activation estimate for the benchmark's packed micro-batches is within 1.0-1.3x of an
+    accounting of their tensors (the largest micro-batch sets the peak). Charging micro_batch x max_length
+    slots (what it did: 2.78x over on the H200, 32,768 slots where packed micro-batches held at most 12,288)
+    would be far above it and refuse the configurations that run fastest."""
+    from workflow_scripts.data.packing import PackingCollator
+    from workflow_scripts.model import memory_estimate, model_loading
+    from workflow_scripts.tasks.generation import TargetTokenLoss
+
+    base, rows, settings = tiny_base
+    side = _side(name)
+    estimated = bench_gpu_7b.estimate_settings(settings, side, {}, False, False, rows)
+    peft_model = model_loading.add_lora(base, estimated.lora, gradient_checkpointing=False)
+    peft_model.train()
+    try:
+        parameters = {p.untyped_storage().data_ptr() for p in peft_model.parameters()}
+        collator = PackingCollator(bench_gpu_7b.synthetic.PAD_ID, base.config.vocab_size, settings["max_length"],
+                                   "sdpa", one_row=side.full_rows, width_multiple=settings["width_multiple"])
+        loss_module = TargetTokenLoss(peft_model)
+        accounted = max(_saved_activation_bytes(loss_module, collator(m), parameters)
+                        for step in bench_gpu_7b.step_rows(rows, settings)
+                        for m in bench_gpu_7b.ours_micro_batches(step, settings, side.full_rows))
+        estimate = memory_estimate.estimate(peft_model, estimated, torch.device("cpu"))["activations"]
+        assert 1.0 <= estimate / accounted <= 1.3, (estimate, accounted, estimated.micro_batch_tokens)
+        if not side.full_rows:  # micro_batch x max_length, as before the fix
+            old = bench_gpu_7b.training_settings(settings, side, {}, False, recompute=False)
+            assert memory_estimate.estimate(peft_model, old, torch.device("cpu"))["activations"] / accounted > 1.5
+    finally:
+        peft_model.unload()
