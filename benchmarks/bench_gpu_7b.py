@@ -99,7 +99,8 @@ class Side:
 SIDES = [
     Side("A", "ours", FAST, expected=16, what="today's switches (flex, fused CE, Liger), full recompute, "
          "micro-batches of 8 packed, collation inline"),
-    Side("B", "ours", FAST, recompute=False, expected=14, what="A without recompute where the estimate fits"),
+    Side("B", "ours", FAST, recompute=False, expected=14, what="A without recompute where the estimate fits (else "
+         "only as many layers as it needs recompute)"),
     Side("C", "ours", FAST, recompute=False, full_rows=True, workers=True, expected=12,
          what="B + full padding-free rows of row_tokens, collation in DataLoader workers"),
     Side("D", "ours", {**FAST, "compile_layers": True}, recompute=False, full_rows=True, workers=True, expected=20,
@@ -381,18 +382,17 @@ def cpu_adjusted(side: Side, on_cpu: bool) -> tuple[dict, list[str]]:
     return {k: v for k, v in side.switches.items() if k not in dropped}, dropped
 
 
-def recompute_needed(peft_model_or_base, training_without, device) -> tuple[bool, str]:
-    """Whether activations fit without recompute by the gate's estimate (90 % of the device): partial
-    checkpointing is not wired, so a side that would not fit keeps full recompute and says so."""
+def layers_to_recompute(peft_model, estimated, device) -> tuple[int | None, str]:
+    """How many decoder layers must recompute for the gate's estimate to fit 90 % of the device: 0 (none),
+    some (partial checkpointing), or None (even full recompute does not fit: kept full, the run says so)."""
     from workflow_scripts.model import memory_estimate
 
     if device.type != "cuda":
-        return False, "CPU: no device memory limit"
-    estimate = memory_estimate.estimate(peft_model_or_base, training_without, device)["total"]
-    capacity = memory_estimate.device_capacity(device)
-    if estimate <= 0.9 * capacity:
-        return False, f"estimate {estimate / 2**30:.1f} GiB without recompute fits {capacity / 2**30:.0f} GiB"
-    return True, f"estimate {estimate / 2**30:.1f} GiB without recompute exceeds 90 % of {capacity / 2**30:.0f} GiB"
+        return 0, "CPU: no device memory limit"
+    capacity = int(0.9 * memory_estimate.device_capacity(device))
+    count = memory_estimate.layers_to_checkpoint(peft_model, estimated, device, capacity)
+    return count, (f"the estimate fits {capacity / 2**30:.0f} GiB with {count} layers recomputed" if count is not None
+                   else f"the estimate exceeds {capacity / 2**30:.0f} GiB even with full recompute")
 
 
 def _plain_base(base):
@@ -421,14 +421,17 @@ def run_ours(base, rows, settings, side: Side, device, compile_backend: str | No
     base.set_attn_implementation(kernels.attn_implementation(training) or "sdpa")
     kernels.apply_before_lora(base, training, device)
     _reset_peak(device)
-    recompute, recompute_reason = side.recompute, "full recompute (today's default)"
+    layers = base.config.num_hidden_layers
+    recomputed, recompute_reason = (layers, "full recompute (today's default)") if side.recompute else (0, "")
     peft_model = model_loading.add_lora(base, training.lora, gradient_checkpointing=False)
     if not side.recompute:
-        recompute, recompute_reason = recompute_needed(peft_model, estimated, device)
-    if recompute:
+        recomputed, recompute_reason = layers_to_recompute(peft_model, estimated, device)
+        recomputed = layers if recomputed is None else recomputed
+    if recomputed:  # full, or partial: only the first layers recompute (model_loading.checkpoint_first_layers)
         training = training_settings(settings, side, switches, on_gpu, recompute=True)
         estimated = estimate_settings(settings, side, switches, on_gpu, True, rows)
         model_loading.enable_gradient_checkpointing(base, input_gradients=True)
+        model_loading.checkpoint_first_layers(base, recomputed)
     peft_model.train()
     counter = TokenCounter(base.get_decoder(), synthetic.PAD_ID)
     loader = None
@@ -441,7 +444,7 @@ def run_ours(base, rows, settings, side: Side, device, compile_backend: str | No
         collator = PackingCollator(synthetic.PAD_ID, base.config.vocab_size, training.max_length,
                                    base.config._attn_implementation, one_row=side.full_rows,
                                    width_multiple=settings["width_multiple"] if side.full_rows else 1)
-        estimate = memory_estimate.estimate(peft_model, estimated, device)
+        estimate = memory_estimate.estimate(peft_model, estimated, device, checkpointed_layers=recomputed or None)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext()
         steps = step_rows(rows, settings)
         plan = [ours_micro_batches(step, settings, side.full_rows) for step in steps]
@@ -487,7 +490,7 @@ def run_ours(base, rows, settings, side: Side, device, compile_backend: str | No
         result.update(steps=step_records, shape_pass=shapes, estimated_bytes=estimate["total"],
                       estimated_slots=estimated.micro_batch_tokens,
                       estimate=estimate, switches=kernels.switches(training), cpu_without=dropped,
-                      recompute=recompute, recompute_reason=recompute_reason, full_rows=side.full_rows,
+                      recomputed_layers=recomputed, recompute_reason=recompute_reason, full_rows=side.full_rows,
                       collation="DataLoader workers" if side.workers else "inline",
                       compile_backend=compile_backend if training.compile_layers else None,
                       attention=str(base.config._attn_implementation))
