@@ -22,7 +22,7 @@ A measurement that cannot mislead (issue 45's audit of the first H200 figures):
 
 Sides (``SIDES``): ours A (today's switches: FlexAttention, fused cross-entropy, Liger; full activation
 recompute; each micro-batch of 8 packed; collation inline), B (A without recompute, where the memory estimate
-says the activations fit), C (B + full rows: each micro-batch one padding-free row filled to a token budget,
+says the activations fit; else only the fewest first layers that make it fit recompute), C (B + full rows: each micro-batch one padding-free row filled to a token budget,
 ``micro_batch_tokens``, collated in DataLoader workers off the critical path), D (C + compiled decoder layers);
 TRL ``SFTTrainer`` + PEFT with ``padding_free=True`` and ``use_liger_kernel=True`` (the strongest peer set-up;
 skipped with the reason where trl is not installed); HF Trainer + PEFT at its defaults (each micro-batch padded
