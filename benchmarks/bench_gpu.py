@@ -218,13 +218,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="7b: the Qwen2.5-7B architecture, every side in one process (benchmarks/bench_gpu_7b.py)")
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--cpu", action="store_true", help="the harness on CPU (tests); tiny scales only")
-    parser.add_argument("--sides", nargs="+", help="7b: only these sides (bench_gpu_7b.SIDES)")
+    parser.add_argument("--sides", nargs="+", help="7b: only these sides (bench_gpu_7b.SIDES; default "
+                        "bench_gpu_7b.DEFAULT_SIDES)")
     parser.add_argument("--seconds", type=float, help="7b: the time the sides may take (default: the phase's)")
+    parser.add_argument("--repetitions", type=int, help="7b: interleaved repetitions of every side (default: the scale's)")
     args = parser.parse_args(argv)
     if args.scale in bench_gpu_7b.SCALES:
         if args.cpu and not args.scale.endswith("tiny"):
             parser.error("--cpu runs the 7b harness at --scale 7b-tiny only")
-        return bench_gpu_7b.main(args.scale, args.cpu, args.out_dir, args.sides, args.seconds)
+        return bench_gpu_7b.main(args.scale, args.cpu, args.out_dir, args.sides, args.seconds, args.repetitions)
     if args.cpu and args.scale != "tiny":
         parser.error("--cpu runs the harness at --scale tiny only")
     started = time.perf_counter()

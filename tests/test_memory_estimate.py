@@ -114,3 +114,69 @@ def test_advice_under_full_fine_tuning_names_lora_not_its_rank():
     advice = memory_estimate.knob_advice(parts, training, torch.device("cpu"))
     assert advice.startswith("train LoRA adapters instead (training.finetune: lora)") and "1.2 KiB" in advice
     assert "lora.rank" in memory_estimate.knob_advice(parts, training.replace(finetune="lora"), torch.device("cpu"))
+
+
+# --- issue 45: partial checkpointing where full recompute is not needed ---
+def test_partial_checkpointing_is_counted_between_none_and_full():
+    """``checkpointed_layers``: 0 counts every activation (as no checkpointing), all layers as full
+    checkpointing, and each layer left out of the recompute adds its activations in between. Checkpointing
+    the last layer too saves nothing: some layer's recompute holds a layer's activations anyway."""
+    full, none = activations(), activations(gradient_checkpointing=False)
+    assert activations(checkpointed_layers=28) == full and activations(checkpointed_layers=0) == none
+    partial = [activations(checkpointed_layers=k) for k in range(28)]
+    assert all(a > b for a, b in zip(partial, partial[1:]))  # each checkpointed layer saves memory
+    assert partial[-1] < full
+
+
+def test_the_fewest_layers_to_checkpoint_for_a_capacity(tiny_model_dir):
+    torch.set_num_threads(1)
+    settings = tiny_training_settings()
+    setup = training_setup.build(tiny_model_dir, settings, DistributedContext(0, 0, 1, 1, torch.device("cpu"), None))
+    layers = setup.peft_model.get_base_model().config.num_hidden_layers
+
+    def total(count):
+        return memory_estimate.estimate(setup.peft_model, settings, torch.device("cpu"), checkpointed_layers=count)["total"]
+
+    assert memory_estimate.layers_to_checkpoint(setup.peft_model, settings, torch.device("cpu"), total(0)) == 0
+    assert memory_estimate.layers_to_checkpoint(setup.peft_model, settings, torch.device("cpu"), total(1)) == 1
+    least = min(total(k) for k in range(layers + 1))
+    assert memory_estimate.layers_to_checkpoint(setup.peft_model, settings, torch.device("cpu"), least - 1) is None
+
+
+def test_partial_checkpointing_gives_the_same_loss_and_gradients():
+    """Only the first layer recomputes: the loss and LoRA gradients equal those without checkpointing and with
+    it on every layer. Recompute replays the same kernels on the same inputs on CPU, so they are bit-identical
+    (no tolerance to derive); the recompute really happens on layer 0 only (its forward runs twice)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from workflow_scripts.model import model_loading
+
+    torch.set_num_threads(1)
+    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=97, max_position_embeddings=64)
+    ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for mode in ("none", "partial", "full"):
+        torch.manual_seed(0)
+        model = model_loading.add_lora(Qwen2ForCausalLM(config), tiny_training_settings().lora, mode != "none")
+        if mode == "partial":
+            assert model_loading.checkpoint_first_layers(model, 1) == 1
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+        model.train()
+        calls = []
+        for k, layer in enumerate(model.get_base_model().model.layers):
+            # a pre-hook at the layer's first call: the recompute stops early, once it has what backward needs
+            layer.self_attn.register_forward_pre_hook(lambda module, args, k=k: calls.append(k))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results[mode] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad},
+                         sorted(calls))
+    for mode in ("partial", "full"):
+        assert torch.equal(results[mode][0], results["none"][0])
+        for name, grad in results["none"][1].items():
+            assert torch.equal(results[mode][1][name], grad), (mode, name)
+    assert results["none"][2] == [0, 1, 2] and results["partial"][2] == [0, 0, 1, 2]
+    assert results["full"][2] == [0, 0, 1, 1, 2, 2]

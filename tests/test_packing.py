@@ -300,3 +300,85 @@ def test_the_packing_benchmark_runs_at_tiny_scale(tmp_path):
     assert any(g["description"].startswith("packed to a token budget / Trainer group_by_length") for g in rec["goals"])
     plans = rec["setup"]["padding_share_of_batch_plans"]
     assert plans["packed_random"] < plans["padded_random"] and plans["packed_grouped"] <= plans["padded_grouped"]
+
+
+# --- issue 45: no dense mask under FlexAttention, full padding-free rows ---
+def test_no_dense_mask_is_built_under_flex_attention(monkeypatch):
+    """Under FlexAttention the loss module builds a BlockMask from segment_ids on the device; the collator
+    built the dense [rows, 1, W, W] mask anyway and threw it away (128 MiB of CPU work per 8 x 4,096 batch)."""
+    rows = example_rows()
+    sdpa = packing.PackingCollator(TINY_PAD, TINY_VOCAB, MAX_LENGTH, "sdpa")(rows)
+
+    def refused(segment_ids):
+        raise AssertionError("the dense block mask was built under flex_attention")
+
+    monkeypatch.setattr(packing, "block_causal_mask", refused)
+    flex = packing.PackingCollator(TINY_PAD, TINY_VOCAB, MAX_LENGTH, "flex_attention")(rows)
+    assert flex["attention_mask"] is None
+    for key in ("input_ids", "position_ids", "labels", "target_index", "target_ids", "segment_ids"):
+        assert torch.equal(flex[key], sdpa[key]), key
+    assert flex["example_spans"] == sdpa["example_spans"] and flex["row_ids"] == sdpa["row_ids"]
+
+
+def test_one_row_packing_gives_the_same_loss_and_gradients_as_packed_rows():
+    """``one_row``: every example of the micro-batch in one padding-free row (the benchmark's full rows). Each
+    example keeps its own loss, and the LoRA gradients equal those of the multi-row packing. Tolerance: fp32,
+    the same per-example sums over a different row layout, so only the order of additions differs (attention
+    softmax over at most W keys, the row's matmuls): rounding of about sqrt(W) x eps per reduction, W = 128
+    here, times the few reductions in a 2-layer model: 8 x sqrt(128) x eps = 1.1e-5 relative."""
+    from workflow_scripts.model import model_loading
+
+    torch.set_num_threads(1)
+    tolerance = 8 * 128 ** 0.5 * torch.finfo(torch.float32).eps
+    peft_model = model_loading.add_lora(tiny("qwen2"), tiny_training_settings().lora, gradient_checkpointing=False)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.1)
+    peft_model.eval()
+    rows = example_rows()
+    lora = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    results = []
+    for collator in (packing.PackingCollator(TINY_PAD, TINY_VOCAB, MAX_LENGTH),
+                     packing.PackingCollator(TINY_PAD, TINY_VOCAB, MAX_LENGTH, one_row=True, width_multiple=16)):
+        batch = collator(rows)
+        losses = per_example_losses(packed_logits(peft_model, batch), batch, rows)
+        sum(losses.values()).backward()
+        results.append((batch, {k: float(v.detach()) for k, v in losses.items()}, {n: p.grad.clone() for n, p in lora.items()}))
+        peft_model.zero_grad()
+    (packed, packed_losses, packed_grads), (one, one_losses, one_grads) = results
+    total = sum(len(r["input_ids"]) for r in rows)
+    assert one["input_ids"].shape == (1, -(-total // 16) * 16) and one["padded_tokens"] < 16
+    assert packed["input_ids"].shape[0] > 1  # the plain path really has several rows
+    for row_id, loss in packed_losses.items():
+        assert one_losses[row_id] == pytest.approx(loss, rel=tolerance), row_id
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(one_grads[name], grad, rtol=tolerance, atol=tolerance * float(grad.abs().max()))
+
+
+def test_full_rows_pad_under_5_percent_on_the_benchmarks_lengths():
+    """The 7B benchmark's rows (64..4,096 tokens, median 600): each step cut into full rows of its token budget
+    (16,384) pads under 5 %; packing each micro-batch of 8 into rows of max_length (today's side A) pads
+    more (the audit: 19 %)."""
+    from benchmarks import bench_gpu_7b
+
+    settings = bench_gpu_7b.SCALES["7b"]
+    e, steps = settings["effective_batch"], settings["warmup_steps"] + settings["timed_steps"]
+    lengths = [int(n) for n in bench_gpu_7b.synthetic.long_tailed_lengths(
+        steps * e, **{k: settings["length"][k] for k in ("low", "high", "median", "sigma")}, seed=41)]
+
+    def padding(micro_batches, **options):
+        # flex_attention: no dense [rows, 1, W, W] mask to build; the layout (and so the padding) is the same
+        collator = packing.PackingCollator(TINY_PAD, 10, settings["max_length"], "flex_attention", **options)
+        batches = [collator([{"id": f"r{k}", "input_ids": [5] * n, "labels": [5] * n} for k, n in enumerate(m)])
+                   for m in micro_batches]
+        return sum(b["padded_tokens"] for b in batches) / sum(b["input_ids"].numel() for b in batches)
+
+    full, today = [], []
+    for k in range(steps):
+        step = lengths[k * e:(k + 1) * e]
+        full += [step[a:b] for a, b in packing.full_row_cuts(step, settings["row_tokens"])]
+        today += [step[a:a + settings["micro_batch"]] for a in range(0, e, settings["micro_batch"])]
+    assert all(sum(m) <= settings["row_tokens"] for m in full)
+    assert padding(full, one_row=True, width_multiple=settings["width_multiple"]) < 0.05
+    assert padding(today) > 0.05

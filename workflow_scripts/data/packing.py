@@ -118,12 +118,18 @@ class PackingCollator:
     ``example_spans`` ((row, start, length) per entry of ``row_ids``).
     """
 
-    def __init__(self, pad_token_id: int, vocab_size: int, max_length: int, attn_implementation: str = "sdpa"):
+    def __init__(self, pad_token_id: int, vocab_size: int, max_length: int, attn_implementation: str = "sdpa",
+                 one_row: bool = False, width_multiple: int = 1):
         mask_for(torch.ones(1, 1, 1, 1, dtype=torch.bool), attn_implementation)  # refuse unknown forms now
         self.pad_token_id = pad_token_id
         self.vocab_size = vocab_size
         self.max_length = max_length
         self.attn_implementation = attn_implementation
+        # one_row: every example of the micro-batch in ONE row (padding-free, as TRL's padding_free): its width is
+        # the examples' sum rounded up to width_multiple (FlexAttention's 128-token blocks: fewer shapes to compile),
+        # so padding is below width_multiple tokens per micro-batch. The caller bounds the sum (a token budget).
+        self.one_row = one_row
+        self.width_multiple = max(1, int(width_multiple))
 
     def __call__(self, rows: list[dict]) -> dict:
         if not rows:
@@ -135,8 +141,16 @@ class PackingCollator:
                 raise WorkflowError(f"row '{row['id']}': input_ids has {n} tokens and labels {len(row['labels'])}; "
                                     "both must be equal and non-zero")
             lengths.append(n)
-        bins = pack(lengths, self.max_length)
-        width = max(sum(lengths[i] for i in b) for b in bins)
+        if self.one_row:
+            longest = max(lengths)
+            if longest > self.max_length:
+                raise WorkflowError(f"an example has {longest} tokens, more than training.max_length {self.max_length}; "
+                                    "re-run pretokenise with this max_length")
+            bins = [list(range(len(lengths)))]
+            width = -(-sum(lengths) // self.width_multiple) * self.width_multiple
+        else:
+            bins = pack(lengths, self.max_length)
+            width = max(sum(lengths[i] for i in b) for b in bins)
         shape = (len(bins), width)
         input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
         labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
@@ -171,7 +185,10 @@ class PackingCollator:
         real_tokens = sum(lengths)
         return {
             "input_ids": input_ids,
-            "attention_mask": mask_for(block_causal_mask(segment_ids), self.attn_implementation),
+            # Under FlexAttention no dense [rows, 1, L, L] mask is built (the loss module builds the BlockMask on the
+            # device from segment_ids): at 8 x 4,096 tokens the dense one is 128 MiB of CPU work per micro-batch.
+            "attention_mask": (None if MASK_FORMS[self.attn_implementation] == "block"
+                               else mask_for(block_causal_mask(segment_ids), self.attn_implementation)),
             "position_ids": position_ids,
             "labels": labels,
             "target_index": target_mask.reshape(-1).nonzero().squeeze(1),
@@ -183,6 +200,22 @@ class PackingCollator:
             "segment_ids": segment_ids,
             "example_spans": spans,
         }
+
+
+def full_row_cuts(lengths: Sequence[int], token_budget: int) -> list[tuple[int, int]]:
+    """(start, end) of consecutive runs of ``lengths`` (in their order) whose SUM fits ``token_budget``: the
+    micro-batches of one-row packing (``PackingCollator(one_row=True)``), each filled up to the budget."""
+    cuts, start, used = [], 0, 0
+    for k, n in enumerate(lengths):
+        if n > token_budget:
+            raise WorkflowError(f"an example has {n} tokens, more than the token budget {token_budget}")
+        if used + n > token_budget:
+            cuts.append((start, k))
+            start, used = k, 0
+        used += n
+    if start < len(lengths):
+        cuts.append((start, len(lengths)))
+    return cuts
 
 
 def document_block_mask(segment_ids: torch.Tensor):

@@ -31,7 +31,7 @@ def _config_value(config, *names, default=None):
 def activation_bytes(config, micro_batch: int, max_length: int, activation_dtype_bytes: int,
                      gradient_checkpointing: bool, lora_rank: int, lora_targets: int,
                      activation_offloading: bool = False, fused_cross_entropy: bool = False,
-                     tokens: int | None = None) -> int:
+                     tokens: int | None = None, checkpointed_layers: int | None = None) -> int:
     """Saved activations of one micro-batch of full-length rows, plus the target-token logits.
 
     ``tokens``: the micro-batch's token slots when not ``micro_batch x max_length``: under
@@ -39,7 +39,9 @@ def activation_bytes(config, micro_batch: int, max_length: int, activation_dtype
     row is wider than max_length, so attention scores stay within tokens x max_length per head.
 
     ``activation_offloading`` (with checkpointing): the layer inputs checkpointing keeps live in host
-    memory, so the device holds only the layer being recomputed. ``fused_cross_entropy``: Liger's fused
+    memory, so the device holds only the layer being recomputed. ``checkpointed_layers`` (with checkpointing):
+    only that many layers recompute (``model_loading.checkpoint_first_layers``), the others keep their
+    activations; None: every layer. ``fused_cross_entropy``: Liger's fused
     loss computes the logits in chunks of about tokens / ceil(vocab / hidden) rows, so it holds about
     tokens x hidden fp32 logits (and their gradient) instead of tokens x vocab."""
     hidden = _config_value(config, "hidden_size", "n_embd", "d_model")
@@ -53,9 +55,14 @@ def activation_bytes(config, micro_batch: int, max_length: int, activation_dtype
     per_layer = 11 * hidden + 4 * inter + lora_rank * lora_targets
     if getattr(config, "_attn_implementation", "sdpa") == "eager":
         per_layer += 2 * heads * max_length  # attention scores and probabilities
-    if gradient_checkpointing:
-        # Each layer keeps its input (on the host when offloaded); one layer at a time is recomputed in full.
-        elements = tokens * ((0 if activation_offloading else hidden * layers) + per_layer)
+    checkpointed = layers if checkpointed_layers is None else max(0, min(layers, checkpointed_layers))
+    if gradient_checkpointing and checkpointed:
+        # Each checkpointed layer keeps its input (on the host when offloaded); the layers left out keep all their
+        # activations. The backward frees those (the last layers) before it recomputes the checkpointed ones, one
+        # at a time, so the peak holds per_layer for max(left out, 1) layers: with every layer checkpointed, the
+        # one being recomputed.
+        elements = tokens * ((0 if activation_offloading else hidden * checkpointed)
+                             + per_layer * max(layers - checkpointed, 1))
     else:
         elements = tokens * per_layer * layers
     # fp32 logits and their gradient, for target tokens (at most every token).
@@ -171,7 +178,7 @@ def loading_estimate(peft_model: nn.Module, training: TrainingSettings, device: 
 
 
 def estimate(peft_model: nn.Module, training: TrainingSettings, device: torch.device,
-             image_processor: Mapping | None = None) -> dict[str, int]:
+             image_processor: Mapping | None = None, checkpointed_layers: int | None = None) -> dict[str, int]:
     """Bytes per process by component; ``total`` includes the CUDA runtime overhead on GPUs.
 
     ``image_processor``: a VLM's image-processor settings as pretokenise recorded them (tokenise_meta.json),
@@ -206,6 +213,7 @@ def estimate(peft_model: nn.Module, training: TrainingSettings, device: torch.de
         language, training.micro_batch, training.max_length, activation_dtype_bytes,
         training.gradient_checkpointing, training.lora.rank, max(1, lora_targets // max(1, layers)),
         training.activation_offloading, training.fused_cross_entropy, training.micro_batch_tokens,
+        checkpointed_layers,
     )
     vision = getattr(config, "vision_config", None)
     if vision is not None:
@@ -220,6 +228,23 @@ def estimate(peft_model: nn.Module, training: TrainingSettings, device: torch.de
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+def layers_to_checkpoint(peft_model: nn.Module, training: TrainingSettings, device: torch.device,
+                         capacity: int) -> int | None:
+    """The fewest decoder layers to checkpoint (``checkpointed_layers``) for the estimate to fit ``capacity``:
+    0 when every activation fits (no recompute), None when even full checkpointing does not fit. Recompute
+    costs about a third of a layer's forward-backward, so each layer left out of it is time saved."""
+    import dataclasses
+
+    config = getattr(peft_model, "get_base_model", lambda: peft_model)().config
+    language = getattr(config, "text_config", None) or config
+    layers = _config_value(language, "num_hidden_layers", "n_layer", "num_layers", default=1)
+    checkpointed = dataclasses.replace(training, gradient_checkpointing=True)
+    for count in range(layers + 1):
+        if estimate(peft_model, checkpointed, device, checkpointed_layers=count)["total"] <= capacity:
+            return count
+    return None
 
 
 def device_capacity(device: torch.device, processes_on_device: int = 1) -> int:

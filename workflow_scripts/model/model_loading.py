@@ -193,6 +193,20 @@ def enable_gradient_checkpointing(model, input_gradients: bool) -> None:
         model.enable_input_require_grads()
 
 
+def checkpoint_first_layers(model, count: int) -> int:
+    """Partial activation checkpointing: with checkpointing enabled, only the first ``count`` decoder layers
+    recompute in the backward; the others keep their activations (transformers checkpoints per layer, by each
+    layer's ``gradient_checkpointing`` flag). The first ones: the backward reaches them last, after the layers
+    that kept their activations have freed them, so a recompute never adds to those. For when all activations
+    do not fit but some do (``memory_estimate.layers_to_checkpoint``). Returns how many layers checkpoint."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for k, layer in enumerate(layers):
+        layer.gradient_checkpointing = k < count  # an instance flag over the class default (False)
+    return min(count, len(layers))
+
+
 def prepare_full(model, gradient_checkpointing: bool):
     """``training.finetune: full``: no PEFT wrap, every parameter trainable and held in fp32 (master
     weights; autocast still computes in bf16/fp16)."""

@@ -87,15 +87,17 @@ def apply_before_lora(base: nn.Module, training: TrainingSettings, device: torch
                                     fused_linear_cross_entropy=False)
 
 
-def apply_after_lora(peft_model: nn.Module, training: TrainingSettings) -> None:
-    """Regional compilation: each decoder layer compiled in place (``nn.Module.compile``)."""
+def apply_after_lora(peft_model: nn.Module, training: TrainingSettings, backend: str | None = None) -> None:
+    """Regional compilation: each decoder layer compiled in place (``nn.Module.compile``). ``backend``: torch's
+    default (Inductor) unless named; the benchmark's CPU harness names Dynamo's ``eager`` (graphs, guards and
+    recompiles as Inductor would see them, without its code generation)."""
     if not training.compile_layers:
         return
     from workflow_scripts.training.fsdp import decoder_layers
 
     base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
     for layer in decoder_layers(base):
-        layer.compile()
+        layer.compile(**({"backend": backend} if backend else {}))
 
 
 def fused_cross_entropy(peft_model: nn.Module, training: TrainingSettings,
