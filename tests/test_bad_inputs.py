@@ -324,6 +324,8 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("config", "vlm-max-pixels-on-a-generation-variant", cfg("variants.baseline.max_pixels", 1024), "config", "{config}: config key 'variants.baseline.max_pixels': a pixel budget is a vision_language setting; a generation variant has no images. Set variants.baseline.task: vision_language, or remove it"),
         # --- reruns (issue 35) ---
         case("config", "power-threshold-without-the-base-evaluation", cfg("comparison.min_detectable_effect", 0.001, base=without_base_evaluation), "config", "{config}: config key 'comparison.min_detectable_effect': is 0.001, but evaluation.evaluate_base_model is false, and the power check estimates from the untrained model's scores: set evaluation.evaluate_base_model: true, or remove the threshold"),
+        # --- issue 44: numbers and refusals ---
+        case("config", "variant-sets-a-key-the-reference-leaves-unset", cfg("variants.mtup.training", {"micro_batch_tokens": 512}), "config", "{config}: config key 'variants.mtup.training.micro_batch_tokens': sets 512 where the reference variant 'baseline' leaves it unset, so the comparison would not be fair; make them equal, or list it under comparison.intended_differences: [training.micro_batch_tokens] if the difference is the point"),
     ]
 
 
