@@ -325,6 +325,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         # --- reruns (issue 35) ---
         case("config", "power-threshold-without-the-base-evaluation", cfg("comparison.min_detectable_effect", 0.001, base=without_base_evaluation), "config", "{config}: config key 'comparison.min_detectable_effect': is 0.001, but evaluation.evaluate_base_model is false, and the power check estimates from the untrained model's scores: set evaluation.evaluate_base_model: true, or remove the threshold"),
         # --- issue 44: numbers and refusals ---
+        case("config", "min-detectable-effect-beyond-an-unbounded-metrics-reach", power_on_untrained_loss(50), "power", "config key 'comparison.min_detectable_effect': is 50, but dataset 'corpus' is scored by mlm_loss, [0, ∞), lower is better, and the untrained model 'tiny-bert' scores 6.75: variants that train below that differ by less than 6.75, so the threshold would never stop a run; give it in the metric's own units, well below 6.75 (e.g. 0.068)"),
         case("config", "variant-sets-a-key-the-reference-leaves-unset", cfg("variants.mtup.training", {"micro_batch_tokens": 512}), "config", "{config}: config key 'variants.mtup.training.micro_batch_tokens': sets 512 where the reference variant 'baseline' leaves it unset, so the comparison would not be fair; make them equal, or list it under comparison.intended_differences: [training.micro_batch_tokens] if the difference is the point"),
     ]
 
@@ -1040,6 +1041,20 @@ def relative_raw(setup: Callable):
         argv[index] = os.path.relpath(argv[index])
         return argv
     return wrapped
+
+
+# --- issue 44: setups ---
+def power_on_untrained_loss(threshold: float):
+    """The power stage on an untrained masked LM whose mean loss is 6.75 nats on each of 10 test lines."""
+    def plant(w: Workspace) -> None:
+        base = w.tmp / "base"
+        base.mkdir()
+        (base / "eval.json").write_text(json.dumps({"metric": "mlm_loss", "n_examples": 10, "score": 6.75}))
+        (base / "predictions.jsonl").write_text("".join(json.dumps({"id": f"l{i}", "counts": [13.5, 2]}) + "\n"
+                                                        for i in range(10)))
+    return command(lambda w: {"--model-name": "tiny-bert", "--dataset-name": "corpus", "--base": "mlm={tmp}/base",
+                              "--comparison": {"min_detectable_effect": threshold},
+                              "--out-json": "{out}/power.json", "--out-markdown": "{out}/power.md"}, None, plant)
 
 
 # --- the tests (last: the table needs the helpers above) ---

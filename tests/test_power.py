@@ -336,3 +336,31 @@ def test_macro_f1_bound_is_above_every_classifier_and_near_the_worst():
     worst = np.var(power.example_contributions("macro_f1", [{"counts": row}
                                                              for row in _class_counts(gold, found, width)]))
     assert bound / 2 < worst <= bound
+
+
+def test_a_threshold_beyond_an_unbounded_metrics_reach_is_refused(tmp_path):
+    """Issue 44: min_detectable_effect 50 on mlm_loss was accepted (the range check covered the [0, 1] metrics
+    only) where the untrained model's mean loss is 6.75: variants that train below it differ by less, so the
+    threshold never stopped a run. Refused before training, naming the key, the metric and the untrained score;
+    a threshold within the reach goes on to the MDE check, and perplexity (floor 1) keeps its own reach."""
+    rng = np.random.default_rng(5)
+    masked = rng.integers(1, 6, 40)
+    losses = masked * rng.uniform(6.5, 7.0, 40)
+    base = [{"counts": [float(loss), int(tokens)]} for loss, tokens in zip(losses, masked)]
+    estimate = power.estimate("corpus", "tiny-bert", "mlm_loss", {"mlm": base})
+    assert estimate.base_score == pytest.approx(losses.sum() / masked.sum())
+    with pytest.raises(ConfigError) as caught:
+        power.check_threshold(estimate, 50)
+    assert caught.value.key == "comparison.min_detectable_effect"
+    assert caught.value.problem.startswith(
+        f"is 50, but dataset 'corpus' is scored by mlm_loss, [0, ∞), lower is better, and the untrained model "
+        f"'tiny-bert' scores {estimate.base_score:.3g}: variants that train below that differ by less than "
+        f"{estimate.base_score:.3g}, so the threshold would never stop a run")
+    power.check_threshold(estimate, estimate.mde)  # within the reach: the MDE check alone
+    perplexity = [{"counts": [float(loss), int(tokens)]} for loss, tokens in zip(losses, masked)]
+    estimate = power.estimate("corpus", "tiny-bert", "perplexity", {"mlm": perplexity})
+    assert estimate.base_score == pytest.approx(math.exp(losses.sum() / masked.sum()))  # about 800
+    assert estimate.mde < 100 < estimate.base_score - 1
+    power.check_threshold(estimate, 100)  # a perplexity difference of 100 is within its reach
+    with pytest.raises(ConfigError, match="differ by less than"):
+        power.check_threshold(estimate, estimate.base_score)

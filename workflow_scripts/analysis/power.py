@@ -55,13 +55,17 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.analysis import paired_bootstrap
+from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.tasks import metrics, smatchpp_metric
 
 ALPHA = 0.05
 POWER = 0.8
 BOUNDED_VARIANCE = 0.25  # the largest variance of a score in [0, 1] (Popoviciu)
 UNBOUNDED_METRICS = tuple(metrics.UNBOUNDED_RANGES)
+# The best score an unbounded metric reaches (lower is better): a mean loss of 0 nats, a perplexity of 1. Two
+# variants that train below the untrained model's score differ by less than its distance to this floor.
+UNBOUNDED_FLOORS = {"mlm_loss": 0.0, "perplexity": 1.0}
 VARIANCE_FROM_BASE = "untrained model's per-example variance (largest over the variants' prompts)"
 VARIANCE_FROM_BOUND = ("1/4: for scores in [0, 1] whose variants correlate with rho >= 1/2, Var(a - b) <= 1/4; the "
                        "untrained model's per-example variance is smaller")
@@ -154,6 +158,7 @@ class PowerEstimate:
     mde: float | None
     alpha: float = ALPHA
     power: float = POWER
+    base_score: float | None = None  # the untrained model's corpus score, the largest over the variants' prompts
 
     def line(self) -> str:
         where = f"{self.dataset} ({self.model}, {self.metric})"
@@ -194,12 +199,34 @@ def estimate(dataset: str, model: str, metric: str,
     else:
         variance, source = 0.0, "none: the untrained model's scores do not vary and the metric is unbounded"
     mde = None if variance == 0 else minimum_detectable_effect(variance, n_examples)
-    return PowerEstimate(dataset, model, metric, n_examples, base_variance, variance, source, mde)
+    base_score = max(_corpus_score(metric, records) for records in base_records.values())
+    return PowerEstimate(dataset, model, metric, n_examples, base_variance, variance, source, mde,
+                         base_score=base_score)
+
+
+def _corpus_score(metric: str, records: Sequence[Mapping[str, Any]]) -> float:
+    """The corpus score of one evaluation's records, as compare computes it (paired_bootstrap.corpus_statistic)."""
+    field = "counts" if metrics.summed_counts(metric) else "score"
+    return float(paired_bootstrap.corpus_statistic(metric, np.asarray([record[field] for record in records], dtype=float)))
 
 
 def check_threshold(estimate: PowerEstimate, threshold: float | None) -> None:
-    """comparison.min_detectable_effect: stop before training when the planned comparison cannot resolve it."""
-    if threshold is None or estimate.mde is None or estimate.mde <= threshold:
+    """comparison.min_detectable_effect: stop before training when the planned comparison cannot resolve it, and
+    refuse a threshold outside the reach of an unbounded metric's differences (the [0, 1] metrics' is refused
+    with the config: checks/config)."""
+    if threshold is None:
+        return
+    floor = UNBOUNDED_FLOORS.get(estimate.metric)
+    if floor is not None and estimate.base_score is not None and threshold >= estimate.base_score - floor:
+        reach = estimate.base_score - floor
+        raise ConfigError(
+            "comparison.min_detectable_effect",
+            f"is {threshold:g}, but dataset '{estimate.dataset}' is scored by {estimate.metric}, "
+            f"{metrics.score_range(estimate.metric)}, and the untrained model '{estimate.model}' scores "
+            f"{estimate.base_score:.3g}: variants that train below that differ by less than {reach:.3g}, so the "
+            f"threshold would never stop a run; give it in the metric's own units, well below {reach:.3g} (e.g. "
+            f"{reach / 100:.2g})")
+    if estimate.mde is None or estimate.mde <= threshold:
         return
     examples = examples_needed(estimate.variance, threshold)
     raise WorkflowError(
