@@ -325,6 +325,8 @@ def table() -> list:  # called at collection, after the helpers below are define
         # --- reruns (issue 35) ---
         case("config", "power-threshold-without-the-base-evaluation", cfg("comparison.min_detectable_effect", 0.001, base=without_base_evaluation), "config", "{config}: config key 'comparison.min_detectable_effect': is 0.001, but evaluation.evaluate_base_model is false, and the power check estimates from the untrained model's scores: set evaluation.evaluate_base_model: true, or remove the threshold"),
         # --- issue 44: numbers and refusals ---
+        case("cli", "sanity-rerun-below-the-power-threshold", gate({"--min-detectable-effect": "0.05", "--power-report": "{tmp}/power.json"}, plant=power_report_of_72_examples), "sanity", "dataset 'chartqa_demo' (model 'tiny-llama'): with 72 test examples the minimum detectable effect is ±0.165, above comparison.min_detectable_effect 0.05. Fix: use at least 785 test examples (under the assumption in the power report; more seeds are no substitute: the examples' difficulty is shared across seeds), or raise comparison.min_detectable_effect"),
+        case("cli", "sanity-rerun-without-its-power-report", gate({"--min-detectable-effect": "0.05", "--power-report": "{tmp}/power.json"}), "sanity", "{tmp}/power.json: not found; run snakemake {tmp}/power.json first, which estimates it"),
         case("config", "min-detectable-effect-beyond-an-unbounded-metrics-reach", power_on_untrained_loss(50), "power", "config key 'comparison.min_detectable_effect': is 50, but dataset 'corpus' is scored by mlm_loss, [0, ∞), lower is better, and the untrained model 'tiny-bert' scores 6.75: variants that train below that differ by less than 6.75, so the threshold would never stop a run; give it in the metric's own units, well below 6.75 (e.g. 0.068)"),
         case("config", "variant-sets-a-key-the-reference-leaves-unset", cfg("variants.mtup.training", {"micro_batch_tokens": 512}), "config", "{config}: config key 'variants.mtup.training.micro_batch_tokens': sets 512 where the reference variant 'baseline' leaves it unset, so the comparison would not be fair; make them equal, or list it under comparison.intended_differences: [training.micro_batch_tokens] if the difference is the point"),
     ]
@@ -1055,6 +1057,14 @@ def power_on_untrained_loss(threshold: float):
     return command(lambda w: {"--model-name": "tiny-bert", "--dataset-name": "corpus", "--base": "mlm={tmp}/base",
                               "--comparison": {"min_detectable_effect": threshold},
                               "--out-json": "{out}/power.json", "--out-markdown": "{out}/power.md"}, None, plant)
+
+
+def power_report_of_72_examples(w: Workspace) -> None:
+    """{tmp}/power.json as the power rule writes it: 72 test examples the untrained model gets all wrong."""
+    from workflow_scripts.analysis import power
+
+    estimate = power.estimate("chartqa_demo", "tiny-llama", "exact_match", {"baseline": [{"score": 0.0}] * 72})
+    (w.tmp / "power.json").write_text(json.dumps({**estimate.to_dict(), "min_detectable_effect": None}))
 
 
 # --- the tests (last: the table needs the helpers above) ---

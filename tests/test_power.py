@@ -364,3 +364,42 @@ def test_a_threshold_beyond_an_unbounded_metrics_reach_is_refused(tmp_path):
     power.check_threshold(estimate, 100)  # a perplexity difference of 100 is within its reach
     with pytest.raises(ConfigError, match="differ by less than"):
         power.check_threshold(estimate, estimate.base_score)
+
+
+def test_a_gate_rerun_as_a_target_checks_a_threshold_added_after_it_passed(tmp_path):
+    """Issue 44: the power checkpoint stands in front of a gate only until it first passes, so with
+    comparison.min_detectable_effect added afterwards, a gate rerun as a target ran without the check. The gate
+    now receives the threshold and the power reports (not recorded: a new threshold reruns no gate) and refuses
+    itself (tests/test_bad_inputs.py: sanity-rerun-below-the-power-threshold)."""
+    from test_dag import absolute_demo_config, config_file, job_counts
+    from test_dry_run_families import dry_run
+
+    gate = tmp_path / "results/tiny-llama/chartqa_demo/baseline/sanity.json"
+    gate.parent.mkdir(parents=True)
+    gate.write_text("{}\n")  # the gate has passed once
+    config = absolute_demo_config(datasets=["chartqa_demo"])
+    config["comparison"]["min_detectable_effect"] = 0.05
+    code, output = dry_run(tmp_path, "results/tiny-llama/chartqa_demo/baseline/sanity.json", "-n", "-p",
+                           "--configfile", str(config_file(tmp_path, config)), "--replace-workflow-config",
+                           "--cores", "1", "--forcerun", "sanity")
+    assert code == 0, output[-3000:]
+    counts = job_counts(output)
+    assert counts.get("sanity") == 1 and "power" not in counts, counts
+    (command,) = [line for line in output.splitlines() if "python -m workflow_scripts.sanity" in line]
+    assert "--min-detectable-effect 0.05 --power-report results/tiny-llama/chartqa_demo/power.json" in command
+
+
+def test_the_gate_checks_the_threshold_against_each_power_report(tmp_path):
+    from workflow_scripts import sanity
+
+    report = tmp_path / "power.json"
+    estimate = power.estimate("chart", "tiny", "exact_match", {"baseline": records([0.0] * 72)})
+    report.write_text(json.dumps({**estimate.to_dict(), "min_detectable_effect": None}))
+    argv = ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"), "--training", "{}", "--seed", "1",
+            "--out", str(tmp_path / "sanity.json"), "--power-report", str(report)]
+    with pytest.raises(WorkflowError, match=r"minimum detectable effect is ±0\.165, above comparison\.min_detectable_"
+                                            r"effect 0\.05\. Fix: use at least 785 test examples"):
+        sanity.main(argv + ["--min-detectable-effect", "0.05"])
+    assert not (tmp_path / "sanity.json").exists()
+    sanity.check_power_reports([str(report)], 0.2)  # a threshold the design meets
+    sanity.check_power_reports([str(tmp_path / "missing.json")], None)  # no threshold: nothing to check
