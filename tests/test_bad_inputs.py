@@ -325,6 +325,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         # --- reruns (issue 35) ---
         case("config", "power-threshold-without-the-base-evaluation", cfg("comparison.min_detectable_effect", 0.001, base=without_base_evaluation), "config", "{config}: config key 'comparison.min_detectable_effect': is 0.001, but evaluation.evaluate_base_model is false, and the power check estimates from the untrained model's scores: set evaluation.evaluate_base_model: true, or remove the threshold"),
         # --- issue 44: numbers and refusals ---
+        case("model", "generation-on-a-tokenizer-without-eos", pretok({"--model": "{model_copy}"}, plant=model_without_eos), "pretokenise", "{model_copy}: the tokenizer has no EOS token, and every generation target ends with one so that the model learns to stop (and decoding stops there); set eos_token in the model's tokenizer_config.json (a token of its vocabulary, such as '</s>'), or run the dataset on a model whose tokenizer has one"),
         case("cli", "sanity-rerun-below-the-power-threshold", gate({"--min-detectable-effect": "0.05", "--power-report": "{tmp}/power.json"}, plant=power_report_of_72_examples), "sanity", "dataset 'chartqa_demo' (model 'tiny-llama'): with 72 test examples the minimum detectable effect is ±0.165, above comparison.min_detectable_effect 0.05. Fix: use at least 785 test examples (under the assumption in the power report; more seeds are no substitute: the examples' difficulty is shared across seeds), or raise comparison.min_detectable_effect"),
         case("cli", "sanity-rerun-without-its-power-report", gate({"--min-detectable-effect": "0.05", "--power-report": "{tmp}/power.json"}), "sanity", "{tmp}/power.json: not found; run snakemake {tmp}/power.json first, which estimates it"),
         case("config", "min-detectable-effect-beyond-an-unbounded-metrics-reach", power_on_untrained_loss(50), "power", "config key 'comparison.min_detectable_effect': is 50, but dataset 'corpus' is scored by mlm_loss, [0, ∞), lower is better, and the untrained model 'tiny-bert' scores 6.75: variants that train below that differ by less than 6.75, so the threshold would never stop a run; give it in the metric's own units, well below 6.75 (e.g. 0.068)"),
@@ -1057,6 +1058,17 @@ def power_on_untrained_loss(threshold: float):
     return command(lambda w: {"--model-name": "tiny-bert", "--dataset-name": "corpus", "--base": "mlm={tmp}/base",
                               "--comparison": {"min_detectable_effect": threshold},
                               "--out-json": "{out}/power.json", "--out-markdown": "{out}/power.md"}, None, plant)
+
+
+def model_without_eos(w: Workspace) -> None:
+    """{model_copy}: the tiny model whose tokenizer sets no EOS token."""
+    copy_model()(w)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = w.tmp / "model_copy" / name
+        if path.exists():
+            settings = json.loads(path.read_text())
+            settings.pop("eos_token", None)
+            path.write_text(json.dumps(settings))
 
 
 def power_report_of_72_examples(w: Workspace) -> None:
