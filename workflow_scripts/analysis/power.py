@@ -199,7 +199,8 @@ def estimate(dataset: str, model: str, metric: str,
     else:
         variance, source = 0.0, "none: the untrained model's scores do not vary and the metric is unbounded"
     mde = None if variance == 0 else minimum_detectable_effect(variance, n_examples)
-    base_score = max(_corpus_score(metric, records) for records in base_records.values())
+    scores = [_corpus_score(metric, records) for records in base_records.values()]
+    base_score = max(scores) if all(math.isfinite(score) for score in scores) else None  # no masked token: none
     return PowerEstimate(dataset, model, metric, n_examples, base_variance, variance, source, mde,
                          base_score=base_score)
 
