@@ -37,6 +37,12 @@ include: "rules/submission_common.smk"
 include: "rules/submission.smk"
 
 
+# A published table edited since compare wrote it is refused (core/final_check.py), here as well as on success:
+# a run with "Nothing to be done" ends before onsuccess.
+if workflow.is_main_process:
+    final_check.check_published(experiment_set_stamp())
+
+
 rule all:
     default_target: True
     input:
@@ -47,3 +53,4 @@ rule all:
 # After a successful run: nothing planned is left out of date (exit non-zero naming it otherwise; core/final_check.py).
 onsuccess:
     final_check.check_up_to_date(workflow)
+    final_check.check_published(experiment_set_stamp())

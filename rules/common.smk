@@ -486,6 +486,25 @@ def power_gate(wildcards):
     return []
 
 
+def gate_power_check(wildcards):
+    """sanity's --min-detectable-effect and --power-report of each dataset the entry is scored on: the gate checks
+    the threshold itself whenever it runs, as power_gate holds it back only until it first passes (a threshold
+    added later, with the gate rerun as a target, was never checked). RuntimeOnly: a new threshold reruns no
+    gate (the power reports, targets of the workflow, are rechecked by the power rule)."""
+    threshold = COMPARISON.min_detectable_effect
+    if threshold is None or not EVALUATION.evaluate_base_model:
+        return RuntimeOnly("")
+    reports = [
+        f"results/{wildcards.model}/{name}/power.json"
+        for name in xc.evaluated_datasets(config, wildcards.dataset, wildcards.model)
+    ]
+    return RuntimeOnly(
+        " ".join(
+            [f"--min-detectable-effect {threshold!r}"] + [f"--power-report {shlex.quote(report)}" for report in reports]
+        )
+    )
+
+
 def power_reports():
     """Every (model, evaluated dataset)'s power report: targets of the workflow, so an estimate whose inputs
     changed is rerun (and, above comparison.min_detectable_effect, fails the run) after training too."""

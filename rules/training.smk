@@ -42,10 +42,12 @@ rule sanity:
         # the first configured seed, not recorded: adding seeds, or one before the others, reruns no gate
         seed=gate_seed,
         trust_remote_code=trust_remote_code,
+        # comparison.min_detectable_effect against the power reports, not recorded: checked whenever the gate runs
+        power_check=gate_power_check,
     shell:
         "python -m workflow_scripts.sanity --model {input.model:q} --data {input.data:q}"
         " --training {params.training:q} --seed {params.seed} {params.trust_remote_code}"
-        " --out {output:q} > {log:q} 2>&1"
+        " {params.power_check} --out {output:q} > {log:q} 2>&1"
 
 
 rule train:

@@ -106,7 +106,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("config", "dataset-twice", cfg_text(SMALL % ("  amr_demo:\n    source: {type: local, path: elsewhere}", "", "")), "config", "{config}: config key 'datasets.amr_demo': line 7: key 'amr_demo' is given twice (first at line 3); " + TWICE),
         case("config", "variant-twice", cfg_text(SMALL % ("", "  baseline: {prompt: 'Q: {question}', target: '{answer}'}", "")), "config", "{config}: config key 'variants.baseline': line 10: key 'baseline' is given twice (first at line 9); " + TWICE),
         case("config", "key-twice-in-flow-mapping", cfg_text(SMALL % ("", "", ", max_length: 64")), "config", "{config}: config key 'training.max_length': line 11: key 'max_length' is given twice (first at line 11); " + TWICE),
-        case("config", "yaml-unclosed-list", cfg_text("model: [unclosed"), "config", "{config}: config key '<file>': not valid YAML at line 1, column 17: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence at line 1, column 8)"),
+        case("config", "yaml-unclosed-list", cfg_text("model: [unclosed"), "config", "{config}: config key '<file>': not valid YAML at line 1, column 17: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence at line 1, column 8); the [ list opened at line 1, column 8 needs its closing ] and a comma between items: close it, add the missing comma, or quote an item that holds ':' or a bracket"),
         case("config", "yaml-bad-indentation", cfg_text("model:\n  name: x\n   source: tiny\n"), "config", "{config}: config key '<file>': not valid YAML at line 3, column 10: mapping values are not allowed here"),
         case("config", "yaml-tab-indentation", cfg_text("model:\n\tname: x\n"), "config", rx(r"\{config\}: config key '<file>': not valid YAML at line 2, column 1: found character '\\t' that cannot start any token.*")),
         case("config", "yaml-top-level-list", cfg_text("- a\n- b\n"), "config", "{config}: config key '<top level>': the config must be a mapping"),
@@ -359,6 +359,12 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("config", "vlm-min-pixels-above-max-pixels", cfg("variants.vision.max_pixels", 1024, base=with_min_pixels), "config", "{config}: config key 'variants.vision.max_pixels': 1024 is below min_pixels 4096: no image size lies within the budget; raise max_pixels or lower min_pixels"),
         case("config", "vlm-budget-on-a-fixed-size-family", cfg("variants.vision.max_pixels", 4096, base=absolute_demo_config), "parse", "{config}: config key 'variants.vision.max_pixels': model 'tiny-llava': a 'llava' model (models.tiny-llava.tiny.architecture) resizes every image to one fixed size, so a pixel budget changes nothing; remove max_pixels and min_pixels from the variant, or run it on a dynamic-resolution or tiling model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision)"),
         case("model", "qwen-vl-folder-without-its-processor-file", prepare_(plant=copy_model((), {"config.json": b'{"model_type": "qwen2_vl"}'}, name="source_model")), "prepare_model", "model.path {tmp}/source_model: {tmp}/source_model holds no preprocessor_config.json (nor processor_config.json): a qwen2_vl model's image processor settings (patch size, merge size, pixel budget) come from it; copy it from the model's release beside config.json"),
+        # --- issue 44: numbers and refusals ---
+        case("model", "generation-on-a-tokenizer-without-eos", pretok({"--model": "{model_copy}"}, plant=model_without_eos), "pretokenise", "{model_copy}: the tokenizer has no EOS token, and every generation target ends with one so that the model learns to stop (and decoding stops there); set eos_token in the model's tokenizer_config.json (a token of its vocabulary, such as '</s>'), or run the dataset on a model whose tokenizer has one"),
+        case("cli", "sanity-rerun-below-the-power-threshold", gate({"--min-detectable-effect": "0.05", "--power-report": "{tmp}/power.json"}, plant=power_report_of_72_examples), "sanity", "dataset 'chartqa_demo' (model 'tiny-llama'): with 72 test examples the minimum detectable effect is ±0.165, above comparison.min_detectable_effect 0.05. Fix: use at least 785 test examples (under the assumption in the power report; more seeds are no substitute: the examples' difficulty is shared across seeds), or raise comparison.min_detectable_effect"),
+        case("cli", "sanity-rerun-without-its-power-report", gate({"--min-detectable-effect": "0.05", "--power-report": "{tmp}/power.json"}), "sanity", "{tmp}/power.json: not found; run snakemake {tmp}/power.json first, which estimates it"),
+        case("config", "min-detectable-effect-beyond-an-unbounded-metrics-reach", power_on_untrained_loss(50), "power", "config key 'comparison.min_detectable_effect': is 50, but dataset 'corpus' is scored by mlm_loss, [0, ∞), lower is better, and the untrained model 'tiny-bert' scores 6.75: variants that train below that differ by less than 6.75, so the threshold would never stop a run; give it in the metric's own units, well below 6.75 (e.g. 0.068)"),
+        case("config", "variant-sets-a-key-the-reference-leaves-unset", cfg("variants.mtup.training", {"micro_batch_tokens": 512}), "config", "{config}: config key 'variants.mtup.training.micro_batch_tokens': sets 512 where the reference variant 'baseline' leaves it unset, so the comparison would not be fair; make them equal, or list it under comparison.intended_differences: [training.micro_batch_tokens] if the difference is the point"),
     ]
 
 
@@ -1226,6 +1232,39 @@ def cut_stream(kind: str) -> bytes:
     data = b"".join(b'{"q": "%x?", "a": "%d"}\n' % (rng.getrandbits(128), i) for i in range(4000))
     packed = gzip.compress(data) if kind == "gzip" else zstandard.ZstdCompressor().compress(data)
     return packed[: len(packed) * 2 // 3]
+
+
+# --- issue 44: setups ---
+def power_on_untrained_loss(threshold: float):
+    """The power stage on an untrained masked LM whose mean loss is 6.75 nats on each of 10 test lines."""
+    def plant(w: Workspace) -> None:
+        base = w.tmp / "base"
+        base.mkdir()
+        (base / "eval.json").write_text(json.dumps({"metric": "mlm_loss", "n_examples": 10, "score": 6.75}))
+        (base / "predictions.jsonl").write_text("".join(json.dumps({"id": f"l{i}", "counts": [13.5, 2]}) + "\n"
+                                                        for i in range(10)))
+    return command(lambda w: {"--model-name": "tiny-bert", "--dataset-name": "corpus", "--base": "mlm={tmp}/base",
+                              "--comparison": {"min_detectable_effect": threshold},
+                              "--out-json": "{out}/power.json", "--out-markdown": "{out}/power.md"}, None, plant)
+
+
+def model_without_eos(w: Workspace) -> None:
+    """{model_copy}: the tiny model whose tokenizer sets no EOS token."""
+    copy_model()(w)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = w.tmp / "model_copy" / name
+        if path.exists():
+            settings = json.loads(path.read_text())
+            settings.pop("eos_token", None)
+            path.write_text(json.dumps(settings))
+
+
+def power_report_of_72_examples(w: Workspace) -> None:
+    """{tmp}/power.json as the power rule writes it: 72 test examples the untrained model gets all wrong."""
+    from workflow_scripts.analysis import power
+
+    estimate = power.estimate("chartqa_demo", "tiny-llama", "exact_match", {"baseline": [{"score": 0.0}] * 72})
+    (w.tmp / "power.json").write_text(json.dumps({**estimate.to_dict(), "min_detectable_effect": None}))
 
 
 # --- the tests (last: the table needs the helpers above) ---

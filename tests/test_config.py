@@ -247,10 +247,15 @@ def test_the_snakefile_check_rereads_each_config_file_strictly(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ("model: [unclosed", "not valid YAML at line 1, column 17: expected ',' or ']', but got '<stream end>' "
-                         "(while parsing a flow sequence at line 1, column 8)"),
+                         "(while parsing a flow sequence at line 1, column 8); the [ list opened at line 1, column 8 "
+                         "needs its closing ] and a comma between items: close it, add the missing comma, or quote an "
+                         "item that holds ':' or a bracket"),
     ("model:\n  name: x\n   source: tiny\n", "not valid YAML at line 3, column 10: mapping values are not allowed here"),
+    # issue 44: the fault is reported a line after the mapping that is not closed, so the message names both
     ("model: {name: x\nseeds: [1]\n", "not valid YAML at line 2, column 6: expected ',' or '}', but got ':' "
-                                      "(while parsing a flow mapping at line 1, column 8)"),
+                                      "(while parsing a flow mapping at line 1, column 8); the { mapping opened at line "
+                                      "1, column 8 needs its closing } and a comma between entries: close it, add the "
+                                      "missing comma, or quote a value that holds ',', ':' or a bracket"),
 ])
 def test_yaml_syntax_errors_are_one_line_with_line_and_column(tmp_path, text, message):
     path = tmp_path / "bad.yaml"

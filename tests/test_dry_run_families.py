@@ -188,7 +188,7 @@ def table() -> list:
         # a syntax error in config/config.yaml is named by file, line and column; one in a --configfile is
         # refused by Snakemake itself before the workflow is read, without naming either
         *per_task("yaml-syntax", ("generation",), lambda t: Mistake(text=BREAK_YAML, default_file=True),
-                  lambda t: rx_line(r"config/config\.yaml: config key '<file>': not valid YAML at line \d+, column 11: expected ',' or '\]', but got ':' \(while parsing a flow sequence at line \d+, column 11\)")),
+                  lambda t: rx_line(r"config/config\.yaml: config key '<file>': not valid YAML at line \d+, column 11: expected ',' or '\]', but got ':' \(while parsing a flow sequence at line \d+, column 11\); the \[ list opened at line \d+, column 11 needs its closing \] and a comma between items: close it, add the missing comma, or quote an item that holds ':' or a bracket")),
         *per_task("yaml-syntax-in-a-configfile", ("generation",), lambda t: Mistake(text=BREAK_YAML),
                   lambda t: "Config file is not valid JSON or YAML. In case of YAML, make sure to not mix whitespace and tab indentation."),
         # templates: a field the dataset does not give, and attribute access

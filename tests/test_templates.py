@@ -135,3 +135,23 @@ def test_a_prompt_or_target_that_renders_empty_names_the_part_and_the_row():
         render_target(typed_variant({"prompt": "{question}", "target": " {aux}"}), row)
     assert str(caught.value) == ("row id 'r1': the target renders empty from template ' {aux}'; "
                                  "every row needs a non-empty target: fill the row's fields or change the template")
+
+
+def test_a_tokenizer_without_eos_is_named_with_what_to_do():
+    """Issue 44: 'the tokenizer has no eos token; ...' named a data row (pretokenise's row 0) and no fix; it now
+    names the model and what to do, at pretokenise (tests/test_bad_inputs.py) and at evaluation."""
+    from types import SimpleNamespace
+
+    import pytest
+    from workflow_scripts.tasks import generation, templates
+
+    tokenizer = SimpleNamespace(eos_token_id=None, name_or_path="resources/models/m")
+    with pytest.raises(templates.NoEosToken) as caught:
+        templates.encode_targets(tokenizer, ["x"])
+    assert str(caught.value).startswith("resources/models/m: the tokenizer has no EOS token")
+    with pytest.raises(templates.NoEosToken) as caught:
+        generation.stop_token_ids(tokenizer, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None)))
+    assert str(caught.value) == ("resources/models/m: the tokenizer has no EOS token and the model's generation_config "
+                                 "names none, so generation could not stop; " + templates.no_eos_fix())
+    # the model's generation config alone is enough to stop at
+    assert generation.stop_token_ids(tokenizer, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[2]))) == [2]

@@ -136,6 +136,22 @@ def test_a_training_only_setting_retokenises_nothing(finished_run):
     assert "train" in rules and not rules & {"download", "normalise", "prepare_model", "pretokenise"}, jobs
 
 
+def test_a_hand_edited_comparison_is_refused_and_the_edit_kept(finished_run):
+    """Issue 44: an edited results/comparison.md survived every rerun ("Nothing to be done"). The finished run's
+    set records the table's sha256; an edit stops the next run with the check's one message, leaving the edit."""
+    table = finished_run / "results" / "comparison.md"
+    written = table.read_text()
+    table.write_text(written + "\nOur variant wins.\n")
+    try:
+        code, output = snakemake_fork.run(["-s", str(ROOT / "Snakefile"), "--configfile", str(finished_run / "config.yaml"),
+                                           "--cores", "2", "-n"], cwd=finished_run, timeout=600)
+        assert code != 0 and "results/comparison.md changed since compare wrote it" in output, output[-3000:]
+        assert table.read_text().endswith("Our variant wins.\n")
+    finally:
+        table.write_text(written)
+    assert "Nothing to be done" in snakemake(finished_run, "-n")
+
+
 # Last in this module: it runs a second experiment set in the module's directory and then restores the first.
 def test_a_second_experiment_set_in_the_same_directory_runs_and_an_unchanged_one_does_nothing(finished_run):
     """The module's run is the first set; the second is another model and dataset with their whole chain.

@@ -612,7 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.experiment_set_out:
         experiment_set.write_stamp(args.experiment_set_out, {
             "experiments": json_setting(args.experiments, "--experiments"), "comparison": comparison.to_dict(),
-            "with_base": args.with_base})
+            "with_base": args.with_base}, published=[args.out_markdown, args.out_csv])
     print(text)
     return 0
 

@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 from workflow_scripts.data import arrow_split
 from workflow_scripts.data.fingerprints import input_fingerprint, tokenizer_fingerprint
 from workflow_scripts.data.normalised_data import read_task_meta
-from workflow_scripts.tasks import task_named
+from workflow_scripts.tasks import task_named, templates
 from workflow_scripts.core.entry_settings import VariantSettings
 from workflow_scripts.core.atomic_output import atomic_path, scratch_directory, stop_signals_exit, write_json
 from workflow_scripts.core.errors import WorkflowError, run_main
@@ -334,6 +334,8 @@ def tokenise_all(args, task, variant: VariantSettings) -> int:
     try:  # a template naming a field the data lacks fails here, once, naming the data
         task.tokenise_batch(data["train"][:1], tokenizer=tokenizer, variant=variant, max_length=args.max_length,
                             task_meta=task_meta)
+    except templates.NoEosToken:  # the model's fault, not the row's
+        raise
     except WorkflowError as error:
         raise WorkflowError(f"{args.data} split 'train' row 0: {error}") from None
     record = task.variant_record(variant)  # the variant as the cache key and the records have always held it

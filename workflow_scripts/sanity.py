@@ -8,8 +8,10 @@ real optimizer steps on the experiment's pre-tokenised data, and fails with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -19,8 +21,10 @@ from workflow_scripts.tasks import stored_columns
 from workflow_scripts.training import distributed, preflight_checks as checks, training_setup, validation
 from workflow_scripts.launch import launcher
 from workflow_scripts.model import memory_estimate, model_loading, quantization
+from workflow_scripts.analysis import power
+from workflow_scripts.core import json_files
 from workflow_scripts.core.atomic_output import write_json
-from workflow_scripts.core.errors import run_main
+from workflow_scripts.core.errors import WorkflowError, run_main
 from workflow_scripts.core.settings import TrainingSettings
 from workflow_scripts.core.stage_arguments import StageArgumentParser
 from workflow_scripts.training.preflight_checks import PreflightError
@@ -34,12 +38,33 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = StageArgumentParser(prog="python -m workflow_scripts.sanity", description=__doc__)
     add_common_arguments(parser)
     parser.add_argument("--out", required=True, help="sanity.json report")
+    parser.add_argument("--min-detectable-effect", type=float, default=None,
+                        help="comparison.min_detectable_effect, checked against each --power-report before the gate")
+    parser.add_argument("--power-report", action="append", default=[], metavar="POWER_JSON",
+                        help="the power report of a dataset the entry is scored on (repeatable)")
     return parser.parse_args(argv)
+
+
+def check_power_reports(reports: Sequence[str], threshold: float | None) -> None:
+    """comparison.min_detectable_effect against the power reports, whenever the gate runs. The power checkpoint
+    stands in front of a gate only until it first passes (rules/common.smk, power_gate), so a threshold added
+    later, with the gate rerun as a target, would otherwise never be checked."""
+    if threshold is None:
+        return
+    for path in reports:
+        report = json_files.read_json_object(Path(path), f"run snakemake {path} first, which estimates it")
+        known = {field.name for field in dataclasses.fields(power.PowerEstimate)}
+        try:
+            estimate = power.PowerEstimate(**{key: value for key, value in report.items() if key in known})
+        except TypeError as error:
+            raise WorkflowError(f"{path}: not a power report ({error}); delete it and run snakemake {path}") from None
+        power.check_threshold(estimate, threshold)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    check_power_reports(args.power_report, args.min_detectable_effect)
     training = TrainingSettings.from_json(args.training)
     quantization.leave_out_bitsandbytes("workflow_scripts.sanity", training.quantization is not None)
     return launcher.run_here_or_launch("workflow_scripts.sanity", argv, training, lambda: run_gate(args, training))

@@ -32,6 +32,19 @@ example enters through its linearised contribution (delta method), (num_i - R * 
 smatch's 2M / (T + G) and the masked-LM ratios, the numerical gradient for Smatch++'s 2PR / (P + R) and for
 macro-F1 (the mean over the label set of 2TP / (gold + predicted) from per-class counts, metrics.class_counts),
 so the variance is that of the corpus score's own estimator.
+
+Macro-F1 is a score in [0, 1], but its contributions are not: an example of a rare class moves that class's F1,
+weighted 1/K, by about 1 / (K * its frequency), so 1/4 does not bound its variance (three classes at 80/10/10 %:
+a classifier that finds a quarter of each rare class, and predicts it nowhere else, has a variance of 0.74).
+Its bound is over every classifier on the test set's gold class frequencies pi_k, the same rho >= 1/2 argument
+then bounding the difference (``macro_f1_variance_bound``). The contribution of an example with gold j and
+prediction l is (1/K)(2(1 - F_j)/d_j) when j == l, else -(1/K)(F_j/d_j + F_l/d_l), with F_k = 2TP_k / (G_k + P_k)
+and d_k = (G_k + P_k) / n. With (x + y)^2 <= 2x^2 + 2y^2 its mean square is at most
+(1/K^2) sum_k 4 a_k e_k / (2 a_k + e_k)^3, where a_k is class k's true-positive share and e_k its share of
+errors (false negatives pi_k - a_k, plus false positives). Each term is largest at e_k = (1 + sqrt 3) a_k with no
+false positive (a_k = pi_k / (2 + sqrt 3)), giving (2 sqrt 3 / 9) / pi_k; a class absent from the test set adds
+0 (its F1 is 0 on every resample). So Var <= (2 sqrt 3 / 9) / K^2 * sum_k 1 / pi_k (0.385 for two balanced
+classes, whose worst classifier reaches 0.263; 0.909 for 80/10/10 %, worst 0.75).
 """
 from __future__ import annotations
 
@@ -42,16 +55,25 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from workflow_scripts.core.errors import WorkflowError
+from workflow_scripts.analysis import paired_bootstrap
+from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.tasks import metrics, smatchpp_metric
 
 ALPHA = 0.05
 POWER = 0.8
 BOUNDED_VARIANCE = 0.25  # the largest variance of a score in [0, 1] (Popoviciu)
 UNBOUNDED_METRICS = tuple(metrics.UNBOUNDED_RANGES)
+# The best score an unbounded metric reaches (lower is better): a mean loss of 0 nats, a perplexity of 1. Two
+# variants that train below the untrained model's score differ by less than its distance to this floor.
+UNBOUNDED_FLOORS = {"mlm_loss": 0.0, "perplexity": 1.0}
 VARIANCE_FROM_BASE = "untrained model's per-example variance (largest over the variants' prompts)"
 VARIANCE_FROM_BOUND = ("1/4: for scores in [0, 1] whose variants correlate with rho >= 1/2, Var(a - b) <= 1/4; the "
                        "untrained model's per-example variance is smaller")
+VARIANCE_FROM_MACRO_F1_BOUND = (
+    "macro-F1's bound for the test set's class frequencies: (2 sqrt 3 / 9) / K^2 * sum_k 1 / pi_k bounds the "
+    "per-example variance of any classifier's macro-F1, so Var(a - b) for variants that correlate with rho >= 1/2; "
+    "the untrained model's per-example variance is smaller")
+MACRO_F1_CLASS_BOUND = 2 * math.sqrt(3) / 9  # max over a classifier of one class's 4ae / (2a + e)^3, times pi_k
 
 
 def z_sum(alpha: float = ALPHA, power: float = POWER) -> float:
@@ -108,6 +130,17 @@ def _linearised(score, counts: np.ndarray) -> np.ndarray:
     return (counts - mean) @ gradient
 
 
+def macro_f1_variance_bound(records: Sequence[Mapping[str, Any]]) -> float:
+    """The largest per-example variance of macro-F1 over every classifier scored on these records' gold labels
+    (their ``counts``: metrics.class_counts, [TP, gold, predicted] per class of the label set): (2 sqrt 3 / 9) /
+    K^2 * sum over the classes present of 1 / pi_k (the module docstring derives it)."""
+    counts = np.asarray([record["counts"] for record in records], dtype=float)
+    width = counts.shape[1] // 3
+    frequencies = counts[:, width:2 * width].sum(axis=0) / len(counts)
+    present = frequencies[frequencies > 0]
+    return float(MACRO_F1_CLASS_BOUND / width ** 2 * np.sum(1.0 / present))
+
+
 ASSUMPTION = ("a one-seed figure: more seeds do not lower it where the same examples are hard for every seed; "
               "under the two-level bootstrap (comparison.bootstrap seeds_and_examples, or auto with 3 or more seeds) "
               "the seed-to-seed variance, unknown before training, only adds to it")
@@ -125,14 +158,17 @@ class PowerEstimate:
     mde: float | None
     alpha: float = ALPHA
     power: float = POWER
+    base_score: float | None = None  # the untrained model's corpus score, the largest over the variants' prompts
 
     def line(self) -> str:
         where = f"{self.dataset} ({self.model}, {self.metric})"
         if self.mde is None:
             return (f"{where}: with {self.n_examples} test examples, the detectable difference cannot be "
                     "estimated: the untrained model's scores do not vary and the metric is unbounded")
-        variance = "1/4 (bound at rho >= 1/2)" if self.variance_source == VARIANCE_FROM_BOUND else (
-            f"{self.variance:.3g} (the untrained model's)")
+        variance = {VARIANCE_FROM_BOUND: "1/4 (bound at rho >= 1/2)",
+                    VARIANCE_FROM_MACRO_F1_BOUND: f"{self.variance:.3g} (macro-F1's bound for the test set's class "
+                                                  "frequencies, at rho >= 1/2)"}.get(
+            self.variance_source, f"{self.variance:.3g} (the untrained model's)")
         return (f"{where}: with {self.n_examples} test examples, a difference below ±{self.mde:.2f} will not be "
                 f"detectable (alpha {self.alpha}, power {self.power}; assumes a per-example difference variance of "
                 f"{variance}; {ASSUMPTION})")
@@ -152,19 +188,46 @@ def estimate(dataset: str, model: str, metric: str,
     variances = [float(np.var(example_contributions(metric, records), ddof=1)) if n_examples > 1 else 0.0
                  for records in base_records.values()]
     base_variance = max(variances)
-    if metric not in UNBOUNDED_METRICS and base_variance <= BOUNDED_VARIANCE:
-        variance, source = BOUNDED_VARIANCE, VARIANCE_FROM_BOUND
+    if metric in metrics.CLASS_COUNT_METRICS:  # every variant is scored on the same gold labels
+        bound, bound_source = macro_f1_variance_bound(next(iter(base_records.values()))), VARIANCE_FROM_MACRO_F1_BOUND
+    else:
+        bound, bound_source = BOUNDED_VARIANCE, VARIANCE_FROM_BOUND
+    if metric not in UNBOUNDED_METRICS and base_variance <= bound:
+        variance, source = bound, bound_source
     elif base_variance > 0:
         variance, source = base_variance, VARIANCE_FROM_BASE
     else:
         variance, source = 0.0, "none: the untrained model's scores do not vary and the metric is unbounded"
     mde = None if variance == 0 else minimum_detectable_effect(variance, n_examples)
-    return PowerEstimate(dataset, model, metric, n_examples, base_variance, variance, source, mde)
+    scores = [_corpus_score(metric, records) for records in base_records.values()]
+    base_score = max(scores) if all(math.isfinite(score) for score in scores) else None  # no masked token: none
+    return PowerEstimate(dataset, model, metric, n_examples, base_variance, variance, source, mde,
+                         base_score=base_score)
+
+
+def _corpus_score(metric: str, records: Sequence[Mapping[str, Any]]) -> float:
+    """The corpus score of one evaluation's records, as compare computes it (paired_bootstrap.corpus_statistic)."""
+    field = "counts" if metrics.summed_counts(metric) else "score"
+    return float(paired_bootstrap.corpus_statistic(metric, np.asarray([record[field] for record in records], dtype=float)))
 
 
 def check_threshold(estimate: PowerEstimate, threshold: float | None) -> None:
-    """comparison.min_detectable_effect: stop before training when the planned comparison cannot resolve it."""
-    if threshold is None or estimate.mde is None or estimate.mde <= threshold:
+    """comparison.min_detectable_effect: stop before training when the planned comparison cannot resolve it, and
+    refuse a threshold outside the reach of an unbounded metric's differences (the [0, 1] metrics' is refused
+    with the config: checks/config)."""
+    if threshold is None:
+        return
+    floor = UNBOUNDED_FLOORS.get(estimate.metric)
+    if floor is not None and estimate.base_score is not None and threshold >= estimate.base_score - floor:
+        reach = estimate.base_score - floor
+        raise ConfigError(
+            "comparison.min_detectable_effect",
+            f"is {threshold:g}, but dataset '{estimate.dataset}' is scored by {estimate.metric}, "
+            f"{metrics.score_range(estimate.metric)}, and the untrained model '{estimate.model}' scores "
+            f"{estimate.base_score:.3g}: variants that train below that differ by less than {reach:.3g}, so the "
+            f"threshold would never stop a run; give it in the metric's own units, well below {reach:.3g} (e.g. "
+            f"{reach / 100:.2g})")
+    if estimate.mde is None or estimate.mde <= threshold:
         return
     examples = examples_needed(estimate.variance, threshold)
     raise WorkflowError(

@@ -274,11 +274,14 @@ def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, i
             if mine != theirs and not fairness.is_intended(key, intended):
                 if fairness.ABSENT in (mine, theirs):  # a block on one side, null on the other: name the whole block
                     key = ".".join(key.split(".")[:2])
-                    mine = resolved_training(config, name, model)[key.split(".")[1]]
-                    theirs = resolved_training(config, reference, model)[key.split(".")[1]]
+                    # A key without a schema default may be unset on one side (micro_batch_tokens): missing as missing.
+                    mine = resolved_training(config, name, model).get(key.split(".")[1], fairness.ABSENT)
+                    theirs = resolved_training(config, reference, model).get(key.split(".")[1], fairness.ABSENT)
+                sets = "leaves it unset" if mine is fairness.ABSENT else f"sets {mine!r}"
+                uses = "leaves it unset" if theirs is fairness.ABSENT else f"uses {theirs!r}"
                 raise ConfigError(
                     f"variants.{name}.{key}",
-                    f"sets {mine!r} where the reference variant '{reference}' uses {theirs!r}, so the comparison "
+                    f"{sets} where the reference variant '{reference}' {uses}, so the comparison "
                     "would not be fair; make them equal, or list it under comparison.intended_differences: "
                     f"[{key}] if the difference is the point", source)
         # What the task's evaluation takes from training (masked LM: the tokens scored), intended apart.

@@ -84,6 +84,17 @@ class StrictLoader(yaml.SafeLoader):
                     pending.append((value_node, key_path))
 
 
+# What to do about an unclosed or unseparated flow collection ([a, b] or {k: v}): PyYAML names the collection's
+# start, but reports the fault where it stopped, often a line later.
+_FLOW_FIXES = {
+    "while parsing a flow sequence": "; the [ list opened at {at} needs its closing ] and a comma between items: "
+                                     "close it, add the missing comma, or quote an item that holds ':' or a bracket",
+    "while parsing a flow mapping": "; the {{ mapping opened at {at} needs its closing }} and a comma between "
+                                    "entries: close it, add the missing comma, or quote a value that holds ',', ':' "
+                                    "or a bracket",
+}
+
+
 def _yaml_problem(error: yaml.YAMLError) -> str:
     """A YAML error in one line with its 1-based line and column, without PyYAML's multi-line snippet."""
     if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
@@ -94,6 +105,9 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
             if error.context_mark is not None:
                 context += f" at line {error.context_mark.line + 1}, column {error.context_mark.column + 1}"
             text += f" ({context})"
+            text += _FLOW_FIXES.get(error.context, "").format(
+                at=f"line {error.context_mark.line + 1}, column {error.context_mark.column + 1}"
+                if error.context_mark is not None else "above")
     elif isinstance(error, yaml.reader.ReaderError):
         text = f"not valid YAML: {error.reason} at character {error.position + 1}"
     else:

@@ -6,11 +6,16 @@ jobs after a rerun job with an ancient() input, even those with reasons of their
 left multi-output jobs with changed inputs alone (#2011, #2626). The workflow avoids the constructs known to do
 so (rules/power.smk, core/experiment_set.py), and this check catches whatever is left: after the run it asks
 the same DAG again which of the jobs that did not run are out of date now, and fails naming them.
+
+``check_published`` refuses a published table whose content is no longer the one compare wrote (a hand edit:
+Snakemake reruns nothing for it). The Snakefile calls it when the workflow is read as well as on success, as a
+run with "Nothing to be done" ends before ``onsuccess:``.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from workflow_scripts.core import experiment_set
 from workflow_scripts.core.errors import WorkflowError
 
 
@@ -36,3 +41,15 @@ def check_up_to_date(workflow: Any) -> None:
             "limitation, snakemake#4166): " + "; ".join(stale) + ". Run snakemake again to bring them up to date; "
             "if they stay out of date, please report it"
         )
+
+
+def check_published(stamp: str) -> None:
+    """Raise WorkflowError when a table the experiment set's ``stamp`` records (results/comparison.md, .csv) was
+    changed after compare wrote it."""
+    edited = experiment_set.edited_outputs(stamp)
+    if edited:
+        raise WorkflowError(
+            f"{' and '.join(edited)} changed since compare wrote {'it' if len(edited) == 1 else 'them'} (the sha256 "
+            f"recorded in {stamp} no longer matches), so {'it is' if len(edited) == 1 else 'they are'} not the "
+            "comparison the workflow computed, and no rerun would notice; keep your edits in another file, then delete "
+            f"{' and '.join(edited)} and run snakemake again: compare writes {'it' if len(edited) == 1 else 'them'} anew")

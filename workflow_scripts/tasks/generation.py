@@ -70,7 +70,9 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     ids.update(configured if isinstance(configured, list) else [configured])
     ids.discard(None)
     if not ids:
-        raise WorkflowError("the tokenizer has no eos token, so generation could not stop")
+        raise templates.NoEosToken(f"{tokenizer.name_or_path}: the tokenizer has no EOS token and the model's "
+                                   "generation_config names none, so generation could not stop; "
+                                   + templates.no_eos_fix())
     return sorted(ids)
 
 

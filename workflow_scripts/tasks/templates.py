@@ -164,10 +164,22 @@ def encode_prompts(tokenizer, variant: "VariantSettings", prompts: Sequence[str]
     return token_ids(tokenizer, prompts, add_special)
 
 
+class NoEosToken(WorkflowError):
+    """The model's tokenizer sets no EOS token: a fault of the model, not of a data row (pretokenise does not
+    name the row it met it on)."""
+
+
+def no_eos_fix() -> str:
+    return ("set eos_token in the model's tokenizer_config.json (a token of its vocabulary, such as '</s>'), or run "
+            "the dataset on a model whose tokenizer has one")
+
+
 def encode_targets(tokenizer, targets: Sequence[str]) -> list[list[int]]:
     """Token ids of rendered targets followed by eos (the model learns to stop)."""
     if tokenizer.eos_token_id is None:
-        raise WorkflowError("the tokenizer has no eos token; the target needs one so the model learns to stop")
+        raise NoEosToken(f"{tokenizer.name_or_path}: the tokenizer has no EOS token, and every generation target "
+                         "ends with one so that the model learns to stop (and decoding stops there); "
+                         + no_eos_fix())
     eos = [tokenizer.eos_token_id]  # looked up once: the attribute is a vocabulary lookup per access
     ids = token_ids(tokenizer, targets, False)
     return [list(target) + eos for target in ids]
