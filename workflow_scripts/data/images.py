@@ -204,7 +204,11 @@ def decode_rgb(data: bytes):
         image = ImageOps.exif_transpose(opened)  # a copy when rotated; the opened file itself otherwise
         if image.mode in SIXTEEN_BIT_MODES:
             wide = np.asarray(image, dtype=np.uint32)
-            image = Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), mode="L")
+            grey = Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8))
+            transparent = image.info.get("transparency")  # a 16-bit grey PNG's tRNS value: its pixels are see-through
+            if isinstance(transparent, int):  # kept as an alpha plane, so convert_to_rgb puts white there
+                grey.putalpha(Image.fromarray(np.where(wide == transparent, 0, 255).astype(np.uint8)))
+            image = grey
         return Image.fromarray(convert_to_rgb(image, return_numpy=True))
 
 

@@ -1,0 +1,59 @@
+"""Odd-but-valid inputs a reviewer fed the new readers (issue 43's follow-up): each was altered or refused where
+the reference library reads it. Compared with ``zstandard`` (``read_across_frames``), ``pandas.read_csv`` and
+PIL + transformers' ``convert_to_rgb``."""
+from __future__ import annotations
+
+import io
+import struct
+
+import numpy as np
+import zstandard
+from datasets import load_from_disk
+
+from data_helpers import run_download, run_normalise
+from test_text_formats import ROWS, TEST, jsonl, settings_for, source, sst2_settings
+
+
+def _skippable(payload: bytes) -> bytes:
+    # A zstd skippable frame (magic 0x184D2A50..5F, then its size): pzstd writes one before every frame.
+    return struct.pack("<II", 0x184D2A50, len(payload)) + payload
+
+
+def test_a_zst_file_that_starts_with_a_skippable_frame_is_read_as_zstd(tmp_path):
+    data = jsonl(ROWS)
+    packed = _skippable(b"\x10\x00\x00\x00") + zstandard.ZstdCompressor().compress(data)
+    reference = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(packed), read_across_frames=True).read()
+    assert reference == data
+    directory = source(tmp_path, {"train.jsonl.zst": packed, "test.jsonl": jsonl(TEST[:1])})
+    settings = settings_for(directory)
+    out, _ = run_normalise("d", settings, run_download("d", settings, tmp_path), tmp_path)
+    assert load_from_disk(str(out))["train"]["question"] == [row["q"] for row in ROWS]
+
+
+def test_a_tsv_and_a_csv_value_longer_than_128_kib_is_read_as_pandas_reads_it(tmp_path):
+    import pandas as pd
+
+    long = "word " * 40_000  # 200,000 characters: a long document, above the csv module's default field limit
+    for fmt, sep in (("tsv", "\t"), ("csv", ",")):
+        data = f"sentence{sep}label\n{long}{sep}1\nshort{sep}0\n".encode()
+        reference = pd.read_csv(io.BytesIO(data), sep=sep, quoting=3 if fmt == "tsv" else 0, dtype=str)
+        directory = source(tmp_path / fmt, {f"train.{fmt}": data, f"dev.{fmt}": b"sentence%slabel\nok%s1\n" % ((sep.encode(),) * 2)})
+        settings = {**sst2_settings(directory), "format": fmt}
+        out, _ = run_normalise("d", settings, run_download("d", settings, tmp_path / fmt), tmp_path / fmt)
+        # normalise strips a text field's outer whitespace (as the SST-2 test above shows)
+        assert list(load_from_disk(str(out))["train"]["text"]) == [text.strip() for text in reference["sentence"]]
+
+
+def test_a_16_bit_grey_png_with_a_transparent_value_is_white_there_as_convert_to_rgb_makes_it():
+    from PIL import Image
+
+    from workflow_scripts.data.images import decode_rgb
+
+    values = np.array([[0, 30000, 65535], [12345, 30000, 500]], dtype=np.uint16)
+    buffer = io.BytesIO()
+    Image.fromarray(values).save(buffer, "PNG", transparency=30000)
+    assert Image.open(io.BytesIO(buffer.getvalue())).info["transparency"] == 30000
+    seen = np.asarray(decode_rgb(buffer.getvalue()))
+    expected = np.repeat(((values.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)[..., None], 3, axis=2)
+    expected[values == 30000] = 255  # transparent: composited on white, as convert_to_rgb does for every other mode
+    assert seen.tolist() == expected.tolist()
