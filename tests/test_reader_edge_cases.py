@@ -57,3 +57,16 @@ def test_a_16_bit_grey_png_with_a_transparent_value_is_white_there_as_convert_to
     expected = np.repeat(((values.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)[..., None], 3, axis=2)
     expected[values == 30000] = 255  # transparent: composited on white, as convert_to_rgb does for every other mode
     assert seen.tolist() == expected.tolist()
+
+
+def test_an_ascii_file_with_a_utf8_bom_declared_latin1_shows_the_bom_in_the_declared_reading(tmp_path):
+    # Excel's "CSV UTF-8" writes a BOM before plain ASCII: read as latin-1 the first column would be named 'ï»¿q'.
+    # The refusal stands; its two readings must differ where the file does (they were the same text, 'q\ta').
+    from test_text_formats import failing_normalise
+
+    data = b"\xef\xbb\xbfq\ta\n" + b"".join(b"question %d?\t%d\n" % (i, i) for i in range(5))
+    directory = source(tmp_path, {"train.tsv": data, "test.tsv": b"q\ta\nheld out?\t1\n"})
+    message = failing_normalise(settings_for(directory, format="tsv", encoding="latin-1"), tmp_path)
+    assert message.startswith(f"{directory}/train.tsv line 1: the dataset declares encoding: latin-1, but the file is "
+                              "valid UTF-8")
+    assert f"read as latin-1 the line is {data[:6].decode('latin-1')!r}, read as UTF-8 it is 'q\\ta'" in message

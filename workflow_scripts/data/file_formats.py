@@ -261,9 +261,10 @@ def contradicted_encoding(path: str | Path, encoding: str | None) -> tuple[int, 
         return None
     number, line = first
     text = line.rstrip(b"\r\n")
-    if number == 1:
-        text = text.removeprefix(codecs.BOM_UTF8)
-    return number, text.decode(encoding, errors="replace"), text.decode("utf-8")
+    # The declared reading keeps a UTF-8 byte-order mark (a single-byte codec reads it as three letters, 'ï»¿', the
+    # start of the first column's name): for an ASCII file with a BOM it is the only difference the message can show.
+    utf8 = text.removeprefix(codecs.BOM_UTF8) if number == 1 else text
+    return number, text.decode(encoding, errors="replace"), utf8.decode("utf-8")
 
 
 def contradiction_problem(file: str, key: str, encoding: str, found: tuple[int, str, str]) -> str:
