@@ -70,3 +70,37 @@ def test_an_ascii_file_with_a_utf8_bom_declared_latin1_shows_the_bom_in_the_decl
     assert message.startswith(f"{directory}/train.tsv line 1: the dataset declares encoding: latin-1, but the file is "
                               "valid UTF-8")
     assert f"read as latin-1 the line is {data[:6].decode('latin-1')!r}, read as UTF-8 it is 'q\\ta'" in message
+
+
+QWEN = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+
+
+def _budget_transformers_uses(directory) -> int:
+    import transformers
+
+    return transformers.AutoImageProcessor.from_pretrained(str(directory)).size["longest_edge"]
+
+
+def test_the_memory_checks_pixel_budget_is_the_one_transformers_loads(tmp_path):
+    """The memory check priced one budget and transformers loaded another: (a) both layouts present (a folder saved by
+    transformers 5 over the Hub's files), where transformers reads the nested processor_config.json first; (b) a
+    preprocessor_config.json with both size.longest_edge and a top-level max_pixels (a user's edit of one), where
+    Qwen2VLImageProcessor lets max_pixels override size. Each time the check's budget was 4x below the real one."""
+    import json
+
+    from workflow_scripts.model import processor_files
+
+    both = tmp_path / "both"
+    both.mkdir()
+    (both / processor_files.IMAGE_PROCESSOR_FILE).write_text(json.dumps({**QWEN, "max_pixels": 500_000,
+                                                                          "processor_class": "Qwen2_5_VLProcessor"}))
+    (both / processor_files.PROCESSOR_FILE).write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor", "image_processor": {
+        **QWEN, "size": {"shortest_edge": 3136, "longest_edge": 2_000_000}}}))
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    (edited / processor_files.IMAGE_PROCESSOR_FILE).write_text(json.dumps({
+        **QWEN, "max_pixels": 2_000_000, "size": {"shortest_edge": 3136, "longest_edge": 500_000}}))
+    for directory in (both, edited):
+        assert _budget_transformers_uses(directory) == 2_000_000
+        assert processor_files.read(directory).max_pixels() == 2_000_000, directory.name
