@@ -104,3 +104,23 @@ def test_the_memory_checks_pixel_budget_is_the_one_transformers_loads(tmp_path):
     for directory in (both, edited):
         assert _budget_transformers_uses(directory) == 2_000_000
         assert processor_files.read(directory).max_pixels() == 2_000_000, directory.name
+
+
+def test_a_corpus_with_carriage_return_line_ends_is_not_read_as_one_example(tmp_path):
+    """Classic Mac line ends (a bare \\r, Excel for Mac's text export): split on \\n only, the whole file was one
+    example ('one\\rtwo\\rthree') at exit 0; datasets' text loader (str.splitlines) reads three lines. Stopped naming the
+    line, or under on_invalid_text: reject_row that line is rejected and counted."""
+    from test_text_formats import CORPUS, failing_normalise
+
+    from workflow_scripts.data.text_lines import LineCounts, iter_lines
+
+    data = b"one\rtwo\rthree\r"
+    assert data.decode().splitlines() == ["one", "two", "three"]  # the reference reads three examples
+    directory = source(tmp_path, {"train.txt": data, "test.txt": b"held out\n"})
+    message = failing_normalise(settings_for(directory, CORPUS), tmp_path, "c")
+    assert message.startswith(f"{directory}/train.txt line 1: a carriage return (\\r) at character 3 of the line is not "
+                              "followed by a line feed")
+    counts = LineCounts()
+    kept = list(iter_lines([directory / "test.txt", directory / "train.txt"], counts, on_invalid_text="reject_row"))
+    assert [text for _, _, text in kept] == ["held out"]
+    assert counts.files[str(directory / "train.txt")]["invalid_text_lines"] == [1]
