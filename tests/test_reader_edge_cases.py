@@ -124,3 +124,24 @@ def test_a_corpus_with_carriage_return_line_ends_is_not_read_as_one_example(tmp_
     kept = list(iter_lines([directory / "test.txt", directory / "train.txt"], counts, on_invalid_text="reject_row"))
     assert [text for _, _, text in kept] == ["held out"]
     assert counts.files[str(directory / "train.txt")]["invalid_text_lines"] == [1]
+
+
+def test_a_float_image_scaled_to_0_1_is_refused_not_turned_black():
+    """A 32-bit float TIFF holding 0..1 (how scientific pipelines save images) passed the 0..255 range check, and
+    Pillow's conversion (convert_to_rgb's too) truncates each value to 0 or 1: an all-black image at exit 0."""
+    import pytest
+    from PIL import Image
+
+    from workflow_scripts.data.images import check_image, decode_rgb
+    from workflow_scripts.data.rows import Rejected
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.array([[0.2, 0.9], [0.5, 1.0]], dtype=np.float32)).save(buffer, "TIFF")
+    assert np.asarray(decode_rgb(buffer.getvalue())).max() <= 1  # what the model would have seen: black
+    with pytest.raises(Rejected) as caught:
+        check_image(buffer.getvalue())
+    assert caught.value.reason == "image_value_range"
+    assert "values 0.2..1, all within 0..1" in str(caught.value.detail)
+    buffer = io.BytesIO()  # a float image of 0..255 values converts as they are, and stays accepted
+    Image.fromarray(np.array([[0.0, 17.0], [128.0, 255.0]], dtype=np.float32)).save(buffer, "TIFF")
+    assert check_image(buffer.getvalue()).mode == "F"
