@@ -145,3 +145,18 @@ def test_a_float_image_scaled_to_0_1_is_refused_not_turned_black():
     buffer = io.BytesIO()  # a float image of 0..255 values converts as they are, and stays accepted
     Image.fromarray(np.array([[0.0, 17.0], [128.0, 255.0]], dtype=np.float32)).save(buffer, "TIFF")
     assert check_image(buffer.getvalue()).mode == "F"
+
+
+def test_a_json_file_in_its_declared_utf16_is_read_not_refused_at_download(tmp_path):
+    """Windows PowerShell's Out-File writes UTF-16 with a BOM; declared encoding: utf-16, download's row count read
+    the file as UTF-8 and stopped with 'not valid JSON (line 1 column 1): Expecting value'."""
+    import json
+
+    records = [{"q": f"question {i} \u00e9?", "a": str(i)} for i in range(5)]
+    directory = source(tmp_path, {"train.json": json.dumps(records).encode("utf-16"),
+                                  "test.json": json.dumps(records[:1]).encode("utf-16")})
+    settings = settings_for(directory, format="json", encoding="utf-16", contamination={"accept": True})
+    out, _ = run_normalise("d", settings, run_download("d", settings, tmp_path), tmp_path)
+    assert load_from_disk(str(out))["train"]["question"] == [record["q"] for record in records]
+    manifest = json.loads((tmp_path / "results" / "d" / "download_manifest.json").read_text())
+    assert manifest["rows"] == {"train": 5, "test": 1}

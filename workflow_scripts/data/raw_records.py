@@ -230,8 +230,9 @@ def read_placed(path: Path, fmt: str, on_invalid_text: str = "stop",
         raise WorkflowError(f"{path}: unknown format '{fmt}'; known: {list(FORMATS)}")
 
 
-def count_rows(path: Path, fmt: str) -> int:
-    """Rows in a raw file, without judging them (for the download manifest; normalise judges them)."""
+def count_rows(path: Path, fmt: str, encoding: str | None = None) -> int:
+    """Rows in a raw file, without judging them (for the download manifest; normalise judges them), read in the
+    dataset's ``encoding`` (a UTF-16 JSON file read as UTF-8 is no JSON at all)."""
     if fmt == "jsonl":
         try:
             with file_formats.open_binary(path) as handle:  # bytes: a file that is not UTF-8 is normalise's to report
@@ -239,10 +240,10 @@ def count_rows(path: Path, fmt: str) -> int:
         except file_formats.DAMAGED as error:
             raise file_formats.damaged(path, 0, error) from None
     if fmt == "penman":
-        return sum(1 for _ in _penman(path, "reject_row", empty_ok=True))
+        return sum(1 for _ in _penman(path, "reject_row", encoding, empty_ok=True))
     if fmt in DELIMITED:
         try:
-            with file_formats.open_text(path, errors="replace", newline="") as handle:
+            with file_formats.open_text(path, encoding, errors="replace", newline="") as handle:
                 return max(sum(1 for fields in _delimited_reader(handle, fmt) if fields) - 1, 0)  # minus the header
         except csv.Error as error:
             raise WorkflowError(f"{path}: not valid {fmt.upper()}: {error}") from None
@@ -257,7 +258,7 @@ def count_rows(path: Path, fmt: str) -> int:
         except (pa.ArrowException, OSError) as error:  # a truncated or corrupt file
             raise _not_parquet(path, error) from None
     if fmt == "json":
-        return len(_json_list(path, errors="replace"))
+        return len(_json_list(path, errors="replace", encoding=encoding))
     raise WorkflowError(f"{path}: unknown format '{fmt}'; known: {list(FORMATS)}")
 
 
