@@ -160,3 +160,19 @@ def test_a_json_file_in_its_declared_utf16_is_read_not_refused_at_download(tmp_p
     assert load_from_disk(str(out))["train"]["question"] == [record["q"] for record in records]
     manifest = json.loads((tmp_path / "results" / "d" / "download_manifest.json").read_text())
     assert manifest["rows"] == {"train": 5, "test": 1}
+
+
+def test_a_classlabel_id_of_minus_1_is_named_as_an_unlabelled_row():
+    """datasets writes -1 for a row without a label (GLUE's test splits, exported to Parquet): the message said only
+    'not a class id 0..1', where the cause is a split with no labels to evaluate against."""
+    import pytest
+
+    from workflow_scripts.data.rows import Rejected
+    from workflow_scripts.tasks.class_labels import source_class_name
+
+    assert source_class_name("1", ["neg", "pos"], "label") == "pos"
+    with pytest.raises(Rejected) as caught:
+        source_class_name("-1", ["neg", "pos"], "label")
+    assert caught.value.reason == "unknown_label"
+    assert caught.value.detail.startswith("label -1 is datasets' mark of a row without a label (GLUE's test splits hold "
+                                          "only -1)")
