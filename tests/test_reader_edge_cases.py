@@ -124,6 +124,9 @@ def test_a_corpus_with_carriage_return_line_ends_is_not_read_as_one_example(tmp_
     kept = list(iter_lines([directory / "test.txt", directory / "train.txt"], counts, on_invalid_text="reject_row"))
     assert [text for _, _, text in kept] == ["held out"]
     assert counts.files[str(directory / "train.txt")]["invalid_text_lines"] == [1]
+    # CR LF converted twice ("\r\r\n"): splitlines reads each line and a blank one; the line is read, not stopped at
+    (directory / "twice.txt").write_bytes(b"one\r\r\ntwo\r\r\n")
+    assert [text for _, _, text in iter_lines([directory / "twice.txt"])] == ["one", "two"]
 
 
 def test_a_float_image_scaled_to_0_1_is_refused_not_turned_black():

@@ -8,7 +8,7 @@ memory stays flat whatever the corpus size (benchmarks/bench_corpus.py: peak RSS
 against 1M); the result is memory-mapped by every later reader.
 
 Rules:
-- One example per line. A line is split on ``\\n`` only (``\\r\\n`` loses its ``\\r``); other
+- One example per line. A line is split on ``\\n`` only (``\\r\\n``, or ``\\r\\r\\n``, loses its ``\\r``); other
   Unicode line breaks (U+2028, ``\\x0b``...) stay inside the line, as ``str.splitlines`` would
   otherwise cut a corpus line in two and shift every line number after it.
 - Lines that are empty or whitespace only are skipped and counted (``blank``), never examples.
@@ -186,13 +186,13 @@ def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = N
                     number += 1
                     try:
                         if isinstance(raw, str):
-                            text = raw.rstrip("\n").removesuffix("\r")
+                            text = raw.rstrip("\n").rstrip("\r")  # "\r\r\n" (CRLF converted twice): a line, then a blank one
                             escaped = _ESCAPED.search(text)
                             if escaped is not None:  # a byte the dataset's encoding does not decode
                                 offset = escaped.start() if file_formats.is_single_byte(encoding) else None
                                 raise _Undecodable((number, ord(escaped[0]) - 0xDC00, offset))
                         else:
-                            text = raw.rstrip(b"\n").removesuffix(b"\r").decode("utf-8")
+                            text = raw.rstrip(b"\n").rstrip(b"\r").decode("utf-8")
                         if "\r" in text:  # a line end that this split (on \\n only) would not see
                             raise _BareReturn(text.index("\r"))
                         if "\x00" in text:  # another encoding read as UTF-8 (UTF-16...): never an example
