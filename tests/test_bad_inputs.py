@@ -365,6 +365,9 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("cli", "sanity-rerun-without-its-power-report", gate({"--min-detectable-effect": "0.05", "--power-report": "{tmp}/power.json"}), "sanity", "{tmp}/power.json: not found; run snakemake {tmp}/power.json first, which estimates it"),
         case("config", "min-detectable-effect-beyond-an-unbounded-metrics-reach", power_on_untrained_loss(50), "power", "config key 'comparison.min_detectable_effect': is 50, but dataset 'corpus' is scored by mlm_loss, [0, ∞), lower is better, and the untrained model 'tiny-bert' scores 6.75: variants that train below that differ by less than 6.75, so the threshold would never stop a run; give it in the metric's own units, well below 6.75 (e.g. 0.068)"),
         case("config", "variant-sets-a-key-the-reference-leaves-unset", cfg("variants.mtup.training", {"micro_batch_tokens": 512}), "config", "{config}: config key 'variants.mtup.training.micro_batch_tokens': sets 512 where the reference variant 'baseline' leaves it unset, so the comparison would not be fair; make them equal, or list it under comparison.intended_differences: [training.micro_batch_tokens] if the difference is the point"),
+        # --- issue 43 follow-up: reader edge cases (breaker) ---
+        case("data", "ascii-tsv-with-a-utf8-bom-declared-latin-1", text_files({"train.tsv": b"\xef\xbb\xbfq\ta\n" + b"".join(b"question %d?\t%d\n" % (i, i) for i in range(9))}, fmt="tsv", encoding="latin-1"), "normalise", "{source}/train.tsv line 1: the dataset declares encoding: latin-1, but the file is valid UTF-8 with multi-byte characters: read as latin-1 the line is '\u00ef\u00bb\u00bfq\\ta', read as UTF-8 it is 'q\\ta'; remove datasets.d.encoding (UTF-8 is the default) if the UTF-8 reading is right"),
+        case("data", "imagefolder-float-image-scaled-to-0-1", image_folder({"file_name": "charts/unit.tif", "query": "Q?", "label": "1"}, bad_file=("charts/unit.tif", unit_float_tiff())), "normalise", "{source}/train/metadata.jsonl: 1 of 11 rows of split 'train' rejected (9.1%), more than datasets.d.max_rejected_fraction = 0.01; reasons: image_value_range 1; for example {source}/train/metadata.jsonl line 6: field 'file_name': image file {source}/train/charts/unit.tif is a mode F (float) image with values 0..0.95, all within 0..1, which RGB conversion reads as 0..255 (the image would be black); multiply by 255 and re-export it as an 8- or 16-bit PNG; fix the rows or raise datasets.d.max_rejected_fraction"),
     ]
 
 
@@ -405,6 +408,18 @@ def strip_png(width: int, height: int) -> bytes:
 
     buffer = io.BytesIO()
     Image.new("RGB", (width, height), (20, 40, 60)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def unit_float_tiff() -> bytes:
+    """A valid 32-bit float (mode F) TIFF holding 0..1, as scientific pipelines save images (a reviewer's find)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray((np.arange(20, dtype=np.float32) * 0.05).reshape(4, 5)).save(buffer, format="TIFF")
     return buffer.getvalue()
 
 

@@ -230,7 +230,7 @@ def rows_per_split(out: Path, settings: DatasetSettings) -> dict[str, int]:
     if fmt == text_lines.TEXT_FORMAT:  # rows = non-blank lines (a stream: corpora are large)
         return {split: sum(map(text_lines.count_lines, text_lines.split_files(out, split)))
                 for split in source_splits(settings)}
-    return {split: sum(raw_records.count_rows(path, fmt) for path in raw_records.split_files(out, split, fmt))
+    return {split: sum(raw_records.count_rows(path, fmt, settings.encoding) for path in raw_records.split_files(out, split, fmt))
             for split in source_splits(settings)}
 
 

@@ -60,6 +60,12 @@ def strip_suffix(name: str, fmt: str) -> str | None:
     return name[: -len(max(fitting, key=len))] if fitting else None
 
 
+def _is_skippable_frame(head: bytes) -> bool:
+    """A zstd skippable frame (magic 0x184D2A50..0x184D2A5F, little-endian) opens the file: pzstd writes one before
+    every frame, and zstandard reads such a file as zstd; read as plain bytes its size field's NUL bytes stopped it."""
+    return len(head) >= 4 and head[1:4] == b"\x2a\x4d\x18" and head[0] & 0xF0 == 0x50
+
+
 def compression(path: str | Path) -> str | None:
     """``gzip``, ``bz2``, ``zstd`` or None, from the file's first bytes."""
     with open(path, "rb") as probe:
@@ -68,7 +74,7 @@ def compression(path: str | Path) -> str | None:
         return "gzip"
     if head[:3] == b"BZh" and head[3:4].isdigit() and head[4:10] in _BZIP2_BLOCKS:
         return "bz2"
-    if head[:4] == ZSTD_MAGIC:
+    if head[:4] == ZSTD_MAGIC or _is_skippable_frame(head):
         return "zstd"
     return None
 
@@ -255,9 +261,10 @@ def contradicted_encoding(path: str | Path, encoding: str | None) -> tuple[int, 
         return None
     number, line = first
     text = line.rstrip(b"\r\n")
-    if number == 1:
-        text = text.removeprefix(codecs.BOM_UTF8)
-    return number, text.decode(encoding, errors="replace"), text.decode("utf-8")
+    # The declared reading keeps a UTF-8 byte-order mark (a single-byte codec reads it as three letters, 'ï»¿', the
+    # start of the first column's name): for an ASCII file with a BOM it is the only difference the message can show.
+    utf8 = text.removeprefix(codecs.BOM_UTF8) if number == 1 else text
+    return number, text.decode(encoding, errors="replace"), utf8.decode("utf-8")
 
 
 def contradiction_problem(file: str, key: str, encoding: str, found: tuple[int, str, str]) -> str:

@@ -40,7 +40,8 @@ IMAGE_REASONS = {
     "image_aspect_ratio": "an image is more than 200:1 wide or tall (Qwen's smart_resize refuses it; a fixed-size "
                           "tower would squash it beyond recognition)",
     "image_value_range": "a 32-bit integer (I) or float (F) image holds values outside 0..255, which its mode does not "
-                         "scale: converting to RGB would clip them (re-export it as 8- or 16-bit PNG)",
+                         "scale: converting to RGB would clip them, or a float image holds 0..1 only, which it would "
+                         "turn black (re-export it as 8- or 16-bit PNG)",
 }
 # Above this ratio of the long side to the short one Qwen2/2.5/3-VL's smart_resize raises a bare ValueError (the
 # same limit in every dynamic-resolution family of transformers): refused here, with its row, at normalise.
@@ -184,6 +185,12 @@ def check_image(data: bytes, *, source: str = "the image") -> ImageFacts:
         raise Rejected("image_value_range", None, f"{source} is a mode {facts.mode} image with values "
                        f"{extrema[0]:g}..{extrema[1]:g}, outside 0..255, and its mode gives no range to scale them "
                        "by (RGB would clip them); re-export it as an 8- or 16-bit PNG")
+    if extrema is not None and facts.mode == "F" and 0 < extrema[1] <= 1:
+        # A float image normalised to 0..1: Pillow's conversion (convert_to_rgb's) truncates each value to 0 or 1,
+        # a black image; an 8-bit picture held as floats has values above 1 somewhere.
+        raise Rejected("image_value_range", None, f"{source} is a mode F (float) image with values "
+                       f"{extrema[0]:g}..{extrema[1]:g}, all within 0..1, which RGB conversion reads as 0..255 (the "
+                       "image would be black); multiply by 255 and re-export it as an 8- or 16-bit PNG")
     return facts
 
 
@@ -204,7 +211,11 @@ def decode_rgb(data: bytes):
         image = ImageOps.exif_transpose(opened)  # a copy when rotated; the opened file itself otherwise
         if image.mode in SIXTEEN_BIT_MODES:
             wide = np.asarray(image, dtype=np.uint32)
-            image = Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), mode="L")
+            grey = Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8))
+            transparent = image.info.get("transparency")  # a 16-bit grey PNG's tRNS value: its pixels are see-through
+            if isinstance(transparent, int):  # kept as an alpha plane, so convert_to_rgb puts white there
+                grey.putalpha(Image.fromarray(np.where(wide == transparent, 0, 255).astype(np.uint8)))
+            image = grey
         return Image.fromarray(convert_to_rgb(image, return_numpy=True))
 
 

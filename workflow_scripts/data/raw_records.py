@@ -42,6 +42,15 @@ TEXT_ENCODING = "utf-8-sig"
 # off (csv.QUOTE_NONE), as GLUE's loaders and pandas' read_csv(sep="\t", quoting=3) read it: a lone " in a
 # sentence is a character, never the start of a quoted value running on over the next lines.
 DELIMITED: dict[str, dict[str, Any]] = {"csv": {}, "tsv": {"delimiter": "\t", "quoting": csv.QUOTE_NONE}}
+# The csv module refuses a value over 128 KiB ("field larger than field limit"), a limit of the module, not of the
+# format: pandas and datasets read a long document's cell whole. The limit is process-wide; this module reads files
+# only, so it lifts it when it reads a delimited file (2**31 - 1: the largest every platform's C long holds).
+_FIELD_LIMIT = 2**31 - 1
+
+
+def _delimited_reader(handle, fmt: str, **options: Any):
+    csv.field_size_limit(_FIELD_LIMIT)
+    return csv.reader(handle, **options, **DELIMITED[fmt])
 # Bytes that do not decode come through ``surrogateescape`` as these code points, so a JSONL or CSV row
 # that is not UTF-8 can be found and, under the dataset's ``on_invalid_text: reject_row``, rejected alone.
 _UNDECODED = re.compile("[\udc80-\udcff]")
@@ -221,8 +230,9 @@ def read_placed(path: Path, fmt: str, on_invalid_text: str = "stop",
         raise WorkflowError(f"{path}: unknown format '{fmt}'; known: {list(FORMATS)}")
 
 
-def count_rows(path: Path, fmt: str) -> int:
-    """Rows in a raw file, without judging them (for the download manifest; normalise judges them)."""
+def count_rows(path: Path, fmt: str, encoding: str | None = None) -> int:
+    """Rows in a raw file, without judging them (for the download manifest; normalise judges them), read in the
+    dataset's ``encoding`` (a UTF-16 JSON file read as UTF-8 is no JSON at all)."""
     if fmt == "jsonl":
         try:
             with file_formats.open_binary(path) as handle:  # bytes: a file that is not UTF-8 is normalise's to report
@@ -230,11 +240,11 @@ def count_rows(path: Path, fmt: str) -> int:
         except file_formats.DAMAGED as error:
             raise file_formats.damaged(path, 0, error) from None
     if fmt == "penman":
-        return sum(1 for _ in _penman(path, "reject_row", empty_ok=True))
+        return sum(1 for _ in _penman(path, "reject_row", encoding, empty_ok=True))
     if fmt in DELIMITED:
         try:
-            with file_formats.open_text(path, errors="replace", newline="") as handle:
-                return max(sum(1 for fields in csv.reader(handle, **DELIMITED[fmt]) if fields) - 1, 0)  # minus the header
+            with file_formats.open_text(path, encoding, errors="replace", newline="") as handle:
+                return max(sum(1 for fields in _delimited_reader(handle, fmt) if fields) - 1, 0)  # minus the header
         except csv.Error as error:
             raise WorkflowError(f"{path}: not valid {fmt.upper()}: {error}") from None
         except (UnicodeError, *file_formats.DAMAGED) as error:
@@ -248,7 +258,7 @@ def count_rows(path: Path, fmt: str) -> int:
         except (pa.ArrowException, OSError) as error:  # a truncated or corrupt file
             raise _not_parquet(path, error) from None
     if fmt == "json":
-        return len(_json_list(path, errors="replace"))
+        return len(_json_list(path, errors="replace", encoding=encoding))
     raise WorkflowError(f"{path}: unknown format '{fmt}'; known: {list(FORMATS)}")
 
 
@@ -461,7 +471,7 @@ def _csv(path: Path, on_invalid_text: str = "stop", encoding: str | None = None,
     separator = "a tab" if fmt == "tsv" else "a comma"
     try:
         with file_formats.open_text(path, encoding, errors="surrogateescape", newline="") as handle:
-            reader = csv.reader(handle, strict=True, **DELIMITED[fmt])
+            reader = _delimited_reader(handle, fmt, strict=True)
             header, header_line = None, 0
             index = 0
             while True:

@@ -8,10 +8,13 @@ memory stays flat whatever the corpus size (benchmarks/bench_corpus.py: peak RSS
 against 1M); the result is memory-mapped by every later reader.
 
 Rules:
-- One example per line. A line is split on ``\\n`` only (``\\r\\n`` loses its ``\\r``); other
+- One example per line. A line is split on ``\\n`` only (``\\r\\n``, or ``\\r\\r\\n``, loses its ``\\r``); other
   Unicode line breaks (U+2028, ``\\x0b``...) stay inside the line, as ``str.splitlines`` would
   otherwise cut a corpus line in two and shift every line number after it.
 - Lines that are empty or whitespace only are skipped and counted (``blank``), never examples.
+- A carriage return not followed by a line feed (classic Mac line ends, ``\\r`` alone) would make the lines it
+  separates one example, where ``datasets``' text loader (``str.splitlines``) reads them apart: such a line is
+  handled as an invalid one (``stop`` naming it, or ``reject_row``), never read as one merged example.
 - Bytes must be UTF-8; by default (``on_invalid_text: stop``) the first invalid line fails the whole
   read, naming the file and the 1-based line (``file.txt line 17: ...``), rather than being replaced
   or skipped silently; with ``on_invalid_text: reject_row`` such a line is skipped and counted
@@ -130,8 +133,22 @@ class _Undecodable(Exception):
         self.found = found
 
 
+class _BareReturn(Exception):
+    """A line holding a carriage return that no line feed follows: ``position`` is its character in the line."""
+
+    def __init__(self, position: int):
+        super().__init__(position)
+        self.position = position
+
+
 def _invalid_utf8(path: Path, number: int, error: Exception, encoding: str | None = None) -> WorkflowError:
     # No iconv suggestion: converting a UTF-8 file with one bad line from another encoding would damage the rest.
+    if isinstance(error, _BareReturn):
+        return WorkflowError(
+            f"{path} line {number}: a carriage return (\\r) at character {error.position} of the line is not followed by "
+            "a line feed, so the lines it separates would be one example (classic Mac line ends?); convert the file's "
+            "line ends to \\n (e.g. tr '\\r' '\\n'), or set the dataset's on_invalid_text: reject_row to reject and "
+            "count such lines")
     if isinstance(error, _Undecodable):
         found = error.found
         return WorkflowError(
@@ -169,17 +186,19 @@ def iter_lines(paths: Sequence[str | os.PathLike], counts: LineCounts | None = N
                     number += 1
                     try:
                         if isinstance(raw, str):
-                            text = raw.rstrip("\n").removesuffix("\r")
+                            text = raw.rstrip("\n").rstrip("\r")  # "\r\r\n" (CRLF converted twice): a line, then a blank one
                             escaped = _ESCAPED.search(text)
                             if escaped is not None:  # a byte the dataset's encoding does not decode
                                 offset = escaped.start() if file_formats.is_single_byte(encoding) else None
                                 raise _Undecodable((number, ord(escaped[0]) - 0xDC00, offset))
                         else:
-                            text = raw.rstrip(b"\n").removesuffix(b"\r").decode("utf-8")
+                            text = raw.rstrip(b"\n").rstrip(b"\r").decode("utf-8")
+                        if "\r" in text:  # a line end that this split (on \\n only) would not see
+                            raise _BareReturn(text.index("\r"))
                         if "\x00" in text:  # another encoding read as UTF-8 (UTF-16...): never an example
                             raise UnicodeDecodeError("utf-8", raw if isinstance(raw, bytes) else b"", 0, 1,
                                                      "a NUL byte, which no text holds (another encoding, e.g. UTF-16?)")
-                    except (UnicodeDecodeError, _Undecodable) as error:
+                    except (UnicodeDecodeError, _Undecodable, _BareReturn) as error:
                         if on_invalid_text == "stop":
                             raise _invalid_utf8(path, number, error, encoding) from None
                         invalid += 1

@@ -50,7 +50,9 @@ class ProcessorSettings:
         if not self.dynamic_resolution:
             return None
         size = self.image_processor.get("size")
-        budget = (size.get("longest_edge") if isinstance(size, Mapping) else None) or self.image_processor.get("max_pixels")
+        # A top-level max_pixels overrides size.longest_edge, as Qwen2VLImageProcessor's loading applies it (a user who
+        # edits max_pixels in the Hub's file gets that budget; pricing size's would miss the difference).
+        budget = self.image_processor.get("max_pixels") or (size.get("longest_edge") if isinstance(size, Mapping) else None)
         return budget if isinstance(budget, int) and not isinstance(budget, bool) else None
 
 
@@ -64,8 +66,9 @@ def read_json(path: Path, what: str) -> Any:
 
 
 def read(directory: Path | str) -> ProcessorSettings | None:
-    """The processor settings of ``directory`` from whichever layout it holds (both: the image processor's own file
-    wins for its settings, as transformers' AutoImageProcessor reads it first); None where it holds neither."""
+    """The processor settings of ``directory`` from whichever layout it holds (both: the nested ``image_processor`` of
+    processor_config.json wins for its settings, as transformers' AutoImageProcessor reads it first, the flat file
+    only where that one holds none); None where it holds neither."""
     directory = Path(directory)
     nested_path, flat_path = directory / PROCESSOR_FILE, directory / IMAGE_PROCESSOR_FILE
     nested = read_json(nested_path, "a processor config") if nested_path.is_file() else None
@@ -77,8 +80,10 @@ def read(directory: Path | str) -> ProcessorSettings | None:
     if nested is None and flat is None:
         return None
     nested = nested or {}
-    image_processor = dict(flat) if flat is not None else dict(nested.get("image_processor") or {})
-    processor_class = nested.get("processor_class") or image_processor.pop("processor_class", None)
+    inner = nested.get("image_processor")
+    image_processor = dict(inner) if isinstance(inner, dict) else dict(flat or {})
+    processor_class = (nested.get("processor_class") or image_processor.pop("processor_class", None)
+                       or (flat or {}).get("processor_class"))
     if processor_class is None:  # the Hub's tokenizer_config.json names it too
         tokenizer_config = directory / "tokenizer_config.json"
         if tokenizer_config.is_file():

@@ -40,6 +40,10 @@ def source_class_name(label: str, names: Sequence[str], source: str) -> str:
         index = int(label)
         if 0 <= index < len(names):
             return names[index]
+        if index == -1:  # ClassLabel's "no label" (datasets encodes a missing label as -1)
+            raise Rejected("unknown_label", source, "label -1 is datasets' mark of a row without a label (GLUE's test "
+                           "splits hold only -1): the row has no class to train or score on; use a labelled split "
+                           "(e.g. validation) as the test split, or drop such rows")
         raise Rejected("unknown_label", source, f"label {label} is not a class id 0..{len(names) - 1} of the source's "
                        f"ClassLabel names {list(names)} (the file's datasets features)")
     return label  # a name where the column holds names: matched against the label set later

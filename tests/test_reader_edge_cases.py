@@ -1,0 +1,181 @@
+"""Odd-but-valid inputs a reviewer fed the new readers (issue 43's follow-up): each was altered or refused where
+the reference library reads it. Compared with ``zstandard`` (``read_across_frames``), ``pandas.read_csv`` and
+PIL + transformers' ``convert_to_rgb``."""
+from __future__ import annotations
+
+import io
+import struct
+
+import numpy as np
+import zstandard
+from datasets import load_from_disk
+
+from data_helpers import run_download, run_normalise
+from test_text_formats import ROWS, TEST, jsonl, settings_for, source, sst2_settings
+
+
+def _skippable(payload: bytes) -> bytes:
+    # A zstd skippable frame (magic 0x184D2A50..5F, then its size): pzstd writes one before every frame.
+    return struct.pack("<II", 0x184D2A50, len(payload)) + payload
+
+
+def test_a_zst_file_that_starts_with_a_skippable_frame_is_read_as_zstd(tmp_path):
+    data = jsonl(ROWS)
+    packed = _skippable(b"\x10\x00\x00\x00") + zstandard.ZstdCompressor().compress(data)
+    reference = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(packed), read_across_frames=True).read()
+    assert reference == data
+    directory = source(tmp_path, {"train.jsonl.zst": packed, "test.jsonl": jsonl(TEST[:1])})
+    settings = settings_for(directory)
+    out, _ = run_normalise("d", settings, run_download("d", settings, tmp_path), tmp_path)
+    assert load_from_disk(str(out))["train"]["question"] == [row["q"] for row in ROWS]
+
+
+def test_a_tsv_and_a_csv_value_longer_than_128_kib_is_read_as_pandas_reads_it(tmp_path):
+    import pandas as pd
+
+    long = "word " * 40_000  # 200,000 characters: a long document, above the csv module's default field limit
+    for fmt, sep in (("tsv", "\t"), ("csv", ",")):
+        data = f"sentence{sep}label\n{long}{sep}1\nshort{sep}0\n".encode()
+        reference = pd.read_csv(io.BytesIO(data), sep=sep, quoting=3 if fmt == "tsv" else 0, dtype=str)
+        directory = source(tmp_path / fmt, {f"train.{fmt}": data, f"dev.{fmt}": b"sentence%slabel\nok%s1\n" % ((sep.encode(),) * 2)})
+        settings = {**sst2_settings(directory), "format": fmt}
+        out, _ = run_normalise("d", settings, run_download("d", settings, tmp_path / fmt), tmp_path / fmt)
+        # normalise strips a text field's outer whitespace (as the SST-2 test above shows)
+        assert list(load_from_disk(str(out))["train"]["text"]) == [text.strip() for text in reference["sentence"]]
+
+
+def test_a_16_bit_grey_png_with_a_transparent_value_is_white_there_as_convert_to_rgb_makes_it():
+    from PIL import Image
+
+    from workflow_scripts.data.images import decode_rgb
+
+    values = np.array([[0, 30000, 65535], [12345, 30000, 500]], dtype=np.uint16)
+    buffer = io.BytesIO()
+    Image.fromarray(values).save(buffer, "PNG", transparency=30000)
+    assert Image.open(io.BytesIO(buffer.getvalue())).info["transparency"] == 30000
+    seen = np.asarray(decode_rgb(buffer.getvalue()))
+    expected = np.repeat(((values.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)[..., None], 3, axis=2)
+    expected[values == 30000] = 255  # transparent: composited on white, as convert_to_rgb does for every other mode
+    assert seen.tolist() == expected.tolist()
+
+
+def test_an_ascii_file_with_a_utf8_bom_declared_latin1_shows_the_bom_in_the_declared_reading(tmp_path):
+    # Excel's "CSV UTF-8" writes a BOM before plain ASCII: read as latin-1 the first column would be named 'ï»¿q'.
+    # The refusal stands; its two readings must differ where the file does (they were the same text, 'q\ta').
+    from test_text_formats import failing_normalise
+
+    data = b"\xef\xbb\xbfq\ta\n" + b"".join(b"question %d?\t%d\n" % (i, i) for i in range(5))
+    directory = source(tmp_path, {"train.tsv": data, "test.tsv": b"q\ta\nheld out?\t1\n"})
+    message = failing_normalise(settings_for(directory, format="tsv", encoding="latin-1"), tmp_path)
+    assert message.startswith(f"{directory}/train.tsv line 1: the dataset declares encoding: latin-1, but the file is "
+                              "valid UTF-8")
+    assert f"read as latin-1 the line is {data[:6].decode('latin-1')!r}, read as UTF-8 it is 'q\\ta'" in message
+
+
+QWEN = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+
+
+def _budget_transformers_uses(directory) -> int:
+    import transformers
+
+    return transformers.AutoImageProcessor.from_pretrained(str(directory)).size["longest_edge"]
+
+
+def test_the_memory_checks_pixel_budget_is_the_one_transformers_loads(tmp_path):
+    """The memory check priced one budget and transformers loaded another: (a) both layouts present (a folder saved by
+    transformers 5 over the Hub's files), where transformers reads the nested processor_config.json first; (b) a
+    preprocessor_config.json with both size.longest_edge and a top-level max_pixels (a user's edit of one), where
+    Qwen2VLImageProcessor lets max_pixels override size. Each time the check's budget was 4x below the real one."""
+    import json
+
+    from workflow_scripts.model import processor_files
+
+    both = tmp_path / "both"
+    both.mkdir()
+    (both / processor_files.IMAGE_PROCESSOR_FILE).write_text(json.dumps({**QWEN, "max_pixels": 500_000,
+                                                                          "processor_class": "Qwen2_5_VLProcessor"}))
+    (both / processor_files.PROCESSOR_FILE).write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor", "image_processor": {
+        **QWEN, "size": {"shortest_edge": 3136, "longest_edge": 2_000_000}}}))
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    (edited / processor_files.IMAGE_PROCESSOR_FILE).write_text(json.dumps({
+        **QWEN, "max_pixels": 2_000_000, "size": {"shortest_edge": 3136, "longest_edge": 500_000}}))
+    for directory in (both, edited):
+        assert _budget_transformers_uses(directory) == 2_000_000
+        assert processor_files.read(directory).max_pixels() == 2_000_000, directory.name
+
+
+def test_a_corpus_with_carriage_return_line_ends_is_not_read_as_one_example(tmp_path):
+    """Classic Mac line ends (a bare \\r, Excel for Mac's text export): split on \\n only, the whole file was one
+    example ('one\\rtwo\\rthree') at exit 0; datasets' text loader (str.splitlines) reads three lines. Stopped naming the
+    line, or under on_invalid_text: reject_row that line is rejected and counted."""
+    from test_text_formats import CORPUS, failing_normalise
+
+    from workflow_scripts.data.text_lines import LineCounts, iter_lines
+
+    data = b"one\rtwo\rthree\r"
+    assert data.decode().splitlines() == ["one", "two", "three"]  # the reference reads three examples
+    directory = source(tmp_path, {"train.txt": data, "test.txt": b"held out\n"})
+    message = failing_normalise(settings_for(directory, CORPUS), tmp_path, "c")
+    assert message.startswith(f"{directory}/train.txt line 1: a carriage return (\\r) at character 3 of the line is not "
+                              "followed by a line feed")
+    counts = LineCounts()
+    kept = list(iter_lines([directory / "test.txt", directory / "train.txt"], counts, on_invalid_text="reject_row"))
+    assert [text for _, _, text in kept] == ["held out"]
+    assert counts.files[str(directory / "train.txt")]["invalid_text_lines"] == [1]
+    # CR LF converted twice ("\r\r\n"): splitlines reads each line and a blank one; the line is read, not stopped at
+    (directory / "twice.txt").write_bytes(b"one\r\r\ntwo\r\r\n")
+    assert [text for _, _, text in iter_lines([directory / "twice.txt"])] == ["one", "two"]
+
+
+def test_a_float_image_scaled_to_0_1_is_refused_not_turned_black():
+    """A 32-bit float TIFF holding 0..1 (how scientific pipelines save images) passed the 0..255 range check, and
+    Pillow's conversion (convert_to_rgb's too) truncates each value to 0 or 1: an all-black image at exit 0."""
+    import pytest
+    from PIL import Image
+
+    from workflow_scripts.data.images import check_image, decode_rgb
+    from workflow_scripts.data.rows import Rejected
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.array([[0.2, 0.9], [0.5, 1.0]], dtype=np.float32)).save(buffer, "TIFF")
+    assert np.asarray(decode_rgb(buffer.getvalue())).max() <= 1  # what the model would have seen: black
+    with pytest.raises(Rejected) as caught:
+        check_image(buffer.getvalue())
+    assert caught.value.reason == "image_value_range"
+    assert "values 0.2..1, all within 0..1" in str(caught.value.detail)
+    buffer = io.BytesIO()  # a float image of 0..255 values converts as they are, and stays accepted
+    Image.fromarray(np.array([[0.0, 17.0], [128.0, 255.0]], dtype=np.float32)).save(buffer, "TIFF")
+    assert check_image(buffer.getvalue()).mode == "F"
+
+
+def test_a_json_file_in_its_declared_utf16_is_read_not_refused_at_download(tmp_path):
+    """Windows PowerShell's Out-File writes UTF-16 with a BOM; declared encoding: utf-16, download's row count read
+    the file as UTF-8 and stopped with 'not valid JSON (line 1 column 1): Expecting value'."""
+    import json
+
+    records = [{"q": f"question {i} \u00e9?", "a": str(i)} for i in range(5)]
+    directory = source(tmp_path, {"train.json": json.dumps(records).encode("utf-16"),
+                                  "test.json": json.dumps(records[:1]).encode("utf-16")})
+    settings = settings_for(directory, format="json", encoding="utf-16", contamination={"accept": True})
+    out, _ = run_normalise("d", settings, run_download("d", settings, tmp_path), tmp_path)
+    assert load_from_disk(str(out))["train"]["question"] == [record["q"] for record in records]
+    manifest = json.loads((tmp_path / "results" / "d" / "download_manifest.json").read_text())
+    assert manifest["rows"] == {"train": 5, "test": 1}
+
+
+def test_a_classlabel_id_of_minus_1_is_named_as_an_unlabelled_row():
+    """datasets writes -1 for a row without a label (GLUE's test splits, exported to Parquet): the message said only
+    'not a class id 0..1', where the cause is a split with no labels to evaluate against."""
+    import pytest
+
+    from workflow_scripts.data.rows import Rejected
+    from workflow_scripts.tasks.class_labels import source_class_name
+
+    assert source_class_name("1", ["neg", "pos"], "label") == "pos"
+    with pytest.raises(Rejected) as caught:
+        source_class_name("-1", ["neg", "pos"], "label")
+    assert caught.value.reason == "unknown_label"
+    assert caught.value.detail.startswith("label -1 is datasets' mark of a row without a label (GLUE's test splits hold "
+                                          "only -1)")
