@@ -364,11 +364,36 @@ def job_params(config: dict, workdir: Path) -> dict[tuple, tuple[tuple, tuple]]:
     return found
 
 
+_PARSED: dict = {}
+
+
+def _cached_parse(original):
+    """Snakemake's parser (the .smk files to Python) memoised by file, content and rule count: the same rule files
+    are compiled to the same code for every changed config (issue 42: the matrix's time was mostly parsing)."""
+    def parse(path, workflow, linemap, overwrite_shellcmd=None, rulecount=0):
+        name = str(getattr(path, "get_path_or_uri", lambda **_: path)(secret_free=True))
+        key = (name, Path(name).read_text() if Path(name).is_file() else None, rulecount, overwrite_shellcmd)
+        if key[1] is None:
+            return original(path, workflow, linemap, overwrite_shellcmd=overwrite_shellcmd, rulecount=rulecount)
+        if key not in _PARSED:
+            lines: dict = {}
+            code, count = original(path, workflow, lines, overwrite_shellcmd=overwrite_shellcmd, rulecount=rulecount)
+            _PARSED[key] = (code, count, lines)
+        code, count, lines = _PARSED[key]
+        linemap.update(lines)
+        return code, count
+    return parse
+
+
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory, request) -> dict:
+    import snakemake.api  # noqa: F401 (first: snakemake.workflow alone is a circular import)
+    import snakemake.workflow
+
     mp = pytest.MonkeyPatch()
     request.addfinalizer(mp.undo)
     mp.setattr(yaml, "load", _cached_yaml_load)
+    mp.setattr(snakemake.workflow, "parse", _cached_parse(snakemake.workflow.parse))
     workdir = tmp_path_factory.mktemp("matrix")
     base = job_params(base_config(), workdir)
     return {"base": base, "workdir": workdir}
