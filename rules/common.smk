@@ -112,7 +112,9 @@ def dataset_entry(rule):
     declared = {rule: keys}
 
     def entry(wildcards):
-        return RuntimeOnly(as_json(config_reads.pick(DATASETS[wildcards.dataset].to_dict(), rule, "datasets.*", declared)))
+        return RuntimeOnly(
+            as_json(config_reads.pick(DATASETS[wildcards.dataset].to_dict(), rule, "datasets.*", declared))
+        )
 
     return entry
 
