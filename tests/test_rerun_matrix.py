@@ -623,3 +623,20 @@ def test_class_weights_rerun_tokenisation_and_no_evaluation(matrix):
     """A training loss's class weights: re-tokenised (and so retrained), never read by an evaluation."""
     recorded, received = observe(matrix, "variants.*.class_weights")
     assert recorded == {"pretokenise"} and not received & {"evaluate", "evaluate_base"}, (recorded, received)
+
+
+def test_a_qlora_variants_precision_reruns_no_untrained_evaluation(matrix):
+    """A QLoRA variant's untrained model is loaded quantised as its adapters are, computing in the evaluation's
+    own dtype (model/quantization.evaluation_base replaces the record's compute dtype): training.precision, the
+    compute dtype when none is set, changes training only (issue 44: every untrained evaluation reran)."""
+    def qlora(precision: str) -> dict:
+        config = base_config()
+        config["training"].update(quantization={"bits": 4}, gpus=1, precision=precision)
+        config["evaluation"]["qlora_base"] = "quantised"
+        return config
+
+    before, after = (job_params(qlora(precision), matrix["workdir"]) for precision in ("bf16", "fp32"))
+    moved = {job[0] for job, (recorded, _) in before.items() if job in after and after[job][0] != recorded}
+    assert "train" in moved and "evaluate_base" not in moved, moved
+    assert any(rule == "evaluate_base" and "--base-quantization" in dict(received)["adapter"]
+               for (rule, _), (_, received) in after.items())
