@@ -1,7 +1,9 @@
 # Helpers shared by the rules: configuration checks, the experiment matrix and the output layout.
+import functools
 import json
 import os
 import shlex
+from pathlib import Path
 import sys
 
 # The Snakefile and every job import the workflow's own scripts, wherever the working directory is.
@@ -18,7 +20,7 @@ shell.prefix(f"{OWN_PYTHON}export PYTHONPATH={shlex.quote(workflow.basedir)}${{{
 
 from workflow_scripts.core import config_reads
 from workflow_scripts.core import experiment_config as xc
-from workflow_scripts.core import config_files, experiment_set
+from workflow_scripts.core import config_files, experiment_set, recorded_params
 from workflow_scripts.checks import scheduler
 from workflow_scripts.checks.config import check_config
 from workflow_scripts.data import source_files, split_layouts, split_names
@@ -78,26 +80,44 @@ def as_json(value):
     return json.dumps(value, sort_keys=True)
 
 
+def graph_metrics(names):
+    """Which of a dataset's metrics read its answers as PENMAN graphs (normalise's gold-graph check)."""
+    from workflow_scripts.tasks.metrics import GRAPH_METRICS
+
+    return [name for name in names if name in GRAPH_METRICS]
+
+
+# The parts of the keys a stage reads partly (config_reads.NARROWED_READS), as its params record them: key ->
+# (the part's name, its value). Both metric keys give the dataset's graph metrics, as a set: the gold-graph check
+# rejects a gold graph any of them cannot read. None where a dataset has none, so its params stay as they were.
+NARROWINGS = {
+    key: ("graph_metrics", lambda dataset: sorted(graph_metrics([dataset.metric, *dataset.also_metrics])) or None)
+    for key in ("datasets.*.metric", "datasets.*.also_metrics")
+}
+
+
 def dataset_reads(rule):
-    """The keys of the job's dataset that ``rule`` reads (core/config_reads.py): its recorded params, so a key
-    it does not read (the metric, for download and normalise) reruns nothing."""
-    return lambda wildcards: as_json(config_reads.pick(DATASETS[wildcards.dataset].to_dict(), rule, "datasets.*"))
+    """The keys of the job's dataset that ``rule`` reads (core/config_reads.py), from the resolved entry
+    (core/recorded_params.py: a default written out records nothing new): its recorded params, so a key it does
+    not read reruns nothing, and a narrowed read (normalise's graph metrics) records the part it reads."""
+    return lambda wildcards: as_json(recorded_params.recorded_dataset(DATASETS[wildcards.dataset], rule, NARROWINGS))
 
 
 def dataset_entry(rule):
-    """download's and normalise's --dataset: what they read of the entry, and the metric a dataset entry cannot
-    be without (config_reads.RUNTIME_READS), typed again by the stage. Not recorded (RuntimeOnly): their
-    ``reads`` param (dataset_reads) is the rerun trigger."""
+    """download's and normalise's --dataset: the keys of the entry they declare (core/config_reads.py), whole,
+    and the keys an entry cannot be without (config_reads.ENTRY_REQUIRED), typed again by the stage, which reads
+    it through config_reads.Declared (an undeclared read fails). Not recorded (RuntimeOnly): their ``reads``
+    param (dataset_reads) is the rerun trigger."""
+    keys = (
+        *config_reads.ENTRY_REQUIRED,
+        *config_reads.READS[rule],
+        *(key for stage, key in config_reads.NARROWED_READS if stage == rule),
+    )
+    declared = {rule: keys}
 
     def entry(wildcards):
-        given = DATASETS[wildcards.dataset].to_dict()
         return RuntimeOnly(
-            as_json(
-                {
-                    **config_reads.pick(given, rule, "datasets.*", config_reads.RUNTIME_READS),
-                    **config_reads.pick(given, rule, "datasets.*"),
-                }
-            )
+            as_json(config_reads.pick(DATASETS[wildcards.dataset].to_dict(), rule, "datasets.*", declared))
         )
 
     return entry
@@ -106,6 +126,14 @@ def dataset_entry(rule):
 def variant_templates(wildcards):
     """A variant's format only (its task's keys): training overrides must not re-tokenise."""
     return as_json(VARIANTS[wildcards.variant].to_dict())
+
+
+def evaluated_variant(wildcards):
+    """evaluate's and predict's --variant: the format keys they read (core/config_reads.py), not a training
+    loss's class weights, so a class weight changed reruns no untrained model's evaluation."""
+    return as_json(
+        {key: value for key, value in VARIANTS[wildcards.variant].to_dict().items() if key != "class_weights"}
+    )
 
 
 def dataset_task(wildcards):
@@ -127,9 +155,18 @@ def evaluation_json(wildcards):
     evaluation = EVALUATION.replace(
         split=xc.evaluation_split(config, wildcards.dataset), max_length=training_settings(wildcards).max_length
     )
-    # only the keys evaluate reads (core/config_reads.py): not evaluate_base_model, which decides no score
+    # only the keys evaluate reads (core/config_reads.py): not evaluate_base_model, which decides no score, and
+    # max_length only for the tasks that cut their inputs at it (a generation prompt is never cut)
+    cut = [
+        condition
+        for condition in config_reads.conditions_of("evaluate", "training.max_length")
+        if config_reads.condition_holds(condition, DATASETS[wildcards.dataset].task)
+    ]
     return as_json(
-        {**config_reads.pick(evaluation.to_dict(), "evaluate", "evaluation"), "max_length": evaluation.max_length}
+        {
+            **config_reads.pick(evaluation.to_dict(), "evaluate", "evaluation"),
+            **({"max_length": evaluation.max_length} if cut else {}),
+        }
     )
 
 
@@ -140,7 +177,18 @@ def untrained_base_argument(wildcards):
     record = training_settings(wildcards).quantization_record()
     if record is None or EVALUATION.qlora_base != "quantised":
         return ""
-    return f"--base-quantization {shlex.quote(as_json(record))}"
+    # unrecorded: its compute dtype (training.precision when not set) is replaced by the evaluation's dtype
+    # (model/quantization.evaluation_base); the rest is recorded by untrained_base_record
+    return RuntimeOnly(f"--base-quantization {shlex.quote(as_json(record))}")
+
+
+def untrained_base_record(wildcards):
+    """evaluate_base's recorded loading: the QLoRA base's bitsandbytes settings less the compute dtype, which
+    evaluation replaces by its own; nothing (unrecorded) for a base loaded as it is."""
+    record = training_settings(wildcards).quantization_record()
+    if record is None or EVALUATION.qlora_base != "quantised":
+        return RuntimeOnly("")
+    return as_json({key: value for key, value in record.items() if key != "compute_dtype"})
 
 
 def mixture_json(wildcards):
@@ -218,8 +266,21 @@ def trust_remote_code(wildcards):
 
 def training_json(wildcards):
     """train's and sanity's --training: the resolved settings as the user wrote them (the stage types them
-    again); not the typed settings' full dict, so a new optional key reruns nothing that does not set it."""
-    return as_json(xc.resolved_training(config, wildcards.variant, wildcards.model))
+    again); not the typed settings' full dict, so a new optional key reruns nothing that does not set it.
+    Unrecorded (RuntimeOnly): training_record is the rerun trigger."""
+    return RuntimeOnly(as_json(xc.resolved_training(config, wildcards.variant, wildcards.model)))
+
+
+@functools.lru_cache(maxsize=None)
+def _training_record(model, variant):
+    return as_json(recorded_params.recorded_training(xc.resolved_training(config, variant, model)))
+
+
+def training_record(wildcards):
+    """sanity's and train's recorded training settings: the runtime-only keys (config_reads.RUNTIME_TRAINING_KEYS:
+    wall time, memory, checkpoint cadence, workers...) at their schema defaults whatever they are set to, so
+    changing one retrains nothing, and a key written at the code's default as if absent (core/recorded_params.py)."""
+    return _training_record(wildcards.model, wildcards.variant)
 
 
 class RuntimeOnly:
@@ -338,6 +399,33 @@ def local_source(wildcards):
     return [str(path) for split in splits for path in split_layouts.local_files(dataset, split)]
 
 
+def local_source_stamp(wildcards):
+    """download's input for a local source: a small stamp of its files' content (data/source_files.content_stamp),
+    rewritten only when a byte changes. Not the files themselves: Snakemake checksums only inputs under 1 MB,
+    so a touched larger file reran the whole chain."""
+    files = local_source(wildcards)
+    return [source_files.content_stamp(f"dataset-{wildcards.dataset}", files)] if files else []
+
+
+def local_model_stamp(wildcards):
+    """prepare_model's input for a local model (``source: local``): the stamp of its folder's content, so new
+    weights at the same path copy the model again and rerun everything after (a folder's time does not change
+    when a file inside is replaced)."""
+    model = MODELS[wildcards.model]
+    if model.source != "local":
+        return []
+    return [source_files.content_stamp(f"model-{wildcards.model}", source_files.files_under(model.path))]
+
+
+def local_model_sha256(wildcards):
+    """prepare_model's parameter for a local model: its folder's content, so new weights copied in with old times
+    copy it again too. Unrecorded (RuntimeOnly '') for any other source: their params stay as they were."""
+    model = MODELS[wildcards.model]
+    if model.source != "local":
+        return RuntimeOnly("")
+    return source_files.tree_fingerprint([Path(model.path)])
+
+
 def local_source_sha256(wildcards):
     """The local source files' content (sha256): a file copied in with an old mtime still reruns download."""
     return as_json(source_files.sha256_of_existing(local_source(wildcards)))
@@ -393,7 +481,8 @@ def experiment_set_stamp():
     return experiment_set.stamp_path(
         {
             "experiments": [list(e) for e in xc.evaluations(config)],
-            "comparison": COMPARISON.to_dict(),
+            # what compare reads of the section (not the power threshold: power's alone)
+            "comparison": config_reads.pick(COMPARISON.to_dict(), "compare", "comparison"),
             "with_base": EVALUATION.evaluate_base_model,
             # what else decides the table (issue 35): the seeds, each dataset's metrics and evaluation settings
             "seeds": list(config["seeds"]),

@@ -8,7 +8,7 @@ localrules:
 
 rule download:
     input:
-        local_source,
+        local_source_stamp,  # the local source files' content (a stamp): a touch alone reruns nothing
     output:
         raw=directory("results/data/{dataset}/raw"),
         manifest="results/data/{dataset}/download_manifest.json",
@@ -57,6 +57,7 @@ rule normalise:
 rule prepare_model:
     input:
         corpus=tiny_model_corpus,
+        local=local_model_stamp,  # a local model folder's content: new weights copy it again
     output:
         directory(MODEL_DIR),
     log:
@@ -68,6 +69,7 @@ rule prepare_model:
     threads: 1
     params:
         model=model_json,
+        local_sha256=local_model_sha256,  # a local model's content, not clocks, decides a rerun
     shell:
         "python -m workflow_scripts.prepare_model --model {params.model:q} --out {output:q}"
         " --corpus {input.corpus:q} > {log:q} 2>&1"

@@ -20,7 +20,7 @@ rule evaluate:
         gpu=EVALUATION.gpus,
     params:
         task=dataset_task,
-        variant=variant_templates,
+        variant=evaluated_variant,
         metric=dataset_metric,
         also_metrics=also_metrics_argument,
         evaluation=evaluation_json,
@@ -49,13 +49,14 @@ use rule evaluate as evaluate_base with:
         "results/benchmarks/{model}/{dataset}/{variant}/base/evaluate.tsv"
     params:
         task=dataset_task,
-        variant=variant_templates,
+        variant=evaluated_variant,
         metric=dataset_metric,
         also_metrics=also_metrics_argument,
         evaluation=evaluation_json,
         trust_remote_code=trust_remote_code,
         # no adapter; a QLoRA variant's untrained model loads its base as the variant's adapters are scored
         adapter=untrained_base_argument,
+        base_quantization=untrained_base_record,
         seed="base",
 
 

@@ -30,7 +30,7 @@ rule predict:
         gpu=EVALUATION.gpus,
     params:
         task=dataset_task,
-        variant=variant_templates,
+        variant=evaluated_variant,
         metric=dataset_metric,
         evaluation=evaluation_json,
         # The dataset's submission settings (the stage fills in the defaults).

@@ -38,7 +38,9 @@ rule sanity:
         runtime=lambda w: min(training_settings(w).runtime_minutes, 60),
         mem_mb=lambda w: training_settings(w).mem_mb,
     params:
-        training=training_json,
+        # recorded: the runtime-only keys at their defaults (training_record); the stage gets them as set
+        training=training_record,
+        given_training=training_json,
         # the first configured seed, not recorded: adding seeds, or one before the others, reruns no gate
         seed=gate_seed,
         trust_remote_code=trust_remote_code,
@@ -46,7 +48,7 @@ rule sanity:
         power_check=gate_power_check,
     shell:
         "python -m workflow_scripts.sanity --model {input.model:q} --data {input.data:q}"
-        " --training {params.training:q} --seed {params.seed} {params.trust_remote_code}"
+        " --training {params.given_training:q} --seed {params.seed} {params.trust_remote_code}"
         " {params.power_check} --out {output:q} > {log:q} 2>&1"
 
 
@@ -78,7 +80,8 @@ rule train:
         runtime=lambda w: training_settings(w).runtime_minutes,
         mem_mb=lambda w: training_settings(w).mem_mb,
     params:
-        training=training_json,
+        training=training_record,
+        given_training=training_json,
         checkpoints="results/{model}/{dataset}/{variant}/seed{seed}/checkpoints",
         tensorboard="results/{model}/{dataset}/{variant}/seed{seed}/tensorboard",
         tracking=tracking_json,
@@ -86,7 +89,7 @@ rule train:
         validation_metric=validation_metric_argument,
     shell:
         "python -m workflow_scripts.train --model {input.model:q} --data {input.data:q}"
-        " --training {params.training:q} --seed {wildcards.seed} {params.trust_remote_code}"
+        " --training {params.given_training:q} --seed {wildcards.seed} {params.trust_remote_code}"
         " --checkpoint-dir {params.checkpoints:q} --adapter-out {output.adapter:q}"
         " --log-out {output.train_log:q} --manifest-out {output.manifest:q}"
         " --tensorboard-dir {params.tensorboard:q} --tracking {params.tracking:q} {params.validation_metric}"

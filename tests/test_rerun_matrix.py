@@ -13,6 +13,7 @@ consumes its outputs (test_reruns.py and test_rerun_runs.py check that part on r
 from __future__ import annotations
 
 import copy
+import json
 import functools
 import io
 import tempfile
@@ -120,6 +121,7 @@ MUTATIONS: dict[str, tuple[str | None, Any]] = {
     "datasets.*.contamination.max_fraction": ("amr_demo", 0.2),
     "datasets.*.duplicates.max_fraction": ("amr_demo", 0.5),
     "datasets.*.encoding": ("amr_demo", "utf-8-sig"),
+    "datasets.*.on_invalid_text": ("amr_demo", "reject_row"),  # (stop, the first value, is the default)
     "training.validation.every_steps": (None, 25),
     "training.validation.early_stopping_patience": (None, 2),
     "training.validation.metric_examples": (None, 8),
@@ -175,6 +177,9 @@ NOT_EXERCISED = {
     "training.fused_cross_entropy": "CUDA only",
     "training.liger_kernels": "CUDA only",
     "training.activation_offloading": "needs gradient checkpointing, which the demo turns off",
+    "training.validation.criterion": "metric (loss, the other value, is the code's default and records as absent) "
+                                     "scores the metric in training, refused for the demo's mixture (its metrics "
+                                     "have no common scale)",
 }
 
 
@@ -296,11 +301,16 @@ _YAML_LOAD = yaml.load
 
 # libyaml's loaders where PyYAML has them: the same documents, ~10x faster (each changed config is read twice)
 _FASTER = {yaml.SafeLoader: getattr(yaml, "CSafeLoader", yaml.SafeLoader),
-           yaml.Loader: getattr(yaml, "CLoader", yaml.Loader)}
+           yaml.Loader: getattr(yaml, "CLoader", yaml.Loader),
+           yaml.FullLoader: getattr(yaml, "CFullLoader", yaml.FullLoader)}  # (yte's, reading --configfile)
 
 
 @functools.lru_cache(maxsize=None)
 def _yaml_text(text: str, loader: type) -> Any:
+    from workflow_scripts.core.config_files import StrictLoader
+
+    if loader is StrictLoader:  # its duplicate-key check, on configs yaml.dump wrote here: libyaml's safe loader
+        loader = yaml.SafeLoader
     return _YAML_LOAD(text, Loader=_FASTER.get(loader, loader))  # noqa: S506 (the loaders Snakemake passes)
 
 
@@ -354,11 +364,36 @@ def job_params(config: dict, workdir: Path) -> dict[tuple, tuple[tuple, tuple]]:
     return found
 
 
+_PARSED: dict = {}
+
+
+def _cached_parse(original):
+    """Snakemake's parser (the .smk files to Python) memoised by file, content and rule count: the same rule files
+    are compiled to the same code for every changed config (issue 42: the matrix's time was mostly parsing)."""
+    def parse(path, workflow, linemap, overwrite_shellcmd=None, rulecount=0):
+        name = str(getattr(path, "get_path_or_uri", lambda **_: path)(secret_free=True))
+        key = (name, Path(name).read_text() if Path(name).is_file() else None, rulecount, overwrite_shellcmd)
+        if key[1] is None:
+            return original(path, workflow, linemap, overwrite_shellcmd=overwrite_shellcmd, rulecount=rulecount)
+        if key not in _PARSED:
+            lines: dict = {}
+            code, count = original(path, workflow, lines, overwrite_shellcmd=overwrite_shellcmd, rulecount=rulecount)
+            _PARSED[key] = (code, count, lines)
+        code, count, lines = _PARSED[key]
+        linemap.update(lines)
+        return code, count
+    return parse
+
+
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory, request) -> dict:
+    import snakemake.api  # noqa: F401 (first: snakemake.workflow alone is a circular import)
+    import snakemake.workflow
+
     mp = pytest.MonkeyPatch()
     request.addfinalizer(mp.undo)
     mp.setattr(yaml, "load", _cached_yaml_load)
+    mp.setattr(snakemake.workflow, "parse", _cached_parse(snakemake.workflow.parse))
     workdir = tmp_path_factory.mktemp("matrix")
     base = job_params(base_config(), workdir)
     return {"base": base, "workdir": workdir}
@@ -405,15 +440,50 @@ def expected_stages(path: str, config: dict) -> set[str]:
     where it has a job of the changed entry."""
     if path in ("models.*.training", "variants.*.training"):
         overrides = changed_config(path)[path.split(".")[0]][_changed_entry(path)]["training"]
-        declared = {stage for key in overrides for stage in config_reads.unconditional_stages_reading(f"training.{key}")}
+        keys = [f"training.{key}" for key in overrides]
     else:
-        declared = set(config_reads.unconditional_stages_reading(path))
+        keys = [path]
+    declared = {stage for key in keys for stage in config_reads.unconditional_stages_reading(key)}
     entry = _changed_entry(path)
     rules = set()
     for rule, items in base_jobs():
-        if rule in declared and (entry is None or _involves(rule, dict(items), path.split(".")[0], entry, config)):
+        if entry is not None and not _involves(rule, dict(items), path.split(".")[0], entry, config):
+            continue
+        if rule in declared or any(_condition_holds(condition, dict(items), config)
+                                   for key in keys for condition in config_reads.conditions_of(rule, key)):
             rules.add(rule)
     return rules
+
+
+def _condition_holds(condition: str, wildcards: dict, config: dict) -> bool:
+    """Whether a condition of config_reads.CONDITIONAL_READS holds for a job: ``datasets.*.<key>=...`` on the
+    job's dataset, or a global key set."""
+    key = condition.split("=", 1)[0]
+    parts = key.split(".")
+    if parts[:2] == ["datasets", "*"]:
+        dataset = config["datasets"].get(wildcards.get("dataset"))
+        if dataset is None:
+            return False
+        value = dataset
+        parts = parts[2:]
+    else:
+        value = config
+    for part in parts:
+        value = value.get(part) if isinstance(value, dict) else None
+    return config_reads.condition_holds(condition, value)
+
+
+def _partly_read(path: str) -> set[str]:
+    """Stages that read a part of ``path`` (config_reads.NARROWED_READS): their params may change with it, and
+    they receive it."""
+    return {stage for stage in config_reads.stages_reading(path) if config_reads.narrowing_of(stage, path)}
+
+
+def _given_unread(path: str) -> set[str]:
+    """Stages given ``path`` only because an entry is not valid without it (config_reads.ENTRY_REQUIRED)."""
+    if any(config_reads.covers(key, path) for key in config_reads.ENTRY_REQUIRED):
+        return {"download", "normalise"}
+    return set()
 
 
 EXERCISED = sorted(set(schema_leaves()) - set(NOT_EXERCISED))
@@ -430,7 +500,7 @@ def check_leaf(matrix: dict, path: str, observed: tuple[set[str], set[str]] | No
     config = changed_config(path)
     recorded, received = observed or observe(matrix, path)
     expected = expected_stages(path, base_config())
-    allowed = expected | ({"compare"} if config_reads.plan_key(path) else set())
+    allowed = expected | ({"compare"} if config_reads.plan_key(path) else set()) | _partly_read(path)
     faults = []
     if not expected <= recorded:
         faults.append(f"{path}: {sorted(expected - recorded)} read it (config_reads.READS), but their params do not "
@@ -438,7 +508,7 @@ def check_leaf(matrix: dict, path: str, observed: tuple[set[str], set[str]] | No
     if not recorded <= allowed:
         faults.append(f"{path}: the params of {sorted(recorded - allowed)} change with it, but config_reads.READS "
                       "does not say they read it")
-    runtime = set(config_reads.runtime_stages_reading(path))
+    runtime = set(config_reads.runtime_stages_reading(path)) | _given_unread(path)
     if not received <= allowed | runtime:
         faults.append(f"{path}: {sorted(received - allowed - runtime)} receive it, but neither read it nor receive "
                       "it at run time only (config_reads.READS, RUNTIME_READS)")
@@ -465,8 +535,8 @@ def test_a_table_that_disagrees_with_the_params_fails_the_matrix(matrix, monkeyp
     """The planted faults: the table (core/config_reads.py) changed while the rules' params are not."""
     reads = dict(config_reads.READS)
     if fault.startswith("a key added"):
-        reads["normalise"] = (*reads["normalise"], "datasets.*.also_metrics")
-        path, message = "datasets.*.also_metrics", "['normalise'] read it (config_reads.READS), but their params"
+        reads["normalise"] = (*reads["normalise"], "datasets.*.evaluation_split")
+        path, message = "datasets.*.evaluation_split", "['normalise'] read it (config_reads.READS), but their params"
     else:
         reads["evaluate"] = tuple(key for key in reads["evaluate"] if key != "evaluation.max_new_tokens")
         path, message = "evaluation.max_new_tokens", "the params of ['evaluate'] change with it, but"
@@ -477,7 +547,9 @@ def test_a_table_that_disagrees_with_the_params_fails_the_matrix(matrix, monkeyp
 
 
 def test_a_param_that_bypasses_the_table_fails_the_matrix(matrix, monkeypatch):
-    """The planted fault in the rules: normalise given the dataset's metric as a recorded param."""
+    """The planted fault in the rules: normalise given the dataset's evaluation split as a recorded param (a key
+    it does not declare; its undeclared reads fail in the stage itself:
+    test_a_stage_reading_a_key_the_table_does_not_give_it_fails)."""
     from snakemake.rules import Rule
 
     original = Rule.expand_params
@@ -485,10 +557,86 @@ def test_a_param_that_bypasses_the_table_fails_the_matrix(matrix, monkeypatch):
     def with_metric(self, wildcards, input, output, job, omit_callable=False):
         params, derived = original(self, wildcards, input, output, job, omit_callable)
         if self.name == "normalise":
-            params.append(self.workflow.config["datasets"][wildcards["dataset"]]["metric"])
+            params.append(self.workflow.config["datasets"][wildcards["dataset"]].get("evaluation_split"))
             params._add_name("planted")
         return params, derived
 
     monkeypatch.setattr(Rule, "expand_params", with_metric)
-    faults = check_leaf(matrix, "datasets.*.metric")
+    faults = check_leaf(matrix, "datasets.*.evaluation_split")
     assert any("the params of ['normalise'] change with it" in fault for fault in faults), faults
+
+
+# A stage reads only what the table gives it (issue 44) -------------------------------------------------------
+def test_normalise_reads_the_metrics_its_params_record():
+    """normalise's gold-graph check reads the dataset's metric and also_metrics: declared (narrowed to its graph
+    metrics), and recorded so: switching smatch off reruns it, another non-graph metric does not."""
+    assert "normalise" in config_reads.stages_reading("datasets.*.metric")
+    assert "normalise" in config_reads.stages_reading("datasets.*.also_metrics")
+    assert "normalise" not in config_reads.unconditional_stages_reading("datasets.*.metric")
+    assert config_reads.narrowing_of("normalise", "datasets.*.metric")
+
+
+@pytest.mark.parametrize("table", ["declared", "planted: normalise's metric reads left out"])
+def test_a_stage_reading_a_key_the_table_does_not_give_it_fails(tmp_path, monkeypatch, table):
+    """The planted fault: the table omits normalise's read of the metric (as it did before issue 44), while its
+    gold-graph check reads it. The stage receives its settings through config_reads.Declared, built from the
+    declared keys alone: the undeclared read fails, naming the key, instead of going unrecorded."""
+    from data_helpers import demo_settings, run_download, run_normalise
+    from workflow_scripts import normalise
+
+    settings = demo_settings("amr_demo")
+    raw = run_download("amr", settings, tmp_path)
+    if table == "declared":
+        run_normalise("amr", settings, raw, tmp_path)
+        return
+    monkeypatch.setattr(config_reads, "NARROWED_READS", {})
+    out = tmp_path / "results" / "amr" / "normalised"
+    with pytest.raises(config_reads.UndeclaredRead, match=r"normalise read datasets\.<name>\.metric"):
+        normalise.main(["--name", "amr", "--dataset", json.dumps(settings), "--raw", str(raw), "--out", str(out),
+                        "--report", str(tmp_path / "report.json")])
+
+
+def test_what_a_dataset_stage_receives_is_what_it_declares(matrix):
+    """download's and normalise's --dataset carry the keys they declare and the keys an entry cannot be without,
+    nothing else (what they may read: config_reads.declared_fields)."""
+    for (rule, items), (_, received) in matrix["base"].items():
+        if rule not in ("download", "normalise"):
+            continue
+        given = set(json.loads(dict(received)["dataset"]))
+        allowed = config_reads.declared_fields(rule, "datasets.*") | {"metric"}
+        assert given <= allowed, (rule, items, sorted(given - allowed))
+
+
+# The untrained model's evaluation depends on what it reads only (issue 44) ------------------------------------
+def test_max_length_reruns_no_untrained_evaluation_of_a_generation_dataset(matrix):
+    """A generation prompt is never cut at max_length; a classifier's text and masked LM's blocks are."""
+    changed = job_params(changed_config("training.max_length"), matrix["workdir"])
+    moved = {dict(items)["dataset"] for (rule, items), (recorded, _) in matrix["base"].items()
+             if rule == "evaluate_base" and changed[rule, items][0] != recorded}
+    tasks = {name: entry.get("task", "generation") for name, entry in base_config()["datasets"].items()}
+    evaluated = {dict(items)["dataset"] for rule, items in base_jobs() if rule == "evaluate_base"}
+    assert moved == {name for name in evaluated if tasks[name] in ("classification", "masked_lm")}, moved
+    assert any(tasks[name] == "generation" for name in evaluated)
+
+
+def test_class_weights_rerun_tokenisation_and_no_evaluation(matrix):
+    """A training loss's class weights: re-tokenised (and so retrained), never read by an evaluation."""
+    recorded, received = observe(matrix, "variants.*.class_weights")
+    assert recorded == {"pretokenise"} and not received & {"evaluate", "evaluate_base"}, (recorded, received)
+
+
+def test_a_qlora_variants_precision_reruns_no_untrained_evaluation(matrix):
+    """A QLoRA variant's untrained model is loaded quantised as its adapters are, computing in the evaluation's
+    own dtype (model/quantization.evaluation_base replaces the record's compute dtype): training.precision, the
+    compute dtype when none is set, changes training only (issue 44: every untrained evaluation reran)."""
+    def qlora(precision: str) -> dict:
+        config = base_config()
+        config["training"].update(quantization={"bits": 4}, gpus=1, precision=precision)
+        config["evaluation"]["qlora_base"] = "quantised"
+        return config
+
+    before, after = (job_params(qlora(precision), matrix["workdir"]) for precision in ("bf16", "fp32"))
+    moved = {job[0] for job, (recorded, _) in before.items() if job in after and after[job][0] != recorded}
+    assert "train" in moved and "evaluate_base" not in moved, moved
+    assert any(rule == "evaluate_base" and "--base-quantization" in dict(received)["adapter"]
+               for (rule, _), (_, received) in after.items())

@@ -35,6 +35,7 @@ from workflow_scripts.data.source_paths import SourceNames
 from workflow_scripts.core.atomic_output import atomic_path, check_writable, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.checks.sections import dataset_argument
+from workflow_scripts.core import config_reads
 from workflow_scripts.core.entry_settings import DatasetSettings
 from workflow_scripts.core.run_manifest import build_manifest
 from workflow_scripts.core.stage_arguments import StageArgumentParser
@@ -263,7 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="Raw data directory to create.")
     parser.add_argument("--manifest", required=True, type=Path, help="download_manifest.json to write.")
     args = parser.parse_args(argv)
-    settings = dataset_argument(args.dataset, args.name)
+    # read through what core/config_reads.py declares for download: a key its params do not carry cannot be read
+    settings = config_reads.Declared(dataset_argument(args.dataset, args.name), "download", "datasets.*")
     kind = settings.source.type
     split_layouts.check_layouts(args.name, settings, "--dataset")  # as at parse time: the key named, nothing copied
     if settings.format == text_lines.TEXT_FORMAT and kind != "local":

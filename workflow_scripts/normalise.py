@@ -52,6 +52,7 @@ from workflow_scripts.data.rows import Rejected
 from workflow_scripts.core.atomic_output import atomic_path, check_writable, write_json
 from workflow_scripts.core.errors import ConfigError, WorkflowError, run_main
 from workflow_scripts.checks.sections import dataset_argument
+from workflow_scripts.core import config_reads
 from workflow_scripts.core.entry_settings import DatasetSettings
 from workflow_scripts.core.stage_arguments import StageArgumentParser
 from workflow_scripts.tasks import task_named
@@ -365,7 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report", required=True, type=Path, help="normalise_report.json to write.")
     args = parser.parse_args(argv)
     key = f"datasets.{args.name}"
-    settings = dataset_argument(args.dataset, args.name)
+    # read through what core/config_reads.py declares for normalise: a key its params do not carry cannot be read
+    settings = config_reads.Declared(dataset_argument(args.dataset, args.name), "normalise", "datasets.*")
     if not args.raw.is_dir():
         raise WorkflowError(f"{args.raw}: raw data directory not found; run the download rule first")
     check_writable(args.out, args.report)

@@ -11,17 +11,24 @@ keys declared here for it: a key read by a stage reruns that stage and what depe
 stage reads reruns nothing. ``tests/test_rerun_matrix.py`` changes every leaf of config/schema.yaml on a
 finished run's config and checks that the rules whose params change are exactly ``stages_reading(key)``.
 
-Three kinds of reads besides the plain ones:
+Four kinds of reads besides the plain ones:
 
 - ``RUNTIME_READS``: a key a stage receives without recording it (Snakemake's params of a non-built-in type,
-  ``RuntimeOnly`` in rules/common.smk): it reruns nothing (trackers; the gate's seed).
-- ``CONDITIONAL_READS``: a key a stage reads only while another key is set (train scores the task's metric
-  during training only under ``training.validation.metric_examples``).
+  ``RuntimeOnly`` in rules/common.smk): it reruns nothing (trackers; the gate's seed; the training keys that
+  cannot change what is learned, ``RUNTIME_TRAINING_KEYS``). A runtime read below a plain one (``training``
+  and ``training.mem_mb``) wins: the key is not recorded.
+- ``CONDITIONAL_READS``: a key a stage reads only while a condition holds: ``key`` (that key is set, not null:
+  train scores the task's metric during training only under ``training.validation.metric_examples``), or
+  ``key=a|b`` (that key has one of the values: evaluate cuts its inputs at ``max_length`` only for the tasks
+  that do, ``datasets.*.task=classification|masked_lm``).
+- ``NARROWED_READS``: a key a stage reads a part of only (normalise's gold-graph check asks which of a dataset's
+  metrics read PENMAN graphs): the stage records that part, so a change of the rest reruns nothing.
 - ``PLAN_READS``: a key that decides which jobs exist (the experiment matrix): a change adds or drops jobs
   (a seed: its training, evaluation, and the comparison), and the comparison's experiment set reruns compare.
 """
 from __future__ import annotations
 
+import copy
 from typing import Iterable, Mapping
 
 # The dataset keys the data chain reads (download's are a subset): everything that shapes the normalised rows.
@@ -55,7 +62,19 @@ _EVALUATION = (
     "evaluation.gpus", "evaluation.qlora_base", "evaluation.dtype", "datasets.*.evaluation_split",
 )
 _SCORING = ("datasets.*.task", "datasets.*.metric", "datasets.*.also_metrics")
-_EVALUATE = (*_SCORING, *_VARIANT_FORMAT, *_EVALUATION, *_MAX_LENGTH, "models.*.trust_remote_code")
+# (not class_weights: a training loss's weights; evaluation scores argmax classes)
+_EVALUATE = (*_SCORING, *(key for key in _VARIANT_FORMAT if key != "variants.*.class_weights"), *_EVALUATION,
+             "models.*.trust_remote_code")
+_EVALUATING = ("evaluate", "evaluate_base", "evaluate_on", "predict", "predict_on")
+# Training keys that cannot change what is learned (the schema's "Runtime-only", the fairness guard's and the
+# resume fingerprint's analysis.fairness.RUNTIME_ONLY_TRAINING_KEYS less the process counts and log cadence,
+# which change the numbers or the log): given to sanity and train unrecorded, so raising runtime_minutes for a
+# job that needs resubmits retrains nothing.
+RUNTIME_TRAINING_KEYS = (
+    "runtime_minutes", "mem_mb", "checkpoint_every", "signal_grace_seconds", "dataloader_workers",
+    "sanity_batches", "strategy", "fsdp_mesh",
+)
+_RUNTIME_TRAINING = tuple(f"{block}.{key}" for block in _TRAINING for key in RUNTIME_TRAINING_KEYS)
 
 READS: Mapping[str, tuple[str, ...]] = {
     "download": _DOWNLOADED,
@@ -77,22 +96,33 @@ READS: Mapping[str, tuple[str, ...]] = {
                 "comparison.bootstrap", "comparison.intended_differences", "evaluation.evaluate_base_model"),
 }
 
-# Read while the first key is set (not null) for the job: (stage, condition) -> keys.
+# Read while the condition holds for the job: (stage, condition) -> keys. A condition is a key (set, not null)
+# or ``key=value|value`` (the key has one of the values).
 CONDITIONAL_READS: Mapping[tuple[str, str], tuple[str, ...]] = {
     ("train", "training.validation.metric_examples"): (
         "datasets.*.metric", "evaluation.max_new_tokens", "evaluation.batch_size", *_VARIANT_FORMAT,
     ),
+    # inputs cut at training's max_length: a classifier's texts, masked LM's test blocks (never a generation
+    # prompt, so a generation dataset's untrained evaluation does not rerun for it)
+    **{(stage, "datasets.*.task=classification|masked_lm"): _MAX_LENGTH for stage in _EVALUATING},
 }
+
+# A part of a key read, and recorded, alone: (stage, key) -> which part.
+NARROWED_READS: Mapping[tuple[str, str], str] = {
+    ("normalise", key): "when the dataset's graph metrics (smatch, smatchpp) change: its gold-graph check"
+    for key in ("datasets.*.metric", "datasets.*.also_metrics")
+}
+
+# Keys a dataset entry cannot be without (the schema's required keys beyond the declared ones): given to download
+# and normalise so that their entry is valid, never readable by them unless declared (``Declared``).
+ENTRY_REQUIRED: tuple[str, ...] = ("datasets.*.metric",)
 
 # Received at run time, never a rerun trigger.
 RUNTIME_READS: Mapping[str, tuple[str, ...]] = {
-    # a dataset entry is valid only with its metric: download and normalise are given it, and read none of it
-    "download": ("datasets.*.metric",),
-    "normalise": ("datasets.*.metric",),
     # the gate runs with the first seed (a new first seed reruns no gate), and checks the power threshold
     # against the power reports whenever it runs (a threshold added later reruns no gate)
-    "sanity": ("seeds", "comparison.min_detectable_effect"),
-    "train": ("tracking",),
+    "sanity": ("seeds", "comparison.min_detectable_effect", *_RUNTIME_TRAINING),
+    "train": ("tracking", *_RUNTIME_TRAINING),
 }
 
 # Keys that decide which jobs exist (the matrix of experiments): a change adds or removes jobs, and reruns
@@ -156,24 +186,57 @@ def _any_covers(declared: Iterable[str], path: str) -> bool:
     return any(covers(key, path) for key in declared)
 
 
+def _at_or_below(declared: str, path: str) -> bool:
+    """Whether ``path`` is ``declared`` or lies below it (not above it)."""
+    return len(_parts(path)) >= len(_parts(declared)) and covers(declared, path)
+
+
+def _runtime_only(stage: str, path: str) -> bool:
+    """A key the stage receives unrecorded although a broader key of its plain reads covers it."""
+    return any(_at_or_below(key, path) for key in RUNTIME_READS.get(stage, ()))
+
+
+def _reads(stage: str, keys: Iterable[str], path: str) -> bool:
+    return _any_covers(keys, path) and not _runtime_only(stage, path)
+
+
 def stages_reading(path: str) -> tuple[str, ...]:
     """The rules whose recorded params depend on the schema leaf ``path`` (dotted, ``*`` for an entry of a
     user-named mapping: ``datasets.*.fields``, ``training.lora.rank``, ``seeds``); empty: a change reruns
-    nothing of its own (a key that only decides which jobs exist adds or removes jobs: ``plan_key``)."""
-    found = [stage for stage, keys in READS.items() if _any_covers(keys, path)]
-    found += [stage for (stage, _), keys in CONDITIONAL_READS.items() if _any_covers(keys, path)]
+    nothing of its own (a key that only decides which jobs exist adds or removes jobs: ``plan_key``). Conditional
+    and narrowed reads included (``conditions_of``, ``narrowing_of`` say when and what)."""
+    found = [stage for stage, keys in READS.items() if _reads(stage, keys, path)]
+    found += [stage for (stage, _), keys in CONDITIONAL_READS.items() if _reads(stage, keys, path)]
+    found += [stage for (stage, key) in NARROWED_READS if _reads(stage, (key,), path)]
     return tuple(dict.fromkeys(found))
 
 
 def unconditional_stages_reading(path: str) -> tuple[str, ...]:
-    """``stages_reading`` without the conditional reads (what a config that leaves the conditions unset reruns)."""
-    return tuple(stage for stage, keys in READS.items() if _any_covers(keys, path))
+    """``stages_reading`` without the conditional and narrowed reads (what a config that leaves the conditions
+    unset reruns, whatever part of the key changes)."""
+    return tuple(stage for stage, keys in READS.items() if _reads(stage, keys, path))
 
 
 def conditions_of(stage: str, path: str) -> tuple[str, ...]:
-    """The keys that must be set for ``stage`` to read ``path`` (empty: it reads it always, or never)."""
+    """The conditions under which ``stage`` reads ``path`` (empty: it reads it always, or never): a key that must
+    be set, or ``key=a|b``, a key that must have one of the values."""
     return tuple(condition for (name, condition), keys in CONDITIONAL_READS.items()
-                 if name == stage and _any_covers(keys, path))
+                 if name == stage and _reads(stage, keys, path))
+
+
+def condition_holds(condition: str, entry_value) -> bool:
+    """Whether a condition of CONDITIONAL_READS holds for the job, given the condition key's value there."""
+    if "=" in condition:
+        return entry_value in condition.split("=", 1)[1].split("|")
+    return entry_value is not None
+
+
+def narrowing_of(stage: str, path: str) -> str | None:
+    """What part of ``path`` ``stage`` reads (NARROWED_READS), or None (all of it, or nothing)."""
+    for (name, key), part in NARROWED_READS.items():
+        if name == stage and _reads(stage, (key,), path):
+            return part
+    return None
 
 
 def runtime_stages_reading(path: str) -> tuple[str, ...]:
@@ -210,8 +273,56 @@ def pick(entry: Mapping, stage: str, prefix: str, reads: Mapping[str, tuple[str,
         target = picked
         for part in inner[:-1]:
             target = target.setdefault(part, {})
-        target[inner[-1]] = value
+        target[inner[-1]] = copy.deepcopy(value)
+    if reads is None:  # a runtime read below a plain one is not recorded (training.mem_mb below training)
+        for declared in RUNTIME_READS.get(stage, ()):
+            parts = _parts(declared)
+            if len(parts) > depth and covers(prefix, declared):
+                *above, last = parts[depth:]
+                holder = _dig(picked, above)
+                if isinstance(holder, dict):
+                    holder.pop(last, None)
     return picked
+
+
+def declared_fields(stage: str, prefix: str) -> frozenset[str]:
+    """The top-level keys of one entry (``prefix`` ``datasets.*``) that ``stage`` may read: its plain, conditional,
+    narrowed and run-time reads there."""
+    depth = len(_parts(prefix))
+    keys = [*READS.get(stage, ()), *RUNTIME_READS.get(stage, ()), *(key for (name, key) in NARROWED_READS if name == stage),
+            *(key for (name, _), group in CONDITIONAL_READS.items() if name == stage for key in group)]
+    return frozenset(_parts(key)[depth] for key in keys if len(_parts(key)) > depth and covers(prefix, key))
+
+
+class UndeclaredRead(LookupError):
+    """A stage read a config key that core/config_reads.py does not declare for it: its params would not carry
+    the key, so changing it would rerun nothing (a programming error, never a user's)."""
+
+
+class Declared:
+    """A typed entry (one dataset's settings) seen through what ``stage`` declares (``declared_fields``): an
+    undeclared attribute raises UndeclaredRead, so a stage cannot read a key its params do not carry."""
+
+    def __init__(self, settings, stage: str, prefix: str, always: Iterable[str] = ("name",)):
+        object.__setattr__(self, "_settings", settings)
+        object.__setattr__(self, "_where", (stage, prefix))
+        object.__setattr__(self, "_allowed", declared_fields(stage, prefix) | frozenset(always))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in self._allowed:
+            return getattr(self._settings, name)
+        stage, prefix = self._where
+        raise UndeclaredRead(
+            f"{stage} read {prefix.replace('*', '<name>')}.{name}, which workflow_scripts/core/config_reads.py does "
+            f"not declare for it (READS, CONDITIONAL_READS, NARROWED_READS, RUNTIME_READS): declare it there, so "
+            "that its change reruns the stage")
+
+    def to_dict(self) -> dict:
+        """The declared keys of the entry (a manifest's record of what the stage read)."""
+        return {key: value for key, value in self._settings.to_dict().items() if key in self._allowed}
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self._settings).__name__} is read-only")
 
 
 def rerun_table() -> list[tuple[str, str, str]]:
@@ -240,10 +351,16 @@ def rerun_table() -> list[tuple[str, str, str]]:
     rows = []
     for kind, key in kinds:
         stages = stages_reading(key)
-        plain = [stage for stage in stages if not conditions_of(stage, key)]
+        plain = [stage for stage in stages if not conditions_of(stage, key) and stage in unconditional_stages_reading(key)]
         itself = [names(plain)] if plain else []
-        itself += [f"`{stage}` (only with `{condition}` set)"
-                   for stage in stages for condition in conditions_of(stage, key)]
+        by_condition: dict[str, list[str]] = {}
+        for stage in stages:
+            if stage not in plain:
+                for condition in conditions_of(stage, key):
+                    by_condition.setdefault(f"only with {condition_text(condition)}", []).append(stage)
+                if narrowing_of(stage, key):
+                    by_condition.setdefault(f"only {narrowing_of(stage, key)}, and then all it feeds", []).append(stage)
+        itself += [f"{names(group)} ({when})" for when, group in by_condition.items()]
         if plan_key(key):
             itself.append("the jobs it adds (removes)" + ("" if "compare" in plain else ", and `compare`"))
         if not itself:
@@ -252,6 +369,14 @@ def rerun_table() -> list[tuple[str, str, str]]:
         after = downstream(plain)
         rows.append((kind, "; ".join(itself), names(after) if after else "-"))
     return rows
+
+
+def condition_text(condition: str) -> str:
+    """A condition of CONDITIONAL_READS in words: "`key` set", or "`key` one of a, b"."""
+    if "=" in condition:
+        key, values = condition.split("=", 1)
+        return f"`{key.replace('*', '<name>')}` " + " or ".join(values.split("|"))
+    return f"`{condition}` set"
 
 
 TABLE_START = "<!-- rerun-table:start -->"

@@ -105,3 +105,42 @@ def tree_fingerprint(directories: list[Path], cache_file: Path = CACHE) -> str:
 def sha256_of_existing(paths: list[str]) -> dict[str, str | None]:
     """sha256 per path; None for a file that is not there (download then fails naming it)."""
     return {path: sha256_of(path) if os.path.isfile(path) else None for path in paths}
+
+
+STAMPS = Path(".snakemake", "content_stamps")
+
+
+def content_stamp(name: str, paths: list[str | Path], stamp_dir: Path = STAMPS, cache_file: Path = CACHE) -> str:
+    """A small file standing for ``paths``' content, to be a rule's input instead of them (issue 44).
+
+    Snakemake checksums only inputs under 1 MB: touching a larger source file (or a local model's weights) made
+    it newer than the outputs and reran the whole chain although no byte changed. The stamp (``stamp_dir``/
+    ``name``.json: each path's sha256) is rewritten, with the current time, only when the content changes, so
+    its time moves with content alone. A new stamp takes the newest time of the files it stands for: the
+    outputs of a finished run stay as new as before (nothing reruns for the stamp's creation). Missing files
+    are recorded as None (the stage fails naming them). Returns the stamp's path."""
+    stamp = stamp_dir / f"{name}.json"
+    files = [str(path) for path in paths]
+    digests = {path: (sha256_of(path, cache_file) if os.path.isfile(path) else None) for path in files}
+    text = json.dumps(digests, indent=1, sort_keys=True) + "\n"
+    try:
+        current = stamp.read_text()
+    except OSError:
+        current = None
+    if current == text:
+        return str(stamp)
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    partial = stamp.with_name(f"{stamp.name}.{os.getpid()}.partial")
+    partial.write_text(text)
+    if current is None:
+        times = [os.stat(path).st_mtime_ns for path in files if os.path.isfile(path)]
+        if times:
+            os.utime(partial, ns=(max(times), max(times)))
+    os.replace(partial, stamp)
+    return str(stamp)
+
+
+def files_under(directory: str | Path) -> list[Path]:
+    """Every file below ``directory`` (sorted), none when it is not a directory."""
+    root = Path(directory)
+    return sorted(path for path in root.rglob("*") if path.is_file()) if root.is_dir() else []
