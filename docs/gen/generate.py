@@ -48,14 +48,21 @@ def read_by(path: str) -> str:
     it to read it (``config_reads.conditions_of``: train reads a dataset's metric only under
     ``training.validation.metric_examples``); else the stages that receive it at run time only (no rerun of its own).
     A key that decides which jobs exist (``plan_key``: seeds, a dataset's models) says so. Uses the reads table's
-    public functions only: stages_reading, conditions_of, runtime_stages_reading, plan_key."""
+    public functions only: stages_reading, conditions_of, condition_text, narrowing_of, runtime_stages_reading,
+    plan_key."""
     from workflow_scripts.core import config_reads
 
     cells = []
     for stage in stages_reading(path):
         conditions = config_reads.conditions_of(stage, path)
-        cells.append(code(stage) + (" (only with " + ", ".join(code(key) for key in conditions) + " set)"
-                                    if conditions else ""))
+        narrowing = config_reads.narrowing_of(stage, path)
+        if conditions:
+            cells.append(code(stage) + " (only with " + ", ".join(
+                code(key) + " set" if "=" not in key else config_reads.condition_text(key) for key in conditions) + ")")
+        elif narrowing:
+            cells.append(f"{code(stage)} (only {narrowing})")
+        else:
+            cells.append(code(stage))
     if not cells:
         cells = [f"{code(stage)} at run time" for stage in config_reads.runtime_stages_reading(path)]
     if not stages_reading(path) and config_reads.plan_key(path):
