@@ -95,7 +95,8 @@ def test_a_configfile_replaces_the_demo_config_instead_of_merging(tmp_path):
 
 @pytest.mark.slow
 def test_a_source_file_copied_in_with_its_old_time_still_reruns_download(tmp_path):
-    """Reruns follow content: `cp -p` of other bytes keeps the old mtime, but the sha256 parameter changes."""
+    """Reruns follow content: `cp -p` of other bytes keeps the old mtime, but the sha256 parameter changes.
+    Only after a real run does Snakemake hold the recorded parameter that the changed bytes must contradict."""
     import os
     import shutil
 
@@ -198,7 +199,8 @@ def test_gpu_smoke_config_builds_its_dag_for_one_gpu(tmp_path):
 @pytest.mark.slow  # a real Snakemake run (to download)
 def test_without_pulp_snakemake_schedules_greedily(tmp_path):
     """`make gpu-wheels` leaves PuLP out (16 MiB of CBC binaries; the upload must stay under 60 MiB):
-    Snakemake then falls back to its greedy scheduler and runs, as the GPU check's workflow phase will."""
+    Snakemake then falls back to its greedy scheduler and runs, as the GPU check's workflow phase will.
+    Only a real run shows the jobs run under the greedy scheduler."""
     import os
 
     blocker = tmp_path / "no-pulp" / "pulp"

@@ -6,6 +6,8 @@ fails there, in every launch, and costs the lent minutes. These run under whiche
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from workflow_scripts.launch import launcher
@@ -36,3 +38,16 @@ def test_the_probe_reads_the_installed_torchrun():
 
     options = {option for action in get_args_parser()._actions for option in action.option_strings}
     assert launcher.torchrun_has_shutdown_timeout() is ("--shutdown-timeout" in options)
+
+
+def test_the_probe_imports_no_torch():
+    """The launcher (the rule's torchrun command) reads torchrun's source: asking torch for it would cost a
+    torch import in every launch."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from workflow_scripts.launch import launcher; launcher.torchrun_has_shutdown_timeout(); "
+             "print(sorted(name for name in sys.modules if name == 'torch' or name.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parent.parent)  # this checkout's workflow_scripts
+    assert done.stdout.strip() == "[]", done.stdout

@@ -211,6 +211,9 @@ def test_mixture_and_evaluation_only_mistakes_are_refused_in_one_line(change, me
 
 @pytest.mark.slow
 def test_a_two_model_two_dataset_mixture_runs_and_the_comparison_groups_by_model(tmp_path):
+    """Only a real run shows the mixed set drawn, trained and scored on each part and on an evaluation-only
+    dataset per model, and the published comparison grouped by model (the tests above check the plan and the
+    config's refusals without running it)."""
     from test_workflow_e2e import snakemake
 
     config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())

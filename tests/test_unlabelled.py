@@ -381,6 +381,8 @@ comparison:
 
 @pytest.mark.slow
 def test_infographicvqa_hub_layout_with_an_unlabelled_test_runs_through_yaml_alone(tmp_path):
+    """Only a real run shows a config written as a user would (YAML alone) carry a split without labels through
+    every stage to its submission file, with no score for it anywhere in results/."""
     ids = write_infographicvqa_hub(tmp_path / "source")
     (tmp_path / "config.yaml").write_text(CHAIN_YAML.replace("SOURCE", str(tmp_path / "source")))
     code, output = snakemake_fork.run(["-s", str(ROOT / "Snakefile"), "--configfile", str(tmp_path / "config.yaml"),

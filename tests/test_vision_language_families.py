@@ -164,6 +164,30 @@ def gate_batch(model_dir: Path, data: Path, rows: int = 4):
     return batch, AutoModelForImageTextToText.from_pretrained(str(model_dir))
 
 
+def onevision_image_features(height: int, width: int, config) -> int:
+    """LLaVA-OneVision's image features for one ``height`` x ``width`` image, by its any-resolution recipe written
+    out here (not the processor's count, nor the model's): the image whole at the tower's size (side x side
+    features), then on the grid that keeps most of its pixels (and of those, wastes fewest), that grid's features
+    unpadded to the image's aspect, a newline feature per row. (The model's anyres_max_9 cap never bites here:
+    the tiny grids go up to 3 x 3 tiles.)"""
+    tile = config.vision_config.image_size
+    side = tile // config.vision_config.patch_size
+
+    def fit(grid: list[int]) -> tuple[int, int]:
+        grid_height, grid_width = grid
+        scale = min(grid_width / width, grid_height / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        return kept, kept - grid_height * grid_width  # most pixels kept, then fewest wasted (the first on a tie)
+
+    grid_height, grid_width = max(config.image_grid_pinpoints, key=fit)
+    rows, columns = grid_height // tile * side, grid_width // tile * side
+    if width / height > columns / rows:  # wider than the grid: rows of padding above and below are cut
+        rows -= 2 * ((rows - int(round(height * columns / width, 7))) // 2)
+    else:  # as wide or narrower: columns at the sides
+        columns -= 2 * ((columns - int(round(width * rows / height, 7))) // 2)
+    return side * side + rows * (columns + 1)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gate_catches_a_placeholder_without_its_image_feature(family, charts, models, tmp_path):
     from workflow_scripts.tasks.vision_language import TASK
@@ -177,8 +201,9 @@ def test_gate_catches_a_placeholder_without_its_image_feature(family, charts, mo
     tokens = int((batch["input_ids"] == token).sum())
     if family in QWEN:
         features = (batch["image_grid_thw"].prod(-1) // 4).tolist()
-    elif family == "llava_onevision":  # the whole image, its tiles unpadded, a newline per row: the processor's count
-        features = [ids.count(token) for ids in batch["input_ids"].tolist()]
+    elif family == "llava_onevision":  # from each image's size, by the recipe written out here
+        features = [onevision_image_features(height, width, model.config)
+                    for height, width in batch["image_sizes"].tolist()]
     else:
         features = [model.config.mm_tokens_per_image] * batch["pixel_values"].shape[0]
     assert tokens == sum(features) and GATE_DETAIL[family] in detail
@@ -359,8 +384,13 @@ def test_tiny_families_build_with_their_own_classes(models):
         else:  # 4x4 patches of 8 px, pooled 2x2; the processor's placeholder is the begin-of-image token
             assert manifest["image_token"] == "<image_soft_token>" and processor.image_token == "<start_of_image>"
             assert manifest["image_tokens_per_image"] == config["mm_tokens_per_image"] == 4
-        assert tiny_vlm.image_tokens_per_image(tiny_vlm.settings({**TINY, "architecture": family})) == \
-            manifest["image_tokens_per_image"]
+        # The processor's own expansion of one image_size x image_size image, against the manifest (tiny_vlm's
+        # count, which the gate and the memory estimate use).
+        from PIL import Image
+
+        side = tiny_vlm.settings({**TINY, "architecture": family})["image_size"]
+        encoded = processor(text=[vlm.image_placeholder(processor)], images=[[Image.new("RGB", (side, side), "white")]])
+        assert list(encoded["input_ids"][0]).count(manifest["image_token_id"]) == manifest["image_tokens_per_image"]
 
 
 def test_the_config_level_estimate_prices_a_vlm_from_its_config_and_budget():

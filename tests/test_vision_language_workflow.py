@@ -3,9 +3,11 @@ gated, trained a few steps and evaluated on a tiny Qwen2-VL, Qwen2.5-VL and Qwen
 Gemma 3 (pooled image tokens attending both ways within their image) and LLaVA-OneVision (any-resolution tiles),
 all models of one dataset, each with the vision variant and the text-only control, then compared. The gate checks
 each family's tower frozen and its placeholders against its image features; the adapters hold nothing of a tower.
-Learnability is not asked here (two steps). The vision variant has no pixel budget: Gemma 3's fixed-size processor
-refuses one, and a variant applies to every model of its task. tests/test_vision_language_families.py has each
-family's details, the budget included (resizing, its record in tokenise_meta.json, LLaVA-OneVision's grids)."""
+Learnability is not asked here: one step on a handful of images, the least that shows each family's rules and
+stages fit together (the time goes to starting the jobs, about fifty). The vision variant has no pixel budget:
+Gemma 3's fixed-size processor refuses one, and a variant applies to every model of its task.
+tests/test_vision_language_families.py has each family's details, the budget included (resizing, its record in
+tokenise_meta.json, LLaVA-OneVision's grids)."""
 from __future__ import annotations
 
 import csv
@@ -31,7 +33,8 @@ GATE_DETAIL = {**{family: "16 image tokens each; M-RoPE positions from mm_token_
                "llava_onevision": "36 image tokens each"}
 TOWER = {**{family: "base_model.model.model.visual." for family in QWEN},
          "gemma3": "base_model.model.model.vision_tower.", "llava_onevision": "base_model.model.model.vision_tower."}
-STEPS = 2
+STEPS = 1
+TEST_ROWS = 4
 
 pytestmark = pytest.mark.slow
 
@@ -46,10 +49,10 @@ def workflow_config(shapes: Path) -> dict:
         "vocab_size": 512}} for family in FAMILIES}
     config["variants"] = {variant: config["variants"][variant] for variant in VARIANTS}
     config["seeds"] = [1]
-    config["training"].update(max_steps=STEPS, warmup_steps=1, effective_batch=8, micro_batch=4, max_length=64,
+    config["training"].update(max_steps=STEPS, warmup_steps=0, effective_batch=4, micro_batch=4, max_length=64,
                               checkpoint_every=100, log_every=1)
     config["training"].pop("validation", None)
-    config["evaluation"].update(batch_size=8, max_new_tokens=4, evaluate_base_model=False)
+    config["evaluation"].update(batch_size=TEST_ROWS, max_new_tokens=2, evaluate_base_model=False)
     config["comparison"]["reference_variant"] = {"vision_language": "text_only"}
     return config
 
@@ -57,8 +60,8 @@ def workflow_config(shapes: Path) -> dict:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     directory = tmp_path_factory.mktemp("vlm_workflow")
-    assert make_images.main(["--out", str(directory / "shapes"), "--train", "16", "--validation", "4",
-                             "--test", "8"]) == 0
+    assert make_images.main(["--out", str(directory / "shapes"), "--train", "8", "--validation", "2",
+                             "--test", str(TEST_ROWS)]) == 0
     (directory / "config.yaml").write_text(yaml.safe_dump(workflow_config(directory / "shapes"), sort_keys=False))
     code, output = snakemake_fork.run(["-s", str(ROOT / "Snakefile"), "--configfile", str(directory / "config.yaml"),
                                        "--cores", "2"], cwd=directory, timeout=1500)
@@ -68,6 +71,9 @@ def finished_run(tmp_path_factory):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_trains_and_evaluates_through_snakemake_with_the_text_only_control(finished_run, family):
+    """Only a Snakemake run shows the rules carry each family through (the stages' arguments, what one stage
+    hands the next, the comparison of both variants); tests/test_vision_language_families.py runs the same
+    stages in-process."""
     results = finished_run / "results"
     rows = list(csv.DictReader((results / "comparison.csv").open()))
     assert {(row["model"], row["variant"]) for row in rows} >= {(f"tiny-{family}", v) for v in VARIANTS}
@@ -77,7 +83,7 @@ def test_each_family_trains_and_evaluates_through_snakemake_with_the_text_only_c
             names = list(saved.keys())
         assert names and not [name for name in names if name.startswith(TOWER[family])]  # nothing of the tower
         summary = json.loads((experiment / "eval.json").read_text())
-        assert summary["images"] is (variant == "vision") and summary["n_examples"] == 8
+        assert summary["images"] is (variant == "vision") and summary["n_examples"] == TEST_ROWS
     gate = json.loads((results / f"tiny-{family}" / "shapes_demo" / "vision" / "sanity.json").read_text())
     checks = {check["name"]: check for check in gate["checks"]}
     assert gate["passed"] and "vision tower frozen" in checks["vision_language_model"]["detail"]

@@ -72,6 +72,8 @@ def finished_run(tmp_path_factory):
 
 
 def test_comparison_covers_the_matrix_and_training_beats_the_untrained_model(finished_run):
+    """Only the whole chain at the demo's settings shows training learn: trained beats untrained by 0.3, and the
+    gain's interval stays above 0."""
     rows = list(csv.DictReader((finished_run / "results" / "comparison.csv").open()))
     assert {(row["dataset"], row["variant"]) for row in rows} == {(d, v) for d in DATASETS for v in VARIANTS}
     for row in rows:
@@ -90,11 +92,15 @@ def test_comparison_covers_the_matrix_and_training_beats_the_untrained_model(fin
 
 
 def test_second_run_has_nothing_to_do(finished_run):
+    """Only after a real run: every output, time and record as a run leaves them, and nothing left to do."""
     output = snakemake(finished_run, "--dry-run")
     assert "Nothing to be done" in output, output[-3000:]
 
 
 def test_changed_template_reruns_only_that_variant(finished_run):
+    """A changed template plans only its variant's chain.
+    The module's run is a real one: the plan follows Snakemake's own records of it (test_reruns.py plants them).
+    """
     config = yaml.safe_load((finished_run / "config.yaml").read_text())
     original = config["variants"]["mtup"]["prompt"]
     config["variants"]["mtup"]["prompt"] = "Q: {question}\nSolve Task 1 then Task 2.\n"
@@ -114,6 +120,9 @@ def test_changed_template_reruns_only_that_variant(finished_run):
 
 
 def test_forcerun_evaluate_reruns_evaluation_and_comparison_only(finished_run):
+    """``--forcerun evaluate`` plans every evaluation and the comparison, nothing upstream.
+    The module's run is a real one: the plan follows Snakemake's own records of it (test_reruns.py plants them).
+    """
     jobs = planned_jobs(snakemake(finished_run, "--dry-run", "--forcerun", "evaluate"))
     rules = [rule for rule, _ in jobs]
     assert set(rules) <= {"evaluate", "compare", "all"}, rules
@@ -122,7 +131,10 @@ def test_forcerun_evaluate_reruns_evaluation_and_comparison_only(finished_run):
 
 
 def test_a_training_only_setting_retokenises_nothing(finished_run):
-    """(Was test_dag's data-chain run; its first run and template edit are the tests above.)"""
+    """A training-only setting plans no data stage. (Was test_dag's data-chain run; its first run and template
+    edit are the tests above.)
+    The module's run is a real one: the plan follows Snakemake's own records of it (test_reruns.py plants them).
+    """
     config = yaml.safe_load((finished_run / "config.yaml").read_text())
     original = config["training"]["learning_rate"]
     config["training"]["learning_rate"] = original * 0.5
@@ -155,7 +167,8 @@ def test_a_hand_edited_comparison_is_refused_and_the_edit_kept(finished_run):
 # Last in this module: it runs a second experiment set in the module's directory and then restores the first.
 def test_a_second_experiment_set_in_the_same_directory_runs_and_an_unchanged_one_does_nothing(finished_run):
     """The module's run is the first set; the second is another model and dataset with their whole chain.
-    (Was in test_dag.py with a first set of its own: one whole chain fewer.)"""
+    (Was in test_dag.py with a first set of its own: one whole chain fewer.) Only real runs show the second set's
+    chain run beside the first's results, and the first set's comparison restored from them."""
     from test_dag import job_counts, nothing_to_do, small_chain_config
 
     second = finished_run / "second.yaml"

@@ -94,13 +94,16 @@ def _torchrun() -> list[str]:
 
 def torchrun_has_shutdown_timeout() -> bool:
     """Whether this torch's torchrun takes --shutdown-timeout (torch 2.11, the oldest supported, does not:
-    it refuses the whole command). Read from its source, so that the launcher need not import torch."""
+    it refuses the whole command). Read from its source, so that the launcher need not import torch: found from
+    the top-level package's location (find_spec of a submodule would import torch and torch.distributed)."""
     import importlib.util
+    from pathlib import Path
 
-    spec = importlib.util.find_spec("torch.distributed.run")
+    spec = importlib.util.find_spec("torch")
     try:
-        return "--shutdown-timeout" in open(spec.origin, encoding="utf-8").read()
-    except (AttributeError, TypeError, OSError):
+        source = Path(spec.submodule_search_locations[0], "distributed", "run.py")
+        return "--shutdown-timeout" in source.read_text(encoding="utf-8")
+    except (AttributeError, TypeError, IndexError, OSError):
         return False
 
 
