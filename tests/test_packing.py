@@ -110,16 +110,22 @@ def test_a_plain_causal_mask_or_the_wrong_mask_form_leaks_and_is_caught(family):
         assert any(abs(float(losses[i]) - alone[i]) > 1e-3 * alone[i] for i in later)
 
 
-def test_gradients_of_a_packed_batch_equal_the_sum_over_examples():
+def lora_with_nonzero_b(architecture: str):
+    """A tiny model with LoRA whose B matrices are random (PEFT starts them at zero, where the adapters' gradients
+    would not depend on the packing at all), in eval mode (no dropout)."""
     from workflow_scripts.model import model_loading
 
-    torch.set_num_threads(1)
-    peft_model = model_loading.add_lora(tiny("llama"), tiny_training_settings().lora, gradient_checkpointing=False)
+    peft_model = model_loading.add_lora(tiny(architecture), tiny_training_settings().lora, gradient_checkpointing=False)
     with torch.no_grad():
         for name, parameter in peft_model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(0, 0.1)
-    peft_model.eval()
+    return peft_model.eval()
+
+
+def test_gradients_of_a_packed_batch_equal_the_sum_over_examples():
+    torch.set_num_threads(1)
+    peft_model = lora_with_nonzero_b("llama")
     rows = example_rows()
     lora = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
     sum(loss_alone(peft_model, r) for r in rows).backward()
@@ -326,16 +332,9 @@ def test_one_row_packing_gives_the_same_loss_and_gradients_as_packed_rows():
     the same per-example sums over a different row layout, so only the order of additions differs (attention
     softmax over at most W keys, the row's matmuls): rounding of about sqrt(W) x eps per reduction, W = 128
     here, times the few reductions in a 2-layer model: 8 x sqrt(128) x eps = 1.1e-5 relative."""
-    from workflow_scripts.model import model_loading
-
     torch.set_num_threads(1)
     tolerance = 8 * 128 ** 0.5 * torch.finfo(torch.float32).eps
-    peft_model = model_loading.add_lora(tiny("qwen2"), tiny_training_settings().lora, gradient_checkpointing=False)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.1)
-    peft_model.eval()
+    peft_model = lora_with_nonzero_b("qwen2")
     rows = example_rows()
     lora = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
     results = []
