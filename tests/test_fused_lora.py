@@ -134,6 +134,25 @@ def test_fused_path_runs_fewer_matmuls():
     assert plain_backward - fused_backward == 2 * 3 * layers - 2, (plain_backward, fused_backward)
 
 
+def test_a_bf16_base_with_fp32_adapters_computes_the_product_once():
+    """PEFT casts x to the A dtype per member, a new tensor each time where the base runs in bf16 and the
+    adapters in fp32 (model_loading.keep_trainable_in_fp32): the cache is keyed by the input before the cast, so
+    the fused path still runs one A GEMM per group; and gives PEFT's output."""
+    settings = tiny_training_settings(lora={"target_modules": ALL})
+    peft_model = model_loading.add_lora(tiny("llama").to(torch.bfloat16), settings.lora,
+                                        gradient_checkpointing=False)
+    assert {p.dtype for p in peft_model.parameters() if p.requires_grad} == {torch.float32}
+    ids = batch()
+    with torch.no_grad(), MatmulCount() as plain:
+        plain_logits = peft_model(input_ids=ids).logits
+    fused_lora.fuse_lora_a(peft_model, require=True)
+    with torch.no_grad(), MatmulCount() as fused:
+        fused_logits = peft_model(input_ids=ids).logits
+    assert plain.count - fused.count == 3 * COMMON["num_hidden_layers"], (plain.count, fused.count)
+    # B starts at zero here: the LoRA terms add exactly 0 on both paths, so the logits are the base's, bit for bit
+    assert torch.equal(fused_logits, plain_logits)
+
+
 def test_saved_adapter_is_peft_format_unchanged(tmp_path):
     from safetensors import safe_open
 
@@ -191,3 +210,25 @@ def test_fusing_twice_is_refused():
     fused_lora.fuse_lora_a(peft_model)
     with pytest.raises(WorkflowError, match="already has its forward replaced"):
         fused_lora.fuse_lora_a(peft_model)
+
+
+def test_compiled_decoder_layers_trace_the_fused_path_without_graph_breaks():
+    """The 7B benchmark's side D compiles each decoder layer (training/kernels.apply_after_lora); Dynamo (its
+    eager backend here: real graphs and guards) traces the fused forward, its cache included, in one graph per
+    layer, and the result is the plain path's."""
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    peft_model = lora_model("qwen2")
+    plain = loss_and_gradients(peft_model)
+    fused_lora.fuse_lora_a(peft_model, require=True)
+    for layer in peft_model.get_base_model().model.layers:
+        layer.compile(backend="eager")
+    counters.clear()
+    try:
+        assert_same(loss_and_gradients(peft_model), plain, groups=2 * COMMON["num_hidden_layers"])
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] >= 1
+    finally:
+        torch._dynamo.reset()

@@ -61,9 +61,12 @@ class _Group:
         self._taken: set[int] = set()
 
     def slice_for(self, member: int, x: torch.Tensor) -> torch.Tensor:
+        """``member``'s lora_A(x), ``x`` as the layer received it (before PEFT's cast to the A dtype: the cast
+        makes a new tensor per member where the base runs in bf16 and the adapters in fp32, which would miss)."""
         if self._input is not x or member in self._taken:  # a new input, or a second call on the same one
             weight = torch.cat([layer.lora_A[self.adapter].weight for layer in self.layers])
-            self._input, self._product, self._taken = x, F.linear(x, weight), set()
+            cast = self.layers[0]._cast_input_dtype(x, weight.dtype)  # PEFT's cast, once (one A dtype: checked)
+            self._input, self._product, self._taken = x, F.linear(cast, weight), set()
         product = self._product[..., self.slices[member]]
         self._taken.add(member)
         if len(self._taken) == len(self.layers):  # every member served: keep nothing past this forward
@@ -90,9 +93,7 @@ def _fused_forward(layer, group: _Group, member: int, peft_forward):
         # PEFT's vanilla branch, with lora_A(dropout(x)) (dropout the identity here) taken from the group's product
         result = layer.base_layer(x)
         torch_result_dtype = result.dtype
-        lora_A, lora_B = layer.lora_A[adapter], layer.lora_B[adapter]
-        x = layer._cast_input_dtype(x, lora_A.weight.dtype)
-        result = result + lora_B(group.slice_for(member, x)) * layer.scaling[adapter]
+        result = result + layer.lora_B[adapter](group.slice_for(member, x)) * layer.scaling[adapter]
         return result.to(torch_result_dtype)
 
     return forward
