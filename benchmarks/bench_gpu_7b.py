@@ -23,7 +23,9 @@ A measurement that cannot mislead (issue 45's audit of the first H200 figures):
 Sides (``SIDES``): ours A (today's switches: FlexAttention, fused cross-entropy, Liger; full activation
 recompute; each micro-batch of 8 packed; collation inline), B (A without recompute, where the memory estimate
 says the activations fit; else only the fewest first layers that make it fit recompute), C (B + full rows: each micro-batch one padding-free row filled to a token budget,
-``micro_batch_tokens``, collated in DataLoader workers off the critical path), D (C + compiled decoder layers);
+``micro_batch_tokens``, collated in DataLoader workers off the critical path), D (C + compiled decoder layers + one
+GEMM for the LoRA A matrices of q/k/v and of gate/up, ``model/fused_lora.py``; its share of D over C is measured
+by running ``D_unfused`` by name: it did not fit the plan's 8 minutes as a default side);
 TRL ``SFTTrainer`` + PEFT with ``padding_free=True`` and ``use_liger_kernel=True`` (the strongest peer set-up;
 skipped with the reason where trl is not installed); HF Trainer + PEFT at its defaults (each micro-batch padded
 to its longest row); Trainer + Liger when time is left; then a profile table of the best side of ours.
@@ -89,6 +91,7 @@ class Side:
     recompute: bool = True      # full activation recompute (gradient checkpointing)
     full_rows: bool = False     # ours: one padding-free row per micro-batch, filled to row_tokens
     workers: bool = False       # ours: collation in DataLoader workers
+    fused_lora_a: bool = False  # ours: one GEMM for the A matrices of projections sharing an input (fused_lora)
     expected: float = 20.0      # seconds of one run on one H200 at 7b scale (estimate; runs record theirs)
     what: str = ""
 
@@ -103,16 +106,19 @@ SIDES = [
          "only as many layers as it needs recompute)"),
     Side("C", "ours", FAST, recompute=False, full_rows=True, workers=True, expected=12,
          what="B + full padding-free rows of row_tokens, collation in DataLoader workers"),
-    Side("D", "ours", {**FAST, "compile_layers": True}, recompute=False, full_rows=True, workers=True, expected=20,
-         what="C + compiled decoder layers"),
+    Side("D", "ours", {**FAST, "compile_layers": True}, recompute=False, full_rows=True, workers=True,
+         fused_lora_a=True, expected=20, what="C + compiled decoder layers + one GEMM for the LoRA A matrices of "
+         "q/k/v and of gate/up"),
     Side("trl", "trl", {"use_liger_kernel": True}, expected=18,
          what="TRL SFTTrainer + PEFT, padding_free=True, use_liger_kernel=True, FlexAttention"),
     Side("trainer", "trainer", {"use_liger_kernel": False}, expected=40,
          what="HF Trainer + PEFT defaults (padded to the longest row), gradient checkpointing"),
     Side("trainer_liger", "trainer", {"use_liger_kernel": True}, expected=35,
          what="Trainer + PEFT + use_liger_kernel=True"),
+    Side("D_unfused", "ours", {**FAST, "compile_layers": True}, recompute=False, full_rows=True, workers=True,
+         expected=20, what="D without the fused LoRA A GEMM (PEFT's one A GEMM per projection)"),
 ]
-DEFAULT_SIDES = ["A", "B", "C", "D", "trl", "trainer"]  # trainer_liger runs by name (--sides)
+DEFAULT_SIDES = ["A", "B", "C", "D", "trl", "trainer"]  # trainer_liger, D_unfused run by name (--sides)
 PROFILE_SECONDS = 20  # the best side once more, one micro-step under the profiler
 
 
@@ -409,7 +415,7 @@ def run_ours(base, rows, settings, side: Side, device, compile_backend: str | No
     import torch
 
     from workflow_scripts.data.packing import PackingCollator
-    from workflow_scripts.model import memory_estimate, model_loading
+    from workflow_scripts.model import fused_lora, memory_estimate, model_loading
     from workflow_scripts.tasks.generation import TargetTokenLoss
     from workflow_scripts.training import kernels, training_setup
 
@@ -436,6 +442,9 @@ def run_ours(base, rows, settings, side: Side, device, compile_backend: str | No
     counter = TokenCounter(base.get_decoder(), synthetic.PAD_ID)
     loader = None
     try:
+        # before compiling, so that the compiled layers trace the fused forward; require: a skipped group is a
+        # failed side (its record says which and why), not a D silently measured without the switch
+        fused = fused_lora.fuse_lora_a(peft_model, require=True).fused if side.fused_lora_a else []
         kernels.apply_after_lora(peft_model, training, backend=compile_backend)
         loss_module = TargetTokenLoss(peft_model)
         loss_module.fused_cross_entropy = kernels.fused_cross_entropy(peft_model, training, device)
@@ -491,7 +500,7 @@ def run_ours(base, rows, settings, side: Side, device, compile_backend: str | No
                       estimated_slots=estimated.micro_batch_tokens,
                       estimate=estimate, switches=kernels.switches(training), cpu_without=dropped,
                       recomputed_layers=recomputed, recompute_reason=recompute_reason, full_rows=side.full_rows,
-                      collation="DataLoader workers" if side.workers else "inline",
+                      collation="DataLoader workers" if side.workers else "inline", fused_lora_a_groups=len(fused),
                       compile_backend=compile_backend if training.compile_layers else None,
                       attention=str(base.config._attn_implementation))
         if on_gpu:
@@ -503,6 +512,7 @@ def run_ours(base, rows, settings, side: Side, device, compile_backend: str | No
     finally:
         counter.remove()
         del loader
+        fused_lora.unfuse_lora_a(peft_model)
         base_again = peft_model.get_base_model()
         for layer in base_again.model.layers:
             layer._compiled_call_impl = None  # undo compile_layers for the next side
@@ -801,10 +811,14 @@ def summarise(raw, settings, device_name, ceiling, config, lengths, target_share
         f"MFU of {best} >= {GOALS['mfu']:.0%}": (sides[best]["mfu"] if best else None, GOALS["mfu"]),
         f"{best} / TRL padding-free + Liger >= {GOALS['vs_strongest_peer']}x": (ratio("trl"), GOALS["vs_strongest_peer"]),
     }
+    ratios = {f"{best} / {other}": ratio(other) for other in ("trl", "trainer", "trainer_liger")
+              if ratio(other) is not None}
+    if {"D", "D_unfused"} <= sides.keys():  # the fused LoRA A GEMM's share of D (D_unfused runs by name)
+        ratios["D / D_unfused"] = (sides["D"]["tokens_per_second"]["median"]
+                                   / sides["D_unfused"]["tokens_per_second"]["median"])
     return {
         **common, "side": "summary", "status": "measured" if sides else "nothing measured", "best_ours": best,
-        "sides": sides, "ratios": {f"{best} / {other}": ratio(other) for other in ("trl", "trainer", "trainer_liger")
-                                   if ratio(other) is not None},
+        "sides": sides, "ratios": ratios,
         "goals": {name: {"value": value, "goal": goal, "met": None if value is None else value >= goal}
                   for name, (value, goal) in goals.items()},
         "estimate_goal": GOALS["estimate_over_peak"], "nemo": NEMO,

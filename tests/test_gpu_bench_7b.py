@@ -189,6 +189,8 @@ def test_compiled_layers_compile_in_the_shape_pass_only(tiny_base):
     result = bench_gpu_7b.run_side(base, rows, settings, _side("D"), torch.device("cpu"), time.monotonic() + 600,
                                    lambda message: None)
     assert result["switches"]["compile_layers"] and result["compile_backend"] == "eager"
+    # and D's LoRA A GEMMs fused (model/fused_lora.py): q/k/v and gate/up of every layer, traced by the compile
+    assert result["fused_lora_a_groups"] == 2 * base.config.num_hidden_layers
     assert result["shape_pass"]["new_graphs"] >= 1
     assert [s["new_graphs"] for s in result["steps"]] == [0] * len(result["steps"])
 
@@ -243,3 +245,22 @@ def test_the_memory_estimate_counts_the_slots_a_packed_micro_batch_holds(tiny_ba
             assert memory_estimate.estimate(peft_model, old, torch.device("cpu"))["activations"] / accounted > 1.5
     finally:
         peft_model.unload()
+
+
+def test_the_summary_gives_the_fused_lora_a_share_of_side_d_when_d_unfused_ran():
+    """D_unfused (by name) is D without the fused LoRA A GEMM: the summary's ratio D / D_unfused is its share."""
+    import numpy as np
+
+    def run(side, tokens_per_second):
+        return {"side": side, "status": "measured", "tokens_per_second": tokens_per_second, "padding_share": 0.01,
+                "new_graphs_in_timed_steps": 0, "mfu": None}
+
+    settings = bench_gpu_7b.SCALES["7b-tiny"]
+    config = bench_gpu_7b.model_config(tiny=True)
+    lengths = np.array([64, 128, 600])
+    raw = [run("D", 110.0), run("D_unfused", 100.0), run("D", 120.0), run("D_unfused", 100.0)]
+    summary = bench_gpu_7b.summarise(raw, settings, "cpu", None, config, lengths, 0.5, {})
+    assert summary["ratios"]["D / D_unfused"] == pytest.approx(1.15)
+    assert "D / D_unfused" not in bench_gpu_7b.summarise(raw[::2], settings, "cpu", None, config, lengths, 0.5,
+                                                          {})["ratios"]
+    assert "D_unfused" not in bench_gpu_7b.DEFAULT_SIDES  # by name only: the plan has no room for it
