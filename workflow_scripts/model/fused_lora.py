@@ -19,7 +19,8 @@ once instead of r and r and r, and each A's gradient over the same tokens. Only 
 
 The cached product is keyed by the input tensor's identity: a member called with another tensor (a model that
 does not feed the group one input) recomputes, so a wrong grouping is slower, never wrong. The cache is dropped
-once every member has taken its slice, so nothing outlives the forward.
+once every member has taken its slice, so nothing outlives the forward (a member that is not called, e.g. a
+checkpointed recompute stopped early, leaves it held until the group's next call, which replaces it).
 
 Fused only where exact: lora_dropout 0 (each projection would draw its own dropout mask, which one product
 cannot reproduce), one active adapter present in every member, vanilla LoRA (no DoRA or other variant), A
@@ -44,7 +45,7 @@ SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 @dataclass
 class FusionReport:
-    fused: list[str] = field(default_factory=list)     # "model.layers.0.self_attn: q_proj+k_proj+v_proj"
+    fused: list[str] = field(default_factory=list)     # "...model.layers.0.self_attn q_proj+k_proj+v_proj"
     skipped: list[str] = field(default_factory=list)   # "model.layers.0.self_attn q_proj+v_proj: why"
 
 
