@@ -568,11 +568,28 @@ def power_gate(wildcards):
     comparison.min_detectable_effect then)."""
     if not EVALUATION.evaluate_base_model:
         return []
-    if os.path.exists(f"results/{wildcards.model}/{wildcards.dataset}/{wildcards.variant}/sanity.json"):
+    gate = f"results/{wildcards.model}/{wildcards.dataset}/{wildcards.variant}/sanity.json"
+    if os.path.exists(gate):
         return []
+    keep_gate_under_until(gate)
     for name in xc.evaluated_datasets(config, wildcards.dataset, wildcards.model):
         checkpoints.power.get(model=wildcards.model, dataset=name)
     return []
+
+
+def keep_gate_under_until(gate):
+    """``snakemake --until sanity``: name a gate that waits for the power checkpoint a target file, as ``snakemake
+    <gate>`` does, or Snakemake drops it (9.27, snakemake/dag.py). Once the checkpoint's output exists,
+    update_checkpoint_dependencies replaces the waiting gate with a new job (replace_job), whose reason
+    update_needrun computes afresh as a target job: for a rule with wildcards it asks only for the outputs its
+    dependants need or the target files, and --until has already removed the dependants (set_until_jobs, then
+    cleanup), so the new gate needs nothing (unless a job making its own inputs is still to run) and the run ends at
+    exit 0 without it. The power check cannot be a plain input instead: a gate would then rerun, and retrain every
+    seed, whenever the estimate reruns or a threshold is added (docs/reruns.md). Only the target-file set changes,
+    and only under --until sanity."""
+    dag = workflow.dag
+    if dag is not None and "sanity" in dag.untilrules:
+        dag.targetfiles.add(gate)
 
 
 def gate_power_check(wildcards):

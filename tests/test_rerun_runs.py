@@ -170,3 +170,22 @@ def test_a_template_change_reruns_that_variant_only(finished):
     evaluated = [e for e in eval_jsons(directory) if e["variant"] == "mtup"]
     assert {e["manifest"]["settings"]["variant"]["prompt"] for e in evaluated} == {
         config["variants"]["mtup"]["prompt"]}
+
+
+def test_until_sanity_on_a_fresh_run_runs_every_gate_after_the_power_estimate(tmp_path):
+    """Issue 44: a gate that never ran waits for the power checkpoint, and after the checkpoint ran Snakemake
+    dropped every gate from ``--until sanity`` whose own inputs were made by then ("8 of 10 steps (80%) done",
+    exit 0, no gate; rules/common.smk keep_gate_under_until). Every gate runs now, after the estimate and nothing after the gates;
+    a later full run plans no gate again (the gate's recorded inputs do not change)."""
+    directory = tmp_path / "run"
+    directory.mkdir()
+    config = small_config()
+    # The data stages first: a gate whose own inputs were still being made when the estimate finished was kept
+    # (those jobs gave it a reason to run), so without this the old failure depended on the job order.
+    run(directory, config, "--until", "pretokenise")
+    jobs = ran(run(directory, config, "--until", "sanity"))
+    assert every_variant(("sanity", None)) <= jobs and POWER in jobs, jobs
+    assert not {rule for rule, _, _ in jobs} & {"train", "evaluate", "compare"}, jobs
+    assert all((directory / RUN / variant / "sanity.json").exists() for variant in VARIANTS)
+    planned = ran(run(directory, config, "--dry-run"))
+    assert ("train", "baseline", "1") in planned and not {job for job in planned if job[0] in ("sanity", "power")}

@@ -182,8 +182,7 @@ def test_data_stages_run_through_slurm_and_local_rules_stay_local(slurm, job_env
 def test_multinode_training_requests_nodes_tasks_and_gpus(slurm, job_env, workflow_dir):
     """This cluster has one node, so SLURM refuses the request; the sbatch call is what is checked."""
     # mem_mb: 8 GPU ranks per node need about 24 GiB of host memory (checked when the workflow is read).
-    # No untrained-model evaluation: with it, a gate that never ran waits for the power checkpoint, and
-    # `--until sanity` then plans no gate (a Snakemake limitation, tests/test_reruns.py's xfail).
+    # No untrained-model evaluation: only the gates' sbatch calls are checked, so no estimate to wait for.
     override = {"training": {**reduced_config()["training"], "nodes": 2, "gpus": 8, "micro_batch": 1,
                              "effective_batch": 16, "mem_mb": 64000},
                 "evaluation": {**reduced_config()["evaluation"], "evaluate_base_model": False}}
