@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from workflow_scripts.core.errors import WorkflowError
@@ -139,7 +140,9 @@ def render_prompt(tokenizer, variant: "VariantSettings", row: Mapping[str, Any])
     content = [{"type": "image"}] * count + [{"type": "text", "text": text}]
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
-    if count:
+    # The stages' tokenizer comes from the prepared model directory, where the processor lies beside it; a bare
+    # tokenizer (the gate's template checks, tests) has no processor to name the slot, and is not checked here.
+    if count and Path(str(tokenizer.name_or_path)).is_dir():
         from workflow_scripts.model import vision_language_model as vlm
 
         slot = vlm.image_placeholder(processor_for(tokenizer, variant))
