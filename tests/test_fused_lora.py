@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import TINY_VOCAB, tiny_training_settings
 from float_tolerance import reordering_bound
-from test_packing import COMMON, tiny
+from test_packing import COMMON, lora_with_nonzero_b, tiny
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.model import fused_lora, model_loading
 
@@ -34,13 +34,7 @@ ROWS, LENGTH = 3, 20
 
 def lora_model(architecture: str, dropout: float = 0.0, targets=ALL):
     settings = tiny_training_settings(lora={"target_modules": targets, "dropout": dropout})
-    peft_model = model_loading.add_lora(tiny(architecture), settings.lora, gradient_checkpointing=False)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.1)
-    return peft_model.eval()
+    return lora_with_nonzero_b(architecture, settings.lora, seed=1)
 
 
 def batch():

@@ -110,12 +110,16 @@ def test_a_plain_causal_mask_or_the_wrong_mask_form_leaks_and_is_caught(family):
         assert any(abs(float(losses[i]) - alone[i]) > 1e-3 * alone[i] for i in later)
 
 
-def lora_with_nonzero_b(architecture: str):
-    """A tiny model with LoRA whose B matrices are random (PEFT starts them at zero, where the adapters' gradients
-    would not depend on the packing at all), in eval mode (no dropout)."""
+def lora_with_nonzero_b(architecture: str, lora=None, seed: int | None = None):
+    """A tiny model with LoRA (``lora``: settings, default the tiny training settings') whose B matrices are random
+    (PEFT starts them at zero, where the adapters' gradients would not depend on the packing at all), drawn after
+    ``torch.manual_seed(seed)`` where given, in eval mode (no dropout)."""
     from workflow_scripts.model import model_loading
 
-    peft_model = model_loading.add_lora(tiny(architecture), tiny_training_settings().lora, gradient_checkpointing=False)
+    peft_model = model_loading.add_lora(tiny(architecture), lora or tiny_training_settings().lora,
+                                        gradient_checkpointing=False)
+    if seed is not None:
+        torch.manual_seed(seed)
     with torch.no_grad():
         for name, parameter in peft_model.named_parameters():
             if "lora_B" in name:
