@@ -86,17 +86,22 @@ def charts(tmp_path_factory) -> Path:
     return directory
 
 
-@pytest.fixture(scope="module")
-def models(charts, tmp_path_factory) -> dict:
+def prepare_tiny_vlms(families, corpus: Path, tmp_path_factory) -> dict:
+    """family -> a tiny model of that family prepared by prepare_model, its tokenizer trained on ``corpus``."""
     from workflow_scripts import prepare_model
 
     out = {}
-    for family in FAMILIES:
+    for family in families:
         tiny = {"name": f"tiny-{family}", "source": "tiny", "tiny": {"architecture": family, **TINY}}
         out[family] = tmp_path_factory.mktemp(family) / "model"
         assert prepare_model.main(["--model", json.dumps(tiny), "--out", str(out[family]),
-                                   "--corpus", str(charts)]) == 0
+                                   "--corpus", str(corpus)]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def models(charts, tmp_path_factory) -> dict:
+    return prepare_tiny_vlms(FAMILIES, charts, tmp_path_factory)
 
 
 def image_token_id(model_dir: Path) -> int:

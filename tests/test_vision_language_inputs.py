@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from test_vision_language_chain import run_evaluate, run_pretokenise
-from test_vision_language_families import EVALUATION, TINY, VISION, gate_batch, png, split_rows
+from test_vision_language_families import EVALUATION, TINY, VISION, gate_batch, png, prepare_tiny_vlms, split_rows
 from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.model import processor_files
 from workflow_scripts.model import vision_language_model as vlm
@@ -54,15 +54,7 @@ def charts(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def models(charts, tmp_path_factory) -> dict:
-    from workflow_scripts import prepare_model
-
-    out = {}
-    for family in BUILT:
-        tiny = {"name": f"tiny-{family}", "source": "tiny", "tiny": {"architecture": family, **TINY}}
-        out[family] = tmp_path_factory.mktemp(family) / "model"
-        assert prepare_model.main(["--model", json.dumps(tiny), "--out", str(out[family]),
-                                   "--corpus", str(charts)]) == 0
-    return out
+    return prepare_tiny_vlms(BUILT, charts, tmp_path_factory)
 
 
 def vlm_config(tmp_path: Path, model: dict, variant: dict | None = None) -> tuple[dict, str]:
