@@ -2,9 +2,10 @@
 
 A fresh ``python -m snakemake`` imports snakemake and, through the Snakefile's config checks, the task modules
 (torch among them): ~5 s of CPU before it plans anything, in every one of the suite's many Snakemake runs. A
-fork of the test process has them loaded already. The jobs a real run starts are fresh processes either way
-(``python -m workflow_scripts.<stage>``), so what they run is the same; what the tests that call the command
-itself (``python -m snakemake``) check is still checked by the SLURM tests, the lint test and the demo.
+fork of the test process has them loaded already. The jobs a real run starts (``python -m
+workflow_scripts.<stage>``) are forked from a pre-loaded interpreter likewise (tests/job_zygote.py, which says
+what differs); what the tests that call the command itself (``python -m snakemake``) check, and jobs in fresh
+interpreters, are still checked by the SLURM tests, the lint test and the demo.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+
+import job_zygote
 
 
 def run(args: list[str], cwd: Path | None = None, timeout: float = 1200) -> tuple[int, str]:
@@ -32,6 +35,8 @@ def run(args: list[str], cwd: Path | None = None, timeout: float = 1200) -> tupl
 
     for name in TASK_MODULES:  # what the Snakefile's config checks import: loaded once, here
         task_named(name)
+    # Its jobs forked from one pre-loaded interpreter (tests/job_zygote.py), started before this fork.
+    shim_dir = job_zygote.start()
     with tempfile.TemporaryFile() as output:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -45,6 +50,9 @@ def run(args: list[str], cwd: Path | None = None, timeout: float = 1200) -> tupl
                 os.setpgid(0, 0)  # its own process group: a timeout kills the jobs it started too
                 if cwd is not None:
                     os.chdir(cwd)
+                if shim_dir is not None:  # the rules run `python` from this folder (rules/common.smk)
+                    os.environ[job_zygote.SOCKET_VARIABLE] = str(shim_dir / "socket")
+                    sys.executable = str(shim_dir / "python")
                 os.dup2(output.fileno(), 1)
                 os.dup2(output.fileno(), 2)
                 # pytest's capture has replaced sys.stdout/err: snakemake's log must reach the file

@@ -148,6 +148,9 @@ def test_a_stopped_pretokenise_leaves_nothing_after_its_next_run(corpus_inputs, 
         if stage.poll() is None:
             stage.kill()
             stage.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=30)
+    for worker in alive:  # killed before the stage's pipes are read: they hold them open (a read would hang)
+        worker.kill()
     expected = {signal.SIGTERM: (143,), signal.SIGINT: (130,), signal.SIGKILL: (-9,)}[stop]
     stderr = stage.stderr.read().decode()
     assert code in expected, f"exit code {code} after {stop.name} (expected {expected[0]}): {stderr[-2000:]}"
@@ -155,7 +158,6 @@ def test_a_stopped_pretokenise_leaves_nothing_after_its_next_run(corpus_inputs, 
         assert "Traceback" not in stderr and stderr.splitlines()[-1] == (
             "interrupted: workflow_scripts.pretokenise stopped by Ctrl-C (SIGINT); it left no output, rerun it to "
             "start again"), stderr[-2000:]
-    gone, alive = psutil.wait_procs(workers, timeout=30)
     assert not alive, f"tokenising processes outlived the stopped stage: {alive}"
     assert not out.exists()
     if stop == signal.SIGKILL:  # nothing could clean up: the debris is there until the next run
