@@ -204,14 +204,21 @@ def test_the_catalog_and_the_pages_give_the_slurm_profile_alike():
 
 def test_no_internal_process_words_on_user_pages():
     """Post-mortems are post-mortems, not "seeds" (the random seeds' word); no page speaks of who writes it or
-    of the tracker's issue numbers; user pages name no test file."""
-    words = re.compile(r"(?i)other engineers|being written by|\bissue \d+\b|seeds' set-up|set-up of the seeds|"
+    of the tracker's issue numbers; user pages name no test file. The benchmark results (included in the site)
+    also name no work session and no one who ran a figure ("helpers"): dates, commits, machines and load do."""
+    words = re.compile(r"(?i)other engineers|being written by|\bissues? \d+\b|seeds' set-up|set-up of the seeds|"
                        r"seed's kind|\(the seed's\)|(CNM-BERT|LMOL|SHIRG|MTUP) seed")
-    for path in USER_FILES:
+    results = ROOT / "benchmarks" / "RESULTS.md"
+    for path in [*USER_FILES, results]:
         text = path.read_text()
         assert not words.search(text), f"{path}: {words.search(text).group(0)!r}"
         if path.parent.name in ("docs", "tasks") and path.name not in DEVELOPER_PAGES | {"what-it-prevents.md"}:
             assert not re.search(r"tests/test_\w+\.py", text), path
+    # Only on RESULTS.md: "helper" means a code helper elsewhere (e.g. rules/common.smk's); a file path such as
+    # `peft/helpers.py` is a module, not a person, so a word joined to "/" or "." does not count.
+    process = re.compile(r"(?i)\bsessions? \d+\b|(?<![/.\w])helpers?\b(?![./\w])|\bthe lead\b|\bintegrator\b")
+    found = process.search(results.read_text())
+    assert not found, f"{results}: {found.group(0)!r}"
 
 
 def test_getting_starteds_smallest_config_is_valid_and_offline(tmp_path):
