@@ -228,7 +228,7 @@ def run(scale: str = "full", work_dir: Path | None = None, log=print, deadline: 
     grouped = series["trainer_grouped"]
 
     def budget_goal(name: str, side: Series) -> Goal:
-        return Goal(f"{name} to a token budget / Trainer group_by_length >= 1.5x non-padding tokens/s (issue 28)",
+        return Goal(f"{name} to a token budget / Trainer group_by_length >= 1.5x non-padding tokens/s",
                     side.median / grouped.median, 1.5, True,
                     why=f"{side.details['micro_steps_per_step']:.2f} micro-steps per step against "
                         f"{settings['effective_batch'] // settings['micro_batch']}; the rest is the cost per token")

@@ -1,4 +1,4 @@
-"""The demo's quiet wall time for more seeds or fewer steps, estimated from one completed quiet demo (issue 25).
+"""The demo's quiet wall time for more seeds or fewer steps, estimated from one completed quiet demo.
 
 A shared machine cannot time the demo, but a quiet one-seed run's benchmark files (``results/benchmarks/``) give
 each job's quiet seconds, and its ``train_log.jsonl`` files the seconds of the training steps

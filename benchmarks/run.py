@@ -1,4 +1,4 @@
-"""`make bench`: run every benchmark of issue 6 and write benchmarks/results.json and benchmarks/RESULTS.md.
+"""`make bench`: run every benchmark and write benchmarks/results.json and benchmarks/RESULTS.md.
 
     python -m benchmarks.run                       # everything, full size (about 45 min on 2 CPU cores)
     python -m benchmarks.run --only worker_memory  # one benchmark
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), help="run only these benchmarks")
     parser.add_argument("--scale", choices=["full", "tiny"], default="full",
-                        help="full: the sizes issue 6 asks for; tiny: seconds, for testing the harness")
+                        help="full: the sizes the goals are set for; tiny: seconds, for testing the harness")
     parser.add_argument("--out-dir", type=Path, default=HERE, help="where results.json and RESULTS.md go")
     parser.add_argument("--work-dir", type=Path, default=None, help="parent of temporary data (default: system temp)")
     parser.add_argument("--update", action="store_true",

@@ -1,4 +1,4 @@
-"""Each model stage's fixed cost per job: process start to its first useful line (issue 25).
+"""Each model stage's fixed cost per job: process start to its first useful line.
 
 Every workflow job is a fresh interpreter, so what a stage imports and builds before it does its own work is
 paid once per job. This reruns one job of each stage of a completed workflow directory (the commands Snakemake
