@@ -34,11 +34,11 @@ from pathlib import Path
 SOCKET_VARIABLE = "LORA_WORKFLOW_JOB_ZYGOTE"
 MODULES_VARIABLE = "LORA_WORKFLOW_JOB_ZYGOTE_MODULES"  # the module prefixes it serves (its own tests add one)
 FRESH_JOBS_VARIABLE = "LORA_WORKFLOW_FRESH_JOBS"
-# Read by libraries when they are imported (the zygote imported them under its own environment): a job whose
-# value differs starts a fresh interpreter instead.
-IMPORT_TIME_VARIABLES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "CUDA", "NCCL", "OMP_", "MKL_",
-                         "OPENBLAS", "KMP_", "TOKENIZERS", "BNB", "PYTHONHASHSEED", "PYTHONWARNINGS",
-                         "PYTHONDONTWRITEBYTECODE", "LD_")
+# Read by libraries when they are imported (huggingface_hub's, datasets' and transformers' constants, the hash seed):
+# the zygote imported them under its own environment, so a job whose value differs starts a fresh interpreter.
+# Variables read when first used (OMP_NUM_THREADS, TOKENIZERS_PARALLELISM, CUDA_VISIBLE_DEVICES, ...) reach the
+# job through its own environment, which the child takes before the stage runs.
+IMPORT_TIME_VARIABLES = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "PYTHONHASHSEED", "PYTHONWARNINGS")
 PRELOAD = ("torch", "numpy", "yaml", "safetensors.torch", "PIL.Image", "datasets", "transformers",
            "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
            "transformers.models.auto.tokenization_auto", "transformers.models.llama.modeling_llama", "peft",
