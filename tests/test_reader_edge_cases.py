@@ -179,3 +179,28 @@ def test_a_classlabel_id_of_minus_1_is_named_as_an_unlabelled_row():
     assert caught.value.reason == "unknown_label"
     assert caught.value.detail.startswith("label -1 is datasets' mark of a row without a label (GLUE's test splits hold "
                                           "only -1)")
+
+
+def test_a_zero_padded_number_is_never_read_as_a_class_id():
+    """datasets' ClassLabel.str2int falls back to int(value), so '01', '+1' and '007' were class ids 1, 1 and 7: a
+    column numbered from 01 read one class off at exit 0. Only a label's canonical decimal form is an id; '01' is a
+    name (matched as written when declared) or the row is refused saying what to write in labels:."""
+    import pytest
+    from datasets import ClassLabel
+
+    from workflow_scripts.data.rows import Rejected
+    from workflow_scripts.tasks.class_labels import column_reading
+    from workflow_scripts.tasks.classification import declared_label
+
+    names = ["neg", "neu", "pos"]
+    assert ClassLabel(names=names).str2int("01") == 1  # the reference's reading, refused here on purpose
+    for label in ("01", "+1", "007", "-0"):
+        with pytest.raises(Rejected) as caught:
+            declared_label(label, names)
+        assert caught.value.reason == "unknown_label"
+        assert caught.value.detail.startswith(f"label {label!r} is not a declared name, and a number written with a "
+                                              "leading zero or a sign is not read as a class id")
+    assert declared_label("1", names) == ("neu", True)  # the canonical form stays an id, as datasets reads it
+    assert declared_label("01", ["01", "02"]) == ("01", False)  # declared as written: read by name
+    # Against declared numbers: '01' is no id 1 (it read as one, and with '3' beside it refused the column as mixed)
+    assert column_reading({"01", "02", "3"}, ["1", "2", "3"], "datasets.d", "label") is None
