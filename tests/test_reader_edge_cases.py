@@ -204,3 +204,34 @@ def test_a_zero_padded_number_is_never_read_as_a_class_id():
     assert declared_label("01", ["01", "02"]) == ("01", False)  # declared as written: read by name
     # Against declared numbers: '01' is no id 1 (it read as one, and with '3' beside it refused the column as mixed)
     assert column_reading({"01", "02", "3"}, ["1", "2", "3"], "datasets.d", "label") is None
+
+
+def test_a_line_of_spaces_in_a_csv_or_tsv_is_skipped_as_pandas_skips_it(tmp_path):
+    """pandas.read_csv (skip_blank_lines=True, its C engine) skips a line of spaces, or of spaces and tabs where the
+    tab is no delimiter, as it skips an empty one; the reader refused it as a row of 1 field where the header has 2.
+    A quoted value of spaces stays a row (it is one for pandas too), as does a TSV line holding a tab."""
+    import pandas as pd
+
+    from workflow_scripts.data import raw_records
+
+    inputs = {  # name -> (format, file text)
+        "csv-spaces": ("csv", "q,a\nx,1\n   \ny,2\n"),
+        "csv-tab-and-spaces": ("csv", "q,a\nx,1\n \t \ny,2\n"),
+        "csv-crlf-spaces": ("csv", "q,a\r\nx,1\r\n  \r\ny,2\r\n"),
+        "csv-spaces-before-header": ("csv", "  \nq,a\nx,1\n"),
+        "csv-spaces-at-end": ("csv", "q,a\nx,1\n    "),
+        "csv-one-column-spaces": ("csv", "q\nx\n  \ny\n"),
+        "csv-one-column-quoted-spaces": ("csv", 'q\nx\n"  "\ny\n'),
+        "csv-spaces-inside-a-quoted-value": ("csv", 'q,a\n"two\n   \nlines",1\ny,2\n'),
+        "tsv-spaces": ("tsv", "q\ta\nx\t1\n   \ny\t2\n"),
+    }
+    for name, (fmt, text) in inputs.items():
+        options = {"sep": "\t", "quoting": 3} if fmt == "tsv" else {}
+        reference = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False, **options).to_dict("records")
+        path = tmp_path / f"{name}.{fmt}"
+        path.write_bytes(text.encode())
+        got = [record for _, record in raw_records.read_placed(path, fmt)]
+        assert got == reference, name
+        assert raw_records.count_rows(path, fmt) == len(reference), name
+    places = [place.line for place, _ in raw_records.read_placed(tmp_path / "csv-spaces.csv", "csv")]
+    assert places == [2, 4]  # the row after the skipped line keeps its own line number

@@ -48,9 +48,36 @@ DELIMITED: dict[str, dict[str, Any]] = {"csv": {}, "tsv": {"delimiter": "\t", "q
 _FIELD_LIMIT = 2**31 - 1
 
 
+class _Lines:
+    """The file's lines as the csv reader takes them, keeping the last one, so a record read from one line can be
+    told blank by its raw text (the csv module gives a line of spaces as a field of spaces, like a quoted one)."""
+
+    def __init__(self, handle):
+        self.handle, self.last = handle, ""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        self.last = next(self.handle)
+        return self.last
+
+
 def _delimited_reader(handle, fmt: str, **options: Any):
+    """(a csv reader over ``handle``, its :class:`_Lines`)."""
     csv.field_size_limit(_FIELD_LIMIT)
-    return csv.reader(handle, **options, **DELIMITED[fmt])
+    lines = _Lines(handle)
+    return csv.reader(lines, **options, **DELIMITED[fmt]), lines
+
+
+def _blank(fields: list[str], lines: _Lines, first_line: int, reader, fmt: str) -> bool:
+    """Whether a record holds no data: an empty line, or one line of spaces (and of tabs where the tab is no
+    delimiter), which pandas.read_csv's default skip_blank_lines=True skips alike (its C engine; a quoted value of
+    spaces and a form feed are data for it, and a line of spaces inside a quoted value belongs to that value)."""
+    if not fields:
+        return True
+    blank = " " if fmt == "tsv" else " \t"
+    return reader.line_num == first_line and lines.last.rstrip("\r\n").strip(blank) == ""
 # Bytes that do not decode come through ``surrogateescape`` as these code points, so a JSONL or CSV row
 # that is not UTF-8 can be found and, under the dataset's ``on_invalid_text: reject_row``, rejected alone.
 _UNDECODED = re.compile("[\udc80-\udcff]")
@@ -244,7 +271,14 @@ def count_rows(path: Path, fmt: str, encoding: str | None = None) -> int:
     if fmt in DELIMITED:
         try:
             with file_formats.open_text(path, encoding, errors="replace", newline="") as handle:
-                return max(sum(1 for fields in _delimited_reader(handle, fmt) if fields) - 1, 0)  # minus the header
+                reader, lines = _delimited_reader(handle, fmt)
+                records = 0
+                while True:
+                    first_line = reader.line_num + 1
+                    fields = next(reader, None)
+                    if fields is None:
+                        return max(records - 1, 0)  # minus the header
+                    records += not _blank(fields, lines, first_line, reader, fmt)
         except csv.Error as error:
             raise WorkflowError(f"{path}: not valid {fmt.upper()}: {error}") from None
         except (UnicodeError, *file_formats.DAMAGED) as error:
@@ -471,7 +505,7 @@ def _csv(path: Path, on_invalid_text: str = "stop", encoding: str | None = None,
     separator = "a tab" if fmt == "tsv" else "a comma"
     try:
         with file_formats.open_text(path, encoding, errors="surrogateescape", newline="") as handle:
-            reader = _delimited_reader(handle, fmt, strict=True)
+            reader, lines = _delimited_reader(handle, fmt, strict=True)
             header, header_line = None, 0
             index = 0
             while True:
@@ -486,7 +520,7 @@ def _csv(path: Path, on_invalid_text: str = "stop", encoding: str | None = None,
                     yield Place(index, line), Unparseable(f"not valid {name}: line {line}: {error}")
                     index += 1
                     continue
-                if not fields:  # a blank line holds no record
+                if _blank(fields, lines, line, reader, fmt):  # a blank line holds no record
                     continue
                 if any(_UNDECODED.search(value) or "\x00" in value for value in fields):
                     if header is None:
