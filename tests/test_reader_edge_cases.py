@@ -235,3 +235,35 @@ def test_a_line_of_spaces_in_a_csv_or_tsv_is_skipped_as_pandas_skips_it(tmp_path
         assert raw_records.count_rows(path, fmt) == len(reference), name
     places = [place.line for place, _ in raw_records.read_placed(tmp_path / "csv-spaces.csv", "csv")]
     assert places == [2, 4]  # the row after the skipped line keeps its own line number
+
+
+def test_a_jsonl_file_with_carriage_return_line_ends_is_read_as_datasets_reads_it(tmp_path):
+    """Old Mac line ends (a bare \\r after each record): the file was one line, rejected as 'Extra data' with no word
+    on its line ends; datasets' json reader (pyarrow's) reads each record. A record whose \\r is JSON whitespace inside
+    it stays one record, and a bad record among CR-ended ones is refused at its own line."""
+    import json
+
+    import datasets
+
+    from workflow_scripts.data import raw_records
+
+    records = [{"q": f"question {i}?", "a": str(i)} for i in range(3)]
+    files = {"cr.jsonl": "".join(json.dumps(record) + "\r" for record in records),
+             "cr-then-lf.jsonl": json.dumps(records[0]) + "\r" + json.dumps(records[1]) + "\n" + json.dumps(records[2]) + "\n",
+             "cr-inside.jsonl": '{"q": "question 0?",\r "a": "0"}\n' + json.dumps(records[1]) + "\n"}
+    for name, text in files.items():
+        path = tmp_path / name
+        path.write_bytes(text.encode())
+        reference = datasets.load_dataset("json", data_files=str(path), split="train",
+                                          cache_dir=str(tmp_path / "cache")).to_list()
+        placed = list(raw_records.read_placed(path, "jsonl"))
+        assert [record for _, record in placed] == reference, name
+        assert raw_records.count_rows(path, "jsonl") == len(reference), name
+    assert [place.line for place, _ in raw_records.read_placed(tmp_path / "cr-then-lf.jsonl", "jsonl")] == [1, 2, 3]
+    (tmp_path / "bad.jsonl").write_bytes(b'{"q": "x?", "a": "1"}\r{"q": "cut\r{"q": "z?", "a": "2"}\r')
+    placed = list(raw_records.read_placed(tmp_path / "bad.jsonl", "jsonl"))
+    assert [place.line for place, _ in placed] == [1, 2, 3]
+    assert placed[0][1] == {"q": "x?", "a": "1"} and placed[2][1] == {"q": "z?", "a": "2"}
+    assert isinstance(placed[1][1], raw_records.Unparseable)
+    assert placed[1][1].error.startswith("not valid JSON: line 2 column 7: Unterminated string starting here (the "
+                                         "file ends its lines with a bare carriage return")

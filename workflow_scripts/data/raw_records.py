@@ -263,7 +263,7 @@ def count_rows(path: Path, fmt: str, encoding: str | None = None) -> int:
     if fmt == "jsonl":
         try:
             with file_formats.open_binary(path) as handle:  # bytes: a file that is not UTF-8 is normalise's to report
-                return sum(1 for line in handle if line.strip())
+                return sum(_jsonl_line_rows(line) for line in handle if line.strip())
         except file_formats.DAMAGED as error:
             raise file_formats.damaged(path, 0, error) from None
     if fmt == "penman":
@@ -296,6 +296,21 @@ def count_rows(path: Path, fmt: str, encoding: str | None = None) -> int:
     raise WorkflowError(f"{path}: unknown format '{fmt}'; known: {list(FORMATS)}")
 
 
+def _jsonl_line_rows(line: bytes) -> int:
+    """Rows in one \\n-ended JSON line: one, or where it holds bare carriage returns and fails whole, as many as
+    :func:`_jsonl` reads there (old Mac line ends)."""
+    body = line.removesuffix(b"\n").removesuffix(b"\r")
+    if b"\r" not in body:
+        return 1
+    text = body.decode("utf-8", errors="replace")
+    try:
+        json.loads(text)
+        return 1
+    except json.JSONDecodeError:
+        cr_lines = _cr_lines(text)
+        return 1 if cr_lines is None else len(cr_lines)
+
+
 # --- the formats ---
 def _not_utf8_row(path: Path, line: int, on_invalid_text: str, encoding: str | None = None) -> Unparseable:
     if on_invalid_text != "reject_row":
@@ -305,25 +320,59 @@ def _not_utf8_row(path: Path, line: int, on_invalid_text: str, encoding: str | N
                        "(on_invalid_text: reject_row)")
 
 
+CR_LINE_ENDS = ("the file ends its lines with a bare carriage return (\\r, old Mac line ends), each read as a line end "
+                "as datasets' json reader reads them")
+
+
+def _cr_lines(body: str) -> list[tuple[int, Any]] | None:
+    """A JSON line holding bare carriage returns that does not parse whole, read as lines ended by them (old Mac
+    line ends, which datasets' json reader, pyarrow's, reads as line ends): (0-based line within, record or
+    Unparseable) for each non-blank one; None where none of them parses either (the \r were no line ends, so the
+    line's own failure stands)."""
+    read = []
+    for offset, piece in enumerate(body.split("\r")):
+        if piece.strip():
+            try:
+                read.append((offset, json.loads(piece)))
+            except json.JSONDecodeError as error:
+                read.append((offset, error))
+    if all(isinstance(record, json.JSONDecodeError) for _, record in read):
+        return None
+    return read
+
+
 def _jsonl(path: Path, on_invalid_text: str = "stop", encoding: str | None = None) -> Iterator[tuple[Place, Any]]:
     index = 0
+    extra = 0  # bare carriage returns read as line ends so far: an editor counts each as a line
     try:
         # newline="\n": JSON Lines are separated by \n only; a bare \r is JSON whitespace inside a line, where
-        # universal newlines would cut the line in two
+        # universal newlines would cut the line in two (a line that fails whole is then tried at them: _cr_lines)
         with file_formats.open_text(path, encoding, errors="surrogateescape", newline="\n") as handle:
             for index, line in enumerate(handle):
+                number = index + 1 + extra
                 if not line.strip():
                     continue
                 if _UNDECODED.search(line) or "\x00" in line:
-                    yield Place(index, index + 1), _not_utf8_row(path, index + 1, on_invalid_text, encoding)
+                    yield Place(index + extra, number), _not_utf8_row(path, number, on_invalid_text, encoding)
                     continue
+                # Only the line's own end is dropped: the columns json reports stay the editor's.
+                body = line.removesuffix("\n").removesuffix("\r")
                 try:
-                    # Only the line's own end is dropped: the columns json reports stay the editor's.
-                    yield Place(index, index + 1), json.loads(line.rstrip("\r\n"))
+                    yield Place(index + extra, number), json.loads(body)
+                    continue
                 except json.JSONDecodeError as error:
-                    yield Place(index, index + 1), Unparseable(
-                        f"not valid JSON: line {index + 1} column {error.colno}: {_json_problem(error)}"
-                    )
+                    failure = error
+                cr_lines = _cr_lines(body) if "\r" in body else None
+                if cr_lines is None:
+                    yield Place(index + extra, number), Unparseable(
+                        f"not valid JSON: line {number} column {failure.colno}: {_json_problem(failure)}")
+                    continue
+                for offset, record in cr_lines:
+                    if isinstance(record, json.JSONDecodeError):
+                        record = Unparseable(f"not valid JSON: line {number + offset} column {record.colno}: "
+                                             f"{_json_problem(record)} ({CR_LINE_ENDS})")
+                    yield Place(index + extra + offset, number + offset), record
+                extra += body.count("\r")
     except UnicodeError:  # UnicodeDecodeError, or a UTF-16 codec's "does not start with BOM"
         raise _not_utf8(path, encoding=encoding) from None
     except file_formats.DAMAGED as error:
