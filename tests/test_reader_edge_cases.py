@@ -267,3 +267,41 @@ def test_a_jsonl_file_with_carriage_return_line_ends_is_read_as_datasets_reads_i
     assert isinstance(placed[1][1], raw_records.Unparseable)
     assert placed[1][1].error.startswith("not valid JSON: line 2 column 7: Unterminated string starting here (the "
                                          "file ends its lines with a bare carriage return")
+
+
+def test_a_qwen_processor_saved_with_size_min_pixels_max_pixels_is_read_as_transformers_loads_it(tmp_path):
+    """transformers 4.45-4.48 saved Qwen2-VL's size as {min_pixels, max_pixels}, with the same two keys at the top
+    level. The installed transformers turns the top-level keys into size.shortest_edge/longest_edge; a file with the
+    size alone loads without a budget and stops at the first image, where the memory check priced none (the tower's
+    own size) at exit 0: refused when the file is read, naming the file and key and what to write."""
+    import json
+    import types
+
+    import pytest
+
+    from workflow_scripts.checks.memory import processor_max_pixels
+    from workflow_scripts.core.errors import ConfigError, WorkflowError
+    from workflow_scripts.model import processor_files
+
+    saved = tmp_path / "saved"  # as 4.45-4.48's save_pretrained wrote it (the top-level keys are what it ran on)
+    saved.mkdir()
+    (saved / processor_files.IMAGE_PROCESSOR_FILE).write_text(json.dumps({
+        **QWEN, "min_pixels": 3136, "max_pixels": 500_000, "size": {"min_pixels": 3136, "max_pixels": 500_000}}))
+    assert _budget_transformers_uses(saved) == 500_000 == processor_files.read(saved).max_pixels()
+    size_only = tmp_path / "size_only"
+    size_only.mkdir()
+    path = size_only / processor_files.IMAGE_PROCESSOR_FILE
+    path.write_text(json.dumps({**QWEN, "size": {"min_pixels": 3136, "max_pixels": 2_000_000}}))
+    assert _budget_transformers_uses(size_only) is None  # transformers has no budget to resize by
+    expected = (f"{path}: key 'size' holds {{'min_pixels': 3136, 'max_pixels': 2000000}}, the layout transformers "
+                "4.45-4.48 saved, which the installed transformers does not read as the pixel budget (its Qwen2-VL "
+                "image processor resizes by size.shortest_edge and size.longest_edge, and stops at the first image "
+                "without them); write \"size\": {\"shortest_edge\": 3136, \"longest_edge\": 2000000} there (the same "
+                "budget), or save the processor again with the installed transformers")
+    with pytest.raises(WorkflowError) as caught:
+        processor_files.read(size_only)
+    assert str(caught.value) == expected
+    spec = types.SimpleNamespace(source="local", path=str(size_only))
+    with pytest.raises(ConfigError) as caught:  # the memory check at snakemake -n, naming the model's key
+        processor_max_pixels("qwen", spec, tmp_path, "models.qwen")
+    assert expected in str(caught.value)
