@@ -78,6 +78,8 @@ def _blank(fields: list[str], lines: _Lines, first_line: int, reader, fmt: str) 
         return True
     blank = " " if fmt == "tsv" else " \t"
     return reader.line_num == first_line and lines.last.rstrip("\r\n").strip(blank) == ""
+
+
 # Bytes that do not decode come through ``surrogateescape`` as these code points, so a JSONL or CSV row
 # that is not UTF-8 can be found and, under the dataset's ``on_invalid_text: reject_row``, rejected alone.
 _UNDECODED = re.compile("[\udc80-\udcff]")

@@ -113,9 +113,8 @@ def _check_pixel_size(image_processor: Mapping[str, Any], path: Path, key: str) 
     size = image_processor.get("size")
     if not isinstance(size, Mapping):
         return
-    left = [name for name, top in (("min_pixels", "min_pixels"), ("max_pixels", "max_pixels"))
-            if name in size and image_processor.get(top) is None]
-    if not left:
+    # transformers replaces size's min_pixels / max_pixels only where the same key is set at the top level
+    if not any(name in size and image_processor.get(name) is None for name in ("min_pixels", "max_pixels")):
         return
     # the budget transformers' own top-level keys would give, else size's
     low = image_processor.get("min_pixels") or size.get("min_pixels", size.get("shortest_edge", DEFAULT_MIN_PIXELS))
