@@ -367,7 +367,10 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("config", "variant-sets-a-key-the-reference-leaves-unset", cfg("variants.mtup.training", {"micro_batch_tokens": 512}), "config", "{config}: config key 'variants.mtup.training.micro_batch_tokens': sets 512 where the reference variant 'baseline' leaves it unset, so the comparison would not be fair; make them equal, or list it under comparison.intended_differences: [training.micro_batch_tokens] if the difference is the point"),
         # --- issue 43 follow-up: reader edge cases (breaker) ---
         case("data", "ascii-tsv-with-a-utf8-bom-declared-latin-1", text_files({"train.tsv": b"\xef\xbb\xbfq\ta\n" + b"".join(b"question %d?\t%d\n" % (i, i) for i in range(9))}, fmt="tsv", encoding="latin-1"), "normalise", "{source}/train.tsv line 1: the dataset declares encoding: latin-1, but the file is valid UTF-8 with multi-byte characters: read as latin-1 the line is '\u00ef\u00bb\u00bfq\\ta', read as UTF-8 it is 'q\\ta'; remove datasets.d.encoding (UTF-8 is the default) if the UTF-8 reading is right"),
-        case("data", "imagefolder-float-image-scaled-to-0-1", image_folder({"file_name": "charts/unit.tif", "query": "Q?", "label": "1"}, bad_file=("charts/unit.tif", unit_float_tiff())), "normalise", "{source}/train/metadata.jsonl: 1 of 11 rows of split 'train' rejected (9.1%), more than datasets.d.max_rejected_fraction = 0.01; reasons: image_value_range 1; for example {source}/train/metadata.jsonl line 6: field 'file_name': image file {source}/train/charts/unit.tif is a mode F (float) image with values 0..0.95, all within 0..1, which RGB conversion reads as 0..255 (the image would be black); multiply by 255 and re-export it as an 8- or 16-bit PNG; fix the rows or raise datasets.d.max_rejected_fraction"),
+        case("data", "imagefolder-float-image-scaled-to-0-1", image_folder({"file_name": "charts/unit.tif", "query": "Q?", "label": "1"}, bad_file=("charts/unit.tif", unit_float_tiff())), "normalise", "{source}/train/metadata.jsonl: 1 of 11 rows of split 'train' rejected (9.1%), more than datasets.d.max_rejected_fraction = 0.01; reasons: image_value_range 1; for example {source}/train/metadata.jsonl line 6: field 'file_name': image file {source}/train/charts/unit.tif is a mode F (float) image with values 0..0.95, all within 0..1, which RGB conversion reads as 0..255 (the image would be black); multiply by 255 and re-export it as an 8- or 16-bit PNG; fix the rows or raise datasets.d.max_rejected_fraction"),        # --- issue 43: readers against their references, round 2 ---
+        case("data", "zero-padded-labels-read-as-class-ids", labels_csv(["01", "02"] * 5, ["neg", "neu", "pos"]), "normalise", "{source}/train.csv: 10 of 10 rows of split 'train' rejected (100.0%), so no row is left; reasons: unknown_label 10; for example {source}/train.csv line 2: field 'label': " + PADDED % ("'01'", "id 1, 'neu'", "'01'", 2) + "; fix the rows (or the field mapping, if every row fails alike)"),
+        case("data", "zero-padded-labels-beside-numeric-names", labels_csv(["01", "02", "03"] * 4, ["1", "2", "3"], test_label="3"), "normalise", "{source}/train.csv: 12 of 12 rows of split 'train' rejected (100.0%), so no row is left; reasons: unknown_label 12; for example {source}/train.csv line 2: field 'label': " + PADDED % ("'01'", "id 1, '2'", "'01'", 2) + "; fix the rows (or the field mapping, if every row fails alike)"),
+        case("data", "jsonl-with-cr-line-ends-one-record-cut", text_files({"train.jsonl": b"".join(b'{"q": "question %d?", "a": "%d"}\r' % (i, i) for i in range(5)) + b'{"q": "cut\r' + b"".join(b'{"q": "question %d?", "a": "%d"}\r' % (i, i) for i in range(6, 10))}), "normalise", "{source}/train.jsonl: 1 of 10 rows of split 'train' rejected (10.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unparseable_record 1; for example {source}/train.jsonl line 6: not valid JSON: line 6 column 7: Unterminated string starting here (the file ends its lines with a bare carriage return (\\r, old Mac line ends), each read as a line end as datasets' json reader reads them); fix the rows or raise datasets.d.max_rejected_fraction"),
     ]
 
 
@@ -1113,12 +1116,13 @@ def penman_rejected(reason: str, field: str | None, detail: str) -> str:
             "fix the rows or raise datasets.d.max_rejected_fraction")
 
 
-def labels_csv(labels: list[str], declared: list[str] | None):
-    """A classification train.csv with ``labels`` (line k + 2 holds labels[k]) and ``labels:`` ``declared``."""
+def labels_csv(labels: list[str], declared: list[str] | None, test_label: str = "1"):
+    """A classification train.csv with ``labels`` (line k + 2 holds labels[k]) and ``labels:`` ``declared``; its
+    test.csv's one row is labelled ``test_label``."""
     def plant(w: Workspace) -> None:
         w.raw.mkdir(parents=True, exist_ok=True)
         (w.raw / "train.csv").write_text("text,label\n" + "".join(f"sentence {i},{label}\n" for i, label in enumerate(labels)))
-        (w.raw / "test.csv").write_text("text,label\na test,1\n")
+        (w.raw / "test.csv").write_text(f"text,label\na test,{test_label}\n")
     settings = {"task": "classification", "fields": {"text": "text", "label": "label"}, "metric": "accuracy",
                 **({"labels": declared} if declared else {})}
     return normalise_args(fmt="csv", settings=settings, plant=plant)
@@ -1247,6 +1251,12 @@ def cut_stream(kind: str) -> bytes:
     data = b"".join(b'{"q": "%x?", "a": "%d"}\n' % (rng.getrandbits(128), i) for i in range(4000))
     packed = gzip.compress(data) if kind == "gzip" else zstandard.ZstdCompressor().compress(data)
     return packed[: len(packed) * 2 // 3]
+
+
+# --- issue 43: readers against their references, round 2: setups ---
+PADDED = ("label %s is not a declared name, and a number written with a leading zero or a sign is not read as a class id "
+          "(datasets' ClassLabel would read it as %s: a numbering from 01 read one class off); to read the values by "
+          "name declare them as the rows write them (labels: [%s, ...]), or write the class ids 0..%d without leading zeros")
 
 
 # --- issue 44: setups ---

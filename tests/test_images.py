@@ -432,3 +432,85 @@ def test_write_ocrvqa_jsonl_with_a_length_mismatch(tmp_path):
                 assert len(row["questions"]) == len(row["answers"]) >= 2
                 matched += len(row["questions"])
         assert matched == planted["pairs"][split]
+
+
+# --- 12-bit images in 16-bit PNGs (issue 43: readers against their references, round 2) ---
+TWELVE_BIT = [[0, 1, 200, 2048], [3000, 4095, 17, 1234]]  # a 12-bit camera's raw values, stored as they are
+
+
+def sixteen_bit_png(values, significant_bits: int | None = None) -> bytes:
+    """A 16-bit greyscale PNG of ``values``, with an sBIT chunk declaring ``significant_bits`` when given."""
+    import numpy as np
+    from PIL import PngImagePlugin
+
+    info = PngImagePlugin.PngInfo()
+    if significant_bits is not None:
+        info.add(b"sBIT", bytes([significant_bits]))
+    buffer = io.BytesIO()
+    Image.fromarray(np.array(values, dtype=np.uint16)).save(buffer, "PNG", pnginfo=info)
+    return buffer.getvalue()
+
+
+def grey(decoded) -> list:
+    import numpy as np
+
+    pixels = np.asarray(decoded)
+    assert (pixels == pixels[..., :1]).all()  # grey: the three channels alike
+    return pixels[..., 0].tolist()
+
+
+def test_a_12_bit_png_declaring_its_significant_bits_is_scaled_by_them_not_left_almost_black():
+    """Scaled by the 16-bit range, 0..4095 became 0..16 of 255: an almost black image at exit 0. Pillow keeps no
+    sBIT (its info has none), so the chunk is read from the file; with 12 significant bits the values span 0..4095."""
+    import numpy as np
+
+    from workflow_scripts.data.images import decode_rgb, png_significant_bits
+
+    data = sixteen_bit_png(TWELVE_BIT, 12)
+    with Image.open(io.BytesIO(data)) as opened:
+        assert opened.mode == "I;16" and not any("sbit" in key.lower() for key in opened.info)
+    assert png_significant_bits(data) == 12
+    values = np.array(TWELVE_BIT, dtype=np.uint32)
+    assert grey(decode_rgb(data)) == ((values * 255 + 2047) // 4095).tolist()  # 4095 -> 255, rounded as 65535 is
+    assert check_image(data).scaling == "significant_bits"
+    # Samples scaled up to 16 bits as the PNG specification has an encoder store them (v << 4 | v >> 8) keep the
+    # 16-bit range: their sBIT says where they came from, not what they span.
+    shifted = (values << 4) | (values >> 8)
+    assert grey(decode_rgb(sixteen_bit_png(shifted.tolist(), 12))) == ((shifted * 255 + 32767) // 65535).tolist()
+    assert check_image(sixteen_bit_png(shifted.tolist(), 12)).scaling == "full_range"
+
+
+def test_a_12_bit_png_without_its_significant_bits_is_named_in_the_report_by_row(tmp_path):
+    """Without sBIT the range cannot be known: scaled by 0..65535 (the PNG specification's reading) it is dark, and
+    datasets + transformers' convert_to_rgb (Pillow's conversion) would clip it at 255 instead; neither is what the
+    camera saw, so the normalise report counts such images and names their rows, as it does every 16-bit image
+    whose reading differs from the reference's."""
+    import numpy as np
+    from transformers.image_transforms import convert_to_rgb
+
+    from data_helpers import run_normalise, write_jsonl
+    from workflow_scripts.data.images import decode_rgb
+
+    data = sixteen_bit_png(TWELVE_BIT)
+    with Image.open(io.BytesIO(data)) as opened:  # the reference: datasets' Image decoding, then convert_to_rgb
+        opened.load()
+        assert grey(convert_to_rgb(opened, return_numpy=True)) == np.minimum(TWELVE_BIT, 255).tolist()
+    assert grey(decode_rgb(data)) == ((np.array(TWELVE_BIT) * 255 + 32767) // 65535).tolist()  # dark: at most 16
+    assert check_image(data).scaling == "dark_without_significant_bits"
+    raw = tmp_path / "raw"
+    (raw / "images").mkdir(parents=True)
+    (raw / "images" / "dark.png").write_bytes(data)
+    (raw / "images" / "declared.png").write_bytes(sixteen_bit_png(TWELVE_BIT, 12))
+    (raw / "images" / "plain.png").write_bytes(encoded())
+    images = ["plain.png", "dark.png", "plain.png", "declared.png", "dark.png"]
+    write_jsonl(raw / "train.jsonl", [{"id": f"r{k}", "q": f"what is {k}?", "a": str(k), "image": f"images/{name}"}
+                                      for k, name in enumerate(images)])
+    write_jsonl(raw / "test.jsonl", [{"id": "t0", "q": "what?", "a": "0", "image": "images/plain.png"}])
+    settings = {"task": "vision_language", "format": "jsonl", "source": {"type": "local", "path": str(raw)},
+                "splits": {"train": "train", "test": "test"}, "metric": "exact_match",
+                "fields": {"id": "id", "question": "q", "answers": "a", "image": "image"}}
+    _, report = run_normalise("d", settings, raw, tmp_path)
+    sixteen = json.loads(report.read_text())["images"]["train"]["sixteen_bit"]
+    assert {kind: (entry["count"], entry["rows"]) for kind, entry in sixteen.items()} == {
+        "dark_without_significant_bits": (2, ["r1", "r4"]), "significant_bits": (1, ["r3"])}
+    assert "convert_to_rgb would clip" in sixteen["dark_without_significant_bits"]["note"]

@@ -179,3 +179,129 @@ def test_a_classlabel_id_of_minus_1_is_named_as_an_unlabelled_row():
     assert caught.value.reason == "unknown_label"
     assert caught.value.detail.startswith("label -1 is datasets' mark of a row without a label (GLUE's test splits hold "
                                           "only -1)")
+
+
+def test_a_zero_padded_number_is_never_read_as_a_class_id():
+    """datasets' ClassLabel.str2int falls back to int(value), so '01', '+1' and '007' were class ids 1, 1 and 7: a
+    column numbered from 01 read one class off at exit 0. Only a label's canonical decimal form is an id; '01' is a
+    name (matched as written when declared) or the row is refused saying what to write in labels:."""
+    import pytest
+    from datasets import ClassLabel
+
+    from workflow_scripts.data.rows import Rejected
+    from workflow_scripts.tasks.class_labels import column_reading
+    from workflow_scripts.tasks.classification import declared_label
+
+    names = ["neg", "neu", "pos"]
+    assert ClassLabel(names=names).str2int("01") == 1  # the reference's reading, refused here on purpose
+    for label in ("01", "+1", "007", "-0"):
+        with pytest.raises(Rejected) as caught:
+            declared_label(label, names)
+        assert caught.value.reason == "unknown_label"
+        assert caught.value.detail.startswith(f"label {label!r} is not a declared name, and a number written with a "
+                                              "leading zero or a sign is not read as a class id")
+    assert declared_label("1", names) == ("neu", True)  # the canonical form stays an id, as datasets reads it
+    assert declared_label("01", ["01", "02"]) == ("01", False)  # declared as written: read by name
+    # Against declared numbers: '01' is no id 1 (it read as one, and with '3' beside it refused the column as mixed)
+    assert column_reading({"01", "02", "3"}, ["1", "2", "3"], "datasets.d", "label") is None
+
+
+def test_a_line_of_spaces_in_a_csv_or_tsv_is_skipped_as_pandas_skips_it(tmp_path):
+    """pandas.read_csv (skip_blank_lines=True, its C engine) skips a line of spaces, or of spaces and tabs where the
+    tab is no delimiter, as it skips an empty one; the reader refused it as a row of 1 field where the header has 2.
+    A quoted value of spaces stays a row (it is one for pandas too), as does a TSV line holding a tab."""
+    import pandas as pd
+
+    from workflow_scripts.data import raw_records
+
+    inputs = {  # name -> (format, file text)
+        "csv-spaces": ("csv", "q,a\nx,1\n   \ny,2\n"),
+        "csv-tab-and-spaces": ("csv", "q,a\nx,1\n \t \ny,2\n"),
+        "csv-crlf-spaces": ("csv", "q,a\r\nx,1\r\n  \r\ny,2\r\n"),
+        "csv-spaces-before-header": ("csv", "  \nq,a\nx,1\n"),
+        "csv-spaces-at-end": ("csv", "q,a\nx,1\n    "),
+        "csv-one-column-spaces": ("csv", "q\nx\n  \ny\n"),
+        "csv-one-column-quoted-spaces": ("csv", 'q\nx\n"  "\ny\n'),
+        "csv-spaces-inside-a-quoted-value": ("csv", 'q,a\n"two\n   \nlines",1\ny,2\n'),
+        "tsv-spaces": ("tsv", "q\ta\nx\t1\n   \ny\t2\n"),
+    }
+    for name, (fmt, text) in inputs.items():
+        options = {"sep": "\t", "quoting": 3} if fmt == "tsv" else {}
+        reference = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False, **options).to_dict("records")
+        path = tmp_path / f"{name}.{fmt}"
+        path.write_bytes(text.encode())
+        got = [record for _, record in raw_records.read_placed(path, fmt)]
+        assert got == reference, name
+        assert raw_records.count_rows(path, fmt) == len(reference), name
+    places = [place.line for place, _ in raw_records.read_placed(tmp_path / "csv-spaces.csv", "csv")]
+    assert places == [2, 4]  # the row after the skipped line keeps its own line number
+
+
+def test_a_jsonl_file_with_carriage_return_line_ends_is_read_as_datasets_reads_it(tmp_path):
+    """Old Mac line ends (a bare \\r after each record): the file was one line, rejected as 'Extra data' with no word
+    on its line ends; datasets' json reader (pyarrow's) reads each record. A record whose \\r is JSON whitespace inside
+    it stays one record, and a bad record among CR-ended ones is refused at its own line."""
+    import json
+
+    import datasets
+
+    from workflow_scripts.data import raw_records
+
+    records = [{"q": f"question {i}?", "a": str(i)} for i in range(3)]
+    files = {"cr.jsonl": "".join(json.dumps(record) + "\r" for record in records),
+             "cr-then-lf.jsonl": json.dumps(records[0]) + "\r" + json.dumps(records[1]) + "\n" + json.dumps(records[2]) + "\n",
+             "cr-inside.jsonl": '{"q": "question 0?",\r "a": "0"}\n' + json.dumps(records[1]) + "\n"}
+    for name, text in files.items():
+        path = tmp_path / name
+        path.write_bytes(text.encode())
+        reference = datasets.load_dataset("json", data_files=str(path), split="train",
+                                          cache_dir=str(tmp_path / "cache")).to_list()
+        placed = list(raw_records.read_placed(path, "jsonl"))
+        assert [record for _, record in placed] == reference, name
+        assert raw_records.count_rows(path, "jsonl") == len(reference), name
+    assert [place.line for place, _ in raw_records.read_placed(tmp_path / "cr-then-lf.jsonl", "jsonl")] == [1, 2, 3]
+    (tmp_path / "bad.jsonl").write_bytes(b'{"q": "x?", "a": "1"}\r{"q": "cut\r{"q": "z?", "a": "2"}\r')
+    placed = list(raw_records.read_placed(tmp_path / "bad.jsonl", "jsonl"))
+    assert [place.line for place, _ in placed] == [1, 2, 3]
+    assert placed[0][1] == {"q": "x?", "a": "1"} and placed[2][1] == {"q": "z?", "a": "2"}
+    assert isinstance(placed[1][1], raw_records.Unparseable)
+    assert placed[1][1].error.startswith("not valid JSON: line 2 column 7: Unterminated string starting here (the "
+                                         "file ends its lines with a bare carriage return")
+
+
+def test_a_qwen_processor_saved_with_size_min_pixels_max_pixels_is_read_as_transformers_loads_it(tmp_path):
+    """transformers 4.45-4.48 saved Qwen2-VL's size as {min_pixels, max_pixels}, with the same two keys at the top
+    level. The installed transformers turns the top-level keys into size.shortest_edge/longest_edge; a file with the
+    size alone loads without a budget and stops at the first image, where the memory check priced none (the tower's
+    own size) at exit 0: refused when the file is read, naming the file and key and what to write."""
+    import json
+    import types
+
+    import pytest
+
+    from workflow_scripts.checks.memory import processor_max_pixels
+    from workflow_scripts.core.errors import ConfigError, WorkflowError
+    from workflow_scripts.model import processor_files
+
+    saved = tmp_path / "saved"  # as 4.45-4.48's save_pretrained wrote it (the top-level keys are what it ran on)
+    saved.mkdir()
+    (saved / processor_files.IMAGE_PROCESSOR_FILE).write_text(json.dumps({
+        **QWEN, "min_pixels": 3136, "max_pixels": 500_000, "size": {"min_pixels": 3136, "max_pixels": 500_000}}))
+    assert _budget_transformers_uses(saved) == 500_000 == processor_files.read(saved).max_pixels()
+    size_only = tmp_path / "size_only"
+    size_only.mkdir()
+    path = size_only / processor_files.IMAGE_PROCESSOR_FILE
+    path.write_text(json.dumps({**QWEN, "size": {"min_pixels": 3136, "max_pixels": 2_000_000}}))
+    assert _budget_transformers_uses(size_only) is None  # transformers has no budget to resize by
+    expected = (f"{path}: key 'size' holds {{'min_pixels': 3136, 'max_pixels': 2000000}}, the layout transformers "
+                "4.45-4.48 saved, which the installed transformers does not read as the pixel budget (its Qwen2-VL "
+                "image processor resizes by size.shortest_edge and size.longest_edge, and stops at the first image "
+                "without them); write \"size\": {\"shortest_edge\": 3136, \"longest_edge\": 2000000} there (the same "
+                "budget), or save the processor again with the installed transformers")
+    with pytest.raises(WorkflowError) as caught:
+        processor_files.read(size_only)
+    assert str(caught.value) == expected
+    spec = types.SimpleNamespace(source="local", path=str(size_only))
+    with pytest.raises(ConfigError) as caught:  # the memory check at snakemake -n, naming the model's key
+        processor_max_pixels("qwen", spec, tmp_path, "models.qwen")
+    assert expected in str(caught.value)

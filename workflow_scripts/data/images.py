@@ -50,6 +50,22 @@ MAX_ASPECT_RATIO = 200
 # libpng's png_set_scale_16). Pillow's own convert, which transformers' convert_to_rgb calls, clips them at 255
 # instead, so a 16-bit grayscale PNG of ordinary brightness became all white.
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+# How a 16-bit grey image is brought to 8 bits (ImageFacts.scaling), each a reading that differs from the reference's
+# (datasets' Image decoding keeps mode I;16, and transformers' convert_to_rgb, Pillow's conversion, clips it at 255):
+# the normalise report counts them per split and names their rows.
+SIXTEEN_BIT_NOTES = {
+    "full_range": "16-bit greyscale, scaled to 8 bits by its 16-bit range 0..65535; datasets + transformers' "
+                  "convert_to_rgb would clip it at 255 instead",
+    "significant_bits": "16-bit greyscale whose PNG sBIT chunk declares fewer significant bits, its values within them "
+                        "(a 12-bit camera's 0..4095): scaled by that range; datasets + transformers' convert_to_rgb "
+                        "would clip it at 255 instead",
+    "dark_without_significant_bits": "16-bit greyscale whose values all lie within 0..4095 and which declares no "
+                                     "significant bits (no PNG sBIT chunk; a 12-bit camera's?): scaled by the 16-bit "
+                                     "range, it is dark (at most 16 of 255), and datasets + transformers' "
+                                     "convert_to_rgb would clip it at 255 instead; add an sBIT chunk of its bit depth, "
+                                     "or rescale it to 0..65535",
+}
+NAMED_ROWS = 20  # rows named per note in the report (the count is of all)
 # Modes whose range the mode does not say (a 32-bit integer or float plane): converted as Pillow converts them
 # when every value lies in 0..255 (then that conversion is exact), refused otherwise (it would clip).
 UNSCALED_MODES = ("I", "F")
@@ -65,6 +81,40 @@ class ImageFacts:
     format: str
     mode: str
     frames: int = 1  # an animated image's frame count: the first frame is the image, as PIL, datasets and transformers read it
+    scaling: str | None = None  # a 16-bit grey image's reading (a key of SIXTEEN_BIT_NOTES); None for other modes
+
+
+def png_significant_bits(data: bytes) -> int | None:
+    """The significant bits a greyscale PNG declares in its sBIT chunk (12 for a 12-bit camera's image), or None.
+    Read from the chunks here: Pillow's PNG reader skips sBIT (``Image.info`` has no such key), and the chunk
+    layout is the PNG specification's (length, type, data, CRC; sBIT before the first IDAT)."""
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return None
+    position = 8
+    while position + 8 <= len(data):
+        length, kind = int.from_bytes(data[position:position + 4], "big"), data[position + 4:position + 8]
+        if kind == b"sBIT":
+            body = data[position + 8:position + 8 + length]
+            return body[0] if len(body) == 1 and 0 < body[0] <= 16 else None  # greyscale: one byte
+        if kind in (b"IDAT", b"IEND"):
+            return None
+        position += 12 + length
+    return None
+
+
+def sixteen_bit_scaling(samples, significant_bits: int | None) -> tuple[str, int]:
+    """(the SIXTEEN_BIT_NOTES key, the value that becomes 255) of 16-bit grey ``samples`` (a numpy array).
+    Declared significant bits b < 16 with every value within 0..2**b - 1 (not all multiples of 2**(16 - b), which
+    is how the specification's shifted samples of a dark image look) are the raw values of a b-bit sensor: scaled
+    by 2**b - 1. Otherwise the 16-bit range (the specification's reading: an encoder stores b-bit samples shifted
+    up to 16 bits), named as dark where every value is within 0..4095 and no sBIT says why."""
+    top = int(samples.max()) if samples.size else 0
+    if significant_bits is not None and significant_bits < 16 and top <= 2**significant_bits - 1 \
+            and bool((samples % 2**(16 - significant_bits)).any()):
+        return "significant_bits", 2**significant_bits - 1
+    if significant_bits is None and 0 < top <= 4095:
+        return "dark_without_significant_bits", 65535
+    return "full_range", 65535
 
 
 def default_base_dirs(raw_dir: Path) -> tuple[Path, Path]:
@@ -160,8 +210,10 @@ def check_image(data: bytes, *, source: str = "the image") -> ImageFacts:
                 image.load()  # the pixels: a truncated file fails here
                 # The upright size, as decode_rgb turns the image by its EXIF orientation (5-8 swap the sides).
                 upright = image.getexif().get(0x0112) in (5, 6, 7, 8)
+                scaling = (sixteen_bit_scaling(_samples(image), png_significant_bits(data))[0]
+                           if image.mode in SIXTEEN_BIT_MODES else None)
                 facts = ImageFacts(image.height if upright else image.width, image.width if upright else image.height,
-                                   image.format or "unknown", image.mode, getattr(image, "n_frames", 1))
+                                   image.format or "unknown", image.mode, getattr(image, "n_frames", 1), scaling)
                 extrema = image.getextrema() if image.mode in UNSCALED_MODES else None
     except (Image.DecompressionBombWarning, Image.DecompressionBombError) as error:
         raise Rejected("unreadable_image", None, f"{source} is too large to decode safely ({error}); shrink the image "
@@ -210,13 +262,21 @@ def decode_rgb(data: bytes):
         opened.load()
         image = ImageOps.exif_transpose(opened)  # a copy when rotated; the opened file itself otherwise
         if image.mode in SIXTEEN_BIT_MODES:
-            wide = np.asarray(image, dtype=np.uint32)
-            grey = Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8))
+            wide = _samples(image)
+            _, top = sixteen_bit_scaling(wide, png_significant_bits(data))  # 4095 for a 12-bit PNG that says so
+            grey = Image.fromarray(((wide * 255 + top // 2) // top).astype(np.uint8))
             transparent = image.info.get("transparency")  # a 16-bit grey PNG's tRNS value: its pixels are see-through
             if isinstance(transparent, int):  # kept as an alpha plane, so convert_to_rgb puts white there
                 grey.putalpha(Image.fromarray(np.where(wide == transparent, 0, 255).astype(np.uint8)))
             image = grey
         return Image.fromarray(convert_to_rgb(image, return_numpy=True))
+
+
+def _samples(image):
+    """A 16-bit grey image's samples as uint32 (room for x 255)."""
+    import numpy as np
+
+    return np.asarray(image, dtype=np.uint32)
 
 
 # --- what the vision_language record mapper calls ---
@@ -264,9 +324,13 @@ class ImageStats:
     heights: Counter = field(default_factory=Counter)
     formats: Counter = field(default_factory=Counter)
     modes: Counter = field(default_factory=Counter)
+    scalings: Counter = field(default_factory=Counter)  # 16-bit grey images by their reading (SIXTEEN_BIT_NOTES)
+    scaling_rows: dict = field(default_factory=dict)  # reading -> the first NAMED_ROWS rows holding such an image
 
     def add(self, facts: ImageFacts, size_bytes: int) -> None:
         """One image (not an example: see :meth:`add_example`)."""
+        if facts.scaling is not None:
+            self.scalings[facts.scaling] += 1
         self.images += 1
         self.total_bytes += size_bytes
         self.widths[facts.width] += 1
@@ -281,8 +345,13 @@ class ImageStats:
         for one, size in zip(facts, sizes, strict=True):
             self.add(one, size)
 
-    def merge(self, other: ImageStats) -> None:
-        """Add another split's (or worker's) counts to these."""
+    def merge(self, other: ImageStats, row: str | None = None) -> None:
+        """Add another split's (or worker's, or with ``row``: one row's) counts to these."""
+        for scaling in other.scalings:
+            named = self.scaling_rows.setdefault(scaling, [])
+            named.extend(name for name in ([row] if row is not None else other.scaling_rows.get(scaling, []))
+                         if len(named) < NAMED_ROWS)
+        self.scalings.update(other.scalings)
         self.examples += other.examples
         self.images += other.images
         self.total_bytes += other.total_bytes
@@ -301,7 +370,16 @@ class ImageStats:
             "height": _spread(self.heights),
             "formats": dict(sorted(self.formats.items())),
             "modes": dict(sorted(self.modes.items())),
+            **({"sixteen_bit": {scaling: {"count": count, "rows": self.scaling_rows.get(scaling, []),
+                                          "note": SIXTEEN_BIT_NOTES[scaling]}
+                                for scaling, count in sorted(self.scalings.items())}} if self.scalings else {}),
         }
+
+    def notes(self, split: str) -> list[str]:
+        """The log's lines on images read otherwise than the reference reads them, with their rows."""
+        return [f"note: split {split}: {count} images: {SIXTEEN_BIT_NOTES[scaling]} (rows "
+                f"{self.scaling_rows.get(scaling, [])}{' ...' if count > len(self.scaling_rows.get(scaling, [])) else ''})"
+                for scaling, count in sorted(self.scalings.items())]
 
 
 def _spread(counts: Counter) -> dict[str, float | int | None]:

@@ -48,9 +48,38 @@ DELIMITED: dict[str, dict[str, Any]] = {"csv": {}, "tsv": {"delimiter": "\t", "q
 _FIELD_LIMIT = 2**31 - 1
 
 
+class _Lines:
+    """The file's lines as the csv reader takes them, keeping the last one, so a record read from one line can be
+    told blank by its raw text (the csv module gives a line of spaces as a field of spaces, like a quoted one)."""
+
+    def __init__(self, handle):
+        self.handle, self.last = handle, ""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        self.last = next(self.handle)
+        return self.last
+
+
 def _delimited_reader(handle, fmt: str, **options: Any):
+    """(a csv reader over ``handle``, its :class:`_Lines`)."""
     csv.field_size_limit(_FIELD_LIMIT)
-    return csv.reader(handle, **options, **DELIMITED[fmt])
+    lines = _Lines(handle)
+    return csv.reader(lines, **options, **DELIMITED[fmt]), lines
+
+
+def _blank(fields: list[str], lines: _Lines, first_line: int, reader, fmt: str) -> bool:
+    """Whether a record holds no data: an empty line, or one line of spaces (and of tabs where the tab is no
+    delimiter), which pandas.read_csv's default skip_blank_lines=True skips alike (its C engine; a quoted value of
+    spaces and a form feed are data for it, and a line of spaces inside a quoted value belongs to that value)."""
+    if not fields:
+        return True
+    blank = " " if fmt == "tsv" else " \t"
+    return reader.line_num == first_line and lines.last.rstrip("\r\n").strip(blank) == ""
+
+
 # Bytes that do not decode come through ``surrogateescape`` as these code points, so a JSONL or CSV row
 # that is not UTF-8 can be found and, under the dataset's ``on_invalid_text: reject_row``, rejected alone.
 _UNDECODED = re.compile("[\udc80-\udcff]")
@@ -236,7 +265,7 @@ def count_rows(path: Path, fmt: str, encoding: str | None = None) -> int:
     if fmt == "jsonl":
         try:
             with file_formats.open_binary(path) as handle:  # bytes: a file that is not UTF-8 is normalise's to report
-                return sum(1 for line in handle if line.strip())
+                return sum(_jsonl_line_rows(line) for line in handle if line.strip())
         except file_formats.DAMAGED as error:
             raise file_formats.damaged(path, 0, error) from None
     if fmt == "penman":
@@ -244,7 +273,14 @@ def count_rows(path: Path, fmt: str, encoding: str | None = None) -> int:
     if fmt in DELIMITED:
         try:
             with file_formats.open_text(path, encoding, errors="replace", newline="") as handle:
-                return max(sum(1 for fields in _delimited_reader(handle, fmt) if fields) - 1, 0)  # minus the header
+                reader, lines = _delimited_reader(handle, fmt)
+                records = 0
+                while True:
+                    first_line = reader.line_num + 1
+                    fields = next(reader, None)
+                    if fields is None:
+                        return max(records - 1, 0)  # minus the header
+                    records += not _blank(fields, lines, first_line, reader, fmt)
         except csv.Error as error:
             raise WorkflowError(f"{path}: not valid {fmt.upper()}: {error}") from None
         except (UnicodeError, *file_formats.DAMAGED) as error:
@@ -262,6 +298,21 @@ def count_rows(path: Path, fmt: str, encoding: str | None = None) -> int:
     raise WorkflowError(f"{path}: unknown format '{fmt}'; known: {list(FORMATS)}")
 
 
+def _jsonl_line_rows(line: bytes) -> int:
+    """Rows in one \\n-ended JSON line: one, or where it holds bare carriage returns and fails whole, as many as
+    :func:`_jsonl` reads there (old Mac line ends)."""
+    body = line.removesuffix(b"\n").removesuffix(b"\r")
+    if b"\r" not in body:
+        return 1
+    text = body.decode("utf-8", errors="replace")
+    try:
+        json.loads(text)
+        return 1
+    except json.JSONDecodeError:
+        cr_lines = _cr_lines(text)
+        return 1 if cr_lines is None else len(cr_lines)
+
+
 # --- the formats ---
 def _not_utf8_row(path: Path, line: int, on_invalid_text: str, encoding: str | None = None) -> Unparseable:
     if on_invalid_text != "reject_row":
@@ -271,25 +322,59 @@ def _not_utf8_row(path: Path, line: int, on_invalid_text: str, encoding: str | N
                        "(on_invalid_text: reject_row)")
 
 
+CR_LINE_ENDS = ("the file ends its lines with a bare carriage return (\\r, old Mac line ends), each read as a line end "
+                "as datasets' json reader reads them")
+
+
+def _cr_lines(body: str) -> list[tuple[int, Any]] | None:
+    """A JSON line holding bare carriage returns that does not parse whole, read as lines ended by them (old Mac
+    line ends, which datasets' json reader, pyarrow's, reads as line ends): (0-based line within, record or
+    Unparseable) for each non-blank one; None where none of them parses either (the \r were no line ends, so the
+    line's own failure stands)."""
+    read = []
+    for offset, piece in enumerate(body.split("\r")):
+        if piece.strip():
+            try:
+                read.append((offset, json.loads(piece)))
+            except json.JSONDecodeError as error:
+                read.append((offset, error))
+    if all(isinstance(record, json.JSONDecodeError) for _, record in read):
+        return None
+    return read
+
+
 def _jsonl(path: Path, on_invalid_text: str = "stop", encoding: str | None = None) -> Iterator[tuple[Place, Any]]:
     index = 0
+    extra = 0  # bare carriage returns read as line ends so far: an editor counts each as a line
     try:
         # newline="\n": JSON Lines are separated by \n only; a bare \r is JSON whitespace inside a line, where
-        # universal newlines would cut the line in two
+        # universal newlines would cut the line in two (a line that fails whole is then tried at them: _cr_lines)
         with file_formats.open_text(path, encoding, errors="surrogateescape", newline="\n") as handle:
             for index, line in enumerate(handle):
+                number = index + 1 + extra
                 if not line.strip():
                     continue
                 if _UNDECODED.search(line) or "\x00" in line:
-                    yield Place(index, index + 1), _not_utf8_row(path, index + 1, on_invalid_text, encoding)
+                    yield Place(index + extra, number), _not_utf8_row(path, number, on_invalid_text, encoding)
                     continue
+                # Only the line's own end is dropped: the columns json reports stay the editor's.
+                body = line.removesuffix("\n").removesuffix("\r")
                 try:
-                    # Only the line's own end is dropped: the columns json reports stay the editor's.
-                    yield Place(index, index + 1), json.loads(line.rstrip("\r\n"))
+                    yield Place(index + extra, number), json.loads(body)
+                    continue
                 except json.JSONDecodeError as error:
-                    yield Place(index, index + 1), Unparseable(
-                        f"not valid JSON: line {index + 1} column {error.colno}: {_json_problem(error)}"
-                    )
+                    failure = error
+                cr_lines = _cr_lines(body) if "\r" in body else None
+                if cr_lines is None:
+                    yield Place(index + extra, number), Unparseable(
+                        f"not valid JSON: line {number} column {failure.colno}: {_json_problem(failure)}")
+                    continue
+                for offset, record in cr_lines:
+                    if isinstance(record, json.JSONDecodeError):
+                        record = Unparseable(f"not valid JSON: line {number + offset} column {record.colno}: "
+                                             f"{_json_problem(record)} ({CR_LINE_ENDS})")
+                    yield Place(index + extra + offset, number + offset), record
+                extra += body.count("\r")
     except UnicodeError:  # UnicodeDecodeError, or a UTF-16 codec's "does not start with BOM"
         raise _not_utf8(path, encoding=encoding) from None
     except file_formats.DAMAGED as error:
@@ -471,7 +556,7 @@ def _csv(path: Path, on_invalid_text: str = "stop", encoding: str | None = None,
     separator = "a tab" if fmt == "tsv" else "a comma"
     try:
         with file_formats.open_text(path, encoding, errors="surrogateescape", newline="") as handle:
-            reader = _delimited_reader(handle, fmt, strict=True)
+            reader, lines = _delimited_reader(handle, fmt, strict=True)
             header, header_line = None, 0
             index = 0
             while True:
@@ -486,7 +571,7 @@ def _csv(path: Path, on_invalid_text: str = "stop", encoding: str | None = None,
                     yield Place(index, line), Unparseable(f"not valid {name}: line {line}: {error}")
                     index += 1
                     continue
-                if not fields:  # a blank line holds no record
+                if _blank(fields, lines, line, reader, fmt):  # a blank line holds no record
                     continue
                 if any(_UNDECODED.search(value) or "\x00" in value for value in fields):
                     if header is None:

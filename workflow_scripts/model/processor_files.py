@@ -92,7 +92,40 @@ def read(directory: Path | str) -> ProcessorSettings | None:
     image_processor.pop("processor_class", None)
     own = {key: value for key, value in nested.items() if key not in ("image_processor", "processor_class")}
     files = tuple(str(path) for path, value in ((flat_path, flat), (nested_path, nested or None)) if value is not None)
-    return ProcessorSettings(processor_class, image_processor, own, files)
+    settings = ProcessorSettings(processor_class, image_processor, own, files)
+    if settings.dynamic_resolution:
+        where = (nested_path, "image_processor.size") if isinstance(inner, dict) else (flat_path, "size")
+        _check_pixel_size(image_processor, *where)
+    return settings
+
+
+# transformers' default smallest image for Qwen2VLImageProcessor (size.shortest_edge: 56 * 56 pixels)
+DEFAULT_MIN_PIXELS = 56 * 56
+
+
+def _check_pixel_size(image_processor: Mapping[str, Any], path: Path, key: str) -> None:
+    """Refuse a Qwen2-VL ``size`` that transformers cannot resize by. transformers 4.45-4.48 saved it as
+    ``{min_pixels, max_pixels}`` beside top-level ``min_pixels``/``max_pixels``; the installed Qwen2VLImageProcessor
+    moves those top-level keys into ``size.shortest_edge``/``longest_edge`` and drops size's own, so such a file
+    loads the same budget (read by :meth:`ProcessorSettings.max_pixels`). Where a size key is not replaced that way,
+    transformers keeps it and stops at the first image (``size`` must hold shortest_edge and longest_edge), and the
+    memory check found no budget to price: refused here, when the workflow is read, naming the file and key."""
+    size = image_processor.get("size")
+    if not isinstance(size, Mapping):
+        return
+    # transformers replaces size's min_pixels / max_pixels only where the same key is set at the top level
+    if not any(name in size and image_processor.get(name) is None for name in ("min_pixels", "max_pixels")):
+        return
+    # the budget transformers' own top-level keys would give, else size's
+    low = image_processor.get("min_pixels") or size.get("min_pixels", size.get("shortest_edge", DEFAULT_MIN_PIXELS))
+    high = image_processor.get("max_pixels") or size.get("max_pixels", size.get("longest_edge"))
+    write = (f'write "size": {{"shortest_edge": {low}, "longest_edge": {high}}} there (the same budget)'
+             if high is not None else 'write "size": {"shortest_edge": ..., "longest_edge": <the pixel budget>} there')
+    raise WorkflowError(
+        f"{path}: key '{key}' holds {dict(size)}, the layout transformers 4.45-4.48 saved, which the installed "
+        "transformers does not read as the pixel budget (its Qwen2-VL image processor resizes by size.shortest_edge "
+        f"and size.longest_edge, and stops at the first image without them); {write}, or save the processor again "
+        "with the installed transformers")
 
 
 def missing_processor_problem(directory: Path | str, model_type: str | None) -> str | None:

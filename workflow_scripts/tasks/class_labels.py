@@ -24,6 +24,31 @@ from workflow_scripts.data.rows import Rejected
 INTEGER = re.compile(r"^[+-]?\d+$")
 
 
+def class_id(label: str) -> int | None:
+    """The class id a label string is, or None: only the canonical decimal form of an integer (``"1"``, ``"-1"``)
+    is an id. ``datasets``' ``ClassLabel.str2int`` falls back to ``int(value)``, so ``"01"``, ``"+1"`` and ``"007"``
+    become ids 1, 1 and 7; a column of zero-padded numbers (``"01"``, ``"02"``...) is nearly always a numbering from
+    01, read that way one class off, and nothing would say so. A user who writes ``"01"`` means the text ``01`` (a
+    name, matched as written when declared), so it is never read as an index here (:func:`padded_number_problem`)."""
+    if not INTEGER.match(label) or str(int(label)) != label:
+        return None
+    return int(label)
+
+
+def padded_number_problem(label: str, names: Sequence[str]) -> str | None:
+    """Why ``label``, a number not in its canonical form (``"01"``, ``"+2"``) and not one of ``names``, is read
+    neither as a name nor as an id (:func:`class_id`), with what to write in ``labels:``; None for any other label."""
+    if not INTEGER.match(label) or class_id(label) is not None or label in names:
+        return None
+    index = int(label)
+    datasets_reading = (f"id {index}, {names[index]!r}" if 0 <= index < len(names) else f"id {index}, outside "
+                        f"0..{len(names) - 1}")
+    return (f"label {label!r} is not a declared name, and a number written with a leading zero or a sign is not read "
+            f"as a class id (datasets' ClassLabel would read it as {datasets_reading}: a numbering from 01 read one "
+            f"class off); to read the values by name declare them as the rows write them (labels: [{label!r}, ...]), "
+            f"or write the class ids 0..{len(names) - 1} without leading zeros")
+
+
 @dataclass(frozen=True)
 class LabelReading:
     """One split's reading of its label column: ``class_names``, the source's ClassLabel names that its integer ids
@@ -36,8 +61,8 @@ class LabelReading:
 
 def source_class_name(label: str, names: Sequence[str], source: str) -> str:
     """The ClassLabel name of an id (``datasets``' ``int2str``); an id outside the names is ``Rejected``."""
-    if INTEGER.match(label):
-        index = int(label)
+    index = class_id(label)
+    if index is not None:
         if 0 <= index < len(names):
             return names[index]
         if index == -1:  # ClassLabel's "no label" (datasets encodes a missing label as -1)
@@ -68,7 +93,7 @@ def column_reading(values: Iterable[str], declared: Sequence[str], key: str, sou
     rows (rejected there, ``unknown_label``). Raises WorkflowError where the column does not decide."""
     names, count = list(declared), len(declared)
     as_name = {value for value in values if value in names}
-    as_index = {value for value in values if INTEGER.match(value) and 0 <= int(value) < count}
+    as_index = {value for value in values if class_id(value) is not None and 0 <= int(value) < count}
     both, name_only, index_only = as_name & as_index, as_name - as_index, as_index - as_name
     if not (name_only and index_only) and all(names[int(value)] == value for value in both):
         return None  # no value reads two ways (["0", "1"] read by name or by index alike)

@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.data.rows import FieldsMapper, Rejected, present as _present, text as _text
 from workflow_scripts.tasks import metrics, templates
-from workflow_scripts.tasks.class_labels import LabelReading, column_reading, numbers_among, source_class_name
+from workflow_scripts.tasks.class_labels import (LabelReading, class_id, column_reading, numbers_among, padded_number_problem,
+                                                source_class_name)
 from workflow_scripts.tasks.base import EvaluationResult, Predictions
 
 if TYPE_CHECKING:
@@ -87,11 +88,13 @@ def declared_label(label: str, labels: Sequence[str], source: str = "label", by:
     ``class_labels.column_reading``), so no row is read one way and the next the other."""
     if label in labels and by != "index":
         return label, False
+    if (padded := padded_number_problem(label, labels)) is not None:  # "01": neither a name nor an id (class_id)
+        raise Rejected("unknown_label", source, padded)
     if by == "name":
         raise Rejected("unknown_label", source, f"label {label!r} is not in the label set {list(labels)} (the column's "
                        "numbers are read as the declared names)")
-    if _INTEGER.match(label):
-        index = int(label)
+    index = class_id(label)
+    if index is not None:
         if 0 <= index < len(labels):
             return labels[index], True
         raise Rejected("unknown_label", source, f"label {label} is neither a declared name nor a class id 0..{len(labels) - 1} "

@@ -78,7 +78,7 @@ class ImageRecordMapper(RecordMapper):
         split_stats = self.stats.setdefault(split, images.ImageStats())
         for result in results:
             if isinstance(result, dict) and not isinstance(decoded, Rejected):
-                split_stats.merge(record_stats)  # each kept row stores its own copy of the images
+                split_stats.merge(record_stats, row=result["id"])  # each kept row stores its own copy of the images
                 yield {**result, "images": decoded}
             else:
                 yield decoded if isinstance(result, dict) else result
@@ -92,6 +92,11 @@ class ImageRecordMapper(RecordMapper):
 
     def report(self, splits) -> dict[str, Any]:
         return {**super().report(splits), "images": {split: stats.summary() for split, stats in self.stats.items()}}
+
+    def notes(self) -> list[str]:
+        """The log's lines on images read otherwise than datasets + transformers read them (16-bit grey)."""
+        return [*getattr(super(), "notes", lambda: [])(),
+                *(line for split, stats in self.stats.items() for line in stats.notes(split))]
 
 
 # --- pre-tokenising: the processor expands the image placeholder ---
