@@ -71,7 +71,12 @@ def receive(size):
             sys.exit(1)
         data += chunk
     return data
-pid = struct.unpack("!i", receive(4))[0]
+connection.settimeout(300)  # the zygote answers at once; past this it is stuck: fail loudly, never run twice
+try:
+    pid = struct.unpack("!i", receive(4))[0]
+except socket.timeout:
+    sys.exit("tests/job_zygote.py: the zygote did not answer in 300 s (LORA_WORKFLOW_FRESH_JOBS=1 avoids it)")
+connection.settimeout(None)
 if pid == 0:  # the zygote declined it (its environment differs): a fresh interpreter
     os.execv(REAL, [REAL, *argv])
 for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
@@ -190,11 +195,13 @@ def serve(path: str, parent: int) -> None:
         ready, _, _ = select.select([listener], [], [], 0.2)
         if ready:
             connection, _ = listener.accept()
+            connection.settimeout(10)  # a shim that dies mid-request must not stall every later job
             try:
                 request, fds = _receive_request(connection)
             except (OSError, ValueError, ConnectionError):
                 connection.close()
                 continue
+            connection.settimeout(None)
             if _relevant(request["env"]) != own:
                 connection.sendall(struct.pack("!i", 0))
                 connection.close()
@@ -209,7 +216,10 @@ def serve(path: str, parent: int) -> None:
                 _run_job(connection, request, fds, set_by_imports)
             for fd in fds:
                 os.close(fd)
-            connection.sendall(struct.pack("!i", pid))
+            try:
+                connection.sendall(struct.pack("!i", pid))
+            except OSError:  # the shim is gone: its job notices (die_with_the_shim) and ends
+                pass
             running[pid] = connection
         while running:
             try:
