@@ -203,7 +203,10 @@ def serve(path: str, parent: int) -> None:
                 continue
             connection.settimeout(None)
             if _relevant(request["env"]) != own:
-                connection.sendall(struct.pack("!i", 0))
+                try:
+                    connection.sendall(struct.pack("!i", 0))
+                except OSError:
+                    pass
                 connection.close()
                 for fd in fds:
                     os.close(fd)
