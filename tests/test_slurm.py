@@ -26,7 +26,8 @@ FAKE_GPUS = 4
 # No slurmdbd here: sacct cannot answer, so job states come from squeue (MinJobAge=600 in cluster.py).
 # Every test here needs the cluster (the profile checks that do not are in test_profiles.py):
 # `make test-fast` (-m "not slow and not slurm and not bench") leaves them out, `make test` and CI run them.
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1800)]
+# (pytest-timeout above each run's own timeout, which kills its Snakemake and names the queue's state.)
 
 SLURM_ARGS = ["--profile", "profiles/slurm", "--slurm-status-command", "squeue",
               "--slurm-init-seconds-before-status-checks", "1", "--slurm-keep-successful-logs", "--verbose"]

@@ -23,7 +23,8 @@ import cluster as slurm_cluster  # noqa: E402
 import namespaced  # noqa: E402
 from workspace import make_workspace, reduced_config, run_snakemake, train_reference  # noqa: E402
 
-pytestmark = pytest.mark.slurm  # a real two-node cluster: `make test-fast` leaves it out
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1800)]  # a real two-node cluster: `make test-fast` leaves it out
+# (pytest-timeout above each run's own timeout, which kills its Snakemake and names the queue's state.)
 
 SLURM_ARGS = ["--profile", "profiles/slurm", "--slurm-status-command", "squeue",
               "--slurm-init-seconds-before-status-checks", "1", "--slurm-keep-successful-logs", "--verbose"]

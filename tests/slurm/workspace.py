@@ -70,18 +70,43 @@ runpy.run_module("snakemake", run_name="__main__", alter_sys=True)
 """
 
 
+# A SLURM run that ran past its timeout, this session: the later SLURM runs fail at once, naming it, instead of
+# each waiting out its own timeout on a cluster that does not run jobs (the whole group would outlast CI's limit).
+_TIMED_OUT: list[str] = []
+
+
+def cluster_state(env: dict[str, str]) -> str:
+    """The queue with each job's state and reason, and the nodes' states: why jobs wait."""
+    parts = []
+    for command in (["squeue", "-h", "-o", "%i %j %T %r %M"], ["sinfo", "-N", "-h", "-o", "%N %T %E"]):
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=20)
+            parts.append(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}")
+        except (OSError, subprocess.TimeoutExpired) as error:
+            parts.append(f"$ {' '.join(command)}: {error}")
+    return "\n".join(parts)
+
+
 def run_snakemake(workdir: Path, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """Snakemake (polling SLURM every POLL_SECONDS) with a hard timeout: on expiry its whole process group is killed
-    and the test fails."""
+    and the test fails, with the queue's and the nodes' states."""
+    if _TIMED_OUT:
+        raise AssertionError(f"not run: an earlier SLURM run in this session ran past its timeout:\n{_TIMED_OUT[0]}")
     command = [sys.executable, "-c", SNAKEMAKE_POLLING_EVERY, *args]
     process = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        state = cluster_state(env)
         os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise AssertionError(f"snakemake {' '.join(args)} ran past {timeout} s and was killed:\n{output[-6000:]}")
+        try:
+            output, _ = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # a process it started in a session of its own still holds the pipe
+            output = "(no output: a process Snakemake started outlived it and holds its output pipe)"
+        _TIMED_OUT.append(f"snakemake {' '.join(args)} ran past {timeout} s in {workdir}\n{state}")
+        raise AssertionError(f"snakemake {' '.join(args)} ran past {timeout} s and was killed:\n{output[-6000:]}\n"
+                             f"{state}")
     return subprocess.CompletedProcess(command, process.returncode, output, "")
 
 
