@@ -305,3 +305,29 @@ def test_a_qwen_processor_saved_with_size_min_pixels_max_pixels_is_read_as_trans
     with pytest.raises(ConfigError) as caught:  # the memory check at snakemake -n, naming the model's key
         processor_max_pixels("qwen", spec, tmp_path, "models.qwen")
     assert expected in str(caught.value)
+
+
+def test_a_raw_carriage_return_inside_a_jsonl_string_is_one_bad_record_not_three_rows(tmp_path):
+    """A \\n-ended line whose string value holds raw (unescaped) carriage returns fails whole, as json and pyarrow's
+    reader refuse it ("Invalid encoding in string"). It was then cut at its \\r as old Mac line ends because one piece
+    ('42') parsed alone: one record became three rows, the bare number among them, each blamed on the file's line
+    ends. CR line ends are taken only where a piece is a JSON object, a record; otherwise the line's own error stands."""
+    import io
+
+    import pyarrow.json
+    import pytest
+
+    from workflow_scripts.data import raw_records
+
+    text = b'{"text": "Hello\r42\rworld", "label": "a"}\n{"text": "ok", "label": "b"}\n'
+    with pytest.raises(Exception, match="Invalid encoding in string"):  # the reference refuses the record
+        pyarrow.json.read_json(io.BytesIO(text))
+    path = tmp_path / "raw-cr.jsonl"
+    path.write_bytes(text)
+    placed = list(raw_records.read_placed(path, "jsonl"))
+    assert [place.line for place, _ in placed] == [1, 2]
+    assert isinstance(placed[0][1], raw_records.Unparseable)
+    assert placed[0][1].error == "not valid JSON: line 1 column 16: Invalid control character here"
+    assert placed[1][1] == {"text": "ok", "label": "b"}
+    assert raw_records.count_rows(path, "jsonl") == 2
+

@@ -329,8 +329,8 @@ CR_LINE_ENDS = ("the file ends its lines with a bare carriage return (\\r, old M
 def _cr_lines(body: str) -> list[tuple[int, Any]] | None:
     """A JSON line holding bare carriage returns that does not parse whole, read as lines ended by them (old Mac
     line ends, which datasets' json reader, pyarrow's, reads as line ends): (0-based line within, record or
-    Unparseable) for each non-blank one; None where none of them parses either (the \r were no line ends, so the
-    line's own failure stands)."""
+    Unparseable) for each non-blank one; None where none of them parses as a JSON object (the \r were no line ends,
+    so the line's own failure stands)."""
     read = []
     for offset, piece in enumerate(body.split("\r")):
         if piece.strip():
@@ -338,7 +338,9 @@ def _cr_lines(body: str) -> list[tuple[int, Any]] | None:
                 read.append((offset, json.loads(piece)))
             except json.JSONDecodeError as error:
                 read.append((offset, error))
-    if all(isinstance(record, json.JSONDecodeError) for _, record in read):
+    # A JSONL record is an object: a piece that parses only as a number or string ("42" between raw \r inside a
+    # string value, which json and pyarrow refuse whole) shows no CR line ends, and the line's own failure stands.
+    if not any(isinstance(record, dict) for _, record in read):
         return None
     return read
 
