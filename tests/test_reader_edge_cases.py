@@ -331,3 +331,21 @@ def test_a_raw_carriage_return_inside_a_jsonl_string_is_one_bad_record_not_three
     assert placed[1][1] == {"text": "ok", "label": "b"}
     assert raw_records.count_rows(path, "jsonl") == 2
 
+
+def test_a_label_in_non_ascii_digits_is_refused_as_such_not_as_zero_padded():
+    """'１' (full-width) and '٣' (Arabic-Indic) match \\d and int() reads them (datasets' str2int makes '１' id 1):
+    refused as no class id, as '01' is, but the message said 'written with a leading zero or a sign', which they are
+    not. It names the digits instead."""
+    import pytest
+    from datasets import ClassLabel
+
+    from workflow_scripts.data.rows import Rejected
+    from workflow_scripts.tasks.classification import declared_label
+
+    names = ["neg", "neu", "pos"]
+    assert ClassLabel(names=names).str2int("１") == 1
+    for label in ("１", "٣", "٠"):
+        with pytest.raises(Rejected) as caught:
+            declared_label(label, names)
+        assert caught.value.detail.startswith(f"label {label!r} is not a declared name, and a number written in "
+                                              "digits other than ASCII 0-9 is not read as a class id"), label

@@ -41,12 +41,14 @@ def padded_number_problem(label: str, names: Sequence[str]) -> str | None:
     if not INTEGER.match(label) or class_id(label) is not None or label in names:
         return None
     index = int(label)
+    # \d and int() take any Unicode decimal digit ('１', '٣'): name the digits, not a leading zero they lack
+    written = "with a leading zero or a sign" if label.isascii() else "in digits other than ASCII 0-9"
     datasets_reading = (f"id {index}, {names[index]!r}" if 0 <= index < len(names) else f"id {index}, outside "
                         f"0..{len(names) - 1}")
-    return (f"label {label!r} is not a declared name, and a number written with a leading zero or a sign is not read "
-            f"as a class id (datasets' ClassLabel would read it as {datasets_reading}: a numbering from 01 read one "
-            f"class off); to read the values by name declare them as the rows write them (labels: [{label!r}, ...]), "
-            f"or write the class ids 0..{len(names) - 1} without leading zeros")
+    return (f"label {label!r} is not a declared name, and a number written {written} is not read as a class id "
+            f"(datasets' ClassLabel would read it as {datasets_reading}: a numbering from 01 read one class off); to "
+            f"read the values by name declare them as the rows write them (labels: [{label!r}, ...]), or write the "
+            f"class ids 0..{len(names) - 1} without leading zeros")
 
 
 @dataclass(frozen=True)
