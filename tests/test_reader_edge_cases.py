@@ -349,3 +349,26 @@ def test_a_label_in_non_ascii_digits_is_refused_as_such_not_as_zero_padded():
             declared_label(label, names)
         assert caught.value.detail.startswith(f"label {label!r} is not a declared name, and a number written in "
                                               "digits other than ASCII 0-9 is not read as a class id"), label
+
+
+def test_declared_zero_padded_labels_beside_rows_of_plain_numbers_are_refused_not_read_one_class_off():
+    """The mirror of '01' rows against plain ids: labels: ['01', '02', '03'] declared, rows writing 1, 2, 3. Every
+    value is one of the declared names written without its zeros, and as a class id ('1' -> '02', datasets' str2int
+    alike) one class off, the top class's rows alone refused; with fewer classes in the rows nothing was refused.
+    The column reads two ways, so it is refused naming both readings; rows holding 0 are ids and stay so."""
+    import pytest
+
+    from workflow_scripts.core.errors import WorkflowError
+    from workflow_scripts.tasks.class_labels import column_reading
+    from workflow_scripts.tasks.classification import declared_label
+
+    declared = ["01", "02", "03"]
+    for values in ({"1", "2", "3"}, {"1", "2"}):
+        with pytest.raises(WorkflowError) as caught:
+            column_reading(values, declared, "datasets.d", "label")
+        assert str(caught.value).startswith("datasets.d.labels: the declared labels ['01', '02', '03'] are numbers "
+                                            "with leading zeros, and column 'label' holds ['1', '2"), values
+        assert "by index 1 -> 02, 2 -> 03" in str(caught.value)
+    assert column_reading({"0", "1", "2"}, declared, "datasets.d", "label") is None  # 0 names no class: ids only
+    assert declared_label("1", declared) == ("02", True)
+    assert column_reading({"01", "02", "03"}, declared, "datasets.d", "label") is None  # as declared
