@@ -372,3 +372,34 @@ def test_declared_zero_padded_labels_beside_rows_of_plain_numbers_are_refused_no
     assert column_reading({"0", "1", "2"}, declared, "datasets.d", "label") is None  # 0 names no class: ids only
     assert declared_label("1", declared) == ("02", True)
     assert column_reading({"01", "02", "03"}, declared, "datasets.d", "label") is None  # as declared
+
+
+def test_a_qwen_processor_file_without_image_processor_type_is_read_by_the_models_type_as_transformers_reads_it(tmp_path):
+    """A preprocessor_config.json naming no image_processor_type: transformers' AutoImageProcessor takes the class
+    config.json's model_type maps to (qwen2_vl: Qwen2VLImageProcessor), so its max_pixels is the budget and a size of
+    {min_pixels, max_pixels} stops at the first image. Both were read as a fixed-size processor: no budget priced,
+    the size not refused."""
+    import json
+
+    import pytest
+    from transformers import AutoImageProcessor
+
+    from workflow_scripts.core.errors import WorkflowError
+    from workflow_scripts.model import processor_files
+
+    common = {"processor_class": "Qwen2VLProcessor", "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+              "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+    for name, fields in (("top", {"min_pixels": 3136, "max_pixels": 50176}),
+                         ("size", {"size": {"min_pixels": 3136, "max_pixels": 1003520}})):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+        (folder / "preprocessor_config.json").write_text(json.dumps({**common, **fields}))
+        loaded = AutoImageProcessor.from_pretrained(str(folder))
+        assert type(loaded).__name__.startswith("Qwen2VLImageProcessor")
+        if name == "top":
+            assert loaded.size["longest_edge"] == 50176
+            assert processor_files.read(folder).max_pixels() == 50176
+        else:
+            with pytest.raises(WorkflowError, match="key 'size' holds"):
+                processor_files.read(folder)

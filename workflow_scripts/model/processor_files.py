@@ -39,10 +39,14 @@ class ProcessorSettings:
     image_processor: dict[str, Any]  # flat, as ``preprocessor_config.json`` holds it
     own: dict[str, Any] = field(default_factory=dict)  # processor_config.json's other keys (num_image_tokens...)
     files: tuple[str, ...] = ()  # the files read, for messages
+    model_type: str | None = None  # config.json's, read where the image processor names no image_processor_type
 
     @property
     def dynamic_resolution(self) -> bool:
-        return str(self.image_processor.get("image_processor_type", "")).startswith(DYNAMIC_RESOLUTION)
+        kind = self.image_processor.get("image_processor_type")
+        if kind is None:  # transformers' AutoImageProcessor then takes the class config.json's model_type maps to
+            return self.model_type in NEEDS_PROCESSOR  # (all three: Qwen2VLImageProcessor)
+        return str(kind).startswith(DYNAMIC_RESOLUTION)
 
     def max_pixels(self) -> int | None:
         """A dynamic-resolution processor's own pixel budget (``size.longest_edge``, or ``max_pixels`` as the Hub's
@@ -92,7 +96,11 @@ def read(directory: Path | str) -> ProcessorSettings | None:
     image_processor.pop("processor_class", None)
     own = {key: value for key, value in nested.items() if key not in ("image_processor", "processor_class")}
     files = tuple(str(path) for path, value in ((flat_path, flat), (nested_path, nested or None)) if value is not None)
-    settings = ProcessorSettings(processor_class, image_processor, own, files)
+    model_type = None
+    if "image_processor_type" not in image_processor and (directory / "config.json").is_file():
+        config = read_json(directory / "config.json", "a model config")
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+    settings = ProcessorSettings(processor_class, image_processor, own, files, model_type)
     if settings.dynamic_resolution:
         where = (nested_path, "image_processor.size") if isinstance(inner, dict) else (flat_path, "size")
         _check_pixel_size(image_processor, *where)
