@@ -367,7 +367,7 @@ def test_declared_zero_padded_labels_beside_rows_of_plain_numbers_are_refused_no
         with pytest.raises(WorkflowError) as caught:
             column_reading(values, declared, "datasets.d", "label")
         assert str(caught.value).startswith("datasets.d.labels: the declared labels ['01', '02', '03'] are numbers "
-                                            "with leading zeros, and column 'label' holds ['1', '2"), values
+                                            "written otherwise than column 'label' writes them (['1', '2"), values
         assert "by index 1 -> 02, 2 -> 03" in str(caught.value)
     assert column_reading({"0", "1", "2"}, declared, "datasets.d", "label") is None  # 0 names no class: ids only
     assert declared_label("1", declared) == ("02", True)

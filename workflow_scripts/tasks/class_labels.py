@@ -97,16 +97,16 @@ def column_reading(values: Iterable[str], declared: Sequence[str], key: str, sou
     as_name = {value for value in values if value in names}
     as_index = {value for value in values if class_id(value) is not None and 0 <= int(value) < count}
     both, name_only, index_only = as_name & as_index, as_name - as_index, as_index - as_name
-    # Declared names with leading zeros ('01', '02', '03') and rows writing the same numbers without them ('1', '2'):
-    # each row is a declared name by its number, and as a class id (datasets' str2int too) the next class, so a
-    # numbering from 01 would be read one class off. A column holding only such values reads two ways: refused.
+    # Declared names with leading zeros ('01', '02', '03'; or in other digits, '١') and rows writing the same numbers
+    # without them ('1', '2'): each row is a declared name by its number, and as a class id (datasets' str2int too)
+    # the next class, so a numbering from 01 would be read one class off. A column of only such values: refused.
     by_number = {value: name for value in index_only for name in names
                  if name != value and INTEGER.match(name) and int(name) == int(value)}
     if index_only and not name_only and set(by_number) == index_only:
         shown = _sorted(index_only)
         raise WorkflowError(
-            f"{key}.labels: the declared labels {names} are numbers with leading zeros, and column '{source}' holds "
-            f"{shown}, each a declared name written without its zeros and a class id 0..{count - 1}: by name "
+            f"{key}.labels: the declared labels {names} are numbers written otherwise than column '{source}' writes "
+            f"them ({shown}), each a declared name by its number and a class id 0..{count - 1}: by number "
             f"{_mapping((value, by_number[value]) for value in shown)}, or by index "
             f"{_mapping((value, names[int(value)]) for value in shown)}; write the rows' labels as declared, or give "
             f"the rows the ids 0..{count - 1} with 0 among them")
