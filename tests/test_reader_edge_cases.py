@@ -403,3 +403,26 @@ def test_a_qwen_processor_file_without_image_processor_type_is_read_by_the_model
         else:
             with pytest.raises(WorkflowError, match="key 'size' holds"):
                 processor_files.read(folder)
+
+
+def test_a_cr_ended_jsonl_record_with_a_cr_inside_it_as_json_whitespace_is_one_record_as_pyarrow_reads_it(tmp_path):
+    """Old Mac line ends, and a record broken over two lines at a \\r that is JSON whitespace there: pyarrow's json
+    reader (datasets') parses the stream of values and reads both records. Cutting at every \\r refused both halves
+    of the first as two bad rows. Two values on one line, or a bad record, still go to the per-line reading."""
+    import io
+
+    import pyarrow.json
+
+    from workflow_scripts.data import raw_records
+
+    text = b'{"q": "question 0?",\r "a": "0"}\r{"q": "question 1?", "a": "1"}\r'
+    path = tmp_path / "cr-record-over-two-lines.jsonl"
+    path.write_bytes(text)
+    reference = pyarrow.json.read_json(io.BytesIO(text)).to_pylist()
+    placed = list(raw_records.read_placed(path, "jsonl"))
+    assert [record for _, record in placed] == reference
+    assert [place.line for place, _ in placed] == [1, 3]  # each record at the line it starts on
+    assert raw_records.count_rows(path, "jsonl") == 2
+    (tmp_path / "two-on-a-line.jsonl").write_bytes(b'{"a": 1} {"a": 2}\r{"a": 3}\r')
+    placed = list(raw_records.read_placed(tmp_path / "two-on-a-line.jsonl", "jsonl"))
+    assert isinstance(placed[0][1], raw_records.Unparseable) and placed[1][1] == {"a": 3}

@@ -331,6 +331,9 @@ def _cr_lines(body: str) -> list[tuple[int, Any]] | None:
     line ends, which datasets' json reader, pyarrow's, reads as line ends): (0-based line within, record or
     Unparseable) for each non-blank one; None where none of them parses as a JSON object (the \r were no line ends,
     so the line's own failure stands)."""
+    streamed = _cr_separated_objects(body)
+    if streamed is not None:
+        return streamed
     read = []
     for offset, piece in enumerate(body.split("\r")):
         if piece.strip():
@@ -343,6 +346,32 @@ def _cr_lines(body: str) -> list[tuple[int, Any]] | None:
     if not any(isinstance(record, dict) for _, record in read):
         return None
     return read
+
+
+_DECODER = json.JSONDecoder()
+_JSON_SPACE = re.compile(r"[ \t\r]*")  # JSON whitespace but \n, which ends the line read
+
+
+def _cr_separated_objects(body: str) -> list[tuple[int, Any]] | None:
+    """``body`` as JSON objects one after another, a bare \r between each two, where it reads so whole (else None):
+    pyarrow's json reader parses a block as a stream of values, so a record whose \r inside is JSON whitespace
+    (``{"a":\r1}\r{"a":2}``) stays one record there, where cutting at every \r would refuse both halves."""
+    read, position, previous_end, line, counted = [], 0, None, 0, 0
+    while True:
+        start = _JSON_SPACE.match(body, position).end()  # no slicing: a CR-ended file is one such line, read once
+        if start == len(body):
+            return read
+        if previous_end is not None and "\r" not in body[previous_end:start]:
+            return None  # two values on one line: not line ends
+        try:
+            record, position = _DECODER.raw_decode(body, start)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(record, dict):
+            return None
+        line, counted = line + body.count("\r", counted, start), start
+        read.append((line, record))
+        previous_end = position
 
 
 def _jsonl(path: Path, on_invalid_text: str = "stop", encoding: str | None = None) -> Iterator[tuple[Place, Any]]:
