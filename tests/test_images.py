@@ -514,3 +514,18 @@ def test_a_12_bit_png_without_its_significant_bits_is_named_in_the_report_by_row
     assert {kind: (entry["count"], entry["rows"]) for kind, entry in sixteen.items()} == {
         "dark_without_significant_bits": (2, ["r1", "r4"]), "significant_bits": (1, ["r3"])}
     assert "convert_to_rgb would clip" in sixteen["dark_without_significant_bits"]["note"]
+
+
+def test_a_16_bit_png_whose_sbit_chunk_follows_its_image_data_is_read_as_libpng_reads_it_and_the_note_says_why():
+    """The specification puts sBIT before IDAT, and libpng ignores one after it ("out of place"): so does the reader
+    here, and the 12-bit image stays dark, named in the report. Its note said 'no PNG sBIT chunk', which a user
+    looking at the file finds false; it names the chunk's place and what to move."""
+    from workflow_scripts.data.images import SIXTEEN_BIT_NOTES
+
+    plain = sixteen_bit_png(TWELVE_BIT)
+    end = plain.rindex(b"IEND") - 4  # the IEND chunk's length field; an sBIT chunk (length, type, data, CRC) before it
+    data = plain[:end] + struct.pack(">I", 1) + b"sBIT\x0c" + struct.pack(">I", zlib.crc32(b"sBIT\x0c")) + plain[end:]
+    assert data.index(b"sBIT") > data.index(b"IDAT")
+    assert check_image(data).scaling == "dark_without_significant_bits"
+    note = SIXTEEN_BIT_NOTES["dark_without_significant_bits"]
+    assert "no PNG sBIT chunk before its image data (IDAT)" in note and "one after it" in note
