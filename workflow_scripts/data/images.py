@@ -61,11 +61,11 @@ SIXTEEN_BIT_NOTES = {
                         "would clip it at 255 instead",
     # libpng ignores an sBIT after IDAT, or one whose value is not 1..16 in one byte, as png_significant_bits does
     "dark_without_significant_bits": "16-bit greyscale whose values all lie within 0..4095 and which declares no "
-                                     "significant bits (no PNG sBIT chunk before its image data (IDAT), one after it "
-                                     "or not one byte of 1..16 being ignored, as libpng ignores it; a 12-bit camera's?): "
-                                     "scaled by the 16-bit range, it is dark (at most 16 of 255), and datasets + "
-                                     "transformers' convert_to_rgb would clip it at 255 instead; add an sBIT chunk of "
-                                     "its bit depth before IDAT, or rescale it to 0..65535",
+                                     "significant bits (no PNG sBIT chunk before its image data (IDAT), one after "
+                                     "it or not one byte of 1..16 being ignored, as libpng ignores it; a 12-bit "
+                                     "camera's?): scaled by the 16-bit range, it is dark (at most 16 of 255), and "
+                                     "datasets + transformers' convert_to_rgb would clip it at 255 instead; add an "
+                                     "sBIT chunk of its bit depth before IDAT, or rescale it to 0..65535",
 }
 NAMED_ROWS = 20  # rows named per note in the report (the count is of all)
 # Modes whose range the mode does not say (a 32-bit integer or float plane): converted as Pillow converts them
