@@ -50,6 +50,11 @@ rule all:
         submission_outputs(),
 
 
+# Before the first job: what the executor makes impossible (a multi-node experiment run here, outside SLURM).
+onstart:
+    check_launch_environment()
+
+
 # After a successful run: nothing planned is left out of date (exit non-zero naming it otherwise; core/final_check.py).
 onsuccess:
     final_check.check_up_to_date(workflow)

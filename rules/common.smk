@@ -347,6 +347,19 @@ def check_gpu_requests():
 check_gpu_requests()
 
 
+def check_launch_environment():
+    """At the start of a real run (the Snakefile's onstart; the executor is known only then): a multi-node
+    experiment run by the local executor outside a SLURM allocation, refused before its first job."""
+    plugin = workflow.executor_plugin
+    common = plugin.common_settings if plugin is not None else None
+    local_run = bool(common and common.local_exec and not common.dryrun_exec and not common.touch_exec)
+    try:
+        scheduler.check_multi_node_allocation(config, local_run, os.environ, "config")
+    except ConfigError as error:
+        named = config_files.in_user_file(error, workflow.configfiles, workflow.config_settings.config)
+        raise WorkflowError(str(named)) from None
+
+
 def training_nodes(wildcards):
     return training_settings(wildcards).nodes
 

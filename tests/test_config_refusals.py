@@ -158,3 +158,35 @@ def test_a_written_qlora_base_without_qlora_is_refused_where_snakemake_reads_the
     del config["evaluation"]["qlora_base"]  # left out: the default, nothing to refuse
     path = write(tmp_path / "experiment.yaml", config)
     check_workflow_config([str(path)], yaml.safe_load(path.read_text()))
+
+
+NODES = ("is 2, but this run executes its jobs here, outside a SLURM allocation (no SLURM_JOB_ID): one torchrun per "
+         "node needs SLURM's srun; run with --profile profiles/slurm, inside an allocation (salloc), or set "
+         "training.nodes: 1")
+
+
+def multi_node_config(tmp_path: Path) -> Path:
+    config = absolute_demo_config(["amr_demo"])
+    config["training"].update(nodes=2, gpus=0, cpu_processes=1, effective_batch=16, micro_batch=8)
+    return write(tmp_path / "config.yaml", config)
+
+
+def test_a_multi_node_experiment_run_here_outside_slurm_stops_before_its_first_job(tmp_path):
+    """Train would refuse it only after the data stages and the gate; the executor is known when the run starts."""
+    path = multi_node_config(tmp_path)
+    code, output = snakemake_fork.run(["-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "--cores", "1",
+                                       "--configfile", str(path)], timeout=300)
+    assert code != 0 and f"{path}: config key 'training.nodes': {NODES}" in output, output[-3000:]
+    assert not (tmp_path / "results").exists() and not (tmp_path / "logs").exists()  # no job ran
+
+
+def test_a_multi_node_experiment_is_planned_by_a_dry_run_and_allowed_inside_an_allocation(tmp_path):
+    path = multi_node_config(tmp_path)
+    code, output = snakemake_fork.run(["-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "-n",
+                                       "--configfile", str(path)])
+    assert code == 0, output[-3000:]
+    config = load_config(path)
+    scheduler.check_multi_node_allocation(config, True, {"SLURM_JOB_ID": "42"})  # salloc -N 2, then snakemake
+    scheduler.check_multi_node_allocation(config, False, {})  # the SLURM executor submits each job
+    with pytest.raises(ConfigError, match="outside a SLURM allocation"):
+        scheduler.check_multi_node_allocation(config, True, {})

@@ -55,3 +55,23 @@ def check_signal_timing(config: Mapping[str, Any], overwrite_resources: Mapping[
                               f"is {training.runtime_minutes} min, no longer than {figure}: the warning would come "
                               f"before training starts, so no checkpoint is ever kept; set runtime_minutes above "
                               f"{-(-seconds // 60)} (the time a run needs, plus the warning)", source)
+
+
+def check_multi_node_allocation(config: Mapping[str, Any], local_run: bool, environ: Mapping[str, str],
+                                source: str | None = None) -> None:
+    """Refuse, before the first job, a multi-node experiment that a local run outside SLURM starts.
+
+    ``training.nodes > 1`` starts one torchrun per node through ``srun`` inside a SLURM allocation
+    (launch/launcher.py); started by Snakemake's local executor outside one (no ``SLURM_JOB_ID``), train would
+    refuse it only after the data stages and the gate had run. Called when a real run starts (Snakefile's
+    ``onstart``): Snakemake names its executor only then, and a dry run's is ``dryrun`` whatever the profile.
+    Inside an allocation (``salloc -N 2`` then ``snakemake --cores all``) the local executor is right."""
+    if not local_run or environ.get("SLURM_JOB_ID"):
+        return
+    for model, _, variant in model_entry_variants(config):
+        training = training_settings(config, variant, model, source)
+        if training.nodes > 1:
+            raise ConfigError(where_set(config, model, variant, "nodes"),
+                              f"is {training.nodes}, but this run executes its jobs here, outside a SLURM allocation "
+                              "(no SLURM_JOB_ID): one torchrun per node needs SLURM's srun; run with --profile "
+                              "profiles/slurm, inside an allocation (salloc), or set training.nodes: 1", source)
