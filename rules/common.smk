@@ -29,6 +29,14 @@ from workflow_scripts.core.section_settings import ComparisonSettings, Evaluatio
 from workflow_scripts.model import task_fit
 from workflow_scripts.training import trackers
 
+
+def in_user_file(error):
+    """A config fault as the one-line error Snakemake prints, named by the user's config file (or --config)
+    that holds the key."""
+    named = config_files.in_user_file(error, workflow.configfiles, workflow.config_settings.config)
+    return WorkflowError(str(named))
+
+
 try:
     check_config(config, "config")
     # The typed sections, read once; the rules hand each stage its part as JSON and the stage types it again.
@@ -53,9 +61,8 @@ try:
         # names), before the estimate counts the adapters on those names.
         check_lora_targets(config, "config")
         check_declared_memory(config)
-except ConfigError as error:  # named by the user's config file (or --config) that holds the key
-    named = config_files.in_user_file(error, workflow.configfiles, workflow.config_settings.config)
-    raise WorkflowError(str(named)) from None
+except ConfigError as error:
+    raise in_user_file(error) from None
 
 
 MODELS = xc.model_entries(config)
@@ -356,8 +363,7 @@ def check_launch_environment():
     try:
         scheduler.check_multi_node_allocation(config, local_run, os.environ, "config")
     except ConfigError as error:
-        named = config_files.in_user_file(error, workflow.configfiles, workflow.config_settings.config)
-        raise WorkflowError(str(named)) from None
+        raise in_user_file(error) from None
 
 
 def training_nodes(wildcards):
