@@ -111,7 +111,7 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("config", "yaml-tab-indentation", cfg_text("model:\n\tname: x\n"), "config", rx(r"\{config\}: config key '<file>': not valid YAML at line 2, column 1: found character '\\t' that cannot start any token.*")),
         case("config", "yaml-top-level-list", cfg_text("- a\n- b\n"), "config", "{config}: config key '<top level>': the config must be a mapping"),
         case("config", "yaml-empty-file", cfg_text(""), "config", "{config}: config key '<top level>': the config must be a mapping"),
-        case("config", "config-file-missing", lambda w: [str(w.config)], "config", "{config}: config key '<file>': config file not found"),
+        case("config", "config-file-missing", lambda w: [str(w.config)], "config", "{config}: config key '<file>': config file not found (a relative path is read from the directory you run in)"),
         case("config", "config-not-utf8", cfg_bytes(b"model:\n  name: caf\xe9\n"), "config", "{config}: config key '<file>': not UTF-8 text (byte 19)"),
         # --- config: a variant's training overrides must keep the comparison fair ---
         case("config", "variant-overrides-max-length", cfg("variants.mtup.training", {"max_length": 256}), "config", "{config}: config key 'variants.mtup.training.max_length': " + UNFAIR.format(key="training.max_length", new=256, old=128)),

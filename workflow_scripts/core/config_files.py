@@ -121,7 +121,12 @@ def read_config_file(path: str | Path) -> dict:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError("<file>", "config file not found", str(path)) from None
+        raise ConfigError("<file>", "config file not found (a relative path is read from the directory you run "
+                          "in)", str(path)) from None
+    except IsADirectoryError:
+        raise ConfigError("<file>", "is a folder, not a config file", str(path)) from None
+    except PermissionError:
+        raise ConfigError("<file>", "not readable (permission denied)", str(path)) from None
     except UnicodeDecodeError as error:
         raise ConfigError("<file>", f"not UTF-8 text (byte {error.start + 1})", str(path)) from None
     try:
@@ -147,7 +152,7 @@ def check_workflow_config(configfiles: Iterable[str | Path], config: dict) -> No
     fault as a multi-line dump of the whole config; this re-reads each file strictly and validates
     ``config`` with one-line messages that never echo a secret (defaults filled the same way).
     """
-    files, from_files = _read_files(configfiles)
+    files, from_files = read_files(configfiles)
     retype_command_line_values(config, from_files)
     _refuse_misplaced_command_line_keys(config, from_files)
     given = copy.deepcopy(config)  # as written: validation fills the schema's defaults in place
@@ -180,12 +185,12 @@ def in_user_file(error: ConfigError, configfiles: Iterable[str | Path],
                  command_line: Mapping[str, Any] | None = None) -> ConfigError:
     """``error`` of a check after validation (its config has the schema's defaults) named by the user's file
     that holds its key, or ``--config`` (``command_line``: Snakemake's ``--config`` values)."""
-    files, from_files = _read_files(configfiles)
+    files, from_files = read_files(configfiles)
     given = deep_merge(from_files, dict(command_line or {}))
     return ConfigError(error.key, error.problem, origin(error.key, files, given, from_files))
 
 
-def _read_files(configfiles: Iterable[str | Path]) -> tuple[list[tuple[str, dict]], dict]:
+def read_files(configfiles: Iterable[str | Path]) -> tuple[list[tuple[str, dict]], dict]:
     """Each config file read strictly, (path, content), and all of them merged in order, as Snakemake merges them."""
     files = [(str(path), read_config_file(path)) for path in configfiles]
     merged: dict = {}
