@@ -15,9 +15,10 @@ differs from the zygote's in a variable that libraries read when imported (:data
 The shim forwards signals to the job and exits as it did (its code, or the signal that ended it); a job whose
 shim is killed kills itself.
 
-What it does not give: a fresh hash seed per job (the children share the zygote's, as the forked Snakemake runs
-share the test process's; tests/test_hash_seed.py plans the demo under two seeds in fresh interpreters). The SLURM tests, the lint
-test and the demo start every job in a fresh interpreter; ``LORA_WORKFLOW_FRESH_JOBS=1`` does so here too.
+What it does not give: a fresh hash seed per job (the children share the zygote's, as the forked Snakemake
+runs share the test process's; tests/test_hash_seed.py plans the demo under two seeds in fresh interpreters).
+The SLURM tests, the lint test and the demo start every job in a fresh interpreter;
+``LORA_WORKFLOW_FRESH_JOBS=1`` does so here too.
 """
 from __future__ import annotations
 

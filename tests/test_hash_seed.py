@@ -19,7 +19,8 @@ def planned_commands(tmp_path, seed: int) -> list[str]:
     """The shell command of every job of the demo's plan, sorted (the order Snakemake lists jobs in may vary)."""
     env = {**os.environ, "PYTHONHASHSEED": str(seed)}
     done = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--printshellcmds", "--cores", "2",
-                           "--snakefile", str(ROOT / "Snakefile"), "--configfile", str(ROOT / "config" / "config.yaml")],
+                           "--snakefile", str(ROOT / "Snakefile"),
+                           "--configfile", str(ROOT / "config" / "config.yaml")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     commands = sorted(line for line in done.stdout.splitlines() if line.startswith("Shell command: "))
