@@ -15,6 +15,11 @@ import pytest
 # Rules run `python -m workflow_scripts...`: the Snakemake runs the tests start must find this
 # interpreter's environment first, whether or not the virtual environment is activated.
 os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+# No request from the tests to huggingface.co: the Hub client's telemetry and datasets' download counter (a HEAD
+# request per hub load_dataset, 3 s timeout) stay off. Set before anything imports them (they read these once),
+# so the jobs' pre-loaded interpreter (tests/job_zygote.py) and the jobs agree on them.
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("HF_UPDATE_DOWNLOAD_COUNTS", "0")
 
 TINY_VOCAB = 128
 TINY_PAD, TINY_EOS = 0, 2
