@@ -356,7 +356,8 @@ check_gpu_requests()
 
 def check_launch_environment():
     """At the start of a real run (the Snakefile's onstart; the executor is known only then): a multi-node
-    experiment run by the local executor outside a SLURM allocation, refused before its first job."""
+    experiment run by the local executor outside a SLURM allocation, and a SLURM run without the settings
+    training relies on (checks/scheduler.py), refused before the first job."""
     plugin = workflow.executor_plugin
     common = plugin.common_settings if plugin is not None else None
     local_run = bool(common and common.local_exec and not common.dryrun_exec and not common.touch_exec)
@@ -364,6 +365,13 @@ def check_launch_environment():
         scheduler.check_multi_node_allocation(config, local_run, os.environ, "config")
     except ConfigError as error:
         raise in_user_file(error) from None
+    scheduler.check_slurm_submission(
+        config,
+        plugin.cli_prefix if plugin is not None else None,
+        workflow.resource_settings.overwrite_resources,
+        workflow.remote_execution_settings.preemptible_rules.is_preemptible("train"),
+        "config",
+    )
 
 
 def training_nodes(wildcards):

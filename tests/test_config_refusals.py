@@ -17,7 +17,7 @@ from test_dag import absolute_demo_config
 from workflow_scripts.checks import scheduler
 from workflow_scripts.checks.config import load_config
 from workflow_scripts.core.config_files import check_workflow_config
-from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.core.errors import ConfigError, WorkflowError
 
 
 def write(path: Path, config: dict) -> Path:
@@ -190,3 +190,43 @@ def test_a_multi_node_experiment_is_planned_by_a_dry_run_and_allowed_inside_an_a
     scheduler.check_multi_node_allocation(config, False, {})  # the SLURM executor submits each job
     with pytest.raises(ConfigError, match="outside a SLURM allocation"):
         scheduler.check_multi_node_allocation(config, True, {})
+
+
+def slurm_profile() -> dict:
+    return yaml.safe_load((ROOT / "profiles" / "slurm" / "config.yaml").read_text())
+
+
+def test_a_slurm_run_without_the_profile_stops_before_its_first_job(tmp_path):
+    """``--executor slurm`` without ``--profile profiles/slurm``: no warning signal (a job at its time limit is
+    killed without a checkpoint) and no resubmission of a checkpointed train job; both named, before any job is
+    submitted (the check needs no SLURM daemon: it runs when the run starts)."""
+    path = write(tmp_path / "config.yaml", absolute_demo_config(["amr_demo"]))
+    code, output = snakemake_fork.run(["-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "--jobs", "1",
+                                       "--executor", "slurm", "--configfile", str(path)], timeout=300)
+    assert code != 0, output[-3000:]
+    assert ("this run submits its jobs to SLURM (--executor slurm) without settings of profiles/slurm that training "
+            "relies on: train gets no warning before its time limit") in output, output[-3000:]
+    assert "(preemptible-rules: [train], preemptible-retries: 3)" in output
+    assert not (tmp_path / "results").exists() and not (tmp_path / ".snakemake" / "slurm_logs").exists()
+
+
+def test_the_shipped_slurm_profile_has_what_a_slurm_run_needs_and_each_missing_setting_is_named(tmp_path):
+    profile = slurm_profile()
+    resources = profile["set-resources"]
+    assert "train" in profile["preemptible-rules"]
+    config = load_config(multi_node_config(tmp_path))
+    scheduler.check_slurm_submission(config, "slurm", resources, True)  # the profile's own settings pass
+    scheduler.check_slurm_submission(config, None, {}, False)  # the local executor: nothing to check here
+    scheduler.check_slurm_submission(config, "slurm-jobstep", {}, False)  # a job's own Snakemake inside SLURM
+    without_signal = {**resources, "train": {key: value for key, value in resources["train"].items()
+                                             if key != "slurm_extra"}}
+    with pytest.raises(WorkflowError, match="train gets no warning") as caught:
+        scheduler.check_slurm_submission(config, "slurm", without_signal, True)
+    assert "preemptible" not in str(caught.value) and "tasks_per_gpu" not in str(caught.value)
+    with pytest.raises(WorkflowError, match=r"not resubmitted to resume \(preemptible-rules: \[train\]"):
+        scheduler.check_slurm_submission(config, "slurm", resources, False)
+    without_tasks = {**resources, "train": {**resources["train"], "tasks_per_gpu": None}}
+    with pytest.raises(WorkflowError, match=r"tasks per GPU \(set-resources: train: tasks_per_gpu: 0\)"):
+        scheduler.check_slurm_submission(config, "slurm", without_tasks, True)
+    one_node = load_config(write(tmp_path / "one.yaml", absolute_demo_config(["amr_demo"])))
+    scheduler.check_slurm_submission(one_node, "slurm", without_tasks, True)  # one node: the plugin sets no tasks

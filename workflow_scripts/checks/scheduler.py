@@ -1,4 +1,5 @@
-"""Training's time settings against the scheduler's warning signal, when the workflow is read.
+"""Training's time settings against the scheduler's warning signal, when the workflow is read; and, when a run
+starts, what a SLURM run needs of its settings (:func:`check_slurm_submission`).
 
 Under the SLURM profile (profiles/slurm) the train rule's ``slurm_extra`` asks ``--signal=USR1@300``: SLURM
 signals the job 300 seconds before its time limit, and training checkpoints before it is killed. A
@@ -14,7 +15,7 @@ import re
 from typing import Any, Mapping
 
 from workflow_scripts.checks.config import where_set
-from workflow_scripts.core.errors import ConfigError
+from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.core.experiment_config import model_entry_variants, training_settings
 
 # sbatch's --signal=[{R|B}:]<sig_num>[@sig_time]; without @sig_time SLURM signals 60 seconds before the limit.
@@ -75,3 +76,41 @@ def check_multi_node_allocation(config: Mapping[str, Any], local_run: bool, envi
                               f"is {training.nodes}, but this run executes its jobs here, outside a SLURM allocation "
                               "(no SLURM_JOB_ID): one torchrun per node needs SLURM's srun; run with --profile "
                               "profiles/slurm, inside an allocation (salloc), or set training.nodes: 1", source)
+
+
+def _resource(overwrite_resources: Mapping[str, Mapping[str, Any]] | None, rule: str, name: str) -> Any:
+    value = ((overwrite_resources or {}).get(rule) or {}).get(name)
+    return getattr(value, "raw", value)  # Snakemake's Resource keeps the expression as given
+
+
+def check_slurm_submission(config: Mapping[str, Any], executor: str | None,
+                           overwrite_resources: Mapping[str, Mapping[str, Any]] | None, train_preemptible: bool,
+                           source: str | None = None) -> None:
+    """Refuse, when a run starts, a run that submits to SLURM without the settings training relies on.
+
+    ``snakemake --executor slurm`` without ``--profile profiles/slurm`` (or a profile of one's own that lacks
+    them) runs, but: train gets no warning signal before its time limit, so a job that reaches
+    ``training.runtime_minutes`` is killed without a checkpoint; a train job that does checkpoint (exit 75) is not
+    resubmitted unless train is a preemptible rule; and a multi-node job's ``tasks`` (one per node) would be read
+    by the plugin as tasks per GPU unless ``tasks_per_gpu: 0``. Each is silent until hours are lost, so all of
+    them are named at once, with the profile's line that sets each."""
+    if executor != "slurm":
+        return
+    missing = []
+    if signal_warning(overwrite_resources) is None:
+        missing.append(f"train gets no warning before its time limit, so a job that reaches training.runtime_minutes "
+                       f"is killed without a checkpoint (set-resources: {TRAIN_RULE}: slurm_extra: "
+                       "\"'--signal=USR1@300'\")")
+    if not train_preemptible:
+        missing.append("a train job that checkpoints at the warning exits 75 and is not resubmitted to resume "
+                       f"(preemptible-rules: [{TRAIN_RULE}], preemptible-retries: 3)")
+    multi_node = any(training_settings(config, variant, model, source).nodes > 1
+                     for model, _, variant in model_entry_variants(config))
+    if multi_node and _resource(overwrite_resources, TRAIN_RULE, "tasks_per_gpu") != 0:
+        missing.append("a multi-node train job's one task per node would be read as tasks per GPU "
+                       f"(set-resources: {TRAIN_RULE}: tasks_per_gpu: 0)")
+    if missing:
+        raise WorkflowError("this run submits its jobs to SLURM (--executor slurm) without settings of "
+                            "profiles/slurm that training relies on: " + "; ".join(missing)
+                            + ". Run with --profile profiles/slurm, or add these lines to your own profile "
+                            "(docs/cluster.md)")
