@@ -523,3 +523,11 @@ def test_a_classlabel_whose_names_write_the_declared_numbers_otherwise_is_refuse
               "(['01', '02', '03']), or drop labels: to use the ClassLabel's names")
     assert f"{raw}/train.parquet row index 0: {detail}" in str(caught.value)
     assert "str2int" not in str(caught.value) and "\n" not in str(caught.value)
+    from workflow_scripts.tasks.class_labels import class_names_mismatch
+
+    # A name the declared list lacks altogether, beside names it writes otherwise: the same mismatch named
+    assert class_names_mismatch("2", "03", ["01", "02", "03"], ["1", "2"]).startswith(
+        "label '03' (class id 2 of the source's ClassLabel names ['01', '02', '03']) is not a declared label: labels: "
+        "['1', '2'] writes the same numbers otherwise (01 -> 1, 02 -> 2)")
+    assert class_names_mismatch("1", "neu", ["neg", "neu", "pos"], ["neg", "pos"]) is None  # check_label's message
+    assert class_names_mismatch("0", "01", ["01", "02"], ["01", "02"]) is None  # declared as named

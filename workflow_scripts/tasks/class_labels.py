@@ -80,12 +80,12 @@ def class_names_mismatch(raw: str, name: str, names: Sequence[str], declared: Se
     """Why the ClassLabel name ``name`` (of id ``raw``) is not a declared label where the ClassLabel's names and
     ``labels:`` are the same numbers written otherwise (``['01', '02']`` against ``['1', '2']``): the names are
     matched as written, so every row of such a column is refused; the message names both lists and the fix. None
-    for any other name (a name not declared at all is ``check_label``'s to refuse)."""
-    if name in declared or not INTEGER.match(name):
+    for any other name (where no name is a declared number written otherwise, ``check_label`` refuses it)."""
+    if name in declared:
         return None
     by_number = {value: label for value in names if INTEGER.match(value)
                  for label in declared if INTEGER.match(label) and label != value and int(label) == int(value)}
-    if name not in by_number:
+    if not by_number:
         return None
     return (f"label {name!r} (class id {raw} of the source's ClassLabel names {list(names)}) is not a declared label: "
             f"labels: {list(declared)} writes the same numbers otherwise ({_mapping(by_number.items())}), and a "
