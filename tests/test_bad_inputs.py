@@ -374,6 +374,9 @@ def table() -> list:  # called at collection, after the helpers below are define
         # --- issue 44 follow-up: readers broken on purpose, round 2 (breaker2) ---
         case("data", "declared-zero-padded-labels-rows-without-zeros", labels_csv(["1", "2"] * 5, ["01", "02", "03"]), "normalise", "datasets.d.labels: the declared labels ['01', '02', '03'] are numbers written otherwise than column 'label' writes them (['1', '2']), each a declared name by its number and a class id 0..2: by number 1 -> 01, 2 -> 02, or by index 1 -> 02, 2 -> 03; write the rows' labels as declared, or give the rows the ids 0..2 with 0 among them"),
         case("data", "jsonl-raw-carriage-returns-inside-a-string", text_files({"train.jsonl": b"".join(b'{"q": "question %d?", "a": "%d"}\n' % (i, i) for i in range(9)) + b'{"q": "Hello\r42\rworld", "a": "9"}\n'}), "normalise", "{source}/train.jsonl: 1 of 10 rows of split 'train' rejected (10.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unparseable_record 1; for example {source}/train.jsonl line 10: not valid JSON: line 10 column 13: Invalid control character here; fix the rows or raise datasets.d.max_rejected_fraction"),
+        # --- issue 43 follow-up: readers, round 3 (readers3) ---
+        case("data", "tsv-header-line-blank", text_files({"train.tsv": b" \t \n" + b"".join(b"question %d?\t%d\n" % (i, i) for i in range(9))}, fmt="tsv"), "normalise", "{source}/train.tsv line 1: the header line is blank (spaces and tabs only), so the columns have no names; write the column names on line 1, separated by tabs (e.g. sentence<TAB>label), or remove the line if the next one is the header"),
+        case("data", "classlabel-names-padded-labels-plain", classlabel_parquet([0, 1, 2] * 4, names=("01", "02", "03"), declared=["1", "2", "3"]), "normalise", "2 problems, all listed in {out}/normalise_report.failed.json: (1) {source}/train.parquet: 12 of 12 rows of split 'train' rejected (100.0%), so no row is left; reasons: unknown_label 12; for example {source}/train.parquet row index 0: field 'label': " + CLASSLABEL_NAMES % ("'01'", 0) + "; fix the rows (or the field mapping, if every row fails alike) (2) {source}/test.parquet: 1 of 1 rows of split 'test' rejected (100.0%), so no row is left; reasons: unknown_label 1; for example {source}/test.parquet row index 0: field 'label': " + CLASSLABEL_NAMES % ("'02'", 1) + "; fix the rows (or the field mapping, if every row fails alike)"),
     ]
 
 
@@ -1140,22 +1143,24 @@ def float_labels():
                                     "metric": "accuracy"}, plant=plant)
 
 
-def classlabel_parquet(ids: list[int]):
-    """train.parquet as datasets exports a ClassLabel column (names neg, pos: the schema's ``huggingface``
-    metadata), holding ``ids`` (written with pyarrow: datasets itself refuses an id outside the names)."""
+def classlabel_parquet(ids: list[int], names: tuple[str, ...] = ("neg", "pos"), declared: list[str] | None = None):
+    """train.parquet as datasets exports a ClassLabel column (``names``, default neg, pos: the schema's
+    ``huggingface`` metadata), holding ``ids`` (written with pyarrow: datasets itself refuses an id outside the
+    names); ``labels:`` ``declared`` when given."""
     def plant(w: Workspace) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         w.raw.mkdir(parents=True, exist_ok=True)
-        features = {"text": {"dtype": "string", "_type": "Value"}, "label": {"names": ["neg", "pos"], "_type": "ClassLabel"}}
+        features = {"text": {"dtype": "string", "_type": "Value"}, "label": {"names": list(names), "_type": "ClassLabel"}}
         for split, values in (("train", ids), ("test", [1])):
             table = pa.table({"text": [f"{split} sentence {i}" for i in range(len(values))],
                               "label": pa.array(values, pa.int64())})
             pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})}),
                            w.raw / f"{split}.parquet")
     return normalise_args(fmt="parquet", settings={"task": "classification", "metric": "accuracy",
-                                                   "fields": {"text": "text", "label": "label"}}, plant=plant)
+                                                   "fields": {"text": "text", "label": "label"},
+                                                   **({"labels": declared} if declared else {})}, plant=plant)
 
 
 def tool_turn_conversation():
@@ -1260,6 +1265,13 @@ def cut_stream(kind: str) -> bytes:
 PADDED = ("label %s is not a declared name, and a number written with a leading zero or a sign is not read as a class id "
           "(datasets' ClassLabel would read it as %s: a numbering from 01 read one class off); to read the values by "
           "name declare them as the rows write them (labels: [%s, ...]), or write the class ids 0..%d without leading zeros")
+
+
+# --- issue 43 follow-up: readers, round 3 (readers3): setups ---
+CLASSLABEL_NAMES = ("label %s (class id %d of the source's ClassLabel names ['01', '02', '03']) is not a declared label: "
+                    "labels: ['1', '2', '3'] writes the same numbers otherwise (01 -> 1, 02 -> 2, 03 -> 3), and a "
+                    "ClassLabel's names are matched as written; declare labels: exactly as the ClassLabel names them "
+                    "(['01', '02', '03']), or drop labels: to use the ClassLabel's names")
 
 
 # --- issue 44: setups ---

@@ -111,6 +111,14 @@ def _sixteen_bit() -> bytes:
     return _save(Image.fromarray((np.arange(60, dtype=np.uint16).reshape(6, 10) * 1100)))  # 0..64900: I;16
 
 
+def _twelve_bit_rgb() -> bytes:
+    """A 16-bit RGB PNG of a 12-bit camera's values (0..4095) with sBIT 12: both readings keep the high byte (dark
+    alike); the normalise report names such an image by row (tests/test_images.py)."""
+    from test_images import TWELVE_BIT_RGB, sixteen_bit_colour_png
+
+    return sixteen_bit_colour_png(TWELVE_BIT_RGB, [12, 12, 12])
+
+
 def _wide(mode: str, values) -> Callable[[], bytes]:
     def make():
         from PIL import Image
@@ -149,6 +157,7 @@ CASES = [
     Case("CMYK (JPEG)", _cmyk("JPEG"), mode="CMYK"),
     Case("CMYK (TIFF)", _cmyk("TIFF"), mode="CMYK"),
     Case("I;16 (16-bit grayscale PNG)", _sixteen_bit, "scaled16", "I;16"),
+    Case("16-bit RGB PNG with sBIT 12 (dark alike)", _twelve_bit_rgb, mode="RGB"),
     Case("I within 0..255 (TIFF)", _wide("I", np.arange(20, dtype=np.int32) * 13), mode="I"),
     Case("F within 0..255 (TIFF)", _wide("F", np.arange(20, dtype=np.float32) * 12.5), mode="F"),
     Case("I above 255 (TIFF)", _wide("I", np.arange(20, dtype=np.int32) * 3000), "workflow_refuses", "I"),

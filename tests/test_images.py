@@ -529,3 +529,71 @@ def test_a_16_bit_png_whose_sbit_chunk_follows_its_image_data_is_read_as_libpng_
     assert check_image(data).scaling == "dark_without_significant_bits"
     note = SIXTEEN_BIT_NOTES["dark_without_significant_bits"]
     assert "no PNG sBIT chunk before its image data (IDAT)" in note and "one after it" in note
+
+
+# --- 12-bit images in 16-bit colour PNGs (readers, round 3) ---
+def sixteen_bit_colour_png(values, significant_bits: list[int] | None = None) -> bytes:
+    """A 16-bit colour PNG (RGB for 3 channels, RGBA for 4, grey + alpha for 2) of ``values`` (rows x columns x
+    channels), with an sBIT chunk of ``significant_bits`` (one per channel) when given. Written chunk by chunk: Pillow
+    has no 16-bit colour mode to save from (it reads such a file as 8-bit RGB/RGBA)."""
+    import numpy as np
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    samples = np.asarray(values, dtype=">u2")
+    height, width, channels = samples.shape
+    colour_type = {2: 4, 3: 2, 4: 6}[channels]
+    rows = b"".join(b"\x00" + samples[y].tobytes() for y in range(height))  # filter type 0 (none) on every row
+    head = chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 16, colour_type, 0, 0, 0))
+    sbit = chunk(b"sBIT", bytes(significant_bits)) if significant_bits else b""
+    return b"\x89PNG\r\n\x1a\n" + head + sbit + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+
+
+TWELVE_BIT_RGB = [[[0, 1, 200], [2048, 3000, 4095]], [[17, 1234, 4000], [255, 256, 3999]]]
+
+
+def test_a_12_bit_colour_png_is_read_as_pillow_reads_it_and_named_in_the_report_as_dark(tmp_path):
+    """A 16-bit RGB PNG of a 12-bit camera's values (0..4095) with sBIT 12: Pillow reads colour PNGs as 8-bit by
+    keeping the high byte of each sample, so datasets + transformers' convert_to_rgb give 0..15 of 255, and so does
+    the workflow (the pixels stay the reference's: neither Pillow nor libpng scales by sBIT). It came out dark
+    without a word, where a 16-bit grey image read otherwise is counted by row: now counted and named by row too."""
+    import numpy as np
+    from datasets import Image as ImageFeature
+    from transformers.image_transforms import convert_to_rgb
+
+    from data_helpers import run_normalise, write_jsonl
+    from workflow_scripts.data.images import SIXTEEN_BIT_NOTES, decode_rgb
+
+    declared = sixteen_bit_colour_png(TWELVE_BIT_RGB, [12, 12, 12])
+    reference = convert_to_rgb(ImageFeature().decode_example({"bytes": declared, "path": None}), return_numpy=True)
+    assert reference.tolist() == (np.array(TWELVE_BIT_RGB) >> 8).tolist()  # the high byte: at most 15, dark
+    assert np.asarray(decode_rgb(declared)).tolist() == reference.tolist()  # the model sees the reference's pixels
+    assert check_image(declared).scaling == "colour_significant_bits_dark"
+    bare = sixteen_bit_colour_png(TWELVE_BIT_RGB)
+    assert check_image(bare).scaling == "colour_dark_without_significant_bits"
+    alpha = [[pixel + [65535] for pixel in row] for row in TWELVE_BIT_RGB]  # an opaque alpha is no colour: still dark
+    assert check_image(sixteen_bit_colour_png(alpha, [12, 12, 12, 16])).scaling == "colour_significant_bits_dark"
+    grey_alpha = [[[pixel[0], 65535] for pixel in row] for row in TWELVE_BIT_RGB]
+    assert check_image(sixteen_bit_colour_png(grey_alpha, [12, 16])).scaling == "colour_significant_bits_dark"
+    bright = (np.array(TWELVE_BIT_RGB) << 4 | np.array(TWELVE_BIT_RGB) >> 8).tolist()  # shifted up, as the spec has it
+    assert check_image(sixteen_bit_colour_png(bright, [12, 12, 12])).scaling is None
+    assert check_image(encoded()).scaling is None
+    raw = tmp_path / "raw"
+    (raw / "images").mkdir(parents=True)
+    (raw / "images" / "declared.png").write_bytes(declared)
+    (raw / "images" / "bare.png").write_bytes(bare)
+    (raw / "images" / "plain.png").write_bytes(encoded())
+    images = ["plain.png", "declared.png", "plain.png", "bare.png", "declared.png"]
+    write_jsonl(raw / "train.jsonl", [{"id": f"r{k}", "q": f"what is {k}?", "a": str(k), "image": f"images/{name}"}
+                                      for k, name in enumerate(images)])
+    write_jsonl(raw / "test.jsonl", [{"id": "t0", "q": "what?", "a": "0", "image": "images/plain.png"}])
+    settings = {"task": "vision_language", "format": "jsonl", "source": {"type": "local", "path": str(raw)},
+                "splits": {"train": "train", "test": "test"}, "metric": "exact_match",
+                "fields": {"id": "id", "question": "q", "answers": "a", "image": "image"}}
+    _, report = run_normalise("d", settings, raw, tmp_path)
+    sixteen = json.loads(report.read_text())["images"]["train"]["sixteen_bit"]
+    assert {kind: (entry["count"], entry["rows"]) for kind, entry in sixteen.items()} == {
+        "colour_significant_bits_dark": (2, ["r1", "r4"]), "colour_dark_without_significant_bits": (1, ["r3"])}
+    assert sixteen["colour_significant_bits_dark"]["note"] == SIXTEEN_BIT_NOTES["colour_significant_bits_dark"]
+    assert "dark" in SIXTEEN_BIT_NOTES["colour_significant_bits_dark"]

@@ -423,6 +423,111 @@ def test_a_cr_ended_jsonl_record_with_a_cr_inside_it_as_json_whitespace_is_one_r
     assert [record for _, record in placed] == reference
     assert [place.line for place, _ in placed] == [1, 3]  # each record at the line it starts on
     assert raw_records.count_rows(path, "jsonl") == 2
-    (tmp_path / "two-on-a-line.jsonl").write_bytes(b'{"a": 1} {"a": 2}\r{"a": 3}\r')
-    placed = list(raw_records.read_placed(tmp_path / "two-on-a-line.jsonl", "jsonl"))
+    # Two values on one line of a \n-ended file are refused (JSON Lines, json.loads per line): that stays so
+    # where no \r separates values (the \r here is whitespace inside the first record).
+    (tmp_path / "two-on-a-lf-line.jsonl").write_bytes(b'{"a":\r1} {"a": 2}\n{"a": 3}\n')
+    placed = list(raw_records.read_placed(tmp_path / "two-on-a-lf-line.jsonl", "jsonl"))
     assert isinstance(placed[0][1], raw_records.Unparseable) and placed[1][1] == {"a": 3}
+
+
+# --- readers, round 3 (leftovers of the review) ---
+def test_a_tsv_or_csv_whose_header_line_is_blank_is_refused_naming_the_line_not_a_duplicated_column(tmp_path):
+    """A header line of tabs and spaces only (' \\t ', a spreadsheet's empty first row saved as TSV): it was refused
+    as 'the header names column [' '] more than once', which is not what is wrong. pandas.read_csv(sep='\\t',
+    quoting=QUOTE_NONE) reads it, inventing the names ('Unnamed: 0', ' .1'), so every field mapping misses: refused
+    here naming the file, the line and what to write there."""
+    import csv
+
+    import pandas as pd
+    import pytest
+
+    from workflow_scripts.core.errors import WorkflowError
+    from workflow_scripts.data import raw_records
+
+    for fmt, header, invented in (("tsv", " \t \n", [" ", " .1"]), ("tsv", "\t\n", ["Unnamed: 0", "Unnamed: 1"]),
+                                  ("csv", " , \n", [" ", " .1"])):
+        text = header + ("hello\t1\nbye\t0\n" if fmt == "tsv" else "hello,1\nbye,0\n")
+        options = {"sep": "\t", "quoting": csv.QUOTE_NONE} if fmt == "tsv" else {}
+        assert list(pd.read_csv(io.StringIO(text), dtype=str, **options).columns) == invented  # the reference reads it
+        path = tmp_path / f"blank-header.{fmt}"
+        path.write_text(text)
+        with pytest.raises(WorkflowError) as caught:
+            list(raw_records.read_placed(path, fmt))
+        separated = "tabs" if fmt == "tsv" else "commas"
+        assert str(caught.value) == (
+            f"{path} line 1: the header line is blank (spaces and {separated} only), so the columns have no names; "
+            f"write the column names on line 1, separated by {separated} "
+            f"(e.g. {'sentence<TAB>label' if fmt == 'tsv' else 'text,label'}), or remove the line if the next one is "
+            "the header"), fmt
+    path = tmp_path / "blank-then-header.tsv"  # a line of spaces alone is a blank line (pandas skips it alike)
+    path.write_text("   \nsentence\tlabel\nhello\t1\n")
+    assert [record for _, record in raw_records.read_placed(path, "tsv")] == [{"sentence": "hello", "label": "1"}]
+
+
+def test_two_json_records_on_one_cr_ended_line_are_read_as_pyarrow_reads_them(tmp_path):
+    """A file whose lines end in a bare \\r is no JSON Lines file; datasets' json reader (pyarrow's) reads it as a
+    stream of JSON values, so two records on one of its lines are two rows there. They were refused as 'Extra data'
+    (the line was cut at every \\r and each piece given to json.loads). Read as pyarrow reads them, each at the line
+    it is on; a bad record among them is still refused alone at its own line, the records beside it kept."""
+    import pyarrow.json
+
+    from workflow_scripts.data import raw_records
+
+    text = b'{"a": 1} {"a": 2}\r{"a": 3}\r{"a": 4}{"a": 5}\r'
+    path = tmp_path / "two-on-a-cr-line.jsonl"
+    path.write_bytes(text)
+    reference = pyarrow.json.read_json(io.BytesIO(text)).to_pylist()
+    assert reference == [{"a": k} for k in range(1, 6)]
+    placed = list(raw_records.read_placed(path, "jsonl"))
+    assert [record for _, record in placed] == reference
+    assert [place.line for place, _ in placed] == [1, 1, 2, 3, 3]
+    assert [place.index for place, _ in placed] == [0, 1, 2, 3, 4]  # row indices stay unique
+    assert raw_records.count_rows(path, "jsonl") == 5
+    path = tmp_path / "two-on-a-cr-line-then-a-bad-one.jsonl"
+    path.write_bytes(b'{"a": 1} {"a": 2}\r{"a": "cut\r{"a": 3}\r')
+    placed = list(raw_records.read_placed(path, "jsonl"))
+    assert [place.line for place, _ in placed] == [1, 1, 2, 3]
+    assert [record for _, record in placed][:2] == [{"a": 1}, {"a": 2}] and placed[3][1] == {"a": 3}
+    assert isinstance(placed[2][1], raw_records.Unparseable)
+    assert raw_records.count_rows(path, "jsonl") == 4
+
+
+def test_a_classlabel_whose_names_write_the_declared_numbers_otherwise_is_refused_naming_both(tmp_path):
+    """A ClassLabel column named ['01', '02', '03'] (a datasets export) and labels: ['1', '2', '3']: each row's class
+    is the ClassLabel's name, matched by name, so every row is refused (as datasets reads '01', it is not '1'). The
+    message said only that '01' is not in the label set; it names the ClassLabel's names against labels:, and the
+    fix."""
+    import json
+
+    import pytest
+    from datasets import ClassLabel, Dataset, Features, Value
+
+    from workflow_scripts import normalise
+    from workflow_scripts.core.errors import WorkflowError
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    features = Features({"text": Value("string"), "label": ClassLabel(names=["01", "02", "03"])})
+    for split in ("train", "test"):
+        Dataset.from_dict({"text": [f"{split} {i}" for i in range(6)], "label": [0, 1, 2] * 2},
+                          features=features).to_parquet(str(raw / f"{split}.parquet"))
+    settings = {"task": "classification", "format": "parquet", "source": {"type": "local", "path": str(raw)},
+                "splits": {"train": "train", "test": "test"}, "fields": {"text": "text", "label": "label"},
+                "metric": "accuracy", "labels": ["1", "2", "3"]}
+    with pytest.raises(WorkflowError) as caught:
+        normalise.main(["--name", "d", "--dataset", json.dumps(settings), "--raw", str(raw),
+                        "--out", str(tmp_path / "out"), "--report", str(tmp_path / "report.json")])
+    detail = ("field 'label': label '01' (class id 0 of the source's ClassLabel names ['01', '02', '03']) is not a "
+              "declared label: labels: ['1', '2', '3'] writes the same numbers otherwise (01 -> 1, 02 -> 2, 03 -> 3), "
+              "and a ClassLabel's names are matched as written; declare labels: exactly as the ClassLabel names them "
+              "(['01', '02', '03']), or drop labels: to use the ClassLabel's names")
+    assert f"{raw}/train.parquet row index 0: {detail}" in str(caught.value)
+    assert "str2int" not in str(caught.value) and "\n" not in str(caught.value)
+    from workflow_scripts.tasks.class_labels import class_names_mismatch
+
+    # A name the declared list lacks altogether, beside names it writes otherwise: the same mismatch named
+    assert class_names_mismatch("2", "03", ["01", "02", "03"], ["1", "2"]).startswith(
+        "label '03' (class id 2 of the source's ClassLabel names ['01', '02', '03']) is not a declared label: labels: "
+        "['1', '2'] writes the same numbers otherwise (01 -> 1, 02 -> 2)")
+    assert class_names_mismatch("1", "neu", ["neg", "neu", "pos"], ["neg", "pos"]) is None  # check_label's message
+    assert class_names_mismatch("0", "01", ["01", "02"], ["01", "02"]) is None  # declared as named

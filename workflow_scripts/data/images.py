@@ -66,7 +66,24 @@ SIXTEEN_BIT_NOTES = {
                                      "camera's?): scaled by the 16-bit range, it is dark (at most 16 of 255), and "
                                      "datasets + transformers' convert_to_rgb would clip it at 255 instead; add an "
                                      "sBIT chunk of its bit depth before IDAT, or rescale it to 0..65535",
+    # 16-bit colour PNGs (RGB, RGBA, grey + alpha) are read as the reference reads them, by Pillow keeping the high
+    # byte of each sample (libpng's png_set_strip_16 alike); these notes name the ones that come out dark by it.
+    "colour_significant_bits_dark": "16-bit colour PNG whose sBIT chunk declares fewer significant bits (a 12-bit "
+                                    "camera's?) and whose colour values all lie within 0..4095: read as Pillow reads "
+                                    "it (datasets + transformers' convert_to_rgb alike), by the high 8 of its 16 "
+                                    "bits, it is dark (at most 15 of 255), and the model sees it so; store the "
+                                    "samples shifted up to 16 bits (value << (16 - significant bits), as the PNG "
+                                    "specification has it), or save the image as 8-bit",
+    "colour_dark_without_significant_bits": "16-bit colour PNG whose colour values all lie within 0..4095 and which "
+                                            "declares no fewer significant bits (no sBIT chunk before its image data "
+                                            "saying so; a 12-bit camera's?): read as Pillow reads it (datasets + "
+                                            "transformers' convert_to_rgb alike), by the high 8 of its 16 bits, it is "
+                                            "dark (at most 15 of 255), and the model sees it so; rescale its samples "
+                                            "to 0..65535, or save the image as 8-bit",
 }
+# A 16-bit colour PNG is dark where the high byte Pillow keeps is at most this in every colour channel (samples
+# within 0..4095, the 12-bit bound the grey notes use).
+DARK_HIGH_BYTE = 4095 >> 8
 NAMED_ROWS = 20  # rows named per note in the report (the count is of all)
 # Modes whose range the mode does not say (a 32-bit integer or float plane): converted as Pillow converts them
 # when every value lies in 0..255 (then that conversion is exact), refused otherwise (it would clip).
@@ -83,25 +100,64 @@ class ImageFacts:
     format: str
     mode: str
     frames: int = 1  # an animated image's frame count: the first frame is the image, as PIL, datasets and transformers read it
-    scaling: str | None = None  # a 16-bit grey image's reading (a key of SIXTEEN_BIT_NOTES); None for other modes
+    scaling: str | None = None  # a 16-bit grey image's reading, or a dark 16-bit colour PNG's note (a key of
+    # SIXTEEN_BIT_NOTES); None for other images
 
 
-def png_significant_bits(data: bytes) -> int | None:
-    """The significant bits a greyscale PNG declares in its sBIT chunk (12 for a 12-bit camera's image), or None.
-    Read from the chunks here: Pillow's PNG reader skips sBIT (``Image.info`` has no such key), and the chunk
-    layout is the PNG specification's (length, type, data, CRC; sBIT before the first IDAT)."""
+def _png_sbit(data: bytes) -> bytes | None:
+    """The body of a PNG's sBIT chunk (one byte per channel), or None. Read from the chunks here: Pillow's PNG reader
+    skips sBIT (``Image.info`` has no such key), and the chunk layout is the PNG specification's (length, type,
+    data, CRC; sBIT before the first IDAT: libpng ignores one after it)."""
     if not data.startswith(b"\x89PNG\r\n\x1a\n"):
         return None
     position = 8
     while position + 8 <= len(data):
         length, kind = int.from_bytes(data[position:position + 4], "big"), data[position + 4:position + 8]
         if kind == b"sBIT":
-            body = data[position + 8:position + 8 + length]
-            return body[0] if len(body) == 1 and 0 < body[0] <= 16 else None  # greyscale: one byte
+            return data[position + 8:position + 8 + length]
         if kind in (b"IDAT", b"IEND"):
             return None
         position += 12 + length
     return None
+
+
+def png_significant_bits(data: bytes) -> int | None:
+    """The significant bits a greyscale PNG declares in its sBIT chunk (12 for a 12-bit camera's image), or None."""
+    body = _png_sbit(data)
+    return body[0] if body is not None and len(body) == 1 and 0 < body[0] <= 16 else None  # greyscale: one byte
+
+
+# PNG colour type -> (channels in its sBIT chunk, of which colour): RGB, grey + alpha, RGBA.
+_COLOUR_TYPES = {2: (3, 3), 4: (2, 1), 6: (4, 3)}
+
+
+def sixteen_bit_colour(data: bytes) -> tuple[int, int | None] | None:
+    """(colour channels, the most significant bits its sBIT declares for them or None) of a 16-bit colour PNG
+    (RGB, RGBA, grey + alpha: read by Pillow as 8-bit RGB/RGBA); None for any other file."""
+    if not data.startswith(b"\x89PNG\r\n\x1a\n") or data[12:16] != b"IHDR" or len(data) < 26 or data[24] != 16:
+        return None
+    layout = _COLOUR_TYPES.get(data[25])
+    if layout is None:
+        return None
+    channels, colour = layout
+    body = _png_sbit(data)
+    valid = body is not None and len(body) == channels and all(0 < bits <= 16 for bits in body)
+    return colour, (max(body[:colour]) if valid else None)
+
+
+def colour_note(image, data: bytes) -> str | None:
+    """The SIXTEEN_BIT_NOTES key of a 16-bit colour PNG that comes out dark as Pillow reads it (``image``, loaded),
+    or None. Its pixels are not changed: Pillow keeps each sample's high byte (the reference's reading), and neither
+    Pillow nor libpng scales a colour image by its sBIT (libpng's png_set_shift undoes the specification's shift of
+    b-bit samples up to 16 bits, which a 12-bit camera's raw 0..4095 never had), so the note is all there is."""
+    found = sixteen_bit_colour(data)
+    if found is None or image.mode not in ("RGB", "RGBA", "LA"):
+        return None
+    colour, bits = found
+    top = max(high for _, high in image.getextrema()[:3 if colour == 3 else 1])
+    if top > DARK_HIGH_BYTE:
+        return None
+    return "colour_significant_bits_dark" if bits is not None and bits < 16 else "colour_dark_without_significant_bits"
 
 
 def sixteen_bit_scaling(samples, significant_bits: int | None) -> tuple[str, int]:
@@ -213,7 +269,7 @@ def check_image(data: bytes, *, source: str = "the image") -> ImageFacts:
                 # The upright size, as decode_rgb turns the image by its EXIF orientation (5-8 swap the sides).
                 upright = image.getexif().get(0x0112) in (5, 6, 7, 8)
                 scaling = (sixteen_bit_scaling(_samples(image), png_significant_bits(data))[0]
-                           if image.mode in SIXTEEN_BIT_MODES else None)
+                           if image.mode in SIXTEEN_BIT_MODES else colour_note(image, data))
                 facts = ImageFacts(image.height if upright else image.width, image.width if upright else image.height,
                                    image.format or "unknown", image.mode, getattr(image, "n_frames", 1), scaling)
                 extrema = image.getextrema() if image.mode in UNSCALED_MODES else None
@@ -326,7 +382,7 @@ class ImageStats:
     heights: Counter = field(default_factory=Counter)
     formats: Counter = field(default_factory=Counter)
     modes: Counter = field(default_factory=Counter)
-    scalings: Counter = field(default_factory=Counter)  # 16-bit grey images by their reading (SIXTEEN_BIT_NOTES)
+    scalings: Counter = field(default_factory=Counter)  # 16-bit images by their note (SIXTEEN_BIT_NOTES)
     scaling_rows: dict = field(default_factory=dict)  # reading -> the first NAMED_ROWS rows holding such an image
 
     def add(self, facts: ImageFacts, size_bytes: int) -> None:

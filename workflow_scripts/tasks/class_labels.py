@@ -76,6 +76,23 @@ def source_class_name(label: str, names: Sequence[str], source: str) -> str:
     return label  # a name where the column holds names: matched against the label set later
 
 
+def class_names_mismatch(raw: str, name: str, names: Sequence[str], declared: Sequence[str]) -> str | None:
+    """Why the ClassLabel name ``name`` (of id ``raw``) is not a declared label where the ClassLabel's names and
+    ``labels:`` are the same numbers written otherwise (``['01', '02']`` against ``['1', '2']``): the names are
+    matched as written, so every row of such a column is refused; the message names both lists and the fix. None
+    for any other name (where no name is a declared number written otherwise, ``check_label`` refuses it)."""
+    if name in declared:
+        return None
+    by_number = {value: label for value in names if INTEGER.match(value)
+                 for label in declared if INTEGER.match(label) and label != value and int(label) == int(value)}
+    if not by_number:
+        return None
+    return (f"label {name!r} (class id {raw} of the source's ClassLabel names {list(names)}) is not a declared label: "
+            f"labels: {list(declared)} writes the same numbers otherwise ({_mapping(by_number.items())}), and a "
+            f"ClassLabel's names are matched as written; declare labels: exactly as the ClassLabel names them "
+            f"({list(names)}), or drop labels: to use the ClassLabel's names")
+
+
 def numbers_among(declared: Sequence[str] | None) -> bool:
     """Whether some declared label reads as an integer, so a raw integer could be a name or an id."""
     return bool(declared) and any(INTEGER.match(name) for name in declared)

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.data.rows import FieldsMapper, Rejected, present as _present, text as _text
 from workflow_scripts.tasks import metrics, templates
-from workflow_scripts.tasks.class_labels import (LabelReading, class_id, column_reading, numbers_among, padded_number_problem,
-                                                source_class_name)
+from workflow_scripts.tasks.class_labels import (LabelReading, class_id, class_names_mismatch, column_reading, numbers_among,
+                                                padded_number_problem, source_class_name)
 from workflow_scripts.tasks.base import EvaluationResult, Predictions
 
 if TYPE_CHECKING:
@@ -577,8 +577,11 @@ class ClassificationTask:
         row["label"] = _name(_present(record, fields["label"]), fields["label"])
         reading = reading or LabelReading()
         if reading.class_names is not None:  # the source's own names for its ids, as datasets decodes them
-            row["label"] = source_class_name(row["label"], reading.class_names, fields["label"])
+            raw, row["label"] = row["label"], source_class_name(row["label"], reading.class_names, fields["label"])
             if settings.labels is not None:  # then matched by name: a declared list in another order swaps nothing
+                mismatch = class_names_mismatch(raw, row["label"], reading.class_names, settings.labels)
+                if mismatch is not None:  # ['01', '02'] named, labels: ['1', '2'] declared: both lists and the fix
+                    raise Rejected("unknown_label", fields["label"], mismatch)
                 row["label"] = check_label(row["label"], settings.labels, fields["label"])
         elif settings.labels is not None:  # declared: every split, train included, must keep to it (ids mapped by index)
             row["label"], _ = declared_label(row["label"], settings.labels, fields["label"], reading.by)
