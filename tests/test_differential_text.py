@@ -54,8 +54,9 @@ class Case:
     fmt: str
     encoding: str | None = None
     expected: list | Refused = field(default_factory=list)  # the reference's reading, filled by reference()
-    # Where the reference alters the data silently (invents column names) and the workflow refuses it on purpose:
-    # the workflow's refusal, naming this line ("refused by the workflow alone").
+    # Where the reference alters the data silently (invents column names) or reads what breaks the format's rule (two
+    # JSON values on one line) and the workflow refuses it on purpose: the workflow's refusal, naming this line
+    # ("refused by the workflow alone").
     alone: Refused | None = None
     # A JSON Lines file whose lines end in a bare \r is no JSON Lines file: its reference is datasets' json reader,
     # pyarrow.json (a stream of JSON values), not json.loads per \n-separated line.
@@ -125,12 +126,14 @@ def jsonl_cases(rng: random.Random) -> list[Case]:
             text = text.replace(terminator, terminator + terminator, 1)  # a blank line
         cases.append(Case("jsonl", f"jsonl-{number:02d}", f"j{number:02d}.jsonl", text.encode(), "jsonl"))
     cases.append(Case("jsonl", "jsonl-bad-line", "bad.jsonl", b'{"q": "x", "a": "1"}\n{"q": "cut\n{"q": "z", "a": "2"}\n', "jsonl"))
-    # Old Mac line ends (a bare \r): read as pyarrow reads them, two records on one such line included
+    # Old Mac line ends (a bare \r): read as pyarrow reads them
     cases.append(Case("jsonl", "jsonl-cr-line-ends", "cr.jsonl", b'{"q": "x", "a": "1"}\r{"q": "y",\r "a": "2"}\r', "jsonl",
                       pyarrow=True))
+    # Two records on one CR-ended line: pyarrow reads both; the workflow keeps to one JSON value per line, as on
+    # \n-ended lines, and refuses the line
     cases.append(Case("jsonl", "jsonl-cr-two-on-a-line", "cr-two.jsonl",
-                      b'{"q": "x", "a": "1"} {"q": "y", "a": "2"}\r{"q": "z", "a": "3"}{"q": "w", "a": "4"}\r', "jsonl",
-                      pyarrow=True))
+                      b'{"q": "x", "a": "1"} {"q": "y", "a": "2"}\r{"q": "z", "a": "3"}\r', "jsonl",
+                      pyarrow=True, alone=Refused(1)))
     # Two records on one \n-ended line break JSON Lines: json.loads refuses the line, and so does the workflow
     cases.append(Case("jsonl", "jsonl-two-on-a-lf-line", "lf-two.jsonl",
                       b'{"q": "x", "a": "1"}\n{"q": "y", "a": "2"} {"q": "z", "a": "3"}\n', "jsonl"))

@@ -329,19 +329,14 @@ CR_LINE_ENDS = ("the file ends its lines with a bare carriage return (\\r, old M
 def _cr_lines(body: str) -> list[tuple[int, Any]] | None:
     """A JSON line holding bare carriage returns that does not parse whole, read as lines ended by them (old Mac
     line ends, which datasets' json reader, pyarrow's, reads as line ends): (0-based line within, record or
-    Unparseable) for each record; None where none of them parses as a JSON object (the \r were no line ends,
-    so the line's own failure stands). Such a file is no JSON Lines file, so it is read as pyarrow reads it, a stream
-    of JSON values: two records on one of its lines are two rows (each named by that line)."""
+    Unparseable) for each non-blank one; None where none of them parses as a JSON object (the \r were no line ends,
+    so the line's own failure stands)."""
     streamed = _cr_separated_objects(body)
     if streamed is not None:
         return streamed
-    read: list[tuple[int, Any]] = []
+    read = []
     for offset, piece in enumerate(body.split("\r")):
         if piece.strip():
-            records = _objects(piece)
-            if records:
-                read.extend((offset, record) for record in records)
-                continue
             try:
                 read.append((offset, json.loads(piece)))
             except json.JSONDecodeError as error:
@@ -357,36 +352,17 @@ _DECODER = json.JSONDecoder()
 _JSON_SPACE = re.compile(r"[ \t\r]*")  # JSON whitespace but \n, which ends the line read
 
 
-def _objects(piece: str) -> list[dict] | None:
-    """``piece`` (one CR-ended line) as the JSON objects it holds one after another, as pyarrow's stream of values
-    reads them, where it reads so whole (else None)."""
-    records, position = [], 0
-    while True:
-        start = _JSON_SPACE.match(piece, position).end()
-        if start == len(piece):
-            return records
-        try:
-            record, position = _DECODER.raw_decode(piece, start)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(record, dict):
-            return None
-        records.append(record)
-
-
 def _cr_separated_objects(body: str) -> list[tuple[int, Any]] | None:
-    """``body`` as JSON objects one after another, a bare \r between some two of them, where it reads so whole
-    (else None): pyarrow's json reader parses a block as a stream of values, so a record whose \r inside is JSON
-    whitespace (``{"a":\r1}\r{"a":2}``) stays one record there, where cutting at every \r would refuse both
-    halves, and two records on one CR-ended line (``{"a":1} {"a":2}\r``) are two. Where no \r stands between two
-    values the \r are no line ends: the line holds two values, refused as on any \n-ended line."""
-    read, position, previous_end, line, counted, separated = [], 0, None, 0, 0, False
+    """``body`` as JSON objects one after another, a bare \r between each two, where it reads so whole (else None):
+    pyarrow's json reader parses a block as a stream of values, so a record whose \r inside is JSON whitespace
+    (``{"a":\r1}\r{"a":2}``) stays one record there, where cutting at every \r would refuse both halves."""
+    read, position, previous_end, line, counted = [], 0, None, 0, 0
     while True:
         start = _JSON_SPACE.match(body, position).end()  # no slicing: a CR-ended file is one such line, read once
         if start == len(body):
-            return read if separated else None
-        if previous_end is not None and "\r" in body[previous_end:start]:
-            separated = True
+            return read
+        if previous_end is not None and "\r" not in body[previous_end:start]:
+            return None  # two values on one line: not line ends
         try:
             record, position = _DECODER.raw_decode(body, start)
         except json.JSONDecodeError:
@@ -401,7 +377,6 @@ def _cr_separated_objects(body: str) -> list[tuple[int, Any]] | None:
 def _jsonl(path: Path, on_invalid_text: str = "stop", encoding: str | None = None) -> Iterator[tuple[Place, Any]]:
     index = 0
     extra = 0  # bare carriage returns read as line ends so far: an editor counts each as a line
-    shared = 0  # records on a CR-ended line after its first (pyarrow reads each): their row indices stay unique
     try:
         # newline="\n": JSON Lines are separated by \n only; a bare \r is JSON whitespace inside a line, where
         # universal newlines would cut the line in two (a line that fails whole is then tried at them: _cr_lines)
@@ -411,27 +386,25 @@ def _jsonl(path: Path, on_invalid_text: str = "stop", encoding: str | None = Non
                 if not line.strip():
                     continue
                 if _UNDECODED.search(line) or "\x00" in line:
-                    yield Place(index + extra + shared, number), _not_utf8_row(path, number, on_invalid_text, encoding)
+                    yield Place(index + extra, number), _not_utf8_row(path, number, on_invalid_text, encoding)
                     continue
                 # Only the line's own end is dropped: the columns json reports stay the editor's.
                 body = line.removesuffix("\n").removesuffix("\r")
                 try:
-                    yield Place(index + extra + shared, number), json.loads(body)
+                    yield Place(index + extra, number), json.loads(body)
                     continue
                 except json.JSONDecodeError as error:
                     failure = error
                 cr_lines = _cr_lines(body) if "\r" in body else None
                 if cr_lines is None:
-                    yield Place(index + extra + shared, number), Unparseable(
+                    yield Place(index + extra, number), Unparseable(
                         f"not valid JSON: line {number} column {failure.colno}: {_json_problem(failure)}")
                     continue
-                for position, (offset, record) in enumerate(cr_lines):
-                    if position and cr_lines[position - 1][0] == offset:
-                        shared += 1
+                for offset, record in cr_lines:
                     if isinstance(record, json.JSONDecodeError):
                         record = Unparseable(f"not valid JSON: line {number + offset} column {record.colno}: "
                                              f"{_json_problem(record)} ({CR_LINE_ENDS})")
-                    yield Place(index + extra + shared + offset, number + offset), record
+                    yield Place(index + extra + offset, number + offset), record
                 extra += body.count("\r")
     except UnicodeError:  # UnicodeDecodeError, or a UTF-16 codec's "does not start with BOM"
         raise _not_utf8(path, encoding=encoding) from None
