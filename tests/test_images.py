@@ -488,7 +488,6 @@ def test_a_12_bit_png_without_its_significant_bits_is_named_in_the_report_by_row
     import numpy as np
     from transformers.image_transforms import convert_to_rgb
 
-    from data_helpers import run_normalise, write_jsonl
     from workflow_scripts.data.images import decode_rgb
 
     data = sixteen_bit_png(TWELVE_BIT)
@@ -497,12 +496,22 @@ def test_a_12_bit_png_without_its_significant_bits_is_named_in_the_report_by_row
         assert grey(convert_to_rgb(opened, return_numpy=True)) == np.minimum(TWELVE_BIT, 255).tolist()
     assert grey(decode_rgb(data)) == ((np.array(TWELVE_BIT) * 255 + 32767) // 65535).tolist()  # dark: at most 16
     assert check_image(data).scaling == "dark_without_significant_bits"
+    sixteen = sixteen_bit_report(tmp_path, {"dark.png": data, "declared.png": sixteen_bit_png(TWELVE_BIT, 12)},
+                                 ["plain.png", "dark.png", "plain.png", "declared.png", "dark.png"])
+    assert {kind: (entry["count"], entry["rows"]) for kind, entry in sixteen.items()} == {
+        "dark_without_significant_bits": (2, ["r1", "r4"]), "significant_bits": (1, ["r3"])}
+    assert "convert_to_rgb would clip" in sixteen["dark_without_significant_bits"]["note"]
+
+
+def sixteen_bit_report(tmp_path, files: dict, images: list) -> dict:
+    """The normalise report's ``sixteen_bit`` notes of a train split whose rows r0.. show ``images`` (names of
+    ``files``, plus an 8-bit ``plain.png``)."""
+    from data_helpers import run_normalise, write_jsonl
+
     raw = tmp_path / "raw"
     (raw / "images").mkdir(parents=True)
-    (raw / "images" / "dark.png").write_bytes(data)
-    (raw / "images" / "declared.png").write_bytes(sixteen_bit_png(TWELVE_BIT, 12))
-    (raw / "images" / "plain.png").write_bytes(encoded())
-    images = ["plain.png", "dark.png", "plain.png", "declared.png", "dark.png"]
+    for name, data in {**files, "plain.png": encoded()}.items():
+        (raw / "images" / name).write_bytes(data)
     write_jsonl(raw / "train.jsonl", [{"id": f"r{k}", "q": f"what is {k}?", "a": str(k), "image": f"images/{name}"}
                                       for k, name in enumerate(images)])
     write_jsonl(raw / "test.jsonl", [{"id": "t0", "q": "what?", "a": "0", "image": "images/plain.png"}])
@@ -510,10 +519,7 @@ def test_a_12_bit_png_without_its_significant_bits_is_named_in_the_report_by_row
                 "splits": {"train": "train", "test": "test"}, "metric": "exact_match",
                 "fields": {"id": "id", "question": "q", "answers": "a", "image": "image"}}
     _, report = run_normalise("d", settings, raw, tmp_path)
-    sixteen = json.loads(report.read_text())["images"]["train"]["sixteen_bit"]
-    assert {kind: (entry["count"], entry["rows"]) for kind, entry in sixteen.items()} == {
-        "dark_without_significant_bits": (2, ["r1", "r4"]), "significant_bits": (1, ["r3"])}
-    assert "convert_to_rgb would clip" in sixteen["dark_without_significant_bits"]["note"]
+    return json.loads(report.read_text())["images"]["train"]["sixteen_bit"]
 
 
 def test_a_16_bit_png_whose_sbit_chunk_follows_its_image_data_is_read_as_libpng_reads_it_and_the_note_says_why():
@@ -562,7 +568,6 @@ def test_a_12_bit_colour_png_is_read_as_pillow_reads_it_and_named_in_the_report_
     from datasets import Image as ImageFeature
     from transformers.image_transforms import convert_to_rgb
 
-    from data_helpers import run_normalise, write_jsonl
     from workflow_scripts.data.images import SIXTEEN_BIT_NOTES, decode_rgb
 
     declared = sixteen_bit_colour_png(TWELVE_BIT_RGB, [12, 12, 12])
@@ -579,20 +584,8 @@ def test_a_12_bit_colour_png_is_read_as_pillow_reads_it_and_named_in_the_report_
     bright = (np.array(TWELVE_BIT_RGB) << 4 | np.array(TWELVE_BIT_RGB) >> 8).tolist()  # shifted up, as the spec has it
     assert check_image(sixteen_bit_colour_png(bright, [12, 12, 12])).scaling is None
     assert check_image(encoded()).scaling is None
-    raw = tmp_path / "raw"
-    (raw / "images").mkdir(parents=True)
-    (raw / "images" / "declared.png").write_bytes(declared)
-    (raw / "images" / "bare.png").write_bytes(bare)
-    (raw / "images" / "plain.png").write_bytes(encoded())
-    images = ["plain.png", "declared.png", "plain.png", "bare.png", "declared.png"]
-    write_jsonl(raw / "train.jsonl", [{"id": f"r{k}", "q": f"what is {k}?", "a": str(k), "image": f"images/{name}"}
-                                      for k, name in enumerate(images)])
-    write_jsonl(raw / "test.jsonl", [{"id": "t0", "q": "what?", "a": "0", "image": "images/plain.png"}])
-    settings = {"task": "vision_language", "format": "jsonl", "source": {"type": "local", "path": str(raw)},
-                "splits": {"train": "train", "test": "test"}, "metric": "exact_match",
-                "fields": {"id": "id", "question": "q", "answers": "a", "image": "image"}}
-    _, report = run_normalise("d", settings, raw, tmp_path)
-    sixteen = json.loads(report.read_text())["images"]["train"]["sixteen_bit"]
+    sixteen = sixteen_bit_report(tmp_path, {"declared.png": declared, "bare.png": bare},
+                                 ["plain.png", "declared.png", "plain.png", "bare.png", "declared.png"])
     assert {kind: (entry["count"], entry["rows"]) for kind, entry in sixteen.items()} == {
         "colour_significant_bits_dark": (2, ["r1", "r4"]), "colour_dark_without_significant_bits": (1, ["r3"])}
     assert sixteen["colour_significant_bits_dark"]["note"] == SIXTEEN_BIT_NOTES["colour_significant_bits_dark"]
