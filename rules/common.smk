@@ -26,7 +26,7 @@ from workflow_scripts.checks.config import check_config
 from workflow_scripts.data import source_files, split_layouts, split_names
 from workflow_scripts.core.errors import ConfigError
 from workflow_scripts.core.section_settings import ComparisonSettings, EvaluationSettings, TrackingSettings
-from workflow_scripts.model import task_fit
+from workflow_scripts.model import model_files, task_fit
 from workflow_scripts.training import trackers
 
 
@@ -435,13 +435,13 @@ def local_source_stamp(wildcards):
 
 
 def local_model_stamp(wildcards):
-    """prepare_model's input for a local model (``source: local``): the stamp of its folder's content, so new
-    weights at the same path copy the model again and rerun everything after (a folder's time does not change
-    when a file inside is replaced)."""
+    """prepare_model's input for a local model (``source: local``): the stamp of the content of the files it
+    copies (model/model_files.py), so new weights at the same path copy the model again and rerun everything after
+    (a folder's time does not change when a file inside is replaced), and a file it never reads reruns nothing."""
     model = MODELS[wildcards.model]
     if model.source != "local":
         return []
-    return [source_files.content_stamp(f"model-{wildcards.model}", source_files.files_under(model.path))]
+    return [source_files.content_stamp(f"model-{wildcards.model}", model_files.local_model_files(model.path))]
 
 
 def local_model_sha256(wildcards):
@@ -450,7 +450,8 @@ def local_model_sha256(wildcards):
     model = MODELS[wildcards.model]
     if model.source != "local":
         return RuntimeOnly("")
-    return source_files.tree_fingerprint([Path(model.path)])
+    folder = Path(model.path)
+    return source_files.files_fingerprint([(folder, path) for path in model_files.local_model_files(folder)])
 
 
 def local_source_sha256(wildcards):

@@ -227,6 +227,24 @@ def finished_local_model(tmp_path_factory):
     return workdir, config, folder
 
 
+def test_files_of_a_local_model_folder_that_prepare_model_never_reads_rerun_nothing(finished_local_model):
+    """``huggingface-cli download --local-dir`` rewrites the timestamps in ``.cache/huggingface/download/*.metadata``
+    on every call, and a clone's ``.git/`` changes with git commands: prepare_model copies neither (nor a pickle
+    weights file), so neither may rerun the copy and the training after it (model/model_files.py)."""
+    workdir, config, folder = finished_local_model
+    metadata = folder / ".cache" / "huggingface" / "download" / "model.safetensors.metadata"
+    metadata.parent.mkdir(parents=True)
+    metadata.write_text("a09a35458c702b33eeacc393d103063234e8bc28\nabc\n1764400000.0\n")
+    (folder / "pytorch_model.bin").write_bytes(b"\2" * 64)
+    try:
+        assert plan(workdir, config) == set()
+        metadata.write_text("a09a35458c702b33eeacc393d103063234e8bc28\nabc\n1764400999.5\n")
+        assert plan(workdir, config) == set()
+    finally:
+        shutil.rmtree(folder / ".cache")
+        (folder / "pytorch_model.bin").unlink()
+
+
 def test_new_weights_in_a_local_model_folder_rerun_everything_after_it(finished_local_model):
     """``source: local`` copies the folder once: new weights at the same path (their old time kept, as ``cp -p``
     does) must copy it again and rerun every stage after (issue 44: nothing reran)."""

@@ -20,8 +20,8 @@ from workflow_scripts.checks.sections import model_argument
 from workflow_scripts.core.entry_settings import ModelSettings
 from workflow_scripts.core.run_manifest import build_manifest
 from workflow_scripts.core.stage_arguments import StageArgumentParser
+from workflow_scripts.model.model_files import MANIFEST_NAME, PICKLE_SUFFIXES, local_model_files
 
-MANIFEST_NAME = "model_manifest.json"
 # model.tiny.architecture -> the module whose build() makes it (others: tiny_model's causal LMs)
 TINY_BUILDERS = {
     "llava": "workflow_scripts.model.tiny_vlm",
@@ -33,7 +33,6 @@ TINY_BUILDERS = {
     "llava_onevision": "workflow_scripts.model.tiny_vlm",
     "bert": "workflow_scripts.model.tiny_bert",
 }
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # What a snapshot keeps: config, safetensors weights (and their index), tokenizer and generation files.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
@@ -112,12 +111,11 @@ def snapshot_hub(model: ModelSettings, out: Path) -> dict[str, Any]:
 def copy_local(model: ModelSettings, out: Path) -> dict[str, Any]:
     source = Path(model.path)
     check_model_dir(source, f"model.path {source}")
-    for path in sorted(source.iterdir()):
-        if path.is_file() and not path.name.endswith(PICKLE_SUFFIXES) and path.name != MANIFEST_NAME:
-            try:
-                os.link(path, out / path.name)  # a hard link costs no space; copy across file systems
-            except OSError:
-                shutil.copyfile(path, out / path.name)
+    for path in local_model_files(source):
+        try:
+            os.link(path, out / path.name)  # a hard link costs no space; copy across file systems
+        except OSError:
+            shutil.copyfile(path, out / path.name)
     return {"local_path": str(source)}
 
 

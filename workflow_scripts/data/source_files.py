@@ -91,8 +91,12 @@ def tree_fingerprint(directories: list[Path], cache_file: Path = CACHE) -> str:
     chain, while a touched or re-copied image with the same bytes changes nothing. One digest rather than
     a map per file keeps Snakemake's stored parameters small for large image sets.
     """
-    files = [(directory, path) for directory in directories if directory.is_dir()
-             for path in sorted(directory.rglob("*")) if path.is_file()]
+    return files_fingerprint([(directory, path) for directory in directories if directory.is_dir()
+                              for path in sorted(directory.rglob("*")) if path.is_file()], cache_file)
+
+
+def files_fingerprint(files: list[tuple[Path, Path]], cache_file: Path = CACHE) -> str:
+    """:func:`tree_fingerprint` of the chosen ``files``, each (its folder, the file below it)."""
     if not files:
         return ""
     digests = sha256_of_many([path for _, path in files], cache_file)

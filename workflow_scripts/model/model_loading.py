@@ -21,12 +21,12 @@ import torch
 
 from workflow_scripts.core.errors import WorkflowError
 from workflow_scripts.core.settings import LoraSettings
+from workflow_scripts.model.model_files import MANIFEST_NAME
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # A tokenizer needs at least one of these (the rest, e.g. tokenizer_config.json, only configure it).
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 REPREPARE = "run the prepare_model rule again (snakemake --forcerun prepare_model)"
-MANIFEST_NAME = "model_manifest.json"  # prepare_model's; its settings hold model.initialise
 # Beside a fully fine-tuned model's weights: what evaluate reads to load it whole instead of as a LoRA adapter.
 FULL_MODEL_MARKER = "full_model.json"
 
