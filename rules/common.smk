@@ -131,16 +131,15 @@ def dataset_entry(rule):
 
 
 def variant_templates(wildcards):
-    """A variant's format only (its task's keys): training overrides must not re-tokenise."""
-    return as_json(VARIANTS[wildcards.variant].to_dict())
+    """A variant's format only (its task's keys): training overrides must not re-tokenise; a key written at the
+    code's default records nothing new (core/recorded_params.py)."""
+    return as_json(recorded_params.recorded_variant(VARIANTS[wildcards.variant]))
 
 
 def evaluated_variant(wildcards):
     """evaluate's and predict's --variant: the format keys they read (core/config_reads.py), not a training
     loss's class weights, so a class weight changed reruns no untrained model's evaluation."""
-    return as_json(
-        {key: value for key, value in VARIANTS[wildcards.variant].to_dict().items() if key != "class_weights"}
-    )
+    return as_json(recorded_params.recorded_variant(VARIANTS[wildcards.variant], without=("class_weights",)))
 
 
 def dataset_task(wildcards):
@@ -263,8 +262,9 @@ def training_settings(wildcards):
 
 
 def model_json(wildcards):
-    """What prepare_model needs (not the model's training overrides: changing those must not rebuild it)."""
-    return as_json(MODELS[wildcards.model].building_settings())
+    """What prepare_model needs (not the model's training overrides: changing those must not rebuild it; a key
+    written at the code's default records nothing new)."""
+    return as_json(recorded_params.recorded_model(MODELS[wildcards.model]))
 
 
 def trust_remote_code(wildcards):

@@ -376,6 +376,8 @@ def table() -> list:  # called at collection, after the helpers below are define
         case("data", "jsonl-raw-carriage-returns-inside-a-string", text_files({"train.jsonl": b"".join(b'{"q": "question %d?", "a": "%d"}\n' % (i, i) for i in range(9)) + b'{"q": "Hello\r42\rworld", "a": "9"}\n'}), "normalise", "{source}/train.jsonl: 1 of 10 rows of split 'train' rejected (10.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unparseable_record 1; for example {source}/train.jsonl line 10: not valid JSON: line 10 column 13: Invalid control character here; fix the rows or raise datasets.d.max_rejected_fraction"),
         # --- issue 43 follow-up: readers, round 3 (readers3) ---
         case("data", "tsv-header-line-blank", text_files({"train.tsv": b" \t \n" + b"".join(b"question %d?\t%d\n" % (i, i) for i in range(9))}, fmt="tsv"), "normalise", "{source}/train.tsv line 1: the header line is blank (spaces and tabs only), so the columns have no names; write the column names on line 1, separated by tabs (e.g. sentence<TAB>label), or remove the line if the next one is the header"),
+        # --- issue 44: a published table edited by hand ---
+        case("cli", "comparison-table-edited-by-hand", edited_comparison_table, "published", "{results}/comparison.md changed since compare wrote it (the sha256 recorded in {results}/experiment_set.json no longer matches), so it is not the comparison the workflow computed, and no rerun would notice; keep your edits in another file, then delete {results}/comparison.md and run snakemake again: compare writes it anew"),
         case("data", "classlabel-names-padded-labels-plain", classlabel_parquet([0, 1, 2] * 4, names=("01", "02", "03"), declared=["1", "2", "3"]), "normalise", "2 problems, all listed in {out}/normalise_report.failed.json: (1) {source}/train.parquet: 12 of 12 rows of split 'train' rejected (100.0%), so no row is left; reasons: unknown_label 12; for example {source}/train.parquet row index 0: field 'label': " + CLASSLABEL_NAMES % ("'01'", 0) + "; fix the rows (or the field mapping, if every row fails alike) (2) {source}/test.parquet: 1 of 1 rows of split 'test' rejected (100.0%), so no row is left; reasons: unknown_label 1; for example {source}/test.parquet row index 0: field 'label': " + CLASSLABEL_NAMES % ("'02'", 1) + "; fix the rows (or the field mapping, if every row fails alike)"),
     ]
 
@@ -529,6 +531,10 @@ def call(stage: str, argv: list[str]):
 
     if stage == "config":
         return load_config(argv[0])
+    if stage == "published":  # the check of the published tables each time the workflow is read (core/final_check.py)
+        from workflow_scripts.core.final_check import check_published
+
+        return check_published(argv[0])
     if stage == "parse":  # the checks rules/common.smk adds when snakemake reads the workflow (-n)
         from workflow_scripts.core.experiment_config import dataset_entries
         from workflow_scripts.data.split_names import check_local_splits
@@ -1275,6 +1281,19 @@ CLASSLABEL_NAMES = ("label %s (class id %d of the source's ClassLabel names ['01
 
 
 # --- issue 44: setups ---
+def edited_comparison_table(w: Workspace) -> list[str]:
+    """results/comparison.md as compare wrote it (its sha256 in the experiment set's stamp), then edited by hand."""
+    import hashlib
+
+    table = w.results / "comparison.md"
+    table.parent.mkdir(parents=True, exist_ok=True)
+    table.write_text("| variant | score |\n|---|---|\n| mtup | 0.41 |\n")
+    stamp = w.results / "experiment_set.json"
+    stamp.write_text(json.dumps({"published": {str(table): hashlib.sha256(table.read_bytes()).hexdigest()}}))
+    table.write_text("| variant | score |\n|---|---|\n| mtup (best) | 0.41 |\n")
+    return [str(stamp)]
+
+
 def power_on_untrained_loss(threshold: float):
     """The power stage on an untrained masked LM whose mean loss is 6.75 nats on each of 10 test lines."""
     def plant(w: Workspace) -> None:

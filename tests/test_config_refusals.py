@@ -109,6 +109,20 @@ def test_training_keys_without_schema_defaults_are_known_in_variants_and_models(
         load_config(write(tmp_path / "config.yaml", config))
 
 
+@pytest.mark.parametrize("written", [{"micro_batch_tokens": None}, {"validation": {"criterion": "loss"}},
+                                     {"compile_layers": False}])
+def test_a_variant_writing_out_what_the_reference_leaves_unset_trains_alike(tmp_path, written):
+    """The fairness guard compares the training settings as train records them: a key written at the value its
+    absence means is no difference (they were refused as unfair: 'sets None where the reference variant leaves it
+    unset'); a real difference still is."""
+    config = single_model_config()
+    config["variants"]["mtup"]["training"] = written
+    load_config(write(tmp_path / "config.yaml", config))
+    config["variants"]["mtup"]["training"] = {"micro_batch_tokens": 256}
+    with pytest.raises(ConfigError, match="so the comparison would not be fair"):
+        load_config(write(tmp_path / "config.yaml", config))
+
+
 def test_a_qlora_base_choice_with_qlora_training_is_accepted(tmp_path):
     config = single_model_config()
     config["evaluation"]["qlora_base"] = "unquantised"

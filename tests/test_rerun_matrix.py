@@ -105,6 +105,7 @@ MUTATIONS: dict[str, tuple[str | None, Any]] = {
     "variants.*.extractor.marker": ("mtup", "Task 2: "),
     "variants.*.input": ("plain", "Text: {text}"),
     "variants.*.class_weights": ("plain", {"sports": 2.0}),
+    "variants.*.images": ("vision", False),  # (true, the generic change, is the code's default: records as absent)
     "variants.*.training": ("mtup", lambda config: _both_generation_variants(config, {"learning_rate": 1.0e-3})),
     "models.*.training": ("tiny-llama", {"learning_rate": 1.0e-3}),
     "mixtures.*.weights": ("qa_mix", lambda config: _weights_instead_of_temperature(config)),
@@ -177,6 +178,9 @@ NOT_EXERCISED = {
     "training.fused_cross_entropy": "CUDA only",
     "training.liger_kernels": "CUDA only",
     "training.activation_offloading": "needs gradient checkpointing, which the demo turns off",
+    "models.*.initialise": "random (pretrained, the generic change, is the code's default and records as absent) "
+                           "needs training.finetune: full, a change of training too: "
+                           "test_random_initialisation_rebuilds_the_model checks it",
     "training.validation.criterion": "metric (loss, the other value, is the code's default and records as absent) "
                                      "scores the metric in training, refused for the demo's mixture (its metrics "
                                      "have no common scale)",
@@ -640,3 +644,48 @@ def test_a_qlora_variants_precision_reruns_no_untrained_evaluation(matrix):
     assert "train" in moved and "evaluate_base" not in moved, moved
     assert any(rule == "evaluate_base" and "--base-quantization" in dict(received)["adapter"]
                for (rule, _), (_, received) in after.items())
+
+
+# A default written out records nothing new (issue 44) -------------------------------------------------------------
+def _set(*path_and_value):
+    *path, key, value = path_and_value
+
+    def change(config: dict) -> None:
+        holder = config
+        for part in path:
+            holder = holder.setdefault(part, {})
+        holder[key] = value
+    return change
+
+
+WRITTEN_DEFAULTS = {
+    "a dataset's encoding and on_invalid_text": [_set("datasets", "amr_demo", "encoding", "UTF-8"),
+                                                 _set("datasets", "amr_demo", "on_invalid_text", "stop")],
+    "a dataset's duplicates at its default": [_set("datasets", "amr_demo", "duplicates", {"max_fraction": 1.0})],
+    "a dataset's duplicates empty": [_set("datasets", "amr_demo", "duplicates", {})],
+    "evaluation.dtype auto": [_set("evaluation", "dtype", "auto")],
+    "a vision variant's images: true": [_set("variants", "vision", "images", True)],
+    "a model's initialise: pretrained": [_set("models", "tiny-llama", "initialise", "pretrained")],
+    "a variant's training.validation.criterion loss": [_set("variants", "mtup", "training", "validation",
+                                                            "criterion", "loss")],
+}
+
+
+@pytest.mark.parametrize("written", list(WRITTEN_DEFAULTS))
+def test_a_default_written_out_changes_no_recorded_params(matrix, written):
+    """A key written at the value its absence means (a default only the code knows) must rerun nothing: each
+    of these reran from its stage on (evaluation.dtype: auto every evaluation; duplicates: {max_fraction: 1.0}
+    the whole chain from normalise; initialise: pretrained the model and every training)."""
+    config = base_config()
+    for change in WRITTEN_DEFAULTS[written]:
+        change(config)
+    recorded, _ = changed_stages(matrix["base"], job_params(config, matrix["workdir"]))
+    assert recorded == set(), recorded
+
+
+def test_random_initialisation_rebuilds_the_model(matrix):
+    """models.*.initialise, which the generic change cannot exercise alone: random rebuilds the model."""
+    config = base_config()
+    config["models"]["tiny-llama"].update(initialise="random", training={"finetune": "full"})
+    recorded, received = changed_stages(matrix["base"], job_params(config, matrix["workdir"]))
+    assert "prepare_model" in recorded and "prepare_model" in received, (recorded, received)

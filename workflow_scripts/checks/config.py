@@ -18,6 +18,7 @@ from workflow_scripts.checks.sections import check_dataset, check_model
 from workflow_scripts.core.config_files import deep_merge, read_config_file, refuse_unused_qlora_base, validate_schema
 from workflow_scripts.core.config_schema import SCHEMA_PATH
 from workflow_scripts.core.errors import ConfigError, WorkflowError
+from workflow_scripts.core.recorded_params import recorded_training
 from workflow_scripts.core.experiment_config import (
     RESERVED_MODEL_NAMES, dataset_entries, dataset_models, entry_task, evaluation_split, mixtures, model_dataset_variants,
     model_entries, model_entry_variants, models, resolved_training, training_settings, variant_entries)
@@ -260,7 +261,9 @@ def _check_fair_training(config: Mapping[str, Any], task: str, reference: str, i
     classification variants may override, say, the LoRA targets the same way).
     """
     def comparable(variant: str) -> dict[str, Any]:
-        settings = resolved_training(config, variant, model)
+        # as train records them: a key written at the value its absence means (micro_batch_tokens: null,
+        # validation.criterion: loss) is no difference
+        settings = recorded_training(resolved_training(config, variant, model))
         return {key: value for top, item in settings.items() if top not in fairness.RUNTIME_ONLY_TRAINING_KEYS
                 for key, value in fairness.flatten(item, f"training.{top}").items()}
 

@@ -343,6 +343,8 @@ def rerun_table() -> list[tuple[str, str, str]]:
         ("whether the untrained model is scored (`evaluation.evaluate_base_model`)", "evaluation.evaluate_base_model"),
         ("a model's build (`models.<name>.tiny`, `hub_id`, `revision`, ...)", "models.*.revision"),
         ("tracking (`tracking.*`)", "tracking.mlflow.enabled"),
+        ("a runtime-only training key (`runtime_minutes`, `mem_mb`, `checkpoint_every`, `signal_grace_seconds`, "
+         "`dataloader_workers`, ...)", "training.runtime_minutes"),
     )
 
     def names(stages: Iterable[str]) -> str:
@@ -365,9 +367,19 @@ def rerun_table() -> list[tuple[str, str, str]]:
             itself.append("the jobs it adds (removes)" + ("" if "compare" in plain else ", and `compare`"))
         if not itself:
             runtime = runtime_stages_reading(key)
-            itself.append("nothing" + (f" (`{'`, `'.join(runtime)}` reads it at run time only)" if runtime else ""))
+            read = "reads" if len(runtime) == 1 else "read"
+            itself.append("nothing" + (f" (`{'`, `'.join(runtime)}` {read} it at run time only)" if runtime else ""))
         after = downstream(plain)
         rows.append((kind, "; ".join(itself), names(after) if after else "-"))
+    # What no config key changes: files' content (core/recorded_params.py, data/source_files.py, model/model_files.py)
+    rows += [
+        ("a default written out (`encoding: utf-8`, `evaluation.dtype: auto`, a variant's `images: true`, "
+         "`initialise: pretrained`, ...)", "nothing: the recorded parameters are built from the resolved values", "-"),
+        ("a local data file's content (a row edited; touched or copied with the same bytes: nothing)", "`download`",
+         names(downstream(["download"]))),
+        ("a local model's files (`source: local`: new weights at the same path; a file `prepare_model` does not copy, "
+         "such as `.cache/` or `.git/`: nothing)", "`prepare_model`", names(downstream(["prepare_model"]))),
+    ]
     return rows
 
 

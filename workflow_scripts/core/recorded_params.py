@@ -18,7 +18,7 @@ import json
 from typing import Any, Callable, Mapping
 
 from workflow_scripts.core import config_reads
-from workflow_scripts.core.entry_settings import DatasetSettings
+from workflow_scripts.core.entry_settings import DatasetSettings, ModelSettings, VariantSettings
 
 
 def without_code_defaults(given: Mapping[str, Any], typed: Callable[[Mapping], Any],
@@ -51,9 +51,28 @@ def without_code_defaults(given: Mapping[str, Any], typed: Callable[[Mapping], A
             for inner in list(value):
                 if same_without((key, inner)):
                     result[key].pop(inner)
+            if not result[key] and same_without((key,)):  # {} or emptied: as if not written
+                result.pop(key)
         elif same_without((key,)):
             result.pop(key)
     return result
+
+
+def _entry_typed(parse: Callable[[Mapping], Any]) -> Callable[[Mapping], Any]:
+    """An entry's typed settings without the mapping they were parsed from (``given``): what the stage sees."""
+    def typed(value: Mapping) -> Any:
+        return dataclasses.replace(parse(value), given={})
+    return typed
+
+
+def _entry_filled(parse: Callable[[Mapping], Any], as_given: Callable[[Any], Mapping]) -> Callable[[Mapping], Mapping]:
+    """An entry as validated (the schema's defaults filled), or as written where it is not valid without a key."""
+    def filled(value: Mapping) -> Mapping:
+        try:
+            return as_given(parse(value))
+        except Exception:  # noqa: BLE001 (not valid without the key: keep it, same_without says so)
+            return value
+    return filled
 
 
 # Training ---------------------------------------------------------------------------------------------------
@@ -146,3 +165,36 @@ def recorded_dataset(dataset: DatasetSettings, stage: str,
     if narrowed:
         record["narrowed"] = narrowed
     return record
+
+
+# A variant, a model ---------------------------------------------------------------------------------------------
+def recorded_variant(variant: VariantSettings, without: tuple[str, ...] = ()) -> dict:
+    """A variant as pretokenise, evaluate and predict receive and record it (``--variant``), less the keys
+    written at the code's default (``images: true``) and less ``without`` (keys the stage does not read)."""
+    return json.loads(_recorded_variant(variant.task, variant.name, json.dumps(variant.to_dict(), sort_keys=True),
+                                        without))
+
+
+@functools.lru_cache(maxsize=1024)
+def _recorded_variant(task: str, name: str, text: str, without: tuple[str, ...]) -> str:
+    def parse(value: Mapping) -> VariantSettings:
+        return VariantSettings.parse(value, task, name)
+
+    given = {key: value for key, value in json.loads(text).items() if key not in without}
+    return json.dumps(without_code_defaults(given, _entry_typed(parse), _entry_filled(parse, VariantSettings.to_dict)),
+                      sort_keys=True)
+
+
+def recorded_model(model: ModelSettings) -> dict:
+    """What prepare_model receives and records of a model (its building settings: not its training overrides),
+    less the keys written at the code's default (``initialise: pretrained``)."""
+    return json.loads(_recorded_model(json.dumps(model.building_settings(), sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=256)
+def _recorded_model(text: str) -> str:
+    def parse(value: Mapping) -> ModelSettings:
+        return dataclasses.replace(ModelSettings.parse(value), training={})
+
+    return json.dumps(without_code_defaults(json.loads(text), _entry_typed(parse),
+                                            _entry_filled(parse, ModelSettings.building_settings)), sort_keys=True)

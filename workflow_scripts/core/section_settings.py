@@ -82,6 +82,8 @@ class EvaluationSettings:
                               source)
         checked = _validated({name: item for name, item in value.items() if name != "max_length"},
                              "evaluation", key, source)
+        if checked.get("dtype") == "auto":  # what leaving it out means: one spelling, so writing it reruns nothing
+            del checked["dtype"]
         return cls(**{"dtype": None, **checked}, max_length=max_length)
 
     @classmethod
