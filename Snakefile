@@ -37,15 +37,12 @@ include: "rules/submission_common.smk"
 include: "rules/submission.smk"
 
 
-# A published table edited since compare wrote it is refused (core/final_check.py), here as well as on success:
-# a run with "Nothing to be done" ends before onsuccess.
-if workflow.is_main_process:
-    final_check.check_published(experiment_set_stamp())
-
-
 rule all:
     default_target: True
     input:
+        # A published table edited since compare wrote it is refused (core/final_check.py) when the plan is built,
+        # as well as on success (a run with "Nothing to be done" ends before onsuccess).
+        published_tables_unedited,
         final_outputs(),
         submission_outputs(),
 

@@ -20,7 +20,7 @@ shell.prefix(f"{OWN_PYTHON}export PYTHONPATH={shlex.quote(workflow.basedir)}${{{
 
 from workflow_scripts.core import config_reads
 from workflow_scripts.core import experiment_config as xc
-from workflow_scripts.core import config_files, experiment_set, recorded_params
+from workflow_scripts.core import config_files, experiment_set, final_check, recorded_params
 from workflow_scripts.checks import scheduler
 from workflow_scripts.checks.config import check_config
 from workflow_scripts.data import source_files, split_layouts, split_names
@@ -352,6 +352,16 @@ def check_gpu_requests():
 
 
 check_gpu_requests()
+
+
+def published_tables_unedited(wildcards):
+    """rule all's check that the published tables are as compare wrote them (core/final_check.check_published),
+    an input function so that it runs when the plan is built: only then are the forced rules known, and
+    --forcerun compare (or --forceall), the way out of a hand-edited table, writes it anew instead."""
+    settings = workflow.dag_settings
+    if not (settings.forceall or "compare" in settings.forcerun):
+        final_check.check_published(experiment_set_stamp())
+    return []
 
 
 def check_launch_environment():

@@ -52,4 +52,5 @@ def check_published(stamp: str) -> None:
             f"{' and '.join(edited)} changed since compare wrote {'it' if len(edited) == 1 else 'them'} (the sha256 "
             f"recorded in {stamp} no longer matches), so {'it is' if len(edited) == 1 else 'they are'} not the "
             "comparison the workflow computed, and no rerun would notice; keep your edits in another file, then delete "
-            f"{' and '.join(edited)} and run snakemake again: compare writes {'it' if len(edited) == 1 else 'them'} anew")
+            f"{' and '.join(edited)} and run snakemake again (or run it with --forcerun compare): compare writes "
+            f"{'it' if len(edited) == 1 else 'them'} anew")
