@@ -84,16 +84,17 @@ def _resource(overwrite_resources: Mapping[str, Mapping[str, Any]] | None, rule:
 
 
 def check_slurm_submission(config: Mapping[str, Any], executor: str | None,
-                           overwrite_resources: Mapping[str, Mapping[str, Any]] | None, train_preemptible: bool,
+                           overwrite_resources: Mapping[str, Mapping[str, Any]] | None, train_retries: int | None,
                            source: str | None = None) -> None:
     """Refuse, when a run starts, a run that submits to SLURM without the settings training relies on.
 
     ``snakemake --executor slurm`` without ``--profile profiles/slurm`` (or a profile of one's own that lacks
     them) runs, but: train gets no warning signal before its time limit, so a job that reaches
     ``training.runtime_minutes`` is killed without a checkpoint; a train job that does checkpoint (exit 75) is not
-    resubmitted unless train is a preemptible rule; and a multi-node job's ``tasks`` (one per node) would be read
-    by the plugin as tasks per GPU unless ``tasks_per_gpu: 0``. Each is silent until hours are lost, so all of
-    them are named at once, with the profile's line that sets each."""
+    resubmitted unless Snakemake gives train retries (``train_retries``, the rule's ``restart_times``: a
+    preemptible rule's preemptible-retries, None when that is unset, else ``--retries``); and a multi-node job's
+    ``tasks`` (one per node) would be read by the plugin as tasks per GPU unless ``tasks_per_gpu: 0``. Each is
+    silent until hours are lost, so all of them are named at once, with the profile's line that sets each."""
     if executor != "slurm":
         return
     missing = []
@@ -101,7 +102,7 @@ def check_slurm_submission(config: Mapping[str, Any], executor: str | None,
         missing.append(f"train gets no warning before its time limit, so a job that reaches training.runtime_minutes "
                        f"is killed without a checkpoint (set-resources: {TRAIN_RULE}: slurm_extra: "
                        "\"'--signal=USR1@300'\")")
-    if not train_preemptible:
+    if not train_retries:
         missing.append("a train job that checkpoints at the warning exits 75 and is not resubmitted to resume "
                        f"(preemptible-rules: [{TRAIN_RULE}], preemptible-retries: 3)")
     multi_node = any(training_settings(config, variant, model, source).nodes > 1
