@@ -130,7 +130,14 @@ def read_config_file(path: str | Path) -> dict:
     except UnicodeDecodeError as error:
         raise ConfigError("<file>", f"not UTF-8 text (byte {error.start + 1})", str(path)) from None
     try:
-        config = yaml.load(text, Loader=StrictLoader)  # noqa: S506 - StrictLoader is a SafeLoader
+        # As Snakemake reads a config file: JSON first (where 1e-05 is a number and a tab is whitespace; YAML 1.1
+        # reads the one as text and refuses the other), YAML when that fails. A key given twice: YAML names its line.
+        config = json.loads(text, object_pairs_hook=_unique_json_keys)
+    except (json.JSONDecodeError, _DuplicateJsonKey) as error:
+        config, twice = None, error if isinstance(error, _DuplicateJsonKey) else None
+    try:
+        if config is None:
+            config = yaml.load(text, Loader=StrictLoader)  # noqa: S506 - StrictLoader is a SafeLoader
     except DuplicateKeyError as error:
         raise ConfigError(
             ".".join(error.key_path),
@@ -139,10 +146,30 @@ def read_config_file(path: str | Path) -> dict:
             str(path),
         ) from None
     except yaml.YAMLError as error:
+        if twice is not None:  # JSON that YAML cannot read (tabs): named without its line
+            raise ConfigError(twice.key, f"key '{twice.key}' is given twice in one object; JSON would silently keep "
+                              "only the last, so remove or rename one", str(path)) from None
         raise ConfigError("<file>", _yaml_problem(error), str(path)) from None
     if not isinstance(config, dict):
         raise ConfigError("<top level>", "the config must be a mapping", str(path))
     return config
+
+
+class _DuplicateJsonKey(ValueError):
+    """A JSON object names a key twice (``json`` would keep the last)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_json_keys(pairs: list[tuple[str, Any]]) -> dict:
+    seen: set[str] = set()
+    for name, _ in pairs:
+        if name in seen:
+            raise _DuplicateJsonKey(name)
+        seen.add(name)
+    return dict(pairs)
 
 
 def check_workflow_config(configfiles: Iterable[str | Path], config: dict) -> None:
