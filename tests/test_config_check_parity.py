@@ -65,3 +65,22 @@ def test_a_key_given_twice_in_a_tab_indented_json_config_is_named(tmp_path):
     path.write_text('{\n\t"seeds": [1],\n\t"seeds": [2]\n}')
     with pytest.raises(ConfigError, match="'seeds' is given twice"):
         read_config_file(path)
+
+
+def test_the_summary_counts_the_train_jobs_snakemake_plans(tmp_path, capsys):
+    """The demo (three models, datasets of four tasks, each variant on its task's datasets, models by dataset):
+    the training runs the summary counts are the train jobs of ``snakemake -n``, not models x datasets x variants x
+    seeds."""
+    import re
+    import subprocess
+    import sys
+
+    demo = ROOT / "config" / "config.yaml"
+    assert main([str(demo)]) == 0
+    runs = int(re.search(r"(\d+) training runs", capsys.readouterr().out)[1])
+    (tmp_path / "demo_data").symlink_to(ROOT / "demo_data")
+    done = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--snakefile", str(ROOT / "Snakefile"),
+                           "--configfile", str(demo)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    planned = re.search(r"^train\s+(\d+)$", done.stdout, flags=re.M)
+    assert planned and runs == int(planned[1]), done.stdout[-2000:]
