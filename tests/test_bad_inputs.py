@@ -374,6 +374,9 @@ def table() -> list:  # called at collection, after the helpers below are define
         # --- issue 44 follow-up: readers broken on purpose, round 2 (breaker2) ---
         case("data", "declared-zero-padded-labels-rows-without-zeros", labels_csv(["1", "2"] * 5, ["01", "02", "03"]), "normalise", "datasets.d.labels: the declared labels ['01', '02', '03'] are numbers written otherwise than column 'label' writes them (['1', '2']), each a declared name by its number and a class id 0..2: by number 1 -> 01, 2 -> 02, or by index 1 -> 02, 2 -> 03; write the rows' labels as declared, or give the rows the ids 0..2 with 0 among them"),
         case("data", "jsonl-raw-carriage-returns-inside-a-string", text_files({"train.jsonl": b"".join(b'{"q": "question %d?", "a": "%d"}\n' % (i, i) for i in range(9)) + b'{"q": "Hello\r42\rworld", "a": "9"}\n'}), "normalise", "{source}/train.jsonl: 1 of 10 rows of split 'train' rejected (10.0%), more than datasets.d.max_rejected_fraction = 0.01; reasons: unparseable_record 1; for example {source}/train.jsonl line 10: not valid JSON: line 10 column 13: Invalid control character here; fix the rows or raise datasets.d.max_rejected_fraction"),
+        # --- issue breaker3: non-finite numbers in the config ---
+        case("config", "learning-rate-infinite", cfg("training.learning_rate", float("inf")), "config", "{config}: config key 'training.learning_rate': is inf, not a finite number (YAML reads .inf and .nan as numbers); give a finite value"),
+        case("config", "learning-rate-nan-in-a-variant", cfg("variants.mtup.training", {"learning_rate": float("nan")}), "config", "{config}: config key 'variants.mtup.training.learning_rate': is nan, not a finite number (YAML reads .inf and .nan as numbers); give a finite value"),
     ]
 
 

@@ -84,3 +84,12 @@ def test_the_summary_counts_the_train_jobs_snakemake_plans(tmp_path, capsys):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     planned = re.search(r"^train\s+(\d+)$", done.stdout, flags=re.M)
     assert planned and runs == int(planned[1]), done.stdout[-2000:]
+
+
+def test_a_nan_is_named_by_the_file_that_holds_it(tmp_path):
+    """NaN is unequal to itself: the file's value must still be recognised as the one the config holds."""
+    override = tmp_path / "override.yaml"
+    override.write_text("training:\n  learning_rate: .nan\n")
+    with pytest.raises(ConfigError) as caught:
+        main([str(EXAMPLE), str(override)])
+    assert str(caught.value).startswith(f"{override}: config key 'training.learning_rate': is nan, not a finite")

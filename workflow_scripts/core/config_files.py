@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -22,6 +23,7 @@ def validate_schema(config: dict, source: str | None = None) -> dict:
     """Validate against config/schema.yaml in place, filling defaults; raise ConfigError on the first fault."""
     from jsonschema.exceptions import best_match
 
+    _refuse_non_finite(config, (), source)
     schema = yaml.safe_load(SCHEMA_PATH.read_text())
     validator_class = _validator_with_defaults()
     # Defaults are set on the way down, so nested objects created by a default get theirs too.
@@ -33,6 +35,20 @@ def validate_schema(config: dict, source: str | None = None) -> dict:
                           "not both" if "model" in config else "required, but missing: give the base model under "
                           f"model: (one) or models: (several, by name) (the config has keys {sorted(config)})", source)
     return config
+
+
+def _refuse_non_finite(value: Any, path: tuple[str, ...], source: str | None) -> None:
+    """YAML's .inf and .nan (JSON's Infinity, NaN) are numbers to the schema: an infinite learning rate passes
+    ``exclusiveMinimum: 0``, and a NaN compares unequal to itself (the fairness check would call it a difference)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(".".join(path) or "<top level>", f"is {value}, not a finite number (YAML reads .inf and "
+                          ".nan as numbers); give a finite value", source)
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _refuse_non_finite(item, (*path, str(key)), source)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _refuse_non_finite(item, (*path, str(index)), source)
 
 
 class DuplicateKeyError(yaml.MarkedYAMLError):
@@ -237,10 +253,14 @@ def origin(key: str, files: list[tuple[str, Mapping[str, Any]]], given: Mapping[
         if not found:
             continue
         in_files, file_value = _lookup(from_files, path[:depth])
-        if not in_files or file_value != value:
+        if not in_files or (file_value != value and not (_is_nan(file_value) and _is_nan(value))):
             return "--config"
         return [name for name, content in files if _lookup(content, path[:depth])[0]][-1]
     return ", ".join(name for name, _ in files) or "config"
+
+
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)  # unequal to itself, yet the same value as read
 
 
 def _lookup(tree: Any, path: list[str]) -> tuple[bool, Any]:
