@@ -379,7 +379,9 @@ def check_launch_environment():
         config,
         plugin.cli_prefix if plugin is not None else None,
         workflow.resource_settings.overwrite_resources,
-        workflow.remote_execution_settings.preemptible_rules.is_preemptible("train"),
+        # The retries Snakemake gives train: preemptible-retries where train is preemptible (None without it: a
+        # TypeError at the first exit 75), else --retries.
+        workflow.get_rule("train").restart_times,
         "config",
     )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import shlex
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -19,7 +20,9 @@ from workflow_scripts.checks.config import check_config
 from workflow_scripts.core import config_files
 from workflow_scripts.core.errors import ConfigError, run_main
 from workflow_scripts.core.experiment_config import experiments, models, variant_entries
+from workflow_scripts.core.section_settings import EvaluationSettings, TrackingSettings
 from workflow_scripts.core.stage_arguments import StageArgumentParser
+from workflow_scripts.training.trackers import check_workflow_tracking
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -38,6 +41,9 @@ def checked_config(paths: Sequence[str]) -> dict:
         config_files.validate_schema(merged, "config")
         config_files.refuse_unused_qlora_base(given, "config")
         check_config(merged, "config")
+        # What rules/common.smk checks next that needs no data file, model or resource
+        EvaluationSettings.parse(merged["evaluation"], "evaluation", "config")
+        check_workflow_tracking(TrackingSettings.parse(merged["tracking"], "tracking", "config"))
     except ConfigError as error:
         raise ConfigError(error.key, error.problem, config_files.origin(error.key, files, given, given)) from None
     return merged
@@ -58,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     config = checked_config(args.files)
     print(f"{', '.join(args.files)}: valid ({summary(config)}); next, `snakemake -n --configfile "
-          f"{' '.join(args.files)}` checks the data files, the models and the resources")
+          f"{shlex.join(args.files)}` checks the data files, the models and the resources")
     return 0
 
 

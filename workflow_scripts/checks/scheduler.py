@@ -12,6 +12,7 @@ what the run would really send; without one (a local run) there is nothing to ch
 from __future__ import annotations
 
 import re
+import signal
 from typing import Any, Mapping
 
 from workflow_scripts.checks.config import where_set
@@ -19,7 +20,7 @@ from workflow_scripts.core.errors import ConfigError, WorkflowError
 from workflow_scripts.core.experiment_config import model_entry_variants, training_settings
 
 # sbatch's --signal=[{R|B}:]<sig_num>[@sig_time]; without @sig_time SLURM signals 60 seconds before the limit.
-_SIGNAL = re.compile(r"--signal[= ]['\"]?(?:[RB]+:)?(?P<signal>\w+)(?:@(?P<seconds>\d+))?")
+_SIGNAL = re.compile(r"--signal[= ]['\"]?(?:(?P<flags>[RB]+):)?(?P<signal>\w+)(?:@(?P<seconds>\d+))?")
 SLURM_DEFAULT_SIGNAL_SECONDS = 60
 TRAIN_RULE = "train"
 
@@ -83,17 +84,35 @@ def _resource(overwrite_resources: Mapping[str, Mapping[str, Any]] | None, rule:
     return getattr(value, "raw", value)  # Snakemake's Resource keeps the expression as given
 
 
+def _unheard_warning(overwrite_resources: Mapping[str, Mapping[str, Any]] | None) -> list[str]:
+    """What is wrong with train's warning signal, if training never receives it (docs/cluster.md, Signals)."""
+    extra = _resource(overwrite_resources, TRAIN_RULE, "slurm_extra")
+    match = _SIGNAL.search(str(extra))
+    written = match.group(0).strip("'\"")
+    if "B" in (match["flags"] or ""):
+        return [f"train's {written} signals only the batch shell, the plugin's --wrap script, which has no trap: it "
+                "dies and ends the job before training checkpoints (set-resources: train: slurm_extra: "
+                "\"'--signal=USR1@300'\", without B:)"]
+    name = match["signal"].upper().removeprefix("SIG")
+    if name not in ("USR1", str(int(signal.SIGUSR1))):
+        return [f"train's {written} sends SIG{name}, but the job's Snakemake ignores SIGUSR1 alone: it dies of "
+                f"SIG{name} and the step ends before training checkpoints (set-resources: train: slurm_extra: "
+                "\"'--signal=USR1@300'\")"]
+    return []
+
+
 def check_slurm_submission(config: Mapping[str, Any], executor: str | None,
-                           overwrite_resources: Mapping[str, Mapping[str, Any]] | None, train_preemptible: bool,
+                           overwrite_resources: Mapping[str, Mapping[str, Any]] | None, train_retries: int | None,
                            source: str | None = None) -> None:
     """Refuse, when a run starts, a run that submits to SLURM without the settings training relies on.
 
     ``snakemake --executor slurm`` without ``--profile profiles/slurm`` (or a profile of one's own that lacks
     them) runs, but: train gets no warning signal before its time limit, so a job that reaches
     ``training.runtime_minutes`` is killed without a checkpoint; a train job that does checkpoint (exit 75) is not
-    resubmitted unless train is a preemptible rule; and a multi-node job's ``tasks`` (one per node) would be read
-    by the plugin as tasks per GPU unless ``tasks_per_gpu: 0``. Each is silent until hours are lost, so all of
-    them are named at once, with the profile's line that sets each."""
+    resubmitted unless Snakemake gives train retries (``train_retries``, the rule's ``restart_times``: a
+    preemptible rule's preemptible-retries, None when that is unset, else ``--retries``); and a multi-node job's
+    ``tasks`` (one per node) would be read by the plugin as tasks per GPU unless ``tasks_per_gpu: 0``. Each is
+    silent until hours are lost, so all of them are named at once, with the profile's line that sets each."""
     if executor != "slurm":
         return
     missing = []
@@ -101,7 +120,9 @@ def check_slurm_submission(config: Mapping[str, Any], executor: str | None,
         missing.append(f"train gets no warning before its time limit, so a job that reaches training.runtime_minutes "
                        f"is killed without a checkpoint (set-resources: {TRAIN_RULE}: slurm_extra: "
                        "\"'--signal=USR1@300'\")")
-    if not train_preemptible:
+    else:
+        missing.extend(_unheard_warning(overwrite_resources))
+    if not train_retries:
         missing.append("a train job that checkpoints at the warning exits 75 and is not resubmitted to resume "
                        f"(preemptible-rules: [{TRAIN_RULE}], preemptible-retries: 3)")
     multi_node = any(training_settings(config, variant, model, source).nodes > 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -22,6 +23,7 @@ def validate_schema(config: dict, source: str | None = None) -> dict:
     """Validate against config/schema.yaml in place, filling defaults; raise ConfigError on the first fault."""
     from jsonschema.exceptions import best_match
 
+    _refuse_non_finite(config, (), source)
     schema = yaml.safe_load(SCHEMA_PATH.read_text())
     validator_class = _validator_with_defaults()
     # Defaults are set on the way down, so nested objects created by a default get theirs too.
@@ -33,6 +35,20 @@ def validate_schema(config: dict, source: str | None = None) -> dict:
                           "not both" if "model" in config else "required, but missing: give the base model under "
                           f"model: (one) or models: (several, by name) (the config has keys {sorted(config)})", source)
     return config
+
+
+def _refuse_non_finite(value: Any, path: tuple[str, ...], source: str | None) -> None:
+    """YAML's .inf and .nan (JSON's Infinity, NaN) are numbers to the schema: an infinite learning rate passes
+    ``exclusiveMinimum: 0``, and a NaN compares unequal to itself (the fairness check would call it a difference)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(".".join(path) or "<top level>", f"is {value}, not a finite number (YAML reads .inf and "
+                          ".nan as numbers); give a finite value", source)
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _refuse_non_finite(item, (*path, str(key)), source)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _refuse_non_finite(item, (*path, str(index)), source)
 
 
 class DuplicateKeyError(yaml.MarkedYAMLError):
@@ -130,7 +146,14 @@ def read_config_file(path: str | Path) -> dict:
     except UnicodeDecodeError as error:
         raise ConfigError("<file>", f"not UTF-8 text (byte {error.start + 1})", str(path)) from None
     try:
-        config = yaml.load(text, Loader=StrictLoader)  # noqa: S506 - StrictLoader is a SafeLoader
+        # As Snakemake reads a config file: JSON first (where 1e-05 is a number and a tab is whitespace; YAML 1.1
+        # reads the one as text and refuses the other), YAML when that fails. A key given twice: YAML names its line.
+        config = json.loads(text, object_pairs_hook=_unique_json_keys)
+    except (json.JSONDecodeError, _DuplicateJsonKey) as error:
+        config, twice = None, error if isinstance(error, _DuplicateJsonKey) else None
+    try:
+        if config is None:
+            config = yaml.load(text, Loader=StrictLoader)  # noqa: S506 - StrictLoader is a SafeLoader
     except DuplicateKeyError as error:
         raise ConfigError(
             ".".join(error.key_path),
@@ -139,10 +162,30 @@ def read_config_file(path: str | Path) -> dict:
             str(path),
         ) from None
     except yaml.YAMLError as error:
+        if twice is not None:  # JSON that YAML cannot read (tabs): named without its line
+            raise ConfigError(twice.key, f"key '{twice.key}' is given twice in one object; JSON would silently keep "
+                              "only the last, so remove or rename one", str(path)) from None
         raise ConfigError("<file>", _yaml_problem(error), str(path)) from None
     if not isinstance(config, dict):
         raise ConfigError("<top level>", "the config must be a mapping", str(path))
     return config
+
+
+class _DuplicateJsonKey(ValueError):
+    """A JSON object names a key twice (``json`` would keep the last)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_json_keys(pairs: list[tuple[str, Any]]) -> dict:
+    seen: set[str] = set()
+    for name, _ in pairs:
+        if name in seen:
+            raise _DuplicateJsonKey(name)
+        seen.add(name)
+    return dict(pairs)
 
 
 def check_workflow_config(configfiles: Iterable[str | Path], config: dict) -> None:
@@ -210,10 +253,14 @@ def origin(key: str, files: list[tuple[str, Mapping[str, Any]]], given: Mapping[
         if not found:
             continue
         in_files, file_value = _lookup(from_files, path[:depth])
-        if not in_files or file_value != value:
+        if not in_files or (file_value != value and not (_is_nan(file_value) and _is_nan(value))):
             return "--config"
         return [name for name, content in files if _lookup(content, path[:depth])[0]][-1]
     return ", ".join(name for name, _ in files) or "config"
+
+
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)  # unequal to itself, yet the same value as read
 
 
 def _lookup(tree: Any, path: list[str]) -> tuple[bool, Any]:
