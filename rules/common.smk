@@ -29,6 +29,11 @@ from workflow_scripts.core.section_settings import ComparisonSettings, Evaluatio
 from workflow_scripts.model import model_files, task_fit
 from workflow_scripts.training import trackers
 
+# The train rule's resources as Snakemake gives them (--default-resources, then set-resources): its warning signal.
+TRAIN_RESOURCES = scheduler.with_default_resources(
+    workflow.resource_settings.default_resources, workflow.resource_settings.overwrite_resources
+)
+
 
 def in_user_file(error):
     """A config fault as the one-line error Snakemake prints, named by the user's config file (or --config)
@@ -50,7 +55,7 @@ try:
     split_names.check_local_splits(DATASETS, "config")
     task_fit.check_vision_language_models(config, "config")  # where the model's config is readable now
     task_fit.check_masked_lm_models(config, "config")
-    scheduler.check_signal_timing(config, workflow.resource_settings.overwrite_resources, "config")
+    scheduler.check_signal_timing(config, TRAIN_RESOURCES, "config")
     # Each (model, variant) whose model config is here, against the memory its config declares (a few
     # seconds of torch/transformers imports: once, not again in each job that re-reads the Snakefile).
     if workflow.is_main_process:
@@ -378,7 +383,7 @@ def check_launch_environment():
     scheduler.check_slurm_submission(
         config,
         plugin.cli_prefix if plugin is not None else None,
-        workflow.resource_settings.overwrite_resources,
+        TRAIN_RESOURCES,
         # The retries Snakemake gives train: preemptible-retries where train is preemptible (None without it: a
         # TypeError at the first exit 75), else --retries.
         workflow.get_rule("train").restart_times,

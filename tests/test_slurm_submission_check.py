@@ -59,3 +59,19 @@ def test_a_warning_that_training_never_receives_is_refused(tmp_path, extra, expe
         scheduler.check_slurm_submission(config, "slurm", {**resources, "train": {"slurm_extra": accepted}}, 3)
     with pytest.raises(WorkflowError, match=expected):
         scheduler.check_slurm_submission(config, "slurm", {**resources, "train": {"slurm_extra": extra}}, 3)
+
+
+def test_a_warning_given_in_default_resources_reaches_train_and_is_read(tmp_path):
+    """``--default-resources "slurm_extra='--signal=USR1@300'"`` reaches train (every rule gets it): it was read from
+    set-resources alone, so such a run was refused as having no warning, and its timing went unchecked. A
+    set-resources value for train still wins over the default, as Snakemake applies them."""
+    from snakemake.resources import Resources
+
+    config = load_config(write(tmp_path / "config.yaml", absolute_demo_config(["amr_demo"])))
+    defaults = Resources.from_mapping({"slurm_extra": "'--signal=USR1@300'", "mem_mb": 4000})
+    train = scheduler.with_default_resources(defaults, {"evaluate": {"runtime": 120}})
+    scheduler.check_slurm_submission(config, "slurm", train, 3)
+    assert scheduler.signal_warning(train) == (300, "--signal=USR1@300")
+    overridden = scheduler.with_default_resources(defaults, {"train": {"slurm_extra": "'--signal=USR1@120'"}})
+    assert scheduler.signal_warning(overridden) == (120, "--signal=USR1@120")
+    assert scheduler.with_default_resources(None, None) == {"train": {}}

@@ -25,6 +25,15 @@ SLURM_DEFAULT_SIGNAL_SECONDS = 60
 TRAIN_RULE = "train"
 
 
+def with_default_resources(default_resources: Mapping[str, Any] | None,
+                           overwrite_resources: Mapping[str, Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """The train rule's resources as Snakemake gives them: ``--default-resources`` (every rule's), then
+    ``--set-resources``/a profile's ``set-resources`` for train, in the shape the checks here read."""
+    train = dict(default_resources or {})
+    train.update((overwrite_resources or {}).get(TRAIN_RULE) or {})
+    return {**(overwrite_resources or {}), TRAIN_RULE: train}
+
+
 def signal_warning(overwrite_resources: Mapping[str, Mapping[str, Any]] | None) -> tuple[int, str] | None:
     """(seconds of warning, the setting as written) from the train rule's ``slurm_extra``, or None."""
     extra = ((overwrite_resources or {}).get(TRAIN_RULE) or {}).get("slurm_extra")
