@@ -22,12 +22,10 @@ from workflow_scripts.core import config_reads
 from workflow_scripts.core import experiment_config as xc
 from workflow_scripts.core import config_files, experiment_set, final_check, recorded_params
 from workflow_scripts.checks import scheduler
-from workflow_scripts.checks.config import check_config
+from workflow_scripts.checks.config import checked_sections
 from workflow_scripts.data import source_files, split_layouts, split_names
 from workflow_scripts.core.errors import ConfigError
-from workflow_scripts.core.section_settings import ComparisonSettings, EvaluationSettings, TrackingSettings
 from workflow_scripts.model import model_files, task_fit
-from workflow_scripts.training import trackers
 
 # The train rule's resources as Snakemake gives them (--default-resources, then set-resources): its warning signal.
 TRAIN_RESOURCES = scheduler.with_default_resources(
@@ -43,15 +41,12 @@ def in_user_file(error):
 
 
 try:
-    check_config(config, "config")
-    # The typed sections, read once; the rules hand each stage its part as JSON and the stage types it again.
-    COMPARISON = ComparisonSettings.parse(config["comparison"], "comparison", "config")
-    EVALUATION = EvaluationSettings.parse(config["evaluation"], "evaluation", "config")
-    TRACKING = TrackingSettings.parse(config["tracking"], "tracking", "config")
+    # Every check of the config alone (the same list as python -m workflow_scripts.checks), and the typed
+    # sections, read once; the rules hand each stage its part as JSON and the stage types it again.
+    COMPARISON, EVALUATION, TRACKING = checked_sections(config, "config")
     # One entry of datasets, models and variants each, typed (core/entry_settings.py).
     DATASETS = xc.dataset_entries(config, "config")
     VARIANTS = xc.variant_entries(config, "config")
-    trackers.check_workflow_tracking(TRACKING)
     split_names.check_local_splits(DATASETS, "config")
     task_fit.check_vision_language_models(config, "config")  # where the model's config is readable now
     task_fit.check_masked_lm_models(config, "config")

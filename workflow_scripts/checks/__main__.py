@@ -4,7 +4,7 @@ Snakemake reads a ``--configfile`` before the workflow does, and its own reading
 the line of a YAML syntax error, and ends a missing file in a traceback (docs/troubleshooting.md). This reads
 the files the way the workflow does: each strictly (a key given twice is refused), merged in the order given
 as Snakemake merges several ``--configfile`` files, validated against ``config/schema.yaml`` and checked by
-:func:`workflow_scripts.checks.config.check_config`. It prints one line: the first fault, named by the file
+:func:`workflow_scripts.checks.config.checked_sections`. It prints one line: the first fault, named by the file
 that holds its key, or what the files define. ``snakemake -n --configfile FILE`` checks the rest (the data
 files, the models' own configs, the resources) once this passes.
 """
@@ -16,13 +16,11 @@ import shlex
 import sys
 from typing import Any, Mapping, Sequence
 
-from workflow_scripts.checks.config import check_config
+from workflow_scripts.checks.config import checked_sections
 from workflow_scripts.core import config_files
 from workflow_scripts.core.errors import ConfigError, run_main
 from workflow_scripts.core.experiment_config import experiments, models, variant_entries
-from workflow_scripts.core.section_settings import EvaluationSettings, TrackingSettings
 from workflow_scripts.core.stage_arguments import StageArgumentParser
-from workflow_scripts.training.trackers import check_workflow_tracking
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -40,10 +38,7 @@ def checked_config(paths: Sequence[str]) -> dict:
     try:
         config_files.validate_schema(merged, "config")
         config_files.refuse_unused_qlora_base(given, "config")
-        check_config(merged, "config")
-        # What rules/common.smk checks next that needs no data file, model or resource
-        EvaluationSettings.parse(merged["evaluation"], "evaluation", "config")
-        check_workflow_tracking(TrackingSettings.parse(merged["tracking"], "tracking", "config"))
+        checked_sections(merged, "config")  # the Snakefile's list of the checks of the config alone
     except ConfigError as error:
         raise ConfigError(error.key, error.problem, config_files.origin(error.key, files, given, given)) from None
     return merged

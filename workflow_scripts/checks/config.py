@@ -22,7 +22,7 @@ from workflow_scripts.core.recorded_params import recorded_training
 from workflow_scripts.core.experiment_config import (
     RESERVED_MODEL_NAMES, dataset_entries, dataset_models, entry_task, evaluation_split, mixtures, model_dataset_variants,
     model_entries, model_entry_variants, models, resolved_training, training_settings, variant_entries)
-from workflow_scripts.core.section_settings import ComparisonSettings
+from workflow_scripts.core.section_settings import ComparisonSettings, EvaluationSettings, TrackingSettings
 from workflow_scripts.core.settings import finetune_problem, sharding_problem
 from workflow_scripts.tasks import check_also_metrics, task_named
 
@@ -42,6 +42,21 @@ def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
     check_config(config, str(path))
     refuse_unused_qlora_base(given, str(path))
     return config
+
+
+def checked_sections(config: Mapping[str, Any],
+                     source: str | None = None) -> tuple[ComparisonSettings, EvaluationSettings, TrackingSettings]:
+    """Every check of the config alone (no data file, model or resource read): :func:`check_config`, then the
+    typed sections the rules hand the stages, and the tracking settings' own check. One list for the Snakefile
+    (rules/common.smk, which keeps the typed sections) and ``python -m workflow_scripts.checks``."""
+    from workflow_scripts.training.trackers import check_workflow_tracking
+
+    check_config(config, source)
+    comparison = ComparisonSettings.parse(config["comparison"], "comparison", source)
+    evaluation = EvaluationSettings.parse(config["evaluation"], "evaluation", source)
+    tracking = TrackingSettings.parse(config["tracking"], "tracking", source)
+    check_workflow_tracking(tracking)
+    return comparison, evaluation, tracking
 
 
 def check_config(config: Mapping[str, Any], source: str | None = None) -> None:
