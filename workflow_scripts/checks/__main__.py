@@ -11,7 +11,6 @@ files, the models' own configs, the resources) once this passes.
 from __future__ import annotations
 
 import argparse
-import copy
 import shlex
 import sys
 from typing import Any, Mapping, Sequence
@@ -33,14 +32,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def checked_config(paths: Sequence[str]) -> dict:
     """The merged config of ``paths`` with the schema's defaults, after every check that needs no data file;
     a fault is a ConfigError named by the file that holds its key."""
-    files, merged = config_files.read_files(paths)
-    given = copy.deepcopy(merged)  # as written: validation fills the schema's defaults in place
+    _, merged = config_files.read_files(paths)
+    config_files.check_workflow_config(paths, merged)  # as the Snakefile: the schema, its defaults filled
     try:
-        config_files.validate_schema(merged, "config")
-        config_files.refuse_unused_qlora_base(given, "config")
         checked_sections(merged, "config")  # the Snakefile's list of the checks of the config alone
     except ConfigError as error:
-        raise ConfigError(error.key, error.problem, config_files.origin(error.key, files, given, given)) from None
+        raise config_files.in_user_file(error, paths) from None
     return merged
 
 

@@ -36,9 +36,7 @@ def with_default_resources(default_resources: Mapping[str, Any] | None,
 
 def signal_warning(overwrite_resources: Mapping[str, Mapping[str, Any]] | None) -> tuple[int, str] | None:
     """(seconds of warning, the setting as written) from the train rule's ``slurm_extra``, or None."""
-    extra = ((overwrite_resources or {}).get(TRAIN_RULE) or {}).get("slurm_extra")
-    extra = getattr(extra, "raw", extra)  # Snakemake's Resource keeps the expression as given (a quoted string)
-    match = _SIGNAL.search(str(extra)) if extra else None
+    match = _signal_match(overwrite_resources)
     if match is None:
         return None
     seconds = int(match["seconds"]) if match["seconds"] else SLURM_DEFAULT_SIGNAL_SECONDS
@@ -93,10 +91,15 @@ def _resource(overwrite_resources: Mapping[str, Mapping[str, Any]] | None, rule:
     return getattr(value, "raw", value)  # Snakemake's Resource keeps the expression as given
 
 
+def _signal_match(overwrite_resources: Mapping[str, Mapping[str, Any]] | None) -> re.Match | None:
+    """The ``--signal`` in the train rule's ``slurm_extra``, or None."""
+    extra = _resource(overwrite_resources, TRAIN_RULE, "slurm_extra")
+    return _SIGNAL.search(str(extra)) if extra else None
+
+
 def _unheard_warning(overwrite_resources: Mapping[str, Mapping[str, Any]] | None) -> list[str]:
     """What is wrong with train's warning signal, if training never receives it (docs/cluster.md, Signals)."""
-    extra = _resource(overwrite_resources, TRAIN_RULE, "slurm_extra")
-    match = _SIGNAL.search(str(extra))
+    match = _signal_match(overwrite_resources)
     written = match.group(0).strip("'\"")
     if "B" in (match["flags"] or ""):
         return [f"train's {written} signals only the batch shell, the plugin's --wrap script, which has no trap: it "

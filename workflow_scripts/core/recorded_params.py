@@ -128,12 +128,7 @@ def _dataset_typed(name: str) -> Callable[[Mapping], Any]:
 
 
 def _dataset_filled(name: str) -> Callable[[Mapping], Mapping]:
-    def filled(value: Mapping) -> Mapping:
-        try:
-            return DatasetSettings.parse(value, name).to_dict()
-        except Exception:  # noqa: BLE001 (not valid without the key: keep it, same_without says so)
-            return value
-    return filled
+    return _entry_filled(lambda value: DatasetSettings.parse(value, name), DatasetSettings.to_dict)
 
 
 @functools.lru_cache(maxsize=1024)
