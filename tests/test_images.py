@@ -590,3 +590,17 @@ def test_a_12_bit_colour_png_is_read_as_pillow_reads_it_and_named_in_the_report_
         "colour_significant_bits_dark": (2, ["r1", "r4"]), "colour_dark_without_significant_bits": (1, ["r3"])}
     assert sixteen["colour_significant_bits_dark"]["note"] == SIXTEEN_BIT_NOTES["colour_significant_bits_dark"]
     assert "dark" in SIXTEEN_BIT_NOTES["colour_significant_bits_dark"]
+
+
+def test_a_16_bit_colour_png_is_noted_dark_by_what_is_seen():
+    """The note speaks of the opaque pixels the model sees (a transparent pixel becomes the background): dark
+    colours under alpha 0 everywhere are no dark image, opaque dark pixels beside transparent bright ones are; an
+    all-black image has nothing to tell (as the grey path). Found by a review: alpha was ignored, black was noted."""
+    dark_hidden = [[pixel + [0] for pixel in row] for row in TWELVE_BIT_RGB]
+    assert check_image(sixteen_bit_colour_png(dark_hidden)).scaling is None
+    dark_seen = [[[65535, 65535, 65535, 0], [100, 2000, 4000, 65535]], [[3000, 50, 7, 65535], [0, 0, 0, 65535]]]
+    assert check_image(sixteen_bit_colour_png(dark_seen)).scaling == "colour_dark_without_significant_bits"
+    grey_alpha_hidden = [[[pixel[0], 0] for pixel in row] for row in TWELVE_BIT_RGB]
+    assert check_image(sixteen_bit_colour_png(grey_alpha_hidden)).scaling is None
+    black = [[[0, 0, 0]] * 2] * 2
+    assert check_image(sixteen_bit_colour_png(black)).scaling is None

@@ -515,3 +515,19 @@ def test_a_classlabel_whose_names_write_the_declared_numbers_otherwise_is_refuse
         "['1', '2'] writes the same numbers otherwise (01 -> 1, 02 -> 2)")
     assert class_names_mismatch("1", "neu", ["neg", "neu", "pos"], ["neg", "pos"]) is None  # check_label's message
     assert class_names_mismatch("0", "01", ["01", "02"], ["01", "02"]) is None  # declared as named
+
+
+def test_a_header_of_non_breaking_spaces_is_named_as_pandas_names_it(tmp_path):
+    """A blank header is one of spaces (and tabs, in a CSV) as a blank line is (pandas skips those): a non-breaking
+    space is a name for pandas, and was refused as 'spaces and commas only' (found by a review)."""
+    import io
+
+    import pandas as pd
+
+    from workflow_scripts.data import raw_records
+
+    text = "\u00a0,\u00a0\u00a0\n1,2\n"
+    path = tmp_path / "nbsp.csv"
+    path.write_text(text, encoding="utf-8")
+    reference = pd.read_csv(io.StringIO(text), dtype=str).to_dict("records")
+    assert [record for _, record in raw_records.read_placed(path, "csv")] == reference

@@ -153,9 +153,15 @@ def colour_note(image, data: bytes) -> str | None:
     found = sixteen_bit_colour(data)
     if found is None or image.mode not in ("RGB", "RGBA", "LA"):
         return None
-    colour, bits = found
-    top = max(high for _, high in image.getextrema()[:3 if colour == 3 else 1])
-    if top > DARK_HIGH_BYTE:
+    import numpy as np
+
+    _, bits = found
+    pixels = np.asarray(image)
+    values = pixels[..., :3] if image.mode != "LA" else pixels[..., :1]
+    if image.mode in ("RGBA", "LA"):  # what is seen: the opaque pixels (a transparent one becomes background)
+        values = values[pixels[..., -1] == 255]
+    top = int(values.max()) if values.size else 0
+    if not 0 < top <= DARK_HIGH_BYTE:  # bright, all black, or nothing opaque: nothing dark to tell
         return None
     return "colour_significant_bits_dark" if bits is not None and bits < 16 else "colour_dark_without_significant_bits"
 

@@ -612,7 +612,8 @@ def _csv(path: Path, on_invalid_text: str = "stop", encoding: str | None = None,
                     continue
                 if header is None:
                     header, header_line = fields, line
-                    if all(not value.strip() for value in fields):
+                    # spaces as _blank counts them (a non-breaking space or a form feed is a name for pandas)
+                    if all(not value.strip(" " if fmt == "tsv" else " \t") for value in fields):
                         # Delimiters and spaces only (a spreadsheet's empty first row): pandas reads it, inventing
                         # the names ('Unnamed: 0', ' .1'), so no field mapping would find its column.
                         separated = "tabs" if fmt == "tsv" else "commas"
